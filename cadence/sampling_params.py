@@ -1,0 +1,422 @@
+"""Sampling parameters of one request: fields, defaults and checks of `specs/http.md`.
+
+The HTTP front process and the CLI import this module on their own, so it must stay free
+of torch and transformers. `SamplingParams` is a msgspec Struct so that it can travel
+inside `TokenizedGenerateReqInput` over ZMQ without a conversion step.
+
+Two steps turn user input into trusted parameters, and both raise `InvalidParameter` (a
+`ValueError`) whose message starts with the offending field's name:
+
+- `SamplingParams.from_dict(d)` checks names and types (JSON gives us strings, floats and
+  booleans where numbers are expected) and normalizes representations;
+- `SamplingParams.verify(vocab_size)` checks every range of the spec table. It needs the
+  vocabulary size, which only the front knows after loading the tokenizer, hence a
+  separate step.
+"""
+
+import difflib
+import json
+import math
+import numbers
+import operator
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import msgspec
+
+# Below this temperature sampling is greedy; dividing logits by a smaller number would
+# only overflow.
+GREEDY_TEMPERATURE = 1e-6
+
+# Every integer crosses ZMQ as msgpack, which cannot carry more than 64 bits; a larger
+# value must be refused here rather than crash the encoder in the front process.
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+
+class InvalidParameter(ValueError):
+    """A value given by the user is wrong.
+
+    `param` names the field at fault (the top-level name, e.g. "stop" for a bad
+    `stop[2]`), so the HTTP adapter can fill OpenAI's `error.param`. It is None when no
+    single field is to blame (e.g. the body is not a JSON object).
+    """
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How to sample one request's continuation. Defaults follow `specs/http.md`."""
+
+    max_new_tokens: int = 128
+    """Most tokens to generate (>= 0). The prompt plus this must fit the context length."""
+
+    min_new_tokens: int = 0
+    """Stop conditions (EOS, stop ids, stop strings) are ignored until this many tokens
+    have been generated (0 <= min_new_tokens <= max_new_tokens)."""
+
+    temperature: float = 1.0
+    """Divides the logits (>= 0). Below 1e-6 sampling is greedy (argmax)."""
+
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to at least
+    top_p, in (0, 1]. 1 keeps the whole vocabulary."""
+
+    top_k: int = -1
+    """Keep only the k most likely tokens; -1 keeps the whole vocabulary, 1 is greedy."""
+
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's, in
+    [0, 1]. 0 disables it."""
+
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per earlier occurrence in the output, in
+    [-2, 2] (OpenAI semantics)."""
+
+    presence_penalty: float = 0.0
+    """Subtracted from a token's logit if it occurred in the output at all, in [-2, 2]
+    (OpenAI semantics)."""
+
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens already in the prompt or
+    output, in [0, 2]. 1 disables it."""
+
+    n: int = 1
+    """Number of samples of the same prompt (>= 1); the request becomes a batch of n."""
+
+    stop: list[str] | None = None
+    """Strings that end generation; the matched string is trimmed from the text unless
+    `no_stop_trim`. A single string is accepted on input."""
+
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation, each in [0, vocab_size)."""
+
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of the given token ids (keys in [0, vocab_size)). JSON object
+    keys are strings; they are converted to ints."""
+
+    regex: str | None = None
+    """Constrain the output to match this regular expression."""
+
+    json_schema: str | None = None
+    """Constrain the output to JSON valid under this schema (the schema as a JSON string)."""
+
+    ebnf: str | None = None
+    """Constrain the output to this EBNF grammar."""
+
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token (until max_new_tokens or a stop)."""
+
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the returned text."""
+
+    spaces_between_special_tokens: bool = True
+    """Put a space between adjacent special tokens in the returned text."""
+
+    no_stop_trim: bool = False
+    """Keep the matched stop string or stop token in the returned text."""
+
+    seed: int | None = None
+    """Seed of this request's random generator, for reproducible sampling."""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        """Build from a user's dict (e.g. the `sampling_params` object of /generate).
+
+        Unknown names and wrong types raise `InvalidParameter`; a None value means the
+        default. Ranges are not checked here: call `verify()` next.
+        """
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise InvalidParameter(
+                "sampling_params",
+                f"sampling_params must be an object, got {_describe(d)}",
+            )
+        kwargs = {}
+        for name, value in d.items():
+            value = coerce_field(name, value)
+            if value is not None:
+                kwargs[name] = value
+        return cls(**kwargs)
+
+    def verify(self, vocab_size: int | None = None) -> None:
+        """Check every range of the spec table; raise `InvalidParameter` on the first fault.
+
+        Types are re-checked too, so parameters built directly in Python (not through
+        `from_dict`) get the same errors; representations are normalized on the way (a
+        single stop string becomes a list, string logit_bias keys become ints).
+        With `vocab_size`, token ids must lie in [0, vocab_size).
+        """
+        self._normalize_types()
+        self._check_lengths()
+        self._check_distributions()
+        self._check_penalties()
+        self._check_stops(vocab_size)
+        self._check_constraints()
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether sampling reduces to argmax (then seeds and n > 1 make no difference)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    # -- checks, one concern each --------------------------------------------------------
+
+    def _normalize_types(self) -> None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_FIELDS:
+                continue
+            if value is None:
+                raise InvalidParameter(name, f"{name} must not be null")
+            setattr(self, name, coerce_field(name, value))
+
+    def _check_lengths(self) -> None:
+        if self.max_new_tokens < 0:
+            _fail("max_new_tokens", ">= 0", self.max_new_tokens)
+        if self.min_new_tokens < 0:
+            _fail("min_new_tokens", ">= 0", self.min_new_tokens)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise InvalidParameter(
+                "min_new_tokens",
+                f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
+                f"got {self.min_new_tokens}; lower min_new_tokens or raise max_new_tokens",
+            )
+        if self.n < 1:
+            _fail("n", ">= 1", self.n)
+
+    def _check_distributions(self) -> None:
+        if self.temperature < 0:
+            _fail("temperature", ">= 0 (0 means greedy)", self.temperature)
+        if not 0 < self.top_p <= 1:
+            _fail("top_p", "in (0, 1]", self.top_p)
+        if self.top_k != -1 and self.top_k < 1:
+            _fail("top_k", "-1 (whole vocabulary) or >= 1", self.top_k)
+        if not 0 <= self.min_p <= 1:
+            _fail("min_p", "in [0, 1]", self.min_p)
+
+    def _check_penalties(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                _fail(name, "in [-2, 2]", value)
+        if not 0 <= self.repetition_penalty <= 2:
+            _fail("repetition_penalty", "in [0, 2] (1 disables it)", self.repetition_penalty)
+
+    def _check_stops(self, vocab_size: int | None) -> None:
+        for i, s in enumerate(self.stop or ()):
+            if not s:
+                raise InvalidParameter(
+                    "stop", f"stop[{i}] must not be empty: an empty string matches anywhere"
+                )
+        valid = ">= 0" if vocab_size is None else f"in [0, {vocab_size})"
+        for i, token_id in enumerate(self.stop_token_ids or ()):
+            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                raise InvalidParameter(
+                    "stop_token_ids",
+                    f"stop_token_ids[{i}] must be a token id {valid}, got {token_id}",
+                )
+        for token_id in self.logit_bias or ():
+            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                raise InvalidParameter(
+                    "logit_bias",
+                    f"logit_bias keys must be token ids {valid}, got {token_id}",
+                )
+
+    def _check_constraints(self) -> None:
+        given = [name for name in ("regex", "json_schema", "ebnf") if getattr(self, name)]
+        if len(given) > 1:
+            raise InvalidParameter(
+                given[1],
+                f"{given[1]} cannot be combined with {given[0]}: give at most one of "
+                "regex, json_schema and ebnf",
+            )
+        if self.json_schema is not None:
+            try:
+                json.loads(self.json_schema)
+            except ValueError as e:
+                raise InvalidParameter(
+                    "json_schema", f"json_schema must be a schema encoded as a JSON string: {e}"
+                ) from None
+
+
+# -- field coercion ------------------------------------------------------------------------
+#
+# One function per kind of field. Each returns the value in its canonical form or raises
+# InvalidParameter; `label` is what the message calls the value (e.g. "stop_token_ids[3]"),
+# `param` the top-level field it belongs to.
+
+
+def _as_int(param: str, value: Any, label: str | None = None) -> int:
+    label = label or param
+    # bool is an int subclass in Python, but `true` for a count is a client bug.
+    if isinstance(value, bool):
+        raise InvalidParameter(param, f"{label} must be an integer, got a boolean ({value})")
+    if isinstance(value, float):
+        # JSON encoders in some languages write every number as a float; 128.0 is fine.
+        if not value.is_integer():
+            raise InvalidParameter(param, f"{label} must be an integer, got {_fmt(value)}")
+        result = int(value)
+    else:
+        try:
+            result = operator.index(value)  # int and int-like (e.g. numpy integers)
+        except TypeError:
+            raise InvalidParameter(
+                param, f"{label} must be an integer, got {_describe(value)}"
+            ) from None
+    if not _INT64_MIN <= result <= _INT64_MAX:
+        raise InvalidParameter(
+            param, f"{label} must fit in a signed 64-bit integer, got {result}"
+        )
+    return result
+
+
+def _as_float(param: str, value: Any, label: str | None = None) -> float:
+    label = label or param
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidParameter(param, f"{label} must be a number, got {_describe(value)}")
+    result = float(value)
+    if not math.isfinite(result):
+        raise InvalidParameter(param, f"{label} must be a finite number, got {result}")
+    return result
+
+
+def _as_bool(param: str, value: Any) -> bool:
+    # No truthiness: "false" (a string) would otherwise mean True.
+    if not isinstance(value, bool):
+        raise InvalidParameter(param, f"{param} must be true or false, got {_describe(value)}")
+    return value
+
+
+def _as_str(param: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidParameter(param, f"{param} must be a string, got {_describe(value)}")
+    return value
+
+
+def _as_stop(param: str, value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise InvalidParameter(
+            param, f"{param} must be a string or a list of strings, got {_describe(value)}"
+        )
+    for i, s in enumerate(value):
+        if not isinstance(s, str):
+            raise InvalidParameter(param, f"{param}[{i}] must be a string, got {_describe(s)}")
+    return list(value)
+
+
+def _as_token_ids(param: str, value: Any) -> list[int]:
+    if not isinstance(value, (list, tuple)):
+        raise InvalidParameter(
+            param, f"{param} must be a list of token ids, got {_describe(value)}"
+        )
+    return [_as_int(param, t, f"{param}[{i}]") for i, t in enumerate(value)]
+
+
+def _as_logit_bias(param: str, value: Any) -> dict[int, float]:
+    if not isinstance(value, dict):
+        raise InvalidParameter(
+            param, f"{param} must be an object mapping token ids to biases, got {_describe(value)}"
+        )
+    result = {}
+    for key, bias in value.items():
+        if isinstance(key, str):
+            # JSON object keys are always strings.
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise InvalidParameter(
+                    param, f"{param} keys must be token ids (integers), got {key!r}"
+                ) from None
+        else:
+            token_id = _as_int(param, key, f"{param} key")
+        result[token_id] = _as_float(param, bias, f"{param}[{token_id}]")
+    return result
+
+
+_COERCERS: dict[str, Callable[[str, Any], Any]] = {
+    "max_new_tokens": _as_int,
+    "min_new_tokens": _as_int,
+    "temperature": _as_float,
+    "top_p": _as_float,
+    "top_k": _as_int,
+    "min_p": _as_float,
+    "frequency_penalty": _as_float,
+    "presence_penalty": _as_float,
+    "repetition_penalty": _as_float,
+    "n": _as_int,
+    "stop": _as_stop,
+    "stop_token_ids": _as_token_ids,
+    "logit_bias": _as_logit_bias,
+    "regex": _as_str,
+    "json_schema": _as_str,
+    "ebnf": _as_str,
+    "ignore_eos": _as_bool,
+    "skip_special_tokens": _as_bool,
+    "spaces_between_special_tokens": _as_bool,
+    "no_stop_trim": _as_bool,
+    "seed": _as_int,
+}
+
+# Fields whose default is None: None is a value for them, not a missing one.
+_OPTIONAL_FIELDS = frozenset(
+    name
+    for name, default in zip(
+        SamplingParams.__struct_fields__[-len(SamplingParams.__struct_defaults__) :],
+        SamplingParams.__struct_defaults__,
+    )
+    if default is None
+)
+
+# A new field must get a coercer: from_dict and verify would reject it otherwise.
+if set(_COERCERS) != set(SamplingParams.__struct_fields__):
+    raise RuntimeError("sampling_params: _COERCERS does not match SamplingParams' fields")
+
+
+def coerce_field(name: str, value: Any) -> Any:
+    """Check one sampling parameter's name and type; return it in canonical form.
+
+    None passes through (it means "default"). Raises `InvalidParameter` for an unknown
+    name (suggesting the closest known one) or a wrong type. Ranges are `verify()`'s job.
+    """
+    coercer = _COERCERS.get(name)
+    if coercer is None:
+        raise InvalidParameter(name, _unknown_message(name))
+    if value is None:
+        return None
+    return coercer(name, value)
+
+
+def _unknown_message(name: Any) -> str:
+    message = f"unknown sampling parameter {name!r}"
+    close = difflib.get_close_matches(str(name), list(_COERCERS), n=1)
+    if close:
+        message += f"; did you mean {close[0]!r}?"
+    return message
+
+
+def _fail(param: str, valid: str, value: Any) -> NoReturn:
+    raise InvalidParameter(param, f"{param} must be {valid}, got {_fmt(value)}")
+
+
+def _fmt(value: Any) -> str:
+    # 0.0 reads better as "0", but never round: 2.0000001 must not print as "2".
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return repr(value)
+
+
+def _describe(value: Any) -> str:
+    """Name a wrongly typed value for an error message, e.g. "a string ('0.7')"."""
+    kinds = {str: "a string", list: "a list", dict: "an object", type(None): "null"}
+    kind = kinds.get(type(value), f"a {type(value).__name__}")
+    if value is None:
+        return kind
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"{kind} ({text})"
