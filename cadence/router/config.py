@@ -1,0 +1,347 @@
+"""Router configuration: one frozen dataclass, worker URL validation, the worker file.
+
+Each `RouterConfig` field's docstring is also its `--help` text (see `field_docs`).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import ipaddress
+import json
+import socket
+from dataclasses import dataclass, fields
+from pathlib import Path
+from urllib.parse import quote, urlsplit
+
+POLICIES = ("round_robin", "least_request", "random", "power_of_two", "cache_aware")
+
+CAPABILITIES = frozenset(
+    {
+        "chat",
+        "completion",
+        "embedding",
+        "speech",
+        "streaming",
+        "image_input",
+        "audio_input",
+        "video_input",
+        "audio_output",
+    }
+)
+
+# Cloud metadata services answer on link-local addresses or on these names; a worker
+# URL pointing there would turn the router into a credential-fetching proxy.
+_METADATA_HOSTS = frozenset({"metadata", "metadata.google.internal", "metadata.goog"})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything `cadence router` is started with."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on (0.0.0.0 for all interfaces)."""
+
+    port: int = 30080
+    """Port to listen on (0 picks a free port)."""
+
+    worker_urls: tuple[str, ...] = ()
+    """Base URLs of the workers, http or https, e.g. http://127.0.0.1:30000."""
+
+    worker_config: str | None = None
+    """JSON or YAML file listing workers: [{url, model, capabilities}, ...]."""
+
+    policy: str = "round_robin"
+    """Routing policy: round_robin, least_request, random, power_of_two or cache_aware."""
+
+    request_timeout_secs: float = 1800.0
+    """Longest time one upstream exchange may take, the whole streamed answer included."""
+
+    max_payload_size: int = 512 * 1024 * 1024
+    """Largest request body in bytes; larger ones get 413."""
+
+    max_concurrent_requests: int = 1024
+    """Most requests routed at once; more get 429 (0: no limit)."""
+
+    health_failure_threshold: int = 3
+    """Consecutive failed probes or requests that make a worker unhealthy."""
+
+    health_success_threshold: int = 2
+    """Consecutive successful probes that make a worker healthy."""
+
+    health_check_timeout_secs: float = 5.0
+    """Time limit of one health probe (and of one worker's /v1/models query)."""
+
+    health_check_interval_secs: float = 10.0
+    """Seconds between health probes of a known worker."""
+
+    health_check_startup_interval_secs: float = 1.0
+    """Seconds between probes while a worker is still unknown (new or recovered)."""
+
+    health_check_endpoint: str = "/health"
+    """Path probed on each worker; 200 means the probe succeeded."""
+
+    retry_max_retries: int = 3
+    """Extra attempts, on other workers where possible, for a request that failed before answering (0: none)."""
+
+    retry_initial_backoff_ms: float = 50.0
+    """Backoff before the first retry, in milliseconds."""
+
+    retry_max_backoff_ms: float = 2000.0
+    """Upper bound of the backoff between retries, in milliseconds."""
+
+    retry_backoff_multiplier: float = 2.0
+    """Factor applied to the backoff after each retry."""
+
+    retry_jitter_factor: float = 0.2
+    """Random spread of each backoff, as a fraction of it (0 to 1)."""
+
+    cache_threshold: float = 0.5
+    """cache_aware: smallest fraction of the prompt prefix a worker must have seen to get the request."""
+
+    balance_abs_threshold: int = 32
+    """cache_aware: route by load when the busiest and idlest worker differ by more than this many requests..."""
+
+    balance_rel_threshold: float = 1.5
+    """cache_aware: ...and the busiest has more than this many times the idlest's requests."""
+
+    max_tree_size: int = 1 << 24
+    """cache_aware: most prompt characters kept in the prefix tree; least recently used go first."""
+
+    route_log: str | None = None
+    """File that gets one JSON line per routed request (best effort)."""
+
+    api_key: str | None = None
+    """Key clients must send as 'Authorization: Bearer KEY' (all routes but /live, /ready, /health); also sent on probes."""
+
+    log_level: str = "info"
+    """Logging level: debug, info, warning or error."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port <= 65535, "port", "must be between 0 and 65535")
+        _check(bool(self.host), "host", "must not be empty")
+        _check(self.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}")
+        _check(self.request_timeout_secs > 0, "request_timeout_secs", "must be > 0")
+        _check(self.max_payload_size > 0, "max_payload_size", "must be > 0")
+        _check(self.max_concurrent_requests >= 0, "max_concurrent_requests", "must be >= 0")
+        _check(self.health_failure_threshold >= 1, "health_failure_threshold", "must be >= 1")
+        _check(self.health_success_threshold >= 1, "health_success_threshold", "must be >= 1")
+        _check(self.health_check_timeout_secs > 0, "health_check_timeout_secs", "must be > 0")
+        _check(self.health_check_interval_secs > 0, "health_check_interval_secs", "must be > 0")
+        _check(
+            self.health_check_startup_interval_secs > 0,
+            "health_check_startup_interval_secs",
+            "must be > 0",
+        )
+        _check(
+            self.health_check_endpoint.startswith("/"),
+            "health_check_endpoint",
+            "must be a path starting with '/'",
+        )
+        _check(self.retry_max_retries >= 0, "retry_max_retries", "must be >= 0")
+        _check(self.retry_initial_backoff_ms >= 0, "retry_initial_backoff_ms", "must be >= 0")
+        _check(self.retry_max_backoff_ms >= 0, "retry_max_backoff_ms", "must be >= 0")
+        _check(self.retry_backoff_multiplier >= 1, "retry_backoff_multiplier", "must be >= 1")
+        _check(0 <= self.retry_jitter_factor <= 1, "retry_jitter_factor", "must be in [0, 1]")
+        _check(0 <= self.cache_threshold <= 1, "cache_threshold", "must be in [0, 1]")
+        _check(self.balance_abs_threshold >= 0, "balance_abs_threshold", "must be >= 0")
+        _check(self.balance_rel_threshold >= 1, "balance_rel_threshold", "must be >= 1")
+        _check(self.max_tree_size > 0, "max_tree_size", "must be > 0")
+        _check(self.api_key is None or bool(self.api_key), "api_key", "must not be empty")
+        _check(
+            self.log_level in ("debug", "info", "warning", "error"),
+            "log_level",
+            "must be debug, info, warning or error",
+        )
+        seen: set[str] = set()
+        for url in self.worker_urls:
+            normalized = normalize_worker_url(url, field="worker_urls")
+            _check(normalized not in seen, "worker_urls", f"duplicate worker {normalized}")
+            seen.add(normalized)
+
+    @property
+    def retry_initial_backoff_secs(self) -> float:
+        return self.retry_initial_backoff_ms / 1000.0
+
+    @property
+    def retry_max_backoff_secs(self) -> float:
+        return self.retry_max_backoff_ms / 1000.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker as configured: where it is and what it can serve."""
+
+    url: str
+    """Normalized base URL (see `normalize_worker_url`)."""
+
+    model: str | None = None
+    """Model the worker serves; None matches any requested model."""
+
+    capabilities: frozenset[str] | None = None
+    """What the worker can do (see CAPABILITIES); None means everything."""
+
+    @property
+    def id(self) -> str:
+        return worker_id(self.url)
+
+
+def worker_id(url: str) -> str:
+    """Stable id of a worker: its normalized URL, percent-encoded to fit in one path segment."""
+    return quote(url, safe="")
+
+
+def normalize_worker_url(url: str, field: str = "url") -> str:
+    """Validate a worker base URL and return its canonical form.
+
+    Lowercases scheme and host, drops default ports and trailing slashes. Refuses other
+    schemes, credentials, query strings, fragments and link-local/metadata hosts.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"{field}: worker URL must be a non-empty string, got {url!r}")
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{field}: invalid worker URL {url!r}: {exc}") from None
+    scheme = parts.scheme.lower()
+    if scheme not in _DEFAULT_PORTS:
+        raise ValueError(f"{field}: worker URL {url!r} must start with http:// or https://")
+    host = parts.hostname
+    if not host:
+        raise ValueError(f"{field}: worker URL {url!r} has no host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"{field}: worker URL {url!r} must not carry credentials")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{field}: worker URL {url!r} must not have a query or fragment")
+    if _is_metadata_host(host):
+        raise ValueError(f"{field}: worker URL {url!r} points at a link-local/metadata address")
+    netloc = f"[{host}]" if ":" in host else host
+    if port is not None and port != _DEFAULT_PORTS[scheme]:
+        netloc = f"{netloc}:{port}"
+    return f"{scheme}://{netloc}{parts.path.rstrip('/')}"
+
+
+def _is_metadata_host(host: str) -> bool:
+    if host.rstrip(".") in _METADATA_HOSTS:
+        return True
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        addr = _legacy_ipv4(host)
+        if addr is None:
+            return False
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        elif addr == ipaddress.IPv6Address("fd00:ec2::254"):  # AWS IMDS over IPv6
+            return True
+    return addr.is_link_local
+
+
+def _legacy_ipv4(host: str) -> ipaddress.IPv4Address | None:
+    """Hosts like '2852039166' or '0xa9.0xfe.0xa9.0xfe' that resolvers read as IPv4."""
+    if not all(c in "0123456789abcdefxABCDEFX." for c in host):
+        return None
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        return None
+
+
+def load_worker_specs(config: RouterConfig) -> list[WorkerSpec]:
+    """The workers named by `--worker-urls` and `--worker-config`, validated, no duplicates."""
+    specs = [WorkerSpec(url=normalize_worker_url(u, "worker_urls")) for u in config.worker_urls]
+    if config.worker_config:
+        specs.extend(read_worker_file(config.worker_config))
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.url in seen:
+            raise ValueError(f"worker_config: duplicate worker {spec.url}")
+        seen.add(spec.url)
+    return specs
+
+
+def read_worker_file(path: str) -> list[WorkerSpec]:
+    """Parse a worker file: a list (or {"workers": list}) of URLs or {url, model, capabilities}."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"worker_config: cannot read {path}: {exc.strerror}") from None
+    try:
+        if path.endswith(".json"):
+            data = json.loads(text)
+        else:
+            import yaml  # only when a YAML worker file is used
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # json and yaml raise different error types
+        raise ValueError(f"worker_config: {path} is not valid JSON/YAML: {exc}") from None
+    if isinstance(data, dict) and set(data) == {"workers"}:
+        data = data["workers"]
+    if not isinstance(data, list):
+        raise ValueError(f"worker_config: {path} must hold a list of workers")
+    return [worker_spec_from_dict(entry, field="worker_config") for entry in data]
+
+
+def worker_spec_from_dict(entry: object, field: str = "worker") -> WorkerSpec:
+    """Build a WorkerSpec from a URL string or a {url, model, capabilities} mapping."""
+    if isinstance(entry, str):
+        return WorkerSpec(url=normalize_worker_url(entry, field))
+    if not isinstance(entry, dict):
+        raise ValueError(f"{field}: each worker must be a URL or a mapping, got {entry!r}")
+    unknown = set(entry) - {"url", "model", "capabilities"}
+    if unknown:
+        raise ValueError(f"{field}: unknown worker keys {sorted(unknown)} (url, model, capabilities)")
+    if "url" not in entry:
+        raise ValueError(f"{field}: worker entry {entry!r} has no url")
+    model = entry.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ValueError(f"{field}.model: must be a non-empty string or null, got {model!r}")
+    return WorkerSpec(
+        url=normalize_worker_url(entry["url"], f"{field}.url"),
+        model=model,
+        capabilities=parse_capabilities(entry.get("capabilities"), f"{field}.capabilities"),
+    )
+
+
+def parse_capabilities(value: object, field: str = "capabilities") -> frozenset[str] | None:
+    """None stays None (everything); otherwise a list of known capability names."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{field}: must be a list of names, got {value!r}")
+    unknown = set(value) - CAPABILITIES
+    if unknown:
+        raise ValueError(
+            f"{field}: unknown capabilities {sorted(unknown)}; known: {sorted(CAPABILITIES)}"
+        )
+    return frozenset(value)
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}: {message}")
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each dataclass field, by field name (the CLI's help texts)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    missing = {f.name for f in fields(cls)} - set(docs)
+    if missing:
+        raise RuntimeError(f"{cls.__name__} fields without a docstring: {sorted(missing)}")
+    return docs

@@ -1,0 +1,218 @@
+"""Worker state and the registry that owns every health transition.
+
+Everything here runs on the router's one event loop thread, so there are no locks: a
+mutation is never interleaved with another one.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from cadence.router.config import WorkerSpec, worker_spec_from_dict
+
+logger = logging.getLogger("cadence.router")
+
+# Answers that say the worker is in trouble rather than the request being wrong.
+FAILURE_STATUSES = frozenset({408, 429})
+
+
+class HealthState(str, enum.Enum):
+    UNKNOWN = "unknown"
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    DEAD = "dead"
+
+
+def is_failure_status(status: int) -> bool:
+    """408, 429 and 5xx count against a worker; every other answer (4xx included) does not."""
+    return status >= 500 or status in FAILURE_STATUSES
+
+
+@dataclass(eq=False, slots=True)
+class Worker:
+    """One upstream replica and everything the router knows about it."""
+
+    url: str
+    id: str
+    model: str | None
+    capabilities: frozenset[str] | None  # None: can do everything
+    health: HealthState = HealthState.UNKNOWN
+    disabled: bool = False
+    active: int = 0  # requests routed to it and not yet finished
+    num_requests: int = 0  # attempts routed to it since it was added
+    num_failures: int = 0  # failed probes and failed requests since it was added
+    consecutive_successes: int = 0
+    consecutive_failures: int = 0
+    last_status: int | None = None
+    last_error: str | None = None
+    last_check_time: float | None = None  # wall-clock time of the last probe
+
+    @property
+    def is_routable(self) -> bool:
+        return self.health is HealthState.HEALTHY and not self.disabled
+
+    def can_serve(self, model: str | None, capabilities: frozenset[str]) -> bool:
+        if model is not None and self.model is not None and model != self.model:
+            return False
+        return self.capabilities is None or capabilities <= self.capabilities
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "model": self.model,
+            "capabilities": None if self.capabilities is None else sorted(self.capabilities),
+            "health": self.health.value,
+            "disabled": self.disabled,
+            "routable": self.is_routable,
+            "active": self.active,
+            "num_requests": self.num_requests,
+            "num_failures": self.num_failures,
+            "consecutive_successes": self.consecutive_successes,
+            "consecutive_failures": self.consecutive_failures,
+            "last_status": self.last_status,
+            "last_error": self.last_error,
+            "last_check_time": self.last_check_time,
+        }
+
+
+HealthListener = Callable[[Worker], None]
+
+
+class WorkerRegistry:
+    """The set of workers, their health state machine, and the cached routable list.
+
+    unknown --success x S--> healthy --failure x F--> unhealthy --success x S--> healthy
+    any state --mark dead--> dead (probes skip it) --recover--> unknown (probed at once)
+    where S and F are the success and failure thresholds. Failed probes and failed
+    requests both count towards F; only probes count towards S; a successful request
+    resets the failure streak. `disabled` is independent of the state.
+    """
+
+    def __init__(self, success_threshold: int, failure_threshold: int) -> None:
+        self.success_threshold = success_threshold
+        self.failure_threshold = failure_threshold
+        self._workers: dict[str, Worker] = {}
+        self._routable: tuple[Worker, ...] = ()
+        self.listeners: list[HealthListener] = []  # called after a state change
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    @property
+    def routable(self) -> tuple[Worker, ...]:
+        """Routable workers in the order they were added (cached; hot path)."""
+        return self._routable
+
+    def get(self, key: str) -> Worker | None:
+        """Find a worker by id or by (normalized) URL."""
+        worker = self._workers.get(key)
+        if worker is None:
+            for candidate in self._workers.values():
+                if candidate.url == key or candidate.url == key.rstrip("/"):
+                    return candidate
+        return worker
+
+    def add(self, spec: WorkerSpec) -> Worker:
+        if spec.id in self._workers:
+            raise KeyError(f"worker {spec.url} already exists")
+        worker = Worker(url=spec.url, id=spec.id, model=spec.model, capabilities=spec.capabilities)
+        self._workers[worker.id] = worker
+        self._changed(worker)
+        return worker
+
+    def remove(self, worker_id: str) -> Worker | None:
+        worker = self._workers.pop(worker_id, None)
+        if worker is not None:
+            self._refresh()
+        return worker
+
+    def record_probe(self, worker: Worker, status: int | None, error: str | None) -> None:
+        """Account one health probe: success only for status 200."""
+        if worker.health is HealthState.DEAD or worker.id not in self._workers:
+            return
+        worker.last_check_time = time.time()
+        worker.last_status = status
+        if status == 200:
+            worker.last_error = None
+            worker.consecutive_failures = 0
+            worker.consecutive_successes += 1
+            if (
+                worker.health is not HealthState.HEALTHY
+                and worker.consecutive_successes >= self.success_threshold
+            ):
+                self._set_health(worker, HealthState.HEALTHY)
+        else:
+            worker.last_error = error or f"probe answered {status}"
+            self._count_failure(worker)
+
+    def record_request(self, worker: Worker, status: int | None, error: str | None = None) -> None:
+        """Account one routed request: connection errors and 408/429/5xx are failures."""
+        if status is not None and not is_failure_status(status):
+            worker.consecutive_failures = 0
+            return
+        worker.last_status = status
+        worker.last_error = error or f"request answered {status}"
+        if worker.health is not HealthState.DEAD:
+            self._count_failure(worker)
+
+    def update(self, worker: Worker, changes: dict) -> None:
+        """Apply a management update: disabled, dead, recover, model, capabilities."""
+        unknown = set(changes) - {"disabled", "dead", "recover", "model", "capabilities"}
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)} (disabled, dead, recover, model, capabilities)")
+        for key in ("disabled", "dead", "recover"):
+            if key in changes and not isinstance(changes[key], bool):
+                raise ValueError(f"{key}: must be true or false")
+        if "model" in changes or "capabilities" in changes:
+            merged = {"url": worker.url, "model": worker.model, "capabilities": None}
+            if worker.capabilities is not None:
+                merged["capabilities"] = sorted(worker.capabilities)
+            merged.update({k: changes[k] for k in ("model", "capabilities") if k in changes})
+            spec = worker_spec_from_dict(merged)
+            worker.model, worker.capabilities = spec.model, spec.capabilities
+        if "disabled" in changes:
+            worker.disabled = changes["disabled"]
+        if changes.get("dead") is True:
+            self._set_health(worker, HealthState.DEAD)
+        elif changes.get("dead") is False or changes.get("recover") is True:
+            self.reset(worker)
+        self._refresh()
+
+    def reset(self, worker: Worker) -> None:
+        """Back to `unknown` with clean streaks; the caller probes it at once."""
+        worker.consecutive_failures = worker.consecutive_successes = 0
+        self._set_health(worker, HealthState.UNKNOWN)
+
+    def _count_failure(self, worker: Worker) -> None:
+        worker.num_failures += 1
+        worker.consecutive_successes = 0
+        worker.consecutive_failures += 1
+        if (
+            worker.health is not HealthState.UNHEALTHY
+            and worker.consecutive_failures >= self.failure_threshold
+        ):
+            self._set_health(worker, HealthState.UNHEALTHY)
+
+    def _set_health(self, worker: Worker, health: HealthState) -> None:
+        if worker.health is health:
+            return
+        logger.info("worker %s: %s -> %s", worker.url, worker.health.value, health.value)
+        worker.health = health
+        self._changed(worker)
+
+    def _changed(self, worker: Worker) -> None:
+        self._refresh()
+        for listener in self.listeners:
+            listener(worker)
+
+    def _refresh(self) -> None:
+        self._routable = tuple(w for w in self._workers.values() if w.is_routable)
+
