@@ -1,0 +1,177 @@
+"""The router's own routes: liveness, readiness, workers management, models, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+
+from cadence.router.config import worker_spec_from_dict
+from cadence.router.metrics import CONTENT_TYPE
+from cadence.router.proxy import error_response, request_id
+from cadence.router.workers import HealthState, Worker
+
+if TYPE_CHECKING:
+    from cadence.router.server import Router
+
+
+def add_routes(app: web.Application, router: Router) -> None:
+    handlers = _AdminHandlers(router)
+    app.router.add_get("/live", handlers.live)
+    app.router.add_get("/ready", handlers.ready)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/workers", handlers.list_workers)
+    app.router.add_post("/workers", handlers.add_worker)
+    app.router.add_get("/workers/{worker_id}", handlers.get_worker)
+    app.router.add_put("/workers/{worker_id}", handlers.update_worker)
+    app.router.add_delete("/workers/{worker_id}", handlers.delete_worker)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/metrics", handlers.metrics)
+
+
+class _AdminHandlers:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.registry = router.registry
+
+    async def live(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        num_routable = len(self.registry.routable)
+        return web.json_response(
+            {"ready": num_routable > 0, "num_routable_workers": num_routable},
+            status=200 if num_routable else 503,
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while at least one worker is routable, with a count of workers by state."""
+        counts = {state.value: 0 for state in HealthState}
+        for worker in self.registry:
+            counts[worker.health.value] += 1
+        num_routable = len(self.registry.routable)
+        body = {
+            "status": "ok" if num_routable else "no routable worker",
+            "num_routable_workers": num_routable,
+            "workers_by_health": counts,
+            "policy": self.router.config.policy,
+        }
+        return web.json_response(body, status=200 if num_routable else 503)
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        return web.json_response({"workers": [w.to_dict() for w in self.registry]})
+
+    async def get_worker(self, request: web.Request) -> web.Response:
+        worker = self._find(request)
+        if worker is None:
+            return _not_found(request)
+        return web.json_response(worker.to_dict())
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            spec = worker_spec_from_dict(body, field="worker")
+        except ValueError as exc:
+            return _bad_request(request, str(exc))
+        try:
+            worker = self.router.add_worker(spec)
+        except KeyError:
+            return _error(request, 409, f"worker {spec.url} already exists", "conflict")
+        return web.json_response(worker.to_dict(), status=201)
+
+    async def update_worker(self, request: web.Request) -> web.Response:
+        worker = self._find(request)
+        if worker is None:
+            return _not_found(request)
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        if not isinstance(body, dict) or not body:
+            return _bad_request(request, "body must be a non-empty JSON object")
+        try:
+            self.router.update_worker(worker, body)
+        except ValueError as exc:
+            return _bad_request(request, str(exc))
+        return web.json_response(worker.to_dict())
+
+    async def delete_worker(self, request: web.Request) -> web.Response:
+        worker = self._find(request)
+        if worker is None:
+            return _not_found(request)
+        await self.router.remove_worker(worker)
+        return web.json_response({"removed": worker.id})
+
+    async def models(self, request: web.Request) -> web.Response:
+        """Union of the routable workers' /v1/models, asked in parallel, deduplicated by id."""
+        workers = self.registry.routable
+        if not workers:
+            return _error(request, 503, "no healthy worker to list models from", "no_worker_available")
+        answers = await asyncio.gather(*(self._worker_models(w, request) for w in workers))
+        merged: dict[str, dict] = {}
+        failures = []
+        for worker, (models, error) in zip(workers, answers):
+            if error is not None:
+                failures.append({"worker": worker.url, "error": error})
+            for model in models:
+                merged.setdefault(model["id"], model)
+        if len(failures) == len(workers):
+            return _error(request, 502, "every worker failed to list its models", "bad_gateway", workers=failures)
+        return web.json_response({"object": "list", "data": list(merged.values())})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        response = web.Response(body=self.router.metrics.render())
+        response.headers["Content-Type"] = CONTENT_TYPE
+        return response
+
+    async def _worker_models(self, worker: Worker, request: web.Request) -> tuple[list[dict], str | None]:
+        headers = {}
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        timeout = aiohttp.ClientTimeout(total=self.router.config.health_check_timeout_secs)
+        assert self.router.session is not None
+        try:
+            async with self.router.session.get(worker.url + "/v1/models", headers=headers, timeout=timeout) as resp:
+                if resp.status != 200:
+                    return [], f"answered {resp.status}"
+                body = json.loads(await resp.read())
+        except asyncio.TimeoutError:
+            return [], "timed out"
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            return [], repr(exc)
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list):
+            return [], "answer has no 'data' list"
+        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)], None
+
+    def _find(self, request: web.Request) -> Worker | None:
+        return self.registry.get(request.match_info["worker_id"])
+
+
+async def _json_body(request: web.Request) -> object:
+    """The parsed JSON body, or a 400 response explaining what is wrong with it."""
+    try:
+        return json.loads(await request.read())
+    except ValueError as exc:
+        return _bad_request(request, f"body is not valid JSON: {exc}")
+
+
+def _error(request: web.Request, status: int, message: str, kind: str, **extra) -> web.Response:
+    return error_response(status, message, request_id(request), kind, **extra)
+
+
+def _bad_request(request: web.Request, message: str) -> web.Response:
+    return _error(request, 400, message, "invalid_request")
+
+
+def _not_found(request: web.Request) -> web.Response:
+    return _error(
+        request,
+        404,
+        f"no worker {request.match_info['worker_id']!r}; GET /workers lists them",
+        "not_found",
+    )

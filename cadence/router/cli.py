@@ -1,0 +1,89 @@
+"""`cadence router` / `python -m cadence.router`: flags are RouterConfig's fields."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import MISSING, fields
+
+from cadence.router.config import RouterConfig, field_docs, load_worker_specs
+
+_TYPES = {"str": str, "str | None": str, "int": int, "float": float}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cadence router",
+        description="Route OpenAI-compatible and native requests over many Cadence replicas.",
+    )
+    docs = field_docs(RouterConfig)
+    for f in fields(RouterConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else None
+        help_text = docs[f.name] + ("" if default in (None, ()) else f" (default: {default})")
+        if f.type == "tuple[str, ...]":
+            parser.add_argument(flag, nargs="+", metavar="URL", default=None, help=help_text)
+        elif f.type in _TYPES:
+            parser.add_argument(flag, type=_TYPES[f.type], default=None, help=help_text)
+        else:
+            raise TypeError(f"RouterConfig.{f.name}: no CLI mapping for type {f.type}")
+    return parser
+
+
+def parse_config(argv: list[str] | None) -> RouterConfig:
+    """RouterConfig from command-line arguments; ValueError names a bad field."""
+    args = build_parser().parse_args(argv)
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    if "worker_urls" in given:
+        given["worker_urls"] = tuple(given["worker_urls"])
+    return RouterConfig(**given)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+        specs = load_worker_specs(config)
+    except SystemExit as exc:  # argparse: --help or a usage error
+        return int(exc.code or 0)
+    except ValueError as exc:
+        print(f"cadence router: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from cadence.router.server import run_router
+
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(_serve(run_router, config, specs))
+    except ValueError as exc:
+        print(f"cadence router: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"cadence router: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _serve(run_router, config: RouterConfig, specs) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await run_router(config, specs, stop)
+
+
+def _loop_factory():
+    try:
+        import uvloop
+    except ImportError:  # uvloop is pinned, but the router also runs without it
+        return None
+    return uvloop.new_event_loop
+
+
+if __name__ == "__main__":
+    sys.exit(main())

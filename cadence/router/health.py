@@ -1,0 +1,89 @@
+"""Active health probes: one small task per worker.
+
+Each task probes its worker, then sleeps for the interval of the worker's state (short
+while `unknown`, the normal interval otherwise) or until it is woken (a new or
+recovered worker is probed at once). `dead` workers are not probed until recovered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+
+from cadence.router.config import RouterConfig
+from cadence.router.workers import HealthState, Worker, WorkerRegistry
+
+logger = logging.getLogger("cadence.router")
+
+
+class HealthChecker:
+    """Runs one probe loop per worker and reports outcomes to the registry."""
+
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, session: aiohttp.ClientSession) -> None:
+        self.config = config
+        self.registry = registry
+        self.session = session
+        self._timeout = aiohttp.ClientTimeout(total=config.health_check_timeout_secs)
+        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._wakers: dict[str, asyncio.Event] = {}
+
+    def watch(self, worker: Worker) -> None:
+        """Start probing `worker` now."""
+        if worker.id in self._tasks:
+            return
+        self._wakers[worker.id] = asyncio.Event()
+        self._tasks[worker.id] = asyncio.create_task(
+            self._run(worker, self._wakers[worker.id]), name=f"probe {worker.url}"
+        )
+
+    def wake(self, worker: Worker) -> None:
+        """Probe `worker` at once instead of waiting for its next turn."""
+        waker = self._wakers.get(worker.id)
+        if waker is not None:
+            waker.set()
+
+    async def unwatch(self, worker: Worker) -> None:
+        self._wakers.pop(worker.id, None)
+        task = self._tasks.pop(worker.id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def stop(self) -> None:
+        for worker in list(self.registry):
+            await self.unwatch(worker)
+
+    async def _run(self, worker: Worker, waker: asyncio.Event) -> None:
+        while True:
+            waker.clear()
+            if worker.health is not HealthState.DEAD:
+                await self.probe(worker)
+            if worker.health is HealthState.UNKNOWN:
+                delay = min(self.config.health_check_startup_interval_secs, self.config.health_check_interval_secs)
+            else:
+                delay = self.config.health_check_interval_secs
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(waker.wait(), timeout=delay)
+
+    async def probe(self, worker: Worker) -> bool:
+        """Probe once; the registry applies the thresholds. True when it answered 200."""
+        url = worker.url + self.config.health_check_endpoint
+        status: int | None = None
+        error: str | None = None
+        try:
+            async with self.session.get(url, timeout=self._timeout, headers=self._headers) as resp:
+                status = resp.status
+                await resp.read()
+        except asyncio.TimeoutError:
+            error = f"probe timed out after {self.config.health_check_timeout_secs}s"
+        except (aiohttp.ClientError, OSError) as exc:
+            error = f"probe failed: {exc!r}"
+        if status != 200:
+            logger.debug("probe %s: %s", url, error or status)
+        self.registry.record_probe(worker, status, error)
+        return status == 200

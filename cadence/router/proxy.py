@@ -1,0 +1,301 @@
+"""Forwarding one request: choose a worker, send the original bytes, relay the answer.
+
+A request may be retried on another worker only while nothing of the answer has reached
+the client: after a connection error, or an answer of 408/429/500/502/503/504 that is
+then discarded. Once a streamed answer's headers are sent it is relayed to the end or
+cut, never replayed. Every attempt counts itself on its worker and releases the count in
+a `finally`, so success, upstream failure, client disconnect and cancellation all give
+it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from dataclasses import dataclass, field
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from cadence.router.config import RouterConfig
+from cadence.router.metrics import RouterMetrics
+from cadence.router.policies import RoutingPolicy
+from cadence.router.request_meta import RouteMeta
+from cadence.router.workers import Worker, WorkerRegistry, is_failure_status
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Host and Content-Length are set anew for the upstream connection.
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
+_RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# Answers without a length, event streams, or longer than this are relayed chunk by chunk.
+_BUFFER_LIMIT = 1 << 20
+REQUEST_ID_HEADER = "x-cadence-request-id"
+WORKER_HEADER = "x-cadence-worker"
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; metrics and log only
+
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What happened to one request, for metrics and the route log."""
+
+    rid: str
+    route: str
+    meta: RouteMeta = field(default_factory=RouteMeta)
+    worker: Worker | None = None
+    num_attempts: int = 0
+    is_client_gone: bool = False
+
+
+class _AttemptFailed(Exception):
+    """An attempt failed before anything reached the client; another may be made."""
+
+
+def error_response(status: int, message: str, rid: str, kind: str, **extra) -> web.Response:
+    """A JSON error in the OpenAI shape, made by the router itself."""
+    error = {"message": message, "type": kind, "code": status, **extra}
+    return web.Response(
+        status=status,
+        body=_encoder.encode({"error": error}),
+        content_type="application/json",
+        headers={REQUEST_ID_HEADER: rid},
+    )
+
+
+def request_id(request: web.Request) -> str:
+    """The client's x-request-id when it is reasonable, else a fresh one."""
+    given = request.headers.get("x-request-id")
+    if given and len(given) <= 128 and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
+def forward_headers(headers: CIMultiDictProxy[str], rid: str) -> CIMultiDict[str]:
+    """Request headers for the upstream: hop-by-hop ones (and those Connection names) dropped."""
+    drop = _REQUEST_DROP
+    connection = headers.get("Connection")
+    if connection:
+        drop = drop | {token.strip().lower() for token in connection.split(",")}
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in headers.items():
+        if key.lower() not in drop:
+            out.add(key, value)
+    out[REQUEST_ID_HEADER] = rid
+    return out
+
+
+def relay_headers(upstream: aiohttp.ClientResponse, rid: str, worker: Worker) -> CIMultiDict[str]:
+    """Response headers for the client: the upstream's minus hop-by-hop, plus diagnostics."""
+    drop = _RESPONSE_DROP
+    connection = upstream.headers.get("Connection")
+    if connection:
+        drop = drop | {token.strip().lower() for token in connection.split(",")}
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in upstream.headers.items():
+        if key.lower() not in drop:
+            out.add(key, value)
+    out[REQUEST_ID_HEADER] = rid
+    out[WORKER_HEADER] = worker.url
+    return out
+
+
+def _is_streamed(upstream: aiohttp.ClientResponse) -> bool:
+    length = upstream.content_length
+    if length is None or length > _BUFFER_LIMIT:
+        return True
+    return upstream.content_type == "text/event-stream"
+
+
+class Forwarder:
+    """Sends requests to workers with retries and relays the answers."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        policy: RoutingPolicy,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self.session = session
+        self.max_attempts = 1 + config.retry_max_retries
+        self._timeout = aiohttp.ClientTimeout(total=config.request_timeout_secs)
+        self._rng = rng or random.Random()
+
+    def choose(self, meta: RouteMeta, tried: set[str]) -> Worker | None:
+        """Apply the policy to the routable workers that fit, preferring untried ones."""
+        candidates = [w for w in self.registry.routable if w.can_serve(meta.model, meta.capabilities)]
+        if not candidates:
+            return None
+        if tried:
+            untried = [w for w in candidates if w.id not in tried]
+            candidates = untried or candidates
+        return self.policy.select(candidates, meta)
+
+    def backoff_secs(self, retry: int) -> float:
+        """Delay before retry number `retry` (1-based): exponential, capped, jittered."""
+        config = self.config
+        delay = config.retry_initial_backoff_secs * config.retry_backoff_multiplier ** (retry - 1)
+        delay = min(delay, config.retry_max_backoff_secs)
+        jitter = config.retry_jitter_factor * self._rng.uniform(-1.0, 1.0)
+        return max(0.0, delay * (1.0 + jitter))
+
+    async def forward(self, request: web.Request, body: bytes, ex: Exchange) -> web.StreamResponse:
+        tried: set[str] = set()
+        last_error = ""
+        for attempt in range(self.max_attempts):
+            if attempt:
+                self.metrics.observe_retry(ex.route)
+                await asyncio.sleep(self.backoff_secs(attempt))
+            worker = self.choose(ex.meta, tried)
+            if worker is None:
+                break
+            tried.add(worker.id)
+            ex.worker, ex.num_attempts = worker, attempt + 1
+            try:
+                return await self._attempt(worker, request, body, ex, attempt + 1 < self.max_attempts)
+            except _AttemptFailed as exc:
+                last_error = str(exc)
+        if ex.num_attempts == 0:
+            return self._no_worker(ex)
+        return error_response(
+            502,
+            f"no worker answered after {ex.num_attempts} attempt(s); last error: {last_error}",
+            ex.rid,
+            "bad_gateway",
+        )
+
+    def _no_worker(self, ex: Exchange) -> web.Response:
+        meta = ex.meta
+        wanted = f"model {meta.model!r}" if meta.model else "any model"
+        if meta.capabilities:
+            wanted += f" with capabilities {sorted(meta.capabilities)}"
+        return error_response(
+            503,
+            f"no healthy worker serves {wanted}; check GET /workers",
+            ex.rid,
+            "no_worker_available",
+        )
+
+    async def _attempt(
+        self, worker: Worker, request: web.Request, body: bytes, ex: Exchange, may_retry: bool
+    ) -> web.StreamResponse:
+        worker.active += 1
+        worker.num_requests += 1
+        self.metrics.observe_selection(worker)
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            try:
+                upstream = await self.session.request(
+                    request.method,
+                    URL(worker.url + request.raw_path, encoded=True),
+                    data=body,
+                    headers=forward_headers(request.headers, ex.rid),
+                    timeout=self._timeout,
+                    allow_redirects=False,
+                )
+                status = upstream.status
+                if may_retry and status in RETRY_STATUSES:
+                    self._count_failure(worker, status, f"answered {status}")
+                    raise _AttemptFailed(f"{worker.url} answered {status}")
+                self._count_result(worker, status)
+                if _is_streamed(upstream):
+                    return await self._relay_stream(request, upstream, worker, ex)
+                data = await upstream.read()
+            except asyncio.TimeoutError:
+                self._count_failure(worker, None, "timed out")
+                return error_response(
+                    504,
+                    f"worker {worker.url} did not answer within {self.config.request_timeout_secs}s",
+                    ex.rid,
+                    "gateway_timeout",
+                )
+            except (aiohttp.ClientError, OSError) as exc:
+                self._count_failure(worker, None, repr(exc))
+                raise _AttemptFailed(f"{worker.url}: {exc!r}") from None
+            return web.Response(
+                status=status,
+                reason=upstream.reason,
+                body=data,
+                headers=relay_headers(upstream, ex.rid, worker),
+            )
+        finally:
+            worker.active -= 1
+            if upstream is not None:
+                if upstream.content.is_eof():
+                    upstream.release()  # fully read: the connection goes back to the pool
+                else:
+                    upstream.close()  # cut short: the worker sees its connection closed
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        worker: Worker,
+        ex: Exchange,
+    ) -> web.StreamResponse:
+        """Relay byte for byte as chunks arrive. Past `prepare` nothing is retried."""
+        response = web.StreamResponse(
+            status=upstream.status,
+            reason=upstream.reason,
+            headers=relay_headers(upstream, ex.rid, worker),
+        )
+        if upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        try:
+            await response.prepare(request)
+        except ConnectionResetError:
+            ex.is_client_gone = True
+            return response
+        while True:
+            try:
+                chunk = await upstream.content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                # The client already has headers: cut its connection so the
+                # truncation shows instead of a clean end of stream.
+                self._count_failure(worker, None, f"stream broke: {exc!r}")
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+            if not chunk:
+                break
+            try:
+                await response.write(chunk)
+            except ConnectionResetError:
+                ex.is_client_gone = True
+                return response
+        await response.write_eof()
+        return response
+
+    def _count_result(self, worker: Worker, status: int) -> None:
+        if is_failure_status(status):
+            self._count_failure(worker, status, f"answered {status}")
+        else:
+            self.registry.record_request(worker, status)
+
+    def _count_failure(self, worker: Worker, status: int | None, error: str) -> None:
+        self.registry.record_request(worker, status, error)
+        self.metrics.observe_failure(worker)

@@ -1,0 +1,263 @@
+"""The router process: an aiohttp server in front of an aiohttp client session.
+
+The stack was chosen by measurement (benchmarks/bench_router.py): an aiohttp server
+relaying through one pooled aiohttp ClientSession adds a fraction of a millisecond,
+where an ASGI framework with httpx costs several times more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from cadence.router import admin
+from cadence.router.config import RouterConfig, WorkerSpec
+from cadence.router.health import HealthChecker
+from cadence.router.metrics import RouterMetrics
+from cadence.router.policies import make_policy
+from cadence.router.proxy import CLIENT_CLOSED, Exchange, Forwarder, error_response, request_id
+from cadence.router.request_meta import ROUTE_CAPABILITIES, parse_route_meta
+from cadence.router.route_log import RouteLog
+from cadence.router.workers import Worker, WorkerRegistry
+
+logger = logging.getLogger("cadence.router")
+
+# Routes that answer without a key even when --api-key is set (probes from orchestrators).
+_OPEN_PATHS = frozenset({"/live", "/ready", "/health"})
+
+
+class Router:
+    """Owns the workers, the policy, the probes, the client session and the HTTP server."""
+
+    def __init__(self, config: RouterConfig, specs: list[WorkerSpec]) -> None:
+        self.config = config
+        self.num_in_flight = 0  # requests being routed now (for 429 and metrics)
+        self._init_observability()
+        self._init_workers(specs)
+        self.policy = make_policy(config)
+        self.session: aiohttp.ClientSession | None = None
+        self.health: HealthChecker | None = None
+        self.forwarder: Forwarder | None = None
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+
+    def _init_observability(self) -> None:
+        self.metrics = RouterMetrics(in_flight=lambda: self.num_in_flight)
+        self.route_log = RouteLog(self.config.route_log)
+
+    def _init_workers(self, specs: list[WorkerSpec]) -> None:
+        self.registry = WorkerRegistry(
+            success_threshold=self.config.health_success_threshold,
+            failure_threshold=self.config.health_failure_threshold,
+        )
+        self.registry.listeners.append(self.metrics.health_changed)
+        for spec in specs:
+            self.metrics.worker_added(self.registry.add(spec))
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the client session, start the probes, listen. Call inside the event loop."""
+        self.session = make_client_session()
+        self.health = HealthChecker(self.config, self.registry, self.session)
+        self.forwarder = Forwarder(self.config, self.registry, self.policy, self.metrics, self.session)
+        self._runner = web.AppRunner(self.build_app(), access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=2048)
+        await self._site.start()
+        for worker in self.registry:
+            self.health.watch(worker)
+
+    async def stop(self) -> None:
+        if self.health is not None:
+            await self.health.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.session is not None:
+            await self.session.close()
+        self.route_log.close()
+
+    @property
+    def port(self) -> int:
+        """The port actually bound (differs from config.port when that is 0)."""
+        assert self._runner is not None, "router not started"
+        sockets = [s for site in self._runner.sites for s in site._server.sockets]  # type: ignore[union-attr]
+        return sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    # -- workers -----------------------------------------------------------------------
+
+    def add_worker(self, spec: WorkerSpec) -> Worker:
+        """Add a worker in state `unknown` and probe it at once. KeyError if present."""
+        worker = self.registry.add(spec)
+        self.metrics.worker_added(worker)
+        if self.health is not None:
+            self.health.watch(worker)
+        return worker
+
+    async def remove_worker(self, worker: Worker) -> None:
+        """Stop routing to and probing `worker`; its requests in progress finish."""
+        self.registry.remove(worker.id)
+        self.policy.remove_worker(worker.id)
+        self.metrics.worker_removed(worker)
+        if self.health is not None:
+            await self.health.unwatch(worker)
+
+    def update_worker(self, worker: Worker, changes: dict) -> None:
+        """Apply a management update; a recovered worker is probed at once."""
+        self.registry.update(worker, changes)
+        recovered = changes.get("recover") is True or changes.get("dead") is False
+        if recovered and self.health is not None:
+            self.health.wake(worker)
+
+    # -- HTTP --------------------------------------------------------------------------
+
+    def build_app(self) -> web.Application:
+        middlewares = [self._auth_middleware] if self.config.api_key else []
+        # +1: aiohttp refuses a body whose size equals client_max_size.
+        app = web.Application(client_max_size=self.config.max_payload_size + 1, middlewares=middlewares)
+        for path in ROUTE_CAPABILITIES:
+            app.router.add_post(path, self._proxy_handler(path))
+        admin.add_routes(app, self)
+        return app
+
+    @web.middleware
+    async def _auth_middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if request.path not in _OPEN_PATHS:
+            expected = f"Bearer {self.config.api_key}".encode()
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return error_response(
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    request_id(request),
+                    "authentication_error",
+                )
+        return await handler(request)
+
+    def _proxy_handler(self, route: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            started = time.perf_counter()
+            ex = Exchange(rid=request_id(request), route=route)
+            status = 500
+            try:
+                response = await self._proxy(request, ex)
+                status = CLIENT_CLOSED if ex.is_client_gone else response.status
+                return response
+            except asyncio.CancelledError:  # the client went away; aiohttp cancelled us
+                status = CLIENT_CLOSED
+                raise
+            finally:
+                elapsed = time.perf_counter() - started
+                self.metrics.observe_request(route, status, elapsed)
+                if self.route_log.is_enabled:
+                    self.route_log.write(_route_record(ex, status, elapsed, self.config.policy))
+
+        return handle
+
+    async def _proxy(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
+        limit = self.config.max_payload_size
+        length = request.content_length
+        if length is not None and length > limit:
+            return _too_large(limit, ex.rid)
+        max_concurrent = self.config.max_concurrent_requests
+        if max_concurrent and self.num_in_flight >= max_concurrent:
+            response = error_response(
+                429,
+                f"router is at its limit of {max_concurrent} concurrent requests; retry later",
+                ex.rid,
+                "overloaded",
+            )
+            response.headers["Retry-After"] = "1"
+            return response
+        self.num_in_flight += 1
+        try:
+            body = await read_body(request, limit)
+            if body is None:
+                return _too_large(limit, ex.rid)
+            ex.meta = parse_route_meta(ex.route, body)
+            assert self.forwarder is not None
+            return await self.forwarder.forward(request, body, ex)
+        finally:
+            self.num_in_flight -= 1
+
+
+async def read_body(request: web.Request, limit: int) -> bytes | None:
+    """The whole body, or None once more than `limit` bytes arrive (chunked uploads)."""
+    if request.content_length is not None:
+        return await request.read()
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await request.content.readany()
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+
+
+def _too_large(limit: int, rid: str) -> web.Response:
+    response = error_response(
+        413,
+        f"request body is larger than the router's limit of {limit} bytes (--max-payload-size)",
+        rid,
+        "payload_too_large",
+    )
+    response.force_close()  # the unread rest of the body must not be parsed as a request
+    return response
+
+
+def make_client_session() -> aiohttp.ClientSession:
+    """One pooled session for every upstream call, set up for faithful relaying."""
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+    return aiohttp.ClientSession(
+        connector=connector,
+        auto_decompress=False,  # relay compressed bytes as they are
+        cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to another
+        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+        timeout=aiohttp.ClientTimeout(total=None),
+    )
+
+
+def _route_record(ex: Exchange, status: int, elapsed: float, policy: str) -> dict:
+    return {
+        "time": time.time(),
+        "rid": ex.rid,
+        "route": ex.route,
+        "model": ex.meta.model,
+        "stream": ex.meta.is_stream,
+        "policy": policy,
+        "worker": ex.worker.url if ex.worker is not None else None,
+        "attempts": ex.num_attempts,
+        "status": status,
+        "duration_ms": round(elapsed * 1000.0, 3),
+    }
+
+
+async def run_router(config: RouterConfig, specs: list[WorkerSpec], stop: asyncio.Event) -> None:
+    """Serve until `stop` is set."""
+    router = Router(config, specs)
+    await router.start()
+    logger.info(
+        "cadence router listening on %s: %d worker(s), policy %s",
+        router.url,
+        len(router.registry),
+        config.policy,
+    )
+    try:
+        await stop.wait()
+    finally:
+        await router.stop()
