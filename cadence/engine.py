@@ -1,0 +1,173 @@
+"""In-process engine: `Engine(model_path=None, **server_args)`.
+
+The scheduler and detokenizer run on one background thread; the `TokenizerManager` runs on
+a private event loop thread. Results are exactly what `/generate` answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any, AsyncIterator
+
+from cadence.detokenizer import Detokenizer
+from cadence.io_struct import AbortReq, GenerateReqInput, TokenizedGenerateReqInput
+from cadence.model_loader.loader import load_tokenizer
+from cadence.model_loader.locate import model_name, resolve_model_path
+from cadence.scheduler.req import Req, to_batch_output
+from cadence.scheduler.scheduler import Scheduler
+from cadence.server_args import ServerArgs
+from cadence.tokenizer_manager import ModelInfo, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+
+def req_from_tokenized(t: TokenizedGenerateReqInput) -> Req:
+    return Req(rid=t.rid, input_ids=list(t.input_ids), params=t.sampling_params,
+               http_worker_ipc=t.http_worker_ipc, return_logprob=t.return_logprob,
+               logprob_start_len=t.logprob_start_len, top_logprobs_num=t.top_logprobs_num,
+               token_ids_logprob=t.token_ids_logprob, stream=t.stream)
+
+
+class _SchedulerThread:
+    """Runs the scheduler loop and the detokenizer on one thread, fed through a queue."""
+
+    def __init__(self, scheduler: Scheduler, detokenizer: Detokenizer, deliver):
+        self.scheduler = scheduler
+        self.detokenizer = detokenizer
+        self.deliver = deliver
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="cadence-scheduler", daemon=True)
+        self.thread.start()
+
+    def _handle(self, msg) -> bool:
+        if msg is None:
+            return False
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.scheduler.add_request(req_from_tokenized(msg))
+        elif isinstance(msg, AbortReq):
+            self.scheduler.abort(msg.rid, msg.abort_all, msg.message or "aborted")
+        elif callable(msg):
+            msg(self.scheduler)
+        return True
+
+    def _loop(self) -> None:
+        running = True
+        while running:
+            try:
+                msg = self.inbox.get(timeout=None if not self.scheduler.has_work else 0) \
+                    if not self.scheduler.has_work else self.inbox.get_nowait()
+                running = self._handle(msg)
+                while running:
+                    running = self._handle(self.inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if not running:
+                break
+            try:
+                outputs = self.scheduler.step()
+            except Exception:
+                logger.exception("scheduler step failed")
+                raise
+            if outputs:
+                self.deliver(self.detokenizer.process(to_batch_output(outputs)))
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+        self.thread.join(timeout=10)
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **kwargs: Any):
+        self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        path = resolve_model_path(self.args.model_path)
+        self.tokenizer = load_tokenizer(path, self.args.tokenizer_path)
+        self.scheduler = Scheduler(self.args, path, self.tokenizer)
+        runner = self.scheduler.runner
+        self.info = ModelInfo(
+            model_path=path, tokenizer_path=self.args.tokenizer_path or path,
+            served_model_name=self.args.served_model_name or model_name(path),
+            context_len=runner.context_len, vocab_size=runner.config.vocab_size,
+            max_total_tokens=runner.max_total_tokens,
+        )
+        self.loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="cadence-engine-loop", daemon=True)
+        self._loop_thread.start()
+        self.tokenizer_manager = TokenizerManager(self.tokenizer, self.info, self._send,
+                                                  max_pending=self.args.max_queued_requests + self.args.max_running_requests)
+        self._worker = _SchedulerThread(self.scheduler, Detokenizer(self.tokenizer),
+                                        lambda out: self.loop.call_soon_threadsafe(self.tokenizer_manager.handle_output, out))
+        self._closed = False
+
+    def _send(self, msg) -> None:
+        self._worker.inbox.put(msg)
+
+    def _make_obj(self, prompt, sampling_params, input_ids=None, **kwargs) -> GenerateReqInput:
+        return GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, **kwargs)
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, **kwargs: Any) -> dict | list[dict]:
+        """Blocking generation; answers what `/generate` answers (a list for a batch)."""
+        obj = self._make_obj(prompt, sampling_params, input_ids, **kwargs)
+
+        async def run():
+            result = None
+            async for result in self.tokenizer_manager.generate_request(obj):
+                pass
+            return result
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result()
+
+    async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | None = None,
+                             input_ids: list[int] | None = None, stream: bool = False,
+                             **kwargs: Any) -> AsyncIterator[dict]:
+        """With stream=True yields incremental chunks (text and output_ids are deltas); otherwise
+        yields the one final result. Leaving the iteration early aborts the request."""
+        obj = self._make_obj(prompt, sampling_params, input_ids, stream=stream, **kwargs)
+        caller = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+
+        async def produce():
+            try:
+                async for chunk in self.tokenizer_manager.generate_request(obj):
+                    caller.call_soon_threadsafe(items.put_nowait, ("item", chunk))
+                caller.call_soon_threadsafe(items.put_nowait, ("done", None))
+            except BaseException as e:  # hand every failure to the caller
+                caller.call_soon_threadsafe(items.put_nowait, ("error", e))
+
+        future = asyncio.run_coroutine_threadsafe(produce(), self.loop)
+        try:
+            while True:
+                kind, value = await items.get()
+                if kind == "done":
+                    return
+                if kind == "error":
+                    raise value
+                yield value
+        finally:
+            future.cancel()
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        self.loop.call_soon_threadsafe(lambda: self.tokenizer_manager.abort_request(rid, abort_all=abort_all))
+
+    def run_in_scheduler(self, fn):
+        """Runs fn(scheduler) on the scheduler thread and returns its result (tests, admin)."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self._send(lambda s: done.put(fn(s)))
+        return done.get(timeout=60)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._worker.stop()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._loop_thread.join(timeout=5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

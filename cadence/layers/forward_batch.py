@@ -1,0 +1,33 @@
+"""What one forward step needs to know about its batch, prepared once and shared by all layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Flat token layout: the new tokens of every request, concatenated in batch order.
+
+    Decode steps have exactly one new token per request; extend (prefill) steps have
+    `extend_lens[i]` new tokens for request i on top of `prefix_lens[i]` tokens whose K/V
+    are already in the pool.
+    """
+
+    is_decode: bool
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64, position of each new token in its sequence
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot each new token writes
+    seq_lens: list[int]  # per request: prefix + new tokens
+    extend_lens: list[int]  # per request: new tokens this step (all 1 in decode)
+    prefix_lens: list[int]  # per request: tokens already in the KV pool
+    kv_indices: torch.Tensor | None = None  # decode: [batch, max_seq_len] int64 KV slots, padded
+    kv_mask: torch.Tensor | None = None  # decode: [batch, 1, 1, max_seq_len] bool, None if no padding
+    seq_kv_indices: list[torch.Tensor] | None = None  # extend: per request [seq_len] int64 KV slots
+    logits_indices: torch.Tensor | None = None  # [num_logit_rows] int64 rows of the flat tokens to project
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)

@@ -1,0 +1,130 @@
+"""Turns a batch of logits into next tokens: penalties, bias, masks, then greedy or sampling.
+
+Everything here is vectorized over the batch; per-request work is limited to building
+small index tensors. Rows whose parameters are all defaults take the argmax fast path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cadence.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingInput:
+    """One row of the batch as the sampler sees it."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None  # set when the request carries a seed
+    suppress_ids: list[int] | None  # token ids masked this step (EOS/stop ids before min_new_tokens)
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    return_logprob: bool = False
+
+
+@dataclass
+class SampleOutput:
+    next_ids: list[int]
+    logprobs: list[float] | None  # chosen token log-probability per row
+    top_logprobs: list[list[tuple[float, int]]] | None  # per row, [(logprob, token id)] best first
+    token_ids_logprobs: list[list[tuple[float, int]]] | None  # per row, the requested ids
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingInput]) -> None:
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.frequency_penalty or p.presence_penalty:
+            if r.output_ids:
+                counts = torch.bincount(torch.tensor(r.output_ids), minlength=vocab)[:vocab].to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.int64)
+            if seen.numel():
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+
+
+def _apply_bias_and_masks(logits: torch.Tensor, rows: list[SamplingInput]) -> None:
+    for i, r in enumerate(rows):
+        if r.params.logit_bias:
+            ids = torch.tensor(list(r.params.logit_bias.keys()), dtype=torch.int64)
+            logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype)
+        if r.suppress_ids:
+            logits[i, r.suppress_ids] = float("-inf")
+
+
+def _filter_probs(probs: torch.Tensor, rows: list[SamplingInput]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Applies top-k, top-p and min-p. Returns (probs, sort index or None) — sorted when filtered."""
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    min_p = [r.params.min_p for r in rows]
+    if all(k < 1 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m <= 0 for m in min_p):
+        return probs, None
+    vocab = probs.shape[1]
+    sorted_probs, idx = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    k = torch.tensor([kk if kk >= 1 else vocab for kk in top_k]).unsqueeze(1)
+    drop = ranks >= k
+    cum_before = sorted_probs.cumsum(-1) - sorted_probs
+    drop |= cum_before >= torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)  # keeps at least the best
+    drop |= sorted_probs < torch.tensor(min_p, dtype=probs.dtype).unsqueeze(1) * sorted_probs[:, :1]
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return sorted_probs / sorted_probs.sum(-1, keepdim=True), idx
+
+
+def _sample(probs: torch.Tensor, rows: list[SamplingInput]) -> torch.Tensor:
+    out = torch.empty(probs.shape[0], dtype=torch.int64)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if unseeded:
+        out[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            out[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
+    return out
+
+
+def _logprob_info(logits: torch.Tensor, next_ids: torch.Tensor, rows: list[SamplingInput]):
+    wanted = [i for i, r in enumerate(rows) if r.return_logprob]
+    if not wanted:
+        return None, None, None
+    logprobs = torch.log_softmax(logits[wanted], dim=-1)
+    chosen = [0.0] * len(rows)
+    tops: list[list[tuple[float, int]]] = [[] for _ in rows]
+    given: list[list[tuple[float, int]]] = [[] for _ in rows]
+    for j, i in enumerate(wanted):
+        r = rows[i]
+        chosen[i] = float(logprobs[j, next_ids[i]])
+        if r.top_logprobs_num > 0:
+            vals, ids = logprobs[j].topk(r.top_logprobs_num)
+            tops[i] = list(zip(vals.tolist(), ids.tolist()))
+        if r.token_ids_logprob:
+            given[i] = list(zip(logprobs[j, r.token_ids_logprob].tolist(), r.token_ids_logprob))
+    return chosen, tops, given
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingInput]) -> SampleOutput:
+    """logits: [batch, vocab] float32, modified in place. Log-probabilities are reported from the
+    distribution after penalties, bias and masks but before temperature and filtering."""
+    if any(r.params.frequency_penalty or r.params.presence_penalty or r.params.repetition_penalty != 1.0
+           for r in rows):
+        _apply_penalties(logits, rows)
+    _apply_bias_and_masks(logits, rows)
+    next_ids = logits.argmax(dim=-1)
+    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if sampled:
+        sub_rows = [rows[i] for i in sampled]
+        temps = torch.tensor([r.params.temperature for r in sub_rows], dtype=logits.dtype).unsqueeze(1)
+        probs = torch.softmax(logits[sampled] / temps, dim=-1)
+        probs, sort_idx = _filter_probs(probs, sub_rows)
+        picked = _sample(probs, sub_rows)
+        if sort_idx is not None:
+            picked = sort_idx.gather(1, picked.unsqueeze(1)).squeeze(1)
+        next_ids[sampled] = picked
+    chosen, tops, given = _logprob_info(logits, next_ids, rows)
+    return SampleOutput(next_ids.tolist(), chosen, tops, given)

@@ -1,0 +1,153 @@
+"""GGUF files: architecture from metadata, weights dequantized at load, tokenizer converted once.
+
+llama.cpp's converter stores the Q and K projection rows of Llama-family models permuted
+(interleaved rotary pairs). Our rotary embedding uses the Hugging Face (half-split) layout,
+so those two weights are un-permuted here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from typing import Iterator
+
+import numpy as np
+
+from cadence import envs
+from cadence.model_loader.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def _reader(path: str):
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_config(path: str, reader=None) -> ModelConfig:
+    reader = reader or _reader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2)")
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: per head, rows [pairs..., 2] -> [2, pairs...]."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def iter_weights(path: str, config: ModelConfig, reader=None, progress: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (Hugging Face name, float32 array) for every tensor, dequantized."""
+    import gguf
+    from tqdm import tqdm
+
+    reader = reader or _reader(path)
+    for tensor in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", disable=not progress):
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the innermost dimension first
+        data = data.reshape(shape)
+        match = _BLOCK.match(tensor.name)
+        if match:
+            layer, suffix = match.groups()
+            if suffix not in _LAYER_NAMES:
+                raise ValueError(f"GGUF tensor {tensor.name!r} is not understood by the llama loader")
+            name = f"model.layers.{layer}.{_LAYER_NAMES[suffix]}"
+            if suffix.startswith("attn_q."):
+                data = unpermute_rotary(data, config.num_attention_heads)
+            elif suffix.startswith("attn_k."):
+                data = unpermute_rotary(data, config.num_key_value_heads)
+        elif tensor.name in _GLOBAL_NAMES:
+            name = _GLOBAL_NAMES[tensor.name]
+        elif tensor.name == "rope_freqs.weight":
+            continue  # only used by llama3-style rope scaling, which we do not support yet
+        else:
+            raise ValueError(f"GGUF tensor {tensor.name!r} is not understood by the llama loader")
+        yield name, data
+
+
+def _file_key(path: str) -> str:
+    st = os.stat(path)
+    raw = f"{os.path.abspath(path)}:{st.st_size}:{int(st.st_mtime)}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def converted_tokenizer_dir(path: str) -> str:
+    """Convert the GGUF vocabulary to a Hugging Face tokenizer once; later loads reuse it.
+
+    The conversion (transformers' own GGUF tokenizer conversion) takes seconds; the cached
+    tokenizer.json loads in a fraction of that.
+    """
+    target = os.path.join(envs.cache_dir(), "tokenizers", _file_key(path))
+    if os.path.exists(os.path.join(target, "tokenizer.json")):
+        return target
+    from transformers import AutoTokenizer
+
+    logger.info("Converting the GGUF tokenizer of %s (once; cached in %s)", path, target)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tmp = f"{target}.tmp{os.getpid()}"
+    tokenizer.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        # Another process converted it first; theirs is as good as ours.
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,166 @@
+"""The Llama family (Llama, SmolLM2, Qwen2-style GQA) in plain PyTorch on our KV pool.
+
+Weights are kept fused where that saves kernel launches at decode time: q/k/v in one
+matrix, gate/up in one matrix. Loading maps the checkpoint's separate tensors into them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cadence.layers.attention import AttentionBackend
+from cadence.layers.forward_batch import ForwardBatch
+from cadence.model_loader.config import ModelConfig
+
+
+class RotaryEmbedding:
+    """Half-split rotary embedding (the Hugging Face layout), cos/sin cached per position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype, device):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.cos = freqs.cos().to(dtype=dtype, device=device)  # [max_positions, head_dim/2]
+        self.sin = freqs.sin().to(dtype=dtype, device=device)
+        self.half = head_dim // 2
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions, shaped [T, 1, head_dim/2] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate x [T, heads, head_dim] in place."""
+        x1, x2 = x[..., : self.half], x[..., self.half :]
+        r1 = x1 * cos - x2 * sin
+        r2 = x2 * cos + x1 * sin
+        x1.copy_(r1)
+        x2.copy_(r2)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.eps = config.rms_norm_eps
+        h, q_dim, kv_dim = config.hidden_size, config.q_dim, config.kv_dim
+        self.q_dim, self.kv_dim = q_dim, kv_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.input_norm = nn.Parameter(torch.ones(h))
+        self.post_attention_norm = nn.Parameter(torch.ones(h))
+        self.qkv_proj = nn.Parameter(torch.empty(q_dim + 2 * kv_dim, h))  # rows: q | k | v
+        self.qkv_bias = nn.Parameter(torch.zeros(q_dim + 2 * kv_dim)) if config.attention_bias else None
+        self.o_proj = nn.Parameter(torch.empty(h, q_dim))
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * config.intermediate_size, h))  # rows: gate | up
+        self.down_proj = nn.Parameter(torch.empty(h, config.intermediate_size))
+        self.inter = config.intermediate_size
+
+    def forward(self, residual: torch.Tensor, rope: RotaryEmbedding,
+                cos_sin: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
+                batch: ForwardBatch) -> torch.Tensor:
+        """Adds attention to `residual` in place; returns the MLP output for the caller to add."""
+        shape = (residual.shape[-1],)
+        x = F.rms_norm(residual, shape, self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        t = qkv.shape[0]
+        qk = qkv[:, : self.q_dim + self.kv_dim].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        rope.apply_(qk, *cos_sin)
+        kv = qkv[:, self.q_dim :].view(t, 2, self.num_kv_heads, self.head_dim)
+        o = attn.forward(qkv[:, : self.q_dim], kv, self.layer_id, batch)
+        residual.add_(F.linear(o, self.o_proj))
+        x = F.rms_norm(residual, shape, self.post_attention_norm, self.eps)
+        gate_up = F.linear(x, self.gate_up_proj)
+        act = F.silu(gate_up[:, : self.inter]).mul_(gate_up[:, self.inter :])
+        return F.linear(act, self.down_proj)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size)))
+        self.rope: RotaryEmbedding | None = None
+        self.attn: AttentionBackend | None = None
+
+    def setup(self, attn: AttentionBackend, max_positions: int) -> None:
+        """Attach the attention backend and build rotary tables (after weights are loaded)."""
+        p = self.embed_tokens
+        self.rope = RotaryEmbedding(self.config.head_dim, max_positions, self.config.rope_theta, p.dtype, p.device)
+        self.attn = attn
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Returns the final hidden states of the rows in `batch.logits_indices`: [rows, hidden]."""
+        residual = F.embedding(batch.input_ids, self.embed_tokens)
+        cos_sin = self.rope.tables(batch.positions)
+        for layer in self.layers:
+            residual.add_(layer(residual, self.rope, cos_sin, self.attn, batch))
+        hidden = residual if batch.logits_indices is None else residual[batch.logits_indices]
+        return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> float32 logits [rows, vocab]."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    # ---- weight loading -------------------------------------------------------------
+
+    def load_weights(self, weights) -> None:
+        """Copy (Hugging Face name, array) pairs into our fused parameters."""
+        c = self.config
+        q, kv, inter = c.q_dim, c.kv_dim, c.intermediate_size
+        fused = {
+            "self_attn.q_proj.weight": ("qkv_proj", 0, q),
+            "self_attn.k_proj.weight": ("qkv_proj", q, q + kv),
+            "self_attn.v_proj.weight": ("qkv_proj", q + kv, q + 2 * kv),
+            "self_attn.q_proj.bias": ("qkv_bias", 0, q),
+            "self_attn.k_proj.bias": ("qkv_bias", q, q + kv),
+            "self_attn.v_proj.bias": ("qkv_bias", q + kv, q + 2 * kv),
+            "mlp.gate_proj.weight": ("gate_up_proj", 0, inter),
+            "mlp.up_proj.weight": ("gate_up_proj", inter, 2 * inter),
+        }
+        plain = {
+            "self_attn.o_proj.weight": "o_proj",
+            "mlp.down_proj.weight": "down_proj",
+            "input_layernorm.weight": "input_norm",
+            "post_attention_layernorm.weight": "post_attention_norm",
+        }
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, array in weights:
+                if not isinstance(array, torch.Tensor) and not array.flags.writeable:
+                    array = array.copy()  # memory-mapped file data; torch wants writable memory
+                tensor = torch.as_tensor(array)
+                if name.startswith("model.layers."):
+                    _, _, idx, rest = name.split(".", 3)
+                    layer = self.layers[int(idx)]
+                    if rest in fused:
+                        attr, lo, hi = fused[rest]
+                        getattr(layer, attr)[lo:hi].copy_(tensor)
+                    elif rest in plain:
+                        getattr(layer, plain[rest]).copy_(tensor)
+                    elif rest.endswith("rotary_emb.inv_freq"):
+                        continue
+                    else:
+                        raise ValueError(f"unexpected weight {name!r} for a llama model")
+                elif name == "model.embed_tokens.weight":
+                    self.embed_tokens.copy_(tensor)
+                elif name == "model.norm.weight":
+                    self.norm.copy_(tensor)
+                elif name == "lm_head.weight":
+                    if self.lm_head is not None:
+                        self.lm_head.copy_(tensor)
+                else:
+                    raise ValueError(f"unexpected weight {name!r} for a llama model")
+                loaded.add(name)
+        if "model.embed_tokens.weight" not in loaded:
+            raise ValueError("the checkpoint has no model.embed_tokens.weight")
+        if self.lm_head is not None and "lm_head.weight" not in loaded:
+            raise ValueError("the checkpoint has no lm_head.weight and the config does not tie embeddings")

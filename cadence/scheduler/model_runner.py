@@ -1,0 +1,162 @@
+"""Owns the model and its KV memory, and turns scheduled requests into forward passes."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from cadence.layers.attention import TorchSDPABackend
+from cadence.layers.forward_batch import ForwardBatch
+from cadence.mem_cache.kv_pool import KVPool, PageAllocator, ReqToTokenPool
+from cadence.model_loader.loader import load_model
+from cadence.scheduler.req import Req
+from cadence.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_supports_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    return _DTYPES[name]
+
+
+def available_memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 8 << 30
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, model_path: str):
+        self.args = args
+        self.device = torch.device("cpu")
+        self.dtype = resolve_dtype(args.dtype)
+        self.config, self.model = load_model(model_path, self.dtype, self.device)
+        cfg = self.config
+        self.context_len = args.context_length or cfg.max_position_embeddings
+        if self.context_len > cfg.max_position_embeddings:
+            logger.warning("context_length %d exceeds the model's %d", self.context_len, cfg.max_position_embeddings)
+        self.page_size = args.page_size
+        self.max_total_tokens = self._kv_budget_tokens()
+        num_pages = self.max_total_tokens // self.page_size
+        self.kv_pool = KVPool(num_pages, self.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                              cfg.head_dim, self.dtype, self.device)
+        self.allocator = PageAllocator(num_pages)
+        self.req_to_token = ReqToTokenPool(args.max_running_requests + 1, self.context_len + 1, self.device)
+        self.attn = TorchSDPABackend(self.kv_pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.model.setup(self.attn, self.context_len + 1)
+        logger.info("KV pool: %d tokens in %d pages of %d", num_pages * self.page_size, num_pages, self.page_size)
+
+    def _kv_budget_tokens(self) -> int:
+        if self.args.max_total_tokens is not None:
+            return self.args.max_total_tokens // self.page_size * self.page_size
+        c = self.config
+        per_token = KVPool.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
+        tokens = int(available_memory_bytes() * self.args.kv_cache_memory_fraction) // per_token
+        return max(tokens // self.page_size, 1) * self.page_size
+
+    # ---- KV slots ----------------------------------------------------------------------
+
+    def pages_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_size)
+
+    def assign_slots(self, req: Req, start: int, end: int) -> torch.Tensor:
+        """Give positions [start, end) of `req` KV slots (allocating pages from its reservation)."""
+        missing = self.pages_for(end) - len(req.pages)
+        if missing > 0:
+            pages = self.allocator.alloc(missing)
+            if pages is None:  # admission reserved these pages, so this is a bookkeeping bug
+                raise RuntimeError(f"KV pool exhausted while extending reserved request {req.rid}")
+            req.pages.extend(pages)
+        pos = torch.arange(start, end)
+        page_t = torch.tensor(req.pages, dtype=torch.int64)
+        slots = page_t[pos // self.page_size] * self.page_size + pos % self.page_size
+        self.req_to_token.table[req.row, start:end] = slots
+        return slots
+
+    # ---- forward -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward_extend(self, reqs: list[Req], chunk_lens: list[int], logit_rows: list[list[int]]):
+        """Prefill `chunk_lens[i]` tokens of each request after its computed prefix.
+
+        `logit_rows[i]` are offsets within request i's chunk whose logits are wanted.
+        Returns logits [sum(len(rows)), vocab] float32, rows in request order.
+        """
+        ids, positions, locs, seq_kv, prefix_lens, seq_lens, logits_idx = [], [], [], [], [], [], []
+        offset = 0
+        for req, n, rows in zip(reqs, chunk_lens, logit_rows):
+            start = req.num_computed
+            fill = req.fill_ids
+            ids.extend(fill[start : start + n])
+            positions.append(torch.arange(start, start + n))
+            locs.append(self.assign_slots(req, start, start + n))
+            seq_kv.append(self.req_to_token.table[req.row, : start + n])
+            prefix_lens.append(start)
+            seq_lens.append(start + n)
+            logits_idx.extend(offset + r for r in rows)
+            offset += n
+        batch = ForwardBatch(
+            is_decode=False,
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.cat(positions),
+            out_cache_loc=torch.cat(locs),
+            seq_lens=seq_lens,
+            extend_lens=list(chunk_lens),
+            prefix_lens=prefix_lens,
+            seq_kv_indices=seq_kv,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
+        )
+        hidden = self.model(batch)
+        return self.model.compute_logits(hidden) if logits_idx else None
+
+    @torch.inference_mode()
+    def forward_decode(self, reqs: list[Req]) -> torch.Tensor:
+        """One new token per request (its last output token). Returns logits [batch, vocab]."""
+        rows = [r.row for r in reqs]
+        seq_lens = [r.seq_len for r in reqs]
+        locs = []
+        for req, n in zip(reqs, seq_lens):
+            if self.pages_for(n) > len(req.pages):
+                self.assign_slots(req, n - 1, n)
+                locs.append(int(self.req_to_token.table[req.row, n - 1]))
+            else:
+                page = req.pages[(n - 1) // self.page_size]
+                locs.append(page * self.page_size + (n - 1) % self.page_size)
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        lens_t = torch.tensor(seq_lens, dtype=torch.int64)
+        out_loc = torch.tensor(locs, dtype=torch.int64)
+        self.req_to_token.table[rows_t, lens_t - 1] = out_loc
+        max_len = max(seq_lens)
+        kv_indices = self.req_to_token.table[rows_t, :max_len]
+        kv_mask = None
+        if min(seq_lens) != max_len:
+            kv_mask = (torch.arange(max_len).unsqueeze(0) < lens_t.unsqueeze(1)).view(len(reqs), 1, 1, max_len)
+        batch = ForwardBatch(
+            is_decode=True,
+            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64),
+            positions=lens_t - 1,
+            out_cache_loc=out_loc,
+            seq_lens=seq_lens,
+            extend_lens=[1] * len(reqs),
+            prefix_lens=[n - 1 for n in seq_lens],
+            kv_indices=kv_indices,
+            kv_mask=kv_mask,
+        )
+        return self.model.compute_logits(self.model(batch))

@@ -1,0 +1,131 @@
+"""A request's life inside the scheduler, and the per-step output it produces."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cadence.io_struct import BatchTokenIDOutput, Logprobs
+from cadence.sampling_params import SamplingParams
+
+
+@dataclass
+class ReqOutput:
+    """What one step produced for one request (the scheduler's side of BatchTokenIDOutput)."""
+
+    rid: str
+    new_ids: list[int]  # tokens generated since the last output of this request
+    finished_reason: dict[str, Any] | None  # {"type": "stop"|"length"|"abort", ...}; None while running
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    http_worker_ipc: str | None
+    params: SamplingParams
+    return_logprob: bool = False
+    output_logprobs: list[tuple[float, int]] | None = None  # (logprob, id) of each new token
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    output_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
+    input_logprobs: list[tuple[float | None, int]] | None = None  # prompt tokens, sent once
+    input_top_logprobs: list[list[tuple[float, int]]] | None = None
+    input_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    http_worker_ipc: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position whose logprob is reported; -1: none
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    stream: bool = False
+
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: dict[str, Any] | None = None
+    row: int = -1  # row in ReqToTokenPool, -1 when not admitted
+    pages: list[int] = field(default_factory=list)  # KV pages held, in position order
+    num_reserved_pages: int = 0  # pages promised at admission (held + still to allocate)
+    num_computed: int = 0  # tokens of fill_ids whose K/V are in the pool
+    num_sent: int = 0  # output tokens already reported
+    cached_tokens: int = 0
+    generator: torch.Generator | None = None
+    created: float = field(default_factory=time.monotonic)
+    # Logprobs gathered since the last output (cleared when sent).
+    pending_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    pending_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    pending_given: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs: list[tuple[float | None, int]] | None = None
+    input_top: list[list[tuple[float, int]]] | None = None
+    input_given: list[list[tuple[float, int]]] | None = None
+    input_logprobs_sent: bool = False
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token whose K/V the request needs: the prompt, then what it generated."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < len(self.input_ids)
+
+    def total_tokens_needed(self, context_len: int) -> int:
+        """Tokens this request can ever hold: the prompt plus every token it may generate."""
+        return min(len(self.input_ids) + self.params.max_new_tokens, context_len)
+
+
+def _split(pairs):
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _split_nested(rows):
+    vals = [[v for v, _ in row] if row is not None else None for row in rows]
+    idxs = [[i for _, i in row] if row is not None else None for row in rows]
+    return vals, idxs
+
+
+def _logprobs(out: ReqOutput) -> Logprobs | None:
+    if not out.return_logprob:
+        return None
+    lp = Logprobs()
+    lp.output_token_logprobs_val, lp.output_token_logprobs_idx = _split(out.output_logprobs or [])
+    lp.output_top_logprobs_val, lp.output_top_logprobs_idx = _split_nested(out.output_top_logprobs or [])
+    lp.output_token_ids_logprobs_val, lp.output_token_ids_logprobs_idx = _split_nested(
+        out.output_token_ids_logprobs or [])
+    if out.input_logprobs is not None:
+        lp.input_token_logprobs_val, lp.input_token_logprobs_idx = _split(out.input_logprobs)
+        lp.input_top_logprobs_val, lp.input_top_logprobs_idx = _split_nested(out.input_top_logprobs or [])
+        lp.input_token_ids_logprobs_val, lp.input_token_ids_logprobs_idx = _split_nested(
+            out.input_token_ids_logprobs or [])
+    return lp
+
+
+def to_batch_output(outs: list[ReqOutput]) -> BatchTokenIDOutput:
+    """Packs one step's per-request outputs into the message for the detokenizer."""
+    logprobs = [_logprobs(o) for o in outs]
+    return BatchTokenIDOutput(
+        rids=[o.rid for o in outs],
+        http_worker_ipcs=[o.http_worker_ipc for o in outs],
+        finished_reasons=[o.finished_reason for o in outs],
+        output_ids=[o.new_ids for o in outs],
+        skip_special_tokens=[o.params.skip_special_tokens for o in outs],
+        spaces_between_special_tokens=[o.params.spaces_between_special_tokens for o in outs],
+        no_stop_trim=[o.params.no_stop_trim for o in outs],
+        stop_strs=[o.params.stop for o in outs],
+        prompt_tokens=[o.prompt_tokens for o in outs],
+        completion_tokens=[o.completion_tokens for o in outs],
+        cached_tokens=[o.cached_tokens for o in outs],
+        logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+    )

@@ -1,0 +1,248 @@
+"""The front process's engine client: validate, tokenize, send, and gather results by rid.
+
+Both protocol adapters (HTTP, gRPC) and the in-process `Engine` go through one
+`TokenizerManager`, so validation and results can never drift apart. It talks to the
+scheduler through a `send` callable and receives `BatchStrOutput`s via `handle_output`;
+whether those travel over ZMQ or stay in one process is the caller's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from cadence.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, Logprobs, TokenizedGenerateReqInput
+from cadence.sampling_params import InvalidParameter, SamplingParams
+
+
+class RequestError(Exception):
+    """A request the server will not or cannot serve; `status` is the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the front knows about the loaded model (reported by the scheduler once loaded)."""
+
+    model_path: str
+    tokenizer_path: str | None
+    served_model_name: str
+    context_len: int
+    vocab_size: int
+    max_total_tokens: int
+    is_generation: bool = True
+
+
+@dataclass
+class _ReqState:
+    obj: GenerateReqInput  # the single item
+    created: float
+    chunks: list[tuple[str, list[int]]] = field(default_factory=list)  # (text, ids) deltas not yet yielded
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: bool = False
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: dict[str, list] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+_LP_FIELDS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs",
+              "output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+
+
+class TokenizerManager:
+    def __init__(self, tokenizer, info: ModelInfo, send: Callable[[Any], None],
+                 max_pending: int = 1088, worker_ipc: str | None = None):
+        self.tokenizer = tokenizer
+        self.info = info
+        self.send = send
+        self.max_pending = max_pending
+        self.worker_ipc = worker_ipc
+        self.states: dict[str, _ReqState] = {}
+
+    # ---- validation and tokenization (no scheduler involved) ------------------------------
+
+    def tokenize_item(self, item: GenerateReqInput) -> TokenizedGenerateReqInput:
+        for name in ("image_data", "audio_data", "video_data"):
+            if getattr(item, name) is not None:
+                kind = name.split("_")[0]
+                raise InvalidParameter(name, f"{name}: this model does not accept {kind} input")
+        params = SamplingParams.from_dict(item.sampling_params)
+        params.verify(self.info.vocab_size)
+        if item.text is not None:
+            input_ids = self.tokenizer.encode(item.text, add_special_tokens=True)
+        else:
+            input_ids = list(item.input_ids)
+            bad = [t for t in input_ids if not 0 <= t < self.info.vocab_size]
+            if bad:
+                raise InvalidParameter("input_ids", f"input_ids: token id {bad[0]} is outside the "
+                                                    f"vocabulary [0, {self.info.vocab_size})")
+        if not input_ids:
+            raise InvalidParameter("text", "text: the prompt is empty after tokenization")
+        ctx = self.info.context_len
+        if len(input_ids) >= ctx:
+            raise InvalidParameter("text" if item.text is not None else "input_ids",
+                                   f"the prompt has {len(input_ids)} tokens, which is at least the "
+                                   f"context length ({ctx}); shorten it")
+        if len(input_ids) + params.max_new_tokens > ctx:
+            raise InvalidParameter("max_new_tokens",
+                                   f"max_new_tokens: the prompt ({len(input_ids)} tokens) plus max_new_tokens "
+                                   f"({params.max_new_tokens}) exceeds the context length ({ctx}); lower it "
+                                   f"to at most {ctx - len(input_ids)}")
+        if params.regex or params.json_schema or params.ebnf:
+            field_name = "regex" if params.regex else "json_schema" if params.json_schema else "ebnf"
+            raise InvalidParameter(field_name, f"{field_name}: constrained decoding is not supported by this "
+                                               "server yet; remove the field")
+        start_len = item.logprob_start_len
+        if item.return_logprob and start_len >= len(input_ids):
+            raise InvalidParameter("logprob_start_len", f"logprob_start_len ({start_len}) must be below "
+                                                        f"the prompt length ({len(input_ids)})")
+        return TokenizedGenerateReqInput(
+            rid=item.rid, input_text=item.text, input_ids=input_ids, sampling_params=params,
+            return_logprob=bool(item.return_logprob), logprob_start_len=start_len,
+            top_logprobs_num=item.top_logprobs_num or 0, token_ids_logprob=item.token_ids_logprob,
+            stream=item.stream, lora_path=item.lora_path, http_worker_ipc=self.worker_ipc,
+        )
+
+    def prepare(self, obj: GenerateReqInput) -> list[TokenizedGenerateReqInput]:
+        """Normalizes and checks every item; raises InvalidParameter before anything is sent."""
+        obj.normalize_batch_and_arguments()
+        items = [obj.item(i) for i in range(obj.batch_size)] if not obj.is_single else [obj]
+        for it in items:
+            if it.rid in self.states:
+                raise InvalidParameter("rid", f"rid: {it.rid!r} is already in use by a live request")
+        tokenized = [self.tokenize_item(it) for it in items]
+        if obj.parallel_sample_num > 1:
+            for j, t in enumerate(tokenized):
+                if t.sampling_params.seed is not None:
+                    # Samples of one prompt must differ, yet stay reproducible for a given seed.
+                    t.sampling_params.seed += j % obj.parallel_sample_num
+        return tokenized
+
+    # ---- request life -----------------------------------------------------------------
+
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
+        """Yields results: one final dict (or list for a batch), or stream chunks (dicts with
+        an `index` for batches) when `obj.stream`. Raises InvalidParameter / RequestError."""
+        tokenized = self.prepare(obj)
+        if len(self.states) + len(tokenized) > self.max_pending:
+            raise RequestError(429, "the server is overloaded: too many requests in flight; retry later")
+        now = time.monotonic()
+        items = [obj] if obj.is_single else [obj.item(i) for i in range(obj.batch_size)]
+        states = []
+        for item, tok in zip(items, tokenized):
+            st = _ReqState(item, now)
+            self.states[tok.rid] = st
+            states.append(st)
+        try:
+            for tok in tokenized:
+                self.send(tok)
+            if obj.stream:
+                async for chunk in self._stream(states, obj.is_single):
+                    yield chunk
+            else:
+                results = [await self._wait_final(st) for st in states]
+                yield results[0] if obj.is_single else results
+        finally:
+            for tok, st in zip(tokenized, states):
+                if not st.finished:
+                    self.abort_request(tok.rid, "the client went away")
+                self.states.pop(tok.rid, None)
+
+    async def _wait_final(self, st: _ReqState) -> dict:
+        while not st.finished:
+            await st.event.wait()
+            st.event.clear()
+        st.chunks.clear()
+        return self._result(st, st.text, st.output_ids)
+
+    async def _stream(self, states: list[_ReqState], is_single: bool):
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, st: _ReqState):
+            while True:
+                await st.event.wait()
+                st.event.clear()
+                deltas, st.chunks = st.chunks, []
+                text = "".join(d[0] for d in deltas)
+                ids = [t for d in deltas for t in d[1]]
+                if text or ids or st.finished:
+                    await queue.put((index, self._result(st, text, ids)))
+                if st.finished:
+                    await queue.put((index, None))
+                    return
+
+        tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(states)]
+        try:
+            remaining = len(states)
+            while remaining:
+                index, chunk = await queue.get()
+                if chunk is None:
+                    remaining -= 1
+                    continue
+                if not is_single:
+                    chunk["index"] = index
+                yield chunk
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _result(self, st: _ReqState, text: str, ids: list[int]) -> dict:
+        meta = dict(st.meta)
+        meta["id"] = st.obj.rid
+        meta["e2e_latency"] = time.monotonic() - st.created
+        if st.obj.return_logprob:
+            for name in _LP_FIELDS:
+                values = st.logprobs.get(name, [])
+                meta[name] = self._with_text(values, st.obj.return_text_in_logprobs, nested="top" in name or "ids" in name)
+        reason = meta.get("finish_reason")
+        if reason and reason.get("type") == "abort" and reason.get("status_code", 200) >= 400:
+            raise RequestError(reason["status_code"], reason.get("message", "request failed"))
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    def _with_text(self, values: list, with_text: bool, nested: bool) -> list:
+        def one(v, i):
+            return [v, i, self.tokenizer.decode([i]) if with_text else None]
+        if nested:
+            return [[one(v, i) for v, i in zip(*row)] if row[0] is not None else None for row in values]
+        return [one(v, i) for v, i in values]
+
+    # ---- results in (called on the event loop) ------------------------------------------------
+
+    def handle_output(self, out: BatchStrOutput) -> None:
+        for i, rid in enumerate(out.rids):
+            st = self.states.get(rid)
+            if st is None:
+                continue  # the client already left; its abort is on the way
+            st.text += out.output_strs[i]
+            st.output_ids.extend(out.output_ids[i])
+            st.chunks.append((out.output_strs[i], out.output_ids[i]))
+            st.meta.update(prompt_tokens=out.prompt_tokens[i], completion_tokens=out.completion_tokens[i],
+                           cached_tokens=out.cached_tokens[i], finish_reason=out.finished_reasons[i])
+            if out.logprobs and out.logprobs[i] is not None:
+                self._add_logprobs(st, out.logprobs[i])
+            if out.finished_reasons[i] is not None:
+                st.finished = True
+            st.event.set()
+
+    @staticmethod
+    def _add_logprobs(st: _ReqState, lp: Logprobs) -> None:
+        for name in _LP_FIELDS:
+            vals, idxs = getattr(lp, f"{name}_val"), getattr(lp, f"{name}_idx")
+            if vals is not None:
+                st.logprobs.setdefault(name, []).extend(zip(vals, idxs))
+
+    def abort_request(self, rid: str | None = None, message: str = "aborted", abort_all: bool = False) -> None:
+        """Asks the scheduler to end the request(s); `rid` also matches the samples `rid-j` of n > 1."""
+        if abort_all:
+            self.send(AbortReq(abort_all=True, message=message, http_worker_ipc=self.worker_ipc))
+            return
+        targets = [r for r in self.states if r == rid or r.startswith(f"{rid}-")] or [rid]
+        for r in targets:
+            self.send(AbortReq(rid=r, message=message, http_worker_ipc=self.worker_ipc))
