@@ -58,9 +58,10 @@ class _Body(msgspec.Struct):
     prompt: Any = None
     text: Any = None
     input_ids: Any = None
-    image_data: msgspec.Raw | None = None
-    audio_data: msgspec.Raw | None = None
-    video_data: msgspec.Raw | None = None
+    # Raw: presence is all that matters, so base64 media is never decoded.
+    image_data: msgspec.Raw = msgspec.Raw()
+    audio_data: msgspec.Raw = msgspec.Raw()
+    video_data: msgspec.Raw = msgspec.Raw()
 
 
 _decoder = msgspec.json.Decoder(_Body)
@@ -96,7 +97,7 @@ def parse_route_meta(path: str, body: bytes) -> RouteMeta:
         (parsed.audio_data, "audio_input"),
         (parsed.video_data, "video_input"),
     ):
-        if field is not None and bytes(field) != b"null":
+        if len(field) and bytes(field) != b"null":
             caps.add(cap)
     if parsed.messages:
         caps.update(_message_capabilities(parsed.messages))
