@@ -55,6 +55,16 @@ class Detokenizer:
             return delta
         return ""
 
+    def _stop_start(self, st: _State, text: str, stop: str, skip: bool, spaces: bool) -> int:
+        """Where in `text` (which ends with the newest token's text) the matched stop string
+        starts: its first occurrence reaching into the newest token. Earlier occurrences were
+        ignored by the scheduler (min_new_tokens) and stay in the text."""
+        window = st.ids[-(_CONTEXT_TOKENS + 1):]
+        before = self._decode(window[:-1], skip, spaces).rstrip("\ufffd")
+        newest = max(len(self._decode(window, skip, spaces)) - len(before), 0)
+        cut = text.find(stop, max(len(text) - newest - len(stop) + 1, 0))
+        return cut if cut != -1 else text.find(stop)
+
     def process(self, batch: BatchTokenIDOutput) -> BatchStrOutput:
         texts = []
         for i, rid in enumerate(batch.rids):
@@ -75,7 +85,8 @@ class Detokenizer:
                 out = st.unsent
                 matched = reason.get("matched")
                 if isinstance(matched, str) and not batch.no_stop_trim[i]:
-                    cut = out.find(matched)
+                    cut = self._stop_start(st, out, matched, batch.skip_special_tokens[i],
+                                           batch.spaces_between_special_tokens[i])
                     if cut != -1:
                         out = out[:cut]
                 del self.states[rid]
