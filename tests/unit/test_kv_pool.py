@@ -1,0 +1,163 @@
+"""PageAllocator and ReqToTokenPool invariants: no model, no torch compute beyond tiny tensors."""
+
+import pytest
+import torch
+
+from cadence.mem_cache.kv_pool import KVPool, PageAllocator, ReqToTokenPool
+
+
+def held(alloc: PageAllocator) -> set[int]:
+    return {p for p, c in enumerate(alloc.ref_counts) if c > 0}
+
+
+def check_invariants(alloc: PageAllocator) -> None:
+    free = alloc.free_pages
+    assert len(free) == len(set(free)), "a page is on the free list twice"
+    assert all(alloc.ref_counts[p] == 0 for p in free), "a free page has holders"
+    assert held(alloc).isdisjoint(free)
+    assert alloc.num_free_pages + len(held(alloc)) == alloc.num_pages
+
+
+def test_fresh_allocator_is_all_free():
+    alloc = PageAllocator(8)
+    assert alloc.num_free_pages == alloc.num_pages == 8
+    check_invariants(alloc)
+
+
+def test_alloc_gives_distinct_pages_with_refcount_one():
+    alloc = PageAllocator(8)
+    a = alloc.alloc(3)
+    b = alloc.alloc(2)
+    assert len(a) == 3 and len(b) == 2
+    assert set(a).isdisjoint(b)
+    assert all(alloc.ref_counts[p] == 1 for p in a + b)
+    assert alloc.num_free_pages == 3
+    check_invariants(alloc)
+
+
+def test_fresh_pages_are_low_and_contiguous():
+    alloc = PageAllocator(8)
+    assert alloc.alloc(4) == [0, 1, 2, 3]
+
+
+def test_alloc_zero_is_empty_and_takes_nothing():
+    alloc = PageAllocator(4)
+    assert alloc.alloc(0) == []
+    assert alloc.num_free_pages == 4
+
+
+def test_exhaustion_returns_none_and_takes_nothing():
+    alloc = PageAllocator(4)
+    first = alloc.alloc(3)
+    assert alloc.alloc(2) is None  # only one left: all or nothing
+    assert alloc.num_free_pages == 1
+    last = alloc.alloc(1)
+    assert alloc.num_free_pages == 0
+    assert alloc.alloc(1) is None
+    assert sorted(first + last) == [0, 1, 2, 3]
+    check_invariants(alloc)
+
+
+def test_decref_returns_pages_to_free_list():
+    alloc = PageAllocator(4)
+    pages = alloc.alloc(4)
+    alloc.decref(pages[:2])
+    assert alloc.num_free_pages == 2
+    check_invariants(alloc)
+    alloc.decref(pages[2:])
+    assert alloc.num_free_pages == 4
+    check_invariants(alloc)
+    assert sorted(alloc.alloc(4)) == [0, 1, 2, 3]  # every page usable again
+
+
+def test_shared_page_is_freed_only_by_its_last_holder():
+    alloc = PageAllocator(4)
+    pages = alloc.alloc(2)
+    alloc.incref(pages)  # a second request shares them (prefix cache)
+    assert [alloc.ref_counts[p] for p in pages] == [2, 2]
+    alloc.decref(pages)
+    assert alloc.num_free_pages == 2, "pages still held by the second holder were freed"
+    assert all(alloc.ref_counts[p] == 1 for p in pages)
+    check_invariants(alloc)
+    alloc.decref(pages)
+    assert alloc.num_free_pages == 4
+    check_invariants(alloc)
+
+
+def test_double_free_raises_and_keeps_free_list_sane():
+    alloc = PageAllocator(4)
+    pages = alloc.alloc(1)
+    alloc.decref(pages)
+    with pytest.raises(RuntimeError, match="double free"):
+        alloc.decref(pages)
+    assert alloc.num_free_pages == 4
+    check_invariants(alloc)
+
+
+def test_decref_of_never_allocated_page_raises():
+    alloc = PageAllocator(4)
+    with pytest.raises(RuntimeError):
+        alloc.decref([2])
+    check_invariants(alloc)
+
+
+def test_incref_of_free_page_raises():
+    alloc = PageAllocator(4)
+    with pytest.raises(RuntimeError, match="incref of free"):
+        alloc.incref([0])
+    assert alloc.ref_counts[0] == 0
+    check_invariants(alloc)
+
+
+def test_random_workload_keeps_invariants():
+    import random
+
+    rng = random.Random(0)
+    alloc = PageAllocator(32)
+    holders: list[list[int]] = []
+    for _ in range(500):
+        op = rng.random()
+        if op < 0.45:
+            pages = alloc.alloc(rng.randint(0, 6))
+            if pages is not None:
+                holders.append(pages)
+        elif op < 0.6 and holders:
+            shared = list(rng.choice(holders))
+            alloc.incref(shared)
+            holders.append(shared)
+        elif holders:
+            alloc.decref(holders.pop(rng.randrange(len(holders))))
+        check_invariants(alloc)
+        counts = [0] * alloc.num_pages
+        for pages in holders:
+            for p in pages:
+                counts[p] += 1
+        assert counts == alloc.ref_counts
+    for pages in holders:
+        alloc.decref(pages)
+    assert alloc.num_free_pages == alloc.num_pages
+
+
+def test_req_to_token_rows_alloc_and_free():
+    pool = ReqToTokenPool(3, 10)
+    rows = [pool.alloc() for _ in range(3)]
+    assert sorted(rows) == [0, 1, 2]
+    assert pool.num_free_rows == 0
+    assert pool.alloc() is None
+    pool.free(rows[1])
+    assert pool.num_free_rows == 1
+    assert pool.alloc() == rows[1]
+    assert pool.table.shape == (3, 10) and pool.table.dtype == torch.int64
+
+
+def test_kv_pool_budget_matches_its_buffers():
+    pool = KVPool(num_pages=4, page_size=16, num_layers=2, num_kv_heads=3, head_dim=8, dtype=torch.float32)
+    assert pool.num_slots == 64
+    per_token = KVPool.bytes_per_token(2, 3, 8, torch.float32)
+    assert per_token == 2 * 2 * 3 * 8 * 4  # K and V, every layer, float32
+    assert KVPool.bytes_per_token(2, 3, 8, torch.bfloat16) == per_token // 2
+    # Whatever the buffer layout, the pool holds exactly per_token bytes for every slot.
+    tensors = [t for t in vars(pool).values() if isinstance(t, list) for t in t if isinstance(t, torch.Tensor)]
+    assert sum(t.numel() * t.element_size() for t in tensors) == per_token * pool.num_slots
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        KVPool(0, 16, 1, 1, 8, torch.float32)
