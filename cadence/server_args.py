@@ -35,6 +35,8 @@ class ServerArgs:
     """Serve HTTP only; the gRPC port is not bound."""
     dtype: str = "auto"
     """Weight and activation dtype: auto (bfloat16 where the CPU supports it, else float32), float32, bfloat16, float16."""
+    kv_cache_dtype: str = "auto"
+    """KV cache dtype: auto (float32 on CPU, where small attention matmuls are much faster in float32; the model dtype elsewhere), float32, bfloat16, float16."""
     context_length: int | None = None
     """Longest sequence (prompt + output) served; default: the model's own."""
     max_running_requests: int = 64
@@ -59,8 +61,9 @@ class ServerArgs:
     """Report healthy without running the warm-up generation first."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
         for name in ("port", "max_running_requests", "page_size", "chunked_prefill_size", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
@@ -112,7 +115,7 @@ def add_cli_args(parser: argparse.ArgumentParser, cls: type = ServerArgs) -> Non
             continue
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
         conv = int if "int" in kind else float if "float" in kind else str
-        kwargs = {"choices": DTYPES} if f.name == "dtype" else {}
+        kwargs = {"choices": DTYPES} if f.name in ("dtype", "kv_cache_dtype") else {}
         parser.add_argument(flag, type=conv, default=f.default, help=help_text, **kwargs)
 
 

@@ -32,43 +32,49 @@ class AttentionBackend(ABC):
 
 
 class TorchSDPABackend(AttentionBackend):
-    """Portable backend on torch's scaled_dot_product_attention (the CPU default)."""
+    """Portable backend on torch matmuls and scaled_dot_product_attention (the CPU default)."""
 
     def forward(self, q, kv, layer_id, batch):
-        buf = self.kv_pool.kv_buffer[layer_id]
-        buf[batch.out_cache_loc] = kv
+        k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        kv = kv.to(k_buf.dtype)
+        k_buf[:, batch.out_cache_loc] = kv[:, 0].transpose(0, 1)
+        v_buf[:, batch.out_cache_loc] = kv[:, 1].transpose(0, 1)
         if batch.is_decode:
-            return self._decode(q, buf, batch)
-        return self._extend(q, kv, buf, batch)
+            return self._decode(q.to(k_buf.dtype), k_buf, v_buf, batch).to(q.dtype)
+        return self._extend(q.to(k_buf.dtype), kv, k_buf, v_buf, batch).to(q.dtype)
 
-    def _decode(self, q, buf, batch):
-        bs = batch.batch_size
-        gathered = buf[batch.kv_indices]  # [B, L, 2, KVH, D]
-        k = gathered[:, :, 0].transpose(1, 2)
-        v = gathered[:, :, 1].transpose(1, 2)
-        qh = q.view(bs, 1, self.num_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            qh, k, v, attn_mask=batch.kv_mask, scale=self.scale, enable_gqa=True
-        )
-        return out.reshape(bs, self.num_heads * self.head_dim)
+    def _decode(self, q, k_buf, v_buf, batch):
+        # One query token per request: two batched matmuls over [KVH, B] beat the flash kernel.
+        bs, kvh, d = batch.batch_size, self.num_kv_heads, self.head_dim
+        group = self.num_heads // kvh
+        k = k_buf[:, batch.kv_indices]  # [KVH, B, L, D]
+        v = v_buf[:, batch.kv_indices]
+        qg = q.view(bs, kvh, group, d).transpose(0, 1)  # [KVH, B, G, D]
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(self.scale)  # [KVH, B, G, L]
+        if batch.kv_mask is not None:
+            scores.masked_fill_(batch.kv_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v)  # [KVH, B, G, D]
+        return out.transpose(0, 1).reshape(bs, self.num_heads * d)
 
-    def _extend(self, q, kv, buf, batch):
+    def _extend(self, q, kv, k_buf, v_buf, batch):
         out = torch.empty_like(q)
         start = 0
         for i, ext in enumerate(batch.extend_lens):
             prefix = batch.prefix_lens[i]
             qh = q[start : start + ext].view(ext, self.num_heads, self.head_dim).transpose(0, 1)
             if prefix == 0:
-                seq_kv = kv[start : start + ext]  # the new tokens are the whole sequence
+                # The new tokens are the whole sequence: attend to them directly.
+                k = kv[start : start + ext, 0].transpose(0, 1)
+                v = kv[start : start + ext, 1].transpose(0, 1)
                 mask, causal = None, True
             else:
-                seq_kv = buf[batch.seq_kv_indices[i]]
+                idx = batch.seq_kv_indices[i]
+                k, v = k_buf[:, idx], v_buf[:, idx]  # [KVH, L, D]
                 total = prefix + ext
                 rows = torch.arange(prefix, total, device=q.device)[:, None]
                 mask = torch.arange(total, device=q.device)[None, :] <= rows  # [ext, total]
                 causal = False
-            k = seq_kv[:, 0].transpose(0, 1)
-            v = seq_kv[:, 1].transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 qh, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
             )

@@ -24,7 +24,7 @@ class ForwardBatch:
     extend_lens: list[int]  # per request: new tokens this step (all 1 in decode)
     prefix_lens: list[int]  # per request: tokens already in the KV pool
     kv_indices: torch.Tensor | None = None  # decode: [batch, max_seq_len] int64 KV slots, padded
-    kv_mask: torch.Tensor | None = None  # decode: [batch, 1, 1, max_seq_len] bool, None if no padding
+    kv_mask: torch.Tensor | None = None  # decode: [1, batch, 1, max_seq_len] bool, True = padding; None if none
     seq_kv_indices: list[torch.Tensor] | None = None  # extend: per request [seq_len] int64 KV slots
     logits_indices: torch.Tensor | None = None  # [num_logit_rows] int64 rows of the flat tokens to project
 

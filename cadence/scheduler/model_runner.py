@@ -47,6 +47,7 @@ class ModelRunner:
         self.args = args
         self.device = torch.device("cpu")
         self.dtype = resolve_dtype(args.dtype)
+        self.kv_dtype = torch.float32 if args.kv_cache_dtype == "auto" else _DTYPES[args.kv_cache_dtype]
         self.config, self.model = load_model(model_path, self.dtype, self.device)
         cfg = self.config
         self.context_len = args.context_length or cfg.max_position_embeddings
@@ -56,7 +57,7 @@ class ModelRunner:
         self.max_total_tokens = self._kv_budget_tokens()
         num_pages = self.max_total_tokens // self.page_size
         self.kv_pool = KVPool(num_pages, self.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                              cfg.head_dim, self.dtype, self.device)
+                              cfg.head_dim, self.kv_dtype, self.device)
         self.allocator = PageAllocator(num_pages)
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 1, self.context_len + 1, self.device)
         self.attn = TorchSDPABackend(self.kv_pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -67,7 +68,7 @@ class ModelRunner:
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens // self.page_size * self.page_size
         c = self.config
-        per_token = KVPool.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.kv_dtype)
         tokens = int(available_memory_bytes() * self.args.kv_cache_memory_fraction) // per_token
         return max(tokens // self.page_size, 1) * self.page_size
 
@@ -147,7 +148,8 @@ class ModelRunner:
         kv_indices = self.req_to_token.table[rows_t, :max_len]
         kv_mask = None
         if min(seq_lens) != max_len:
-            kv_mask = (torch.arange(max_len).unsqueeze(0) < lens_t.unsqueeze(1)).view(len(reqs), 1, 1, max_len)
+            # True where a row is padding (masked out), broadcast over [KVH, B, G, L] scores.
+            kv_mask = (torch.arange(max_len).unsqueeze(0) >= lens_t.unsqueeze(1)).view(1, len(reqs), 1, max_len)
         batch = ForwardBatch(
             is_decode=True,
             input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64),

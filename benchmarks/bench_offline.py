@@ -1,0 +1,188 @@
+"""Offline engine throughput against the matmul limit and a plain transformers decode loop.
+
+All figures come from one run, one process, one dtype:
+  - ours: decode tok/s at batch 1, 8, 32 (128 new tokens each, greedy, EOS ignored) and
+    prefill tok/s for one 512-token prompt, through the in-process Engine;
+  - limit: the model's weight matrix multiplies alone (every layer's projections plus the
+    LM head) at the same batch sizes — no attention, no norms, no Python around them;
+  - peer: transformers' own decode loop (generate with a KV cache) on the same GGUF weights.
+
+Usage: python benchmarks/bench_offline.py [--dtype bfloat16] [--json out.json] [--plot out.png]
+Not a test: timings on shared machines are noisy; each figure is the median of --repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+BATCHES = (1, 8, 32)
+NEW_TOKENS = 128
+PREFILL_LEN = 512
+
+
+def log(msg: str) -> None:
+    print(f"[bench_offline] {msg}", file=sys.stderr, flush=True)
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def prompts(tokenizer, batch: int) -> list[list[int]]:
+    base = tokenizer.encode("Write a long story about a lighthouse keeper and the sea. Chapter")
+    return [base + tokenizer.encode(f" {i + 1}:") for i in range(batch)]
+
+
+def bench_ours(engine, repeats: int) -> dict:
+    out = {}
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    for bs in BATCHES:
+        ids = prompts(engine.tokenizer, bs)
+        engine.generate(input_ids=ids, sampling_params=dict(params, max_new_tokens=4))
+        log(f"ours: decode batch {bs}")
+
+        def run():
+            res = engine.generate(input_ids=ids, sampling_params=params)
+            assert sum(r["meta_info"]["completion_tokens"] for r in res) == bs * NEW_TOKENS
+
+        # Subtract the prefill so the figure is decode alone.
+        prefill = median_time(lambda: engine.generate(input_ids=ids, sampling_params=dict(params, max_new_tokens=1)), repeats)
+        total = median_time(run, repeats)
+        out[f"decode_b{bs}_tok_s"] = bs * (NEW_TOKENS - 1) / max(total - prefill, 1e-9)
+    long_ids = [(engine.tokenizer.encode("The sea was calm that night. ") * 64)[:PREFILL_LEN]]
+    log("ours: prefill 512")
+    t = median_time(lambda: engine.generate(input_ids=long_ids, sampling_params={"max_new_tokens": 1}), repeats)
+    out["prefill_512_tok_s"] = PREFILL_LEN / t
+    return out
+
+
+def bench_limit(model, dtype, repeats: int) -> dict:
+    mats = []
+    for layer in model.layers:
+        mats += [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+    mats.append(model.lm_head_weight)
+    out = {}
+    for rows in BATCHES + (PREFILL_LEN,):
+        xs = {m.shape[1]: torch.randn(rows, m.shape[1], dtype=dtype) for m in mats}
+
+        def run():
+            for m in mats:
+                F.linear(xs[m.shape[1]], m)
+
+        run()
+        t = median_time(run, repeats * 3)
+        key = f"prefill_{rows}_limit_tok_s" if rows == PREFILL_LEN else f"decode_b{rows}_limit_tok_s"
+        out[key] = rows / t
+    return out
+
+
+def bench_hf(model_path: str, dtype, repeats: int, tokenizer) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    log("peer: loading transformers' GGUF model")
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
+                                                 dtype=dtype).eval()
+    out = {}
+    for bs in (1, 32):
+        ids = prompts(tokenizer, bs)
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[0] * (width - len(x)) + x for x in ids])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        log(f"peer: decode batch {bs}")
+
+        def gen(n):
+            with torch.inference_mode():
+                model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0)
+
+        prefill = median_time(lambda: gen(1), max(1, repeats // 2))
+        total = median_time(lambda: gen(NEW_TOKENS), max(1, repeats // 2))
+        out[f"decode_b{bs}_hf_tok_s"] = bs * (NEW_TOKENS - 1) / max(total - prefill, 1e-9)
+    return out
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = list(BATCHES)
+    ax.plot(xs, [results[f"decode_b{b}_tok_s"] for b in xs], "o-", label="Cadence")
+    ax.plot(xs, [results[f"decode_b{b}_limit_tok_s"] for b in xs], "s--", label="matmul limit")
+    hf = [(b, results.get(f"decode_b{b}_hf_tok_s")) for b in xs if results.get(f"decode_b{b}_hf_tok_s")]
+    if hf:
+        ax.plot([b for b, _ in hf], [v for _, v in hf], "^:", label="transformers loop")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"Offline decode, {results['dtype']}")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-hf", action="store_true", help="skip the transformers peer")
+    parser.add_argument("--json", default=None, help="write the results as one flat JSON object")
+    parser.add_argument("--plot", default="bench_results/bench_offline.png")
+    args = parser.parse_args()
+
+    from cadence import Engine
+
+    dtype = getattr(torch, args.dtype)
+    log("loading the engine")
+    engine = Engine(model_path=args.model_path, dtype=args.dtype, max_running_requests=64)
+    try:
+        results = {"dtype": args.dtype, "threads": torch.get_num_threads()}
+        results.update(bench_ours(engine, args.repeats))
+        log("limit: weight matmuls alone")
+        results.update(bench_limit(engine.scheduler.runner.model, dtype, args.repeats))
+        model_path = engine.info.model_path
+    finally:
+        engine.shutdown()
+    if not args.skip_hf:
+        results.update(bench_hf(model_path, dtype, args.repeats, engine.tokenizer))
+
+    rows = [("decode b1", "decode_b1_tok_s", "decode_b1_limit_tok_s", "decode_b1_hf_tok_s"),
+            ("decode b8", "decode_b8_tok_s", "decode_b8_limit_tok_s", None),
+            ("decode b32", "decode_b32_tok_s", "decode_b32_limit_tok_s", "decode_b32_hf_tok_s"),
+            ("prefill 512", "prefill_512_tok_s", "prefill_512_limit_tok_s", None)]
+    print(f"\nCadence offline, dtype={args.dtype}, threads={results['threads']}")
+    print(f"{'':12} {'ours tok/s':>11} {'limit':>9} {'ours/limit':>11} {'transformers':>13} {'ours/hf':>8}")
+    for name, ours, limit, hf in rows:
+        h = results.get(hf) if hf else None
+        print(f"{name:12} {results[ours]:11.1f} {results[limit]:9.1f} {results[ours] / results[limit]:11.2f} "
+              f"{(f'{h:.1f}' if h else '-'):>13} {(f'{results[ours] / h:.2f}' if h else '-'):>8}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    if args.plot:
+        os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
+        plot(results, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
