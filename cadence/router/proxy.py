@@ -11,8 +11,8 @@ it back.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
-import uuid
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -85,36 +85,35 @@ def request_id(request: web.Request) -> str:
     given = request.headers.get("x-request-id")
     if given and len(given) <= 128 and given.isprintable():
         return given
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()
 
 
 def forward_headers(headers: CIMultiDictProxy[str], rid: str) -> CIMultiDict[str]:
     """Request headers for the upstream: hop-by-hop ones (and those Connection names) dropped."""
-    drop = _REQUEST_DROP
-    connection = headers.get("Connection")
-    if connection:
-        drop = drop | {token.strip().lower() for token in connection.split(",")}
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in headers.items():
-        if key.lower() not in drop:
-            out.add(key, value)
+    out = CIMultiDict(headers)
+    _drop(out, _REQUEST_DROP)
     out[REQUEST_ID_HEADER] = rid
     return out
 
 
 def relay_headers(upstream: aiohttp.ClientResponse, rid: str, worker: Worker) -> CIMultiDict[str]:
     """Response headers for the client: the upstream's minus hop-by-hop, plus diagnostics."""
-    drop = _RESPONSE_DROP
-    connection = upstream.headers.get("Connection")
-    if connection:
-        drop = drop | {token.strip().lower() for token in connection.split(",")}
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in upstream.headers.items():
-        if key.lower() not in drop:
-            out.add(key, value)
+    out = CIMultiDict(upstream.headers)
+    _drop(out, _RESPONSE_DROP)
     out[REQUEST_ID_HEADER] = rid
     out[WORKER_HEADER] = worker.url
     return out
+
+
+def _drop(headers: CIMultiDict[str], names: frozenset[str]) -> None:
+    """Remove `names` and whatever the Connection header names (case-insensitive lookups)."""
+    connection = headers.get("Connection")
+    if connection:
+        for token in connection.split(","):
+            headers.popall(token.strip(), None)
+    for name in names:
+        if name in headers:
+            del headers[name]
 
 
 def _is_streamed(upstream: aiohttp.ClientResponse) -> bool:
@@ -205,7 +204,6 @@ class Forwarder:
     ) -> web.StreamResponse:
         worker.active += 1
         worker.num_requests += 1
-        self.metrics.observe_selection(worker)
         upstream: aiohttp.ClientResponse | None = None
         try:
             try:
@@ -298,4 +296,3 @@ class Forwarder:
 
     def _count_failure(self, worker: Worker, status: int | None, error: str) -> None:
         self.registry.record_request(worker, status, error)
-        self.metrics.observe_failure(worker)

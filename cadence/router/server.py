@@ -48,7 +48,7 @@ class Router:
         self._site: web.TCPSite | None = None
 
     def _init_observability(self) -> None:
-        self.metrics = RouterMetrics(in_flight=lambda: self.num_in_flight)
+        self.metrics = RouterMetrics(workers=lambda: self.registry, in_flight=lambda: self.num_in_flight)
         self.route_log = RouteLog(self.config.route_log)
 
     def _init_workers(self, specs: list[WorkerSpec]) -> None:
@@ -56,9 +56,8 @@ class Router:
             success_threshold=self.config.health_success_threshold,
             failure_threshold=self.config.health_failure_threshold,
         )
-        self.registry.listeners.append(self.metrics.health_changed)
         for spec in specs:
-            self.metrics.worker_added(self.registry.add(spec))
+            self.registry.add(spec)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -99,7 +98,6 @@ class Router:
     def add_worker(self, spec: WorkerSpec) -> Worker:
         """Add a worker in state `unknown` and probe it at once. KeyError if present."""
         worker = self.registry.add(spec)
-        self.metrics.worker_added(worker)
         if self.health is not None:
             self.health.watch(worker)
         return worker
@@ -108,7 +106,6 @@ class Router:
         """Stop routing to and probing `worker`; its requests in progress finish."""
         self.registry.remove(worker.id)
         self.policy.remove_worker(worker.id)
-        self.metrics.worker_removed(worker)
         if self.health is not None:
             await self.health.unwatch(worker)
 

@@ -132,7 +132,9 @@ async def test_metrics_report_requests_selections_health_retries_active(make_wor
     assert f'cadence_router_requests_total{{route="{CHAT}",status="200"}} 1.0' in text
     assert f'cadence_router_request_duration_seconds_count{{route="{CHAT}"}} 1.0' in text
     assert f'cadence_router_worker_selections_total{{worker="{worker.url}"}} 1.0' in text
-    assert f'cadence_router_worker_health{{cadence_router_worker_health="healthy",worker="{worker.url}"}} 1.0' in text
+    assert f'cadence_router_worker_health{{state="healthy",worker="{worker.url}"}} 1.0' in text
+    assert f'cadence_router_worker_health{{state="unknown",worker="{worker.url}"}} 0.0' in text
+    assert f'cadence_router_worker_routable{{worker="{worker.url}"}} 1.0' in text
     assert f'cadence_router_worker_active_requests{{worker="{worker.url}"}} 0.0' in text
     assert "cadence_router_active_requests 0.0" in text
     assert "cadence_router_retries_total" in text
