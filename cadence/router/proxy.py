@@ -25,7 +25,7 @@ from cadence.router.config import RouterConfig
 from cadence.router.metrics import RouterMetrics
 from cadence.router.policies import RoutingPolicy
 from cadence.router.request_meta import RouteMeta
-from cadence.router.workers import Worker, WorkerRegistry, is_failure_status
+from cadence.router.workers import Worker, WorkerRegistry
 
 HOP_BY_HOP = frozenset(
     {
@@ -202,6 +202,7 @@ class Forwarder:
     async def _attempt(
         self, worker: Worker, request: web.Request, body: bytes, ex: Exchange, may_retry: bool
     ) -> web.StreamResponse:
+        """One try on one worker, counted on it from the first byte sent to the last relayed."""
         worker.active += 1
         worker.num_requests += 1
         upstream: aiohttp.ClientResponse | None = None
@@ -215,16 +216,14 @@ class Forwarder:
                     timeout=self._timeout,
                     allow_redirects=False,
                 )
-                status = upstream.status
-                if may_retry and status in RETRY_STATUSES:
-                    self._count_failure(worker, status, f"answered {status}")
-                    raise _AttemptFailed(f"{worker.url} answered {status}")
-                self._count_result(worker, status)
+                self.registry.record_request(worker, upstream.status)
+                if may_retry and upstream.status in RETRY_STATUSES:
+                    raise _AttemptFailed(f"{worker.url} answered {upstream.status}")
                 if _is_streamed(upstream):
                     return await self._relay_stream(request, upstream, worker, ex)
-                data = await upstream.read()
+                return await self._relay_buffered(upstream, worker, ex)
             except asyncio.TimeoutError:
-                self._count_failure(worker, None, "timed out")
+                self.registry.record_request(worker, None, "timed out")
                 return error_response(
                     504,
                     f"worker {worker.url} did not answer within {self.config.request_timeout_secs}s",
@@ -232,14 +231,8 @@ class Forwarder:
                     "gateway_timeout",
                 )
             except (aiohttp.ClientError, OSError) as exc:
-                self._count_failure(worker, None, repr(exc))
+                self.registry.record_request(worker, None, repr(exc))
                 raise _AttemptFailed(f"{worker.url}: {exc!r}") from None
-            return web.Response(
-                status=status,
-                reason=upstream.reason,
-                body=data,
-                headers=relay_headers(upstream, ex.rid, worker),
-            )
         finally:
             worker.active -= 1
             if upstream is not None:
@@ -247,6 +240,16 @@ class Forwarder:
                     upstream.release()  # fully read: the connection goes back to the pool
                 else:
                     upstream.close()  # cut short: the worker sees its connection closed
+
+    async def _relay_buffered(self, upstream: aiohttp.ClientResponse, worker: Worker, ex: Exchange) -> web.Response:
+        """A short answer with a length: read it whole, send it in one piece."""
+        data = await upstream.read()
+        return web.Response(
+            status=upstream.status,
+            reason=upstream.reason,
+            body=data,
+            headers=relay_headers(upstream, ex.rid, worker),
+        )
 
     async def _relay_stream(
         self,
@@ -274,7 +277,7 @@ class Forwarder:
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 # The client already has headers: cut its connection so the
                 # truncation shows instead of a clean end of stream.
-                self._count_failure(worker, None, f"stream broke: {exc!r}")
+                self.registry.record_request(worker, None, f"stream broke: {exc!r}")
                 if request.transport is not None:
                     request.transport.close()
                 return response
@@ -287,12 +290,3 @@ class Forwarder:
                 return response
         await response.write_eof()
         return response
-
-    def _count_result(self, worker: Worker, status: int) -> None:
-        if is_failure_status(status):
-            self._count_failure(worker, status, f"answered {status}")
-        else:
-            self.registry.record_request(worker, status)
-
-    def _count_failure(self, worker: Worker, status: int | None, error: str) -> None:
-        self.registry.record_request(worker, status, error)

@@ -86,8 +86,7 @@ class Router:
     def port(self) -> int:
         """The port actually bound (differs from config.port when that is 0)."""
         assert self._runner is not None, "router not started"
-        sockets = [s for site in self._runner.sites for s in site._server.sockets]  # type: ignore[union-attr]
-        return sockets[0].getsockname()[1]
+        return self._runner.addresses[0][1]
 
     @property
     def url(self) -> str:

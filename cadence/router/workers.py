@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from cadence.router.config import WorkerSpec, worker_spec_from_dict
@@ -80,9 +80,6 @@ class Worker:
         }
 
 
-HealthListener = Callable[[Worker], None]
-
-
 class WorkerRegistry:
     """The set of workers, their health state machine, and the cached routable list.
 
@@ -98,7 +95,6 @@ class WorkerRegistry:
         self.failure_threshold = failure_threshold
         self._workers: dict[str, Worker] = {}
         self._routable: tuple[Worker, ...] = ()
-        self.listeners: list[HealthListener] = []  # called after a state change
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self._workers.values()))
@@ -125,7 +121,7 @@ class WorkerRegistry:
             raise KeyError(f"worker {spec.url} already exists")
         worker = Worker(url=spec.url, id=spec.id, model=spec.model, capabilities=spec.capabilities)
         self._workers[worker.id] = worker
-        self._changed(worker)
+        self._refresh()
         return worker
 
     def remove(self, worker_id: str) -> Worker | None:
@@ -206,12 +202,7 @@ class WorkerRegistry:
             return
         logger.info("worker %s: %s -> %s", worker.url, worker.health.value, health.value)
         worker.health = health
-        self._changed(worker)
-
-    def _changed(self, worker: Worker) -> None:
         self._refresh()
-        for listener in self.listeners:
-            listener(worker)
 
     def _refresh(self) -> None:
         self._routable = tuple(w for w in self._workers.values() if w.is_routable)

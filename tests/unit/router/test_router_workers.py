@@ -10,25 +10,22 @@ from cadence.router.workers import HealthState, WorkerRegistry, is_failure_statu
 
 def make(success: int = 2, failure: int = 3):
     registry = WorkerRegistry(success_threshold=success, failure_threshold=failure)
-    changes: list[str] = []
-    registry.listeners.append(lambda w: changes.append(w.health.value))
     worker = registry.add(WorkerSpec(url="http://w:1"))
-    return registry, worker, changes
+    return registry, worker
 
 
 def test_new_worker_is_unknown_and_becomes_healthy_after_success_threshold():
-    registry, worker, changes = make(success=2)
+    registry, worker = make(success=2)
     assert worker.health is HealthState.UNKNOWN and registry.routable == ()
     registry.record_probe(worker, 200, None)
     assert worker.health is HealthState.UNKNOWN
     registry.record_probe(worker, 200, None)
     assert worker.health is HealthState.HEALTHY and registry.routable == (worker,)
     assert worker.last_status == 200 and worker.last_check_time is not None
-    assert changes == ["unknown", "healthy"]
 
 
 def test_failure_threshold_counts_probes_and_requests_together():
-    registry, worker, _ = make(success=1, failure=3)
+    registry, worker = make(success=1, failure=3)
     registry.record_probe(worker, 200, None)
     registry.record_probe(worker, 503, None)
     registry.record_request(worker, None, "connection refused")
@@ -39,7 +36,7 @@ def test_failure_threshold_counts_probes_and_requests_together():
 
 
 def test_a_success_breaks_the_failure_streak():
-    registry, worker, _ = make(success=1, failure=2)
+    registry, worker = make(success=1, failure=2)
     registry.record_probe(worker, 200, None)
     registry.record_request(worker, 500)
     registry.record_request(worker, 200)
@@ -49,7 +46,7 @@ def test_a_success_breaks_the_failure_streak():
 
 @pytest.mark.parametrize("status", [400, 401, 403, 404, 413, 422])
 def test_4xx_never_counts_as_failure(status):
-    registry, worker, _ = make(success=1, failure=1)
+    registry, worker = make(success=1, failure=1)
     registry.record_probe(worker, 200, None)
     for _ in range(5):
         registry.record_request(worker, status)
@@ -63,7 +60,7 @@ def test_failure_statuses(status, is_failure):
 
 
 def test_unhealthy_recovers_after_success_threshold_of_probes():
-    registry, worker, _ = make(success=2, failure=1)
+    registry, worker = make(success=2, failure=1)
     registry.record_probe(worker, None, "refused")
     assert worker.health is HealthState.UNHEALTHY and worker.last_error == "refused"
     registry.record_probe(worker, 200, None)
@@ -73,7 +70,7 @@ def test_unhealthy_recovers_after_success_threshold_of_probes():
 
 
 def test_dead_ignores_probes_and_requests_until_recovered():
-    registry, worker, _ = make(success=1, failure=1)
+    registry, worker = make(success=1, failure=1)
     registry.record_probe(worker, 200, None)
     registry.update(worker, {"dead": True})
     assert worker.health is HealthState.DEAD and registry.routable == ()
@@ -87,7 +84,7 @@ def test_dead_ignores_probes_and_requests_until_recovered():
 
 
 def test_disabled_is_independent_of_health():
-    registry, worker, _ = make(success=1)
+    registry, worker = make(success=1)
     registry.record_probe(worker, 200, None)
     registry.update(worker, {"disabled": True})
     assert worker.health is HealthState.HEALTHY and not worker.is_routable and registry.routable == ()
@@ -96,7 +93,7 @@ def test_disabled_is_independent_of_health():
 
 
 def test_update_validates_fields_and_values():
-    registry, worker, _ = make()
+    registry, worker = make()
     with pytest.raises(ValueError, match="unknown fields"):
         registry.update(worker, {"weight": 2})
     with pytest.raises(ValueError, match="disabled"):
@@ -110,7 +107,7 @@ def test_update_validates_fields_and_values():
 
 
 def test_lookup_by_id_or_url_and_removal():
-    registry, worker, _ = make()
+    registry, worker = make()
     assert registry.get(worker.id) is worker and registry.get("http://w:1") is worker
     with pytest.raises(KeyError):
         registry.add(WorkerSpec(url="http://w:1"))
