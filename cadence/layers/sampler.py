@@ -108,9 +108,13 @@ def _logprob_info(logits: torch.Tensor, next_ids: torch.Tensor, rows: list[Sampl
     return chosen, tops, given
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingInput]) -> SampleOutput:
     """logits: [batch, vocab] float32, modified in place. Log-probabilities are reported from the
-    distribution after penalties, bias and masks but before temperature and filtering."""
+    distribution after penalties, bias and masks but before temperature and filtering.
+
+    Runs in inference mode: the forward pass hands over inference tensors, which refuse
+    in-place updates (bias, masks, penalties) outside it."""
     if any(r.params.frequency_penalty or r.params.presence_penalty or r.params.repetition_penalty != 1.0
            for r in rows):
         _apply_penalties(logits, rows)
