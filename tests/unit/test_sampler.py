@@ -209,3 +209,18 @@ def test_mixed_batch_greedy_and_sampled_rows():
     assert out.next_ids[0] == 0
     assert out.next_ids[1] == VOCAB - 1
     assert out.next_ids[2] != 0
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.0, "logit_bias": {3: 5.0}},
+    {"temperature": 0.0, "frequency_penalty": 1.0, "presence_penalty": 0.5, "repetition_penalty": 1.5},
+    {"temperature": 1.0, "top_k": 3, "top_p": 0.9, "min_p": 0.1},
+])
+def test_logits_from_an_inference_mode_forward(params):
+    # The model runs under torch.inference_mode(); its logits are inference tensors, which
+    # refuse in-place updates outside that mode. The sampler edits logits in place.
+    with torch.inference_mode():
+        logits = logits_of(P)
+    out = sample(logits, [row(output=[3, 3], seed=0, suppress=[0], return_logprob=True, **params)])
+    assert out.next_ids[0] != 0
+    assert len(out.logprobs) == 1
