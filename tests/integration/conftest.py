@@ -1,0 +1,79 @@
+"""Engines on the real default model (SmolLM2-135M-Instruct), loaded once per session.
+
+`engine` is the plain float32 engine most tests share. `small_engine` has a 16-token
+prefill chunk and a 256-token KV pool (16 pages), so chunked prefill, waiting for memory
+and refusing what can never fit happen with short prompts.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+SMALL_POOL_TOKENS = 256
+SMALL_CHUNK = 16
+
+
+def _load(**kwargs):
+    from cadence import Engine
+
+    return Engine(model_path=None, dtype="float32", **kwargs)
+
+
+@pytest.fixture(scope="session")
+def engine():
+    e = _load()
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="session")
+def small_engine():
+    e = _load(chunked_prefill_size=SMALL_CHUNK, max_total_tokens=SMALL_POOL_TOKENS, max_running_requests=4)
+    yield e
+    e.shutdown()
+
+
+def engine_state(engine) -> dict:
+    """Everything a finished request must have given back, read on the scheduler thread."""
+
+    def read(s):
+        alloc, rows = s.runner.allocator, s.runner.req_to_token
+        return {
+            "free_pages": alloc.num_free_pages, "num_pages": alloc.num_pages,
+            "free_rows": rows.num_free_rows, "num_rows": rows.max_reqs,
+            "waiting": len(s.waiting), "running": len(s.running), "chunked": s.chunked is not None,
+            "detokenizer_states": len(engine._worker.detokenizer.states),
+        }
+
+    state = engine.run_in_scheduler(read)
+    state["front_states"] = len(engine.tokenizer_manager.states)
+    return state
+
+
+def idle_state(state: dict) -> dict:
+    """What `state` must read once nothing is live: every page and row free, no queues."""
+    return {**state, "free_pages": state["num_pages"], "free_rows": state["num_rows"], "waiting": 0,
+            "running": 0, "chunked": False, "detokenizer_states": 0, "front_states": 0}
+
+
+def wait_idle(engine, timeout: float = 10.0) -> dict:
+    """Polls until the engine holds nothing (aborts are asynchronous); returns the last state."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = engine_state(engine)
+        if state == idle_state(state) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def assert_idle():
+    """Asserts that an engine is (or soon becomes) back to an empty KV pool and no live requests."""
+
+    def check(engine, timeout: float = 10.0) -> None:
+        state = wait_idle(engine, timeout)
+        assert state == idle_state(state)
+
+    return check
