@@ -98,7 +98,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=20)
+            proc.wait(timeout=10)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
     try:
