@@ -1,21 +1,15 @@
-"""Real upstream HTTP servers on loopback and a router in front of them, all in-process.
+"""Fixtures: fake upstream workers, routers in front of them, and a client session.
 
-A `FakeWorker` is a small aiohttp app on a real socket whose behaviour each test sets:
-answer JSON, answer a given status, stream SSE events, hang, or break mid-stream. It
-records what it received and when a stream it was writing got closed by its peer.
+Everything runs in-process on the test's event loop, over real loopback sockets.
 """
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 import aiohttp
 import pytest
-from aiohttp import web
+from router_fakes import FakeWorker, wait_for
 
 from cadence.router.config import RouterConfig, load_worker_specs
 from cadence.router.server import Router
@@ -28,126 +22,6 @@ FAST_PROBES = {
     "retry_initial_backoff_ms": 1.0,
     "retry_max_backoff_ms": 5.0,
 }
-
-
-@dataclass
-class Received:
-    method: str
-    path_qs: str
-    headers: dict[str, str]
-    body: bytes
-
-
-@dataclass
-class FakeWorker:
-    """Behaviour knobs (set by tests) and what was received."""
-
-    mode: str = "json"  # json | status | sse | hang | break | slow
-    status: int = 200
-    body: bytes = b'{"ok": true}'
-    content_type: str = "application/json"
-    extra_headers: dict[str, str] = field(default_factory=dict)
-    events: list[bytes] = field(default_factory=list)
-    event_gap_secs: float = 0.0
-    delay_secs: float = 0.0
-    health_status: int = 200
-    models: list[dict] | None = None
-    received: list[Received] = field(default_factory=list)
-    num_health_probes: int = 0
-    num_events_written: int = 0
-    stream_closed: asyncio.Event = field(default_factory=asyncio.Event)
-    handler_started: asyncio.Event = field(default_factory=asyncio.Event)
-    url: str = ""
-    _runner: web.AppRunner | None = None
-
-    async def start(self) -> FakeWorker:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-        return self
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.received)
-
-    async def _health(self, request: web.Request) -> web.Response:
-        self.num_health_probes += 1
-        return web.Response(status=self.health_status, text="ok")
-
-    async def _models(self, request: web.Request) -> web.Response:
-        if self.models is None:
-            return web.Response(status=500, text="no models")
-        return web.json_response({"object": "list", "data": self.models})
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        self.received.append(Received(request.method, request.raw_path, dict(request.headers), body))
-        self.handler_started.set()
-        if self.mode == "hang":
-            await asyncio.sleep(3600)
-        if self.mode == "slow":
-            await asyncio.sleep(self.delay_secs)
-        if self.mode in ("sse", "break"):
-            return await self._stream(request)
-        headers = {"Content-Type": self.content_type, **self.extra_headers}
-        return web.Response(status=self.status, body=self.body, headers=headers)
-
-    async def _stream(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(
-            status=self.status, headers={"Content-Type": "text/event-stream", **self.extra_headers}
-        )
-        await response.prepare(request)
-        try:
-            for i, event in enumerate(self.events):
-                if self.mode == "break" and i == len(self.events) // 2:
-                    request.transport.close()  # die mid-stream
-                    return response
-                await response.write(event)
-                self.num_events_written += 1
-                if self.event_gap_secs:
-                    await asyncio.sleep(self.event_gap_secs)
-            await response.write_eof()
-        except (asyncio.CancelledError, ConnectionResetError):
-            self.stream_closed.set()  # the router closed the upstream connection
-            raise
-        return response
-
-
-def closed_port_url() -> str:
-    """A loopback URL on which nothing listens: connecting is refused."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
-
-
-async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    """Poll `predicate` every 10 ms; fail the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
-async def assert_idle(router: Router) -> None:
-    """Every count is released: in-flight requests and each worker's active count."""
-    await wait_for(
-        lambda: router.num_in_flight == 0 and all(w.active == 0 for w in router.registry),
-        timeout=2.0,
-        what="active counts back to zero",
-    )
 
 
 @pytest.fixture

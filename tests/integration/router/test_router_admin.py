@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from urllib.parse import quote
 
-from conftest import assert_idle, closed_port_url, wait_for
+from router_fakes import assert_idle, closed_port_url, wait_for
 
 from cadence.router.workers import HealthState
 

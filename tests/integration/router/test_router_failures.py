@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-from conftest import assert_idle, wait_for
+from router_fakes import assert_idle, wait_for
 
 from cadence.router.workers import HealthState
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import wait_for
+from router_fakes import wait_for
 
 NO_TORCH_SCRIPT = """
 import asyncio, sys

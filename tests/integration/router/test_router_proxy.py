@@ -7,7 +7,7 @@ import json
 import os
 
 import pytest
-from conftest import assert_idle
+from router_fakes import assert_idle
 from yarl import URL
 
 CHAT = "/v1/chat/completions"
