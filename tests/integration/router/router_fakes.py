@@ -17,6 +17,7 @@ from aiohttp import web
 
 from cadence.router.server import Router
 
+
 @dataclass
 class Received:
     method: str
