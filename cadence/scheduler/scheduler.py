@@ -221,14 +221,16 @@ class Scheduler:
         return None
 
     def _match_stop_string(self, req: Req) -> str | None:
-        longest = max(len(s) for s in req.params.stop)
-        # A token decodes to at least one character, so this many tokens cover any stop string.
+        # A byte-level token decodes to at least one byte, so this many tokens cover any stop
+        # string, even one of multi-byte characters.
+        longest = max(len(s.encode("utf-8")) for s in req.params.stop)
         window = req.output_ids[-(longest + 1):]
         tail = self.tokenizer.decode(window, skip_special_tokens=False)
-        before = self.tokenizer.decode(window[:-1], skip_special_tokens=False)
+        before = self.tokenizer.decode(window[:-1], skip_special_tokens=False).rstrip("\ufffd")
         for stop in req.params.stop:
-            # A match that was already there before the newest token ended an earlier step.
-            if stop in tail and stop not in before:
+            # Only an occurrence reaching into the newest token counts: an earlier one was
+            # ignored under min_new_tokens and must not end the request now.
+            if tail.find(stop, max(len(before) - len(stop) + 1, 0)) != -1:
                 return stop
         return None
 
