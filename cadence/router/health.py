@@ -47,16 +47,20 @@ class HealthChecker:
             waker.set()
 
     async def unwatch(self, worker: Worker) -> None:
-        self._wakers.pop(worker.id, None)
-        task = self._tasks.pop(worker.id, None)
+        """Stop probing `worker` (it was removed)."""
+        await self._cancel(worker.id)
+
+    async def stop(self) -> None:
+        for worker_id in list(self._tasks):
+            await self._cancel(worker_id)
+
+    async def _cancel(self, worker_id: str) -> None:
+        self._wakers.pop(worker_id, None)
+        task = self._tasks.pop(worker_id, None)
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-    async def stop(self) -> None:
-        for worker in list(self.registry):
-            await self.unwatch(worker)
 
     async def _run(self, worker: Worker, waker: asyncio.Event) -> None:
         while True:
