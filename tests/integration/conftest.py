@@ -69,7 +69,7 @@ def wait_idle(engine, timeout: float = 10.0) -> dict:
 
 
 @pytest.fixture
-def assert_idle():
+def assert_engine_idle():
     """Asserts that an engine is (or soon becomes) back to an empty KV pool and no live requests."""
 
     def check(engine, timeout: float = 10.0) -> None:

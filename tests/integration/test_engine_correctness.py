@@ -135,3 +135,30 @@ def test_chunked_prefill_gives_the_same_tokens(engine, small_engine, monkeypatch
     assert len(a) == len(b) == len(ids)
     assert [t for _, t, _ in a] == ids
     assert [v for v, _, _ in a[1:]] == pytest.approx([v for v, _, _ in b[1:]], abs=1e-3)
+    # Starting mid-prompt (inside the third chunk) gives the tail of the same list.
+    start = 2 * chunk + 5
+    tail = small_engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                 logprob_start_len=start)["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in tail] == ids[start:]
+    assert [v for v, _, _ in tail] == pytest.approx([v for v, _, _ in b[start:]], abs=1e-3)
+
+
+async def test_request_joining_mid_decode_matches_running_alone(engine):
+    # Continuous batching: B's prefill runs while A is decoding, then both decode together.
+    params_a = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+    params_b = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+    alone_a = engine.generate(PROMPTS[2], params_a)
+    alone_b = engine.generate(PROMPTS[3], params_b)
+    stream_a = engine.async_generate(PROMPTS[2], params_a, stream=True)
+    ids_a = []
+    async for chunk in stream_a:
+        ids_a += chunk["output_ids"]
+        if len(ids_a) >= 4:
+            break
+    joined_during = len(ids_a)
+    out_b = await anext(engine.async_generate(PROMPTS[3], params_b))
+    async for chunk in stream_a:
+        ids_a += chunk["output_ids"]
+    assert joined_during < 24 - 8  # A was still decoding for all of B's life
+    assert out_b["output_ids"] == alone_b["output_ids"]
+    assert ids_a == alone_a["output_ids"]

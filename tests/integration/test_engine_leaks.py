@@ -55,7 +55,7 @@ async def final(engine, *args, **kwargs) -> dict | list:
     return result
 
 
-async def test_no_leak_after_finished_stopped_aborted_and_refused(engine, assert_idle):
+async def test_no_leak_after_finished_stopped_aborted_and_refused(engine, assert_engine_idle):
     before = engine.run_in_scheduler(lambda s: s.runner.allocator.num_free_pages)
     assert before == engine.run_in_scheduler(lambda s: s.runner.allocator.num_pages)
 
@@ -108,10 +108,10 @@ async def test_no_leak_after_finished_stopped_aborted_and_refused(engine, assert
 
     await asyncio.gather(finished(), stopped_by_string(), stopped_by_eos(), stream_left_by_break(),
                          stream_closed(), aborted_by_rid(), parallel_samples_aborted_by_parent_rid(), refused())
-    assert_idle(engine)
+    assert_engine_idle(engine)
 
 
-async def test_no_leak_after_aborts_while_waiting_and_during_chunked_prefill(small_engine, assert_idle):
+async def test_no_leak_after_aborts_while_waiting_and_during_chunked_prefill(small_engine, assert_engine_idle):
     engine = small_engine
     pages = engine.run_in_scheduler(lambda s: s.runner.allocator.num_pages)
     page_size = engine.scheduler.runner.page_size
@@ -131,26 +131,27 @@ async def test_no_leak_after_aborts_while_waiting_and_during_chunked_prefill(sma
     engine.abort(abort_all=True)
     out = await asyncio.wait_for(hog, 30)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    assert_idle(engine)
+    assert_engine_idle(engine)
 
     # A 200-token prompt takes 13 chunked prefill steps; abort it in the middle of them.
     prompt = [300 + i % 40 for i in range(200)]
-    chunky = asyncio.create_task(final(engine, input_ids=prompt, sampling_params={**ENDLESS, "max_new_tokens": 40},
+    chunky = asyncio.create_task(final(engine, input_ids=prompt,
+                                       sampling_params={**ENDLESS, "max_new_tokens": 40},
                                        rid="chunky"))
     await wait_for(engine, chunky, "chunky", "chunked")
     engine.abort("chunky")
     out = await asyncio.wait_for(chunky, 30)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert out["output_ids"] == []
-    assert_idle(engine)
+    assert_engine_idle(engine)
 
     # Refused outright (can never fit the pool): nothing is taken either.
     with pytest.raises(RequestError):
         await final(engine, input_ids=[100] * 20, sampling_params={"max_new_tokens": 1000})
-    assert_idle(engine)
+    assert_engine_idle(engine)
 
     # And the pool is whole: a request needing every page runs.
     total = engine.scheduler.runner.max_total_tokens
     out = await final(engine, input_ids=[100] * (total - 8), sampling_params={**ENDLESS, "max_new_tokens": 8})
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
-    assert_idle(engine)
+    assert_engine_idle(engine)

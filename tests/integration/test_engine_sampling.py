@@ -144,7 +144,8 @@ def test_eos_ends_generation_and_min_new_tokens_holds_it_off(engine):
 
 def test_min_new_tokens_holds_off_stop_token_ids(engine, reference):
     token = reference["output_ids"][0]
-    out = engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 8, "stop_token_ids": [token], "min_new_tokens": 4})
+    params = {**GREEDY, "max_new_tokens": 8, "stop_token_ids": [token], "min_new_tokens": 4}
+    out = engine.generate(PROMPT, params)
     assert len(out["output_ids"]) >= 4
     assert token not in out["output_ids"][:4]
 
@@ -157,6 +158,35 @@ def test_top_k_one_equals_greedy(engine, reference):
 def test_tiny_top_p_equals_greedy(engine, reference):
     out = engine.generate(PROMPT, {"temperature": 1.0, "top_p": 1e-6, "max_new_tokens": 16, "ignore_eos": True})
     assert out["output_ids"] == reference["output_ids"]
+
+
+REPETITIVE = "Repeat after me: la la la la la la la la"
+
+
+@pytest.mark.parametrize("penalty", [{"frequency_penalty": 2.0}, {"repetition_penalty": 1.8}])
+def test_penalties_break_a_repetition(engine, penalty):
+    params = {**GREEDY, "max_new_tokens": 12}
+    plain = engine.generate(REPETITIVE, params)
+    la = engine.tokenizer.encode(" la", add_special_tokens=False)
+    assert plain["output_ids"] == la * 12  # greedy repeats forever
+    penalized = engine.generate(REPETITIVE, {**params, **penalty})
+    assert len(penalized["output_ids"]) == 12
+    assert penalized["output_ids"].count(la[0]) < 6
+
+
+def test_negative_presence_penalty_keeps_repeating(engine):
+    out = engine.generate(REPETITIVE, {**GREEDY, "max_new_tokens": 8, "presence_penalty": -2.0,
+                                       "repetition_penalty": 0.5})
+    la = engine.tokenizer.encode(" la", add_special_tokens=False)
+    assert out["output_ids"] == la * 8
+
+
+def test_filtered_sampling_is_seeded_and_valid(engine):
+    params = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "max_new_tokens": 10,
+              "ignore_eos": True, "seed": 5, "frequency_penalty": 0.3}
+    a, b = engine.generate([PROMPT, PROMPT], [params, params])
+    assert a["output_ids"] == b["output_ids"]
+    assert len(a["output_ids"]) == 10
 
 
 def test_n_two_returns_two_samples(engine):
@@ -174,7 +204,8 @@ def test_logprobs_shape_and_greedy_consistency(engine):
     meta = out["meta_info"]
     n = meta["completion_tokens"]
     assert n == 6
-    chosen, tops, given = meta["output_token_logprobs"], meta["output_top_logprobs"], meta["output_token_ids_logprobs"]
+    chosen, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
+    given = meta["output_token_ids_logprobs"]
     assert len(chosen) == len(tops) == len(given) == n
     assert [t for _, t, _ in chosen] == out["output_ids"]
     for (value, token, text), top, ids in zip(chosen, tops, given):
@@ -279,6 +310,24 @@ def test_invalid_request_rejected_before_the_scheduler(engine, scheduler_spy, fi
     scheduler_spy()
 
 
+def test_batch_with_one_bad_item_sends_nothing(engine, scheduler_spy):
+    with pytest.raises(InvalidParameter) as info:
+        engine.generate([PROMPT, PROMPT, PROMPT], [{"max_new_tokens": 2}, {"max_new_tokens": 2}, {"top_k": 0}])
+    assert info.value.param == "top_k"
+    scheduler_spy()
+
+
+async def test_rid_of_a_live_request_is_refused(engine):
+    stream = engine.async_generate(PROMPT, {**GREEDY, "max_new_tokens": 200}, stream=True, rid="busy")
+    try:
+        await anext(stream)
+        with pytest.raises(InvalidParameter) as info:
+            await anext(engine.async_generate(PROMPT, {"max_new_tokens": 1}, rid="busy"))
+        assert info.value.param == "rid"
+    finally:
+        await stream.aclose()
+
+
 def test_context_length_overflow_rejected(engine, scheduler_spy):
     ctx = engine.info.context_len
     with pytest.raises(InvalidParameter, match="context length") as info:
@@ -290,7 +339,7 @@ def test_context_length_overflow_rejected(engine, scheduler_spy):
     scheduler_spy()
 
 
-def test_request_that_does_not_fit_now_waits_then_completes(small_engine, monkeypatch, assert_idle):
+def test_request_that_does_not_fit_now_waits_then_completes(small_engine, monkeypatch, assert_engine_idle):
     # Each request reserves prompt + max_new_tokens = 9 of the 16 pages: the second must wait.
     sched = small_engine.scheduler
     page = sched.runner.page_size
@@ -308,21 +357,43 @@ def test_request_that_does_not_fit_now_waits_then_completes(small_engine, monkey
 
     monkeypatch.setattr(sched, "step", recording_step)
     a, b = small_engine.generate(input_ids=[prompt, prompt], sampling_params=params, rid=["first", "second"])
-    assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
+    length_24 = {"type": "length", "length": 24}
+    assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"] == length_24
     assert a["output_ids"] == b["output_ids"]
     assert any("second" in waiting and "first" in admitted for waiting, admitted in snapshots)
     assert not any({"first", "second"} <= admitted for _, admitted in snapshots), "both held pages at once"
-    assert_idle(small_engine)
+    assert_engine_idle(small_engine)
 
 
-def test_request_that_can_never_fit_gets_a_clear_error(small_engine, assert_idle):
+def test_more_requests_than_batch_slots_queue_and_complete(small_engine, monkeypatch, assert_engine_idle):
+    slots = small_engine.args.max_running_requests
+    prompts = [[100 + i, 200 + i, 300 + i, 400 + i] * 4 for i in range(slots + 2)]
+    params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+    seen_running = []
+    original = small_engine.scheduler.step
+
+    def recording_step():
+        seen_running.append(len(small_engine.scheduler.running))
+        return original()
+
+    monkeypatch.setattr(small_engine.scheduler, "step", recording_step)
+    together = small_engine.generate(input_ids=prompts, sampling_params=params)
+    monkeypatch.undo()
+    assert max(seen_running) == slots
+    alone = [small_engine.generate(input_ids=p, sampling_params=params) for p in prompts[-2:]]
+    assert [o["output_ids"] for o in together[-2:]] == [o["output_ids"] for o in alone]
+    assert all(len(o["output_ids"]) == 6 for o in together)
+    assert_engine_idle(small_engine)
+
+
+def test_request_that_can_never_fit_gets_a_clear_error(small_engine, assert_engine_idle):
     pool = small_engine.scheduler.runner.max_total_tokens
     with pytest.raises(RequestError) as info:
         small_engine.generate(input_ids=[100] * 50, sampling_params={"max_new_tokens": pool})
     assert info.value.status == 400
     message = str(info.value)
     assert str(pool) in message and "max_new_tokens" in message
-    assert_idle(small_engine)
+    assert_engine_idle(small_engine)
     # The engine still serves afterwards.
     ok = small_engine.generate(input_ids=[100] * 50, sampling_params={"max_new_tokens": 2})
     assert len(ok["output_ids"]) == 2

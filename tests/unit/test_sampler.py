@@ -153,7 +153,8 @@ def test_penalties_change_the_greedy_choice():
     # Token 0 is best by a small margin but was already generated three times.
     logits = torch.tensor([[2.0, 1.8, 0, 0, 0, 0, 0, 0]])
     assert sample(logits.clone(), [row(temperature=0.0, output=[0, 0, 0])]).next_ids == [0]
-    assert sample(logits.clone(), [row(temperature=0.0, output=[0, 0, 0], frequency_penalty=0.2)]).next_ids == [1]
+    penalized = row(temperature=0.0, output=[0, 0, 0], frequency_penalty=0.2)
+    assert sample(logits.clone(), [penalized]).next_ids == [1]
 
 
 def test_repetition_penalty_pushes_seen_tokens_toward_less_likely():
@@ -179,7 +180,8 @@ def test_penalties_apply_only_to_rows_that_ask():
 
 def test_logprobs_chosen_top_and_given_ids():
     logits = logits_of(P)
-    out = sample(logits, [row(temperature=0.0, return_logprob=True, top_logprobs_num=3, token_ids_logprob=[4, 7])])
+    r = row(temperature=0.0, return_logprob=True, top_logprobs_num=3, token_ids_logprob=[4, 7])
+    out = sample(logits, [r])
     assert out.next_ids == [0]
     assert out.logprobs[0] == pytest.approx(math.log(P[0]), abs=1e-5)
     top = out.top_logprobs[0]
@@ -204,7 +206,8 @@ def test_no_logprobs_unless_asked():
 
 
 def test_mixed_batch_greedy_and_sampled_rows():
-    rows = [row(temperature=0.0), row(seed=1, temperature=1.0, top_k=1), row(seed=2, temperature=1.0, suppress=[0])]
+    rows = [row(temperature=0.0), row(seed=1, temperature=1.0, top_k=1),
+            row(seed=2, temperature=1.0, suppress=[0])]
     out = sample(logits_of(P, P[::-1], P), rows)
     assert out.next_ids[0] == 0
     assert out.next_ids[1] == VOCAB - 1
