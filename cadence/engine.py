@@ -39,6 +39,7 @@ class _SchedulerThread:
         self.detokenizer = detokenizer
         self.deliver = deliver
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.alive = True
         self.thread = threading.Thread(target=self._loop, name="cadence-scheduler", daemon=True)
         self.thread.start()
 
@@ -66,13 +67,22 @@ class _SchedulerThread:
                 pass
             if not running:
                 break
+            if not self.alive:
+                break
             try:
                 outputs = self.scheduler.step()
-            except Exception:
-                logger.exception("scheduler step failed")
-                raise
+            except Exception as e:
+                # A broken step would leave every caller waiting forever: fail them all instead.
+                logger.exception("scheduler step failed; the engine stops")
+                self.scheduler.abort(abort_all=True, message=f"the engine failed: {e}")
+                for req in self.scheduler.outputs:
+                    if req.finished_reason is not None:
+                        req.finished_reason["status_code"] = 500
+                outputs, self.scheduler.outputs = self.scheduler.outputs, []
+                running = False
             if outputs:
                 self.deliver(self.detokenizer.process(to_batch_output(outputs)))
+        self.alive = False
 
     def stop(self) -> None:
         self.inbox.put(None)
@@ -102,6 +112,8 @@ class Engine:
         self._closed = False
 
     def _send(self, msg) -> None:
+        if not self._worker.alive:
+            raise RuntimeError("the engine has stopped (shut down, or a scheduler step failed; see the log)")
         self._worker.inbox.put(msg)
 
     def _make_obj(self, prompt, sampling_params, input_ids=None, **kwargs) -> GenerateReqInput:
@@ -150,6 +162,9 @@ class Engine:
             future.cancel()
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Ends request `rid` (and its n > 1 samples), or every request with abort_all."""
+        if (rid is None) == (not abort_all):
+            raise ValueError("give either a rid or abort_all=True")
         self.loop.call_soon_threadsafe(lambda: self.tokenizer_manager.abort_request(rid, abort_all=abort_all))
 
     def run_in_scheduler(self, fn):

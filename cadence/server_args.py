@@ -29,10 +29,6 @@ class ServerArgs:
     """Address the HTTP and gRPC servers bind."""
     port: int = 30000
     """HTTP port."""
-    grpc_port: int | None = None
-    """gRPC port; default: --port + 10000."""
-    disable_grpc: bool = False
-    """Serve HTTP only; the gRPC port is not bound."""
     dtype: str = "auto"
     """Weight and activation dtype: auto (bfloat16 where the CPU supports it, else float32), float32, bfloat16, float16."""
     kv_cache_dtype: str = "auto"
@@ -75,10 +71,6 @@ class ServerArgs:
             raise ValueError(f"max_total_tokens must be ≥ page_size ({self.page_size}), got {self.max_total_tokens}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
-
-    @property
-    def effective_grpc_port(self) -> int:
-        return self.grpc_port if self.grpc_port is not None else self.port + 10000
 
     def replace(self, **changes) -> "ServerArgs":
         return dataclasses.replace(self, **changes)

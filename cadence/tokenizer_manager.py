@@ -50,6 +50,7 @@ class _ReqState:
     output_ids: list[int] = field(default_factory=list)
     logprobs: dict[str, list] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    logprobs_sent: dict[str, int] = field(default_factory=dict)  # stream: entries already yielded
 
 
 _LP_FIELDS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs",
@@ -173,7 +174,7 @@ class TokenizerManager:
                 text = "".join(d[0] for d in deltas)
                 ids = [t for d in deltas for t in d[1]]
                 if text or ids or st.finished:
-                    await queue.put((index, self._result(st, text, ids)))
+                    await queue.put((index, self._result(st, text, ids, delta=True)))
                 if st.finished:
                     await queue.put((index, None))
                     return
@@ -193,13 +194,18 @@ class TokenizerManager:
             for t in tasks:
                 t.cancel()
 
-    def _result(self, st: _ReqState, text: str, ids: list[int]) -> dict:
+    def _result(self, st: _ReqState, text: str, ids: list[int], delta: bool = False) -> dict:
+        """A result dict; with `delta`, text, ids and logprobs are only what is new since the last one."""
         meta = dict(st.meta)
         meta["id"] = st.obj.rid
         meta["e2e_latency"] = time.monotonic() - st.created
         if st.obj.return_logprob:
             for name in _LP_FIELDS:
                 values = st.logprobs.get(name, [])
+                if delta:
+                    start = st.logprobs_sent.get(name, 0)
+                    st.logprobs_sent[name] = len(values)
+                    values = values[start:]
                 meta[name] = self._with_text(values, st.obj.return_text_in_logprobs, nested="top" in name or "ids" in name)
         reason = meta.get("finish_reason")
         if reason and reason.get("type") == "abort" and reason.get("status_code", 200) >= 400:

@@ -1,0 +1,291 @@
+"""The HTTP adapter: SGLang's native routes over one `EngineClient`.
+
+Thin by design: parse the body, build the request struct, call the TokenizerManager, turn
+its results (or its errors) into responses. Validation lives below, shared with gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import msgspec
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
+
+from cadence import __version__
+from cadence.entrypoints.http_errors import error_response, json_response
+from cadence.io_struct import GenerateReqInput
+from cadence.sampling_params import InvalidParameter
+from cadence.server_args import ServerArgs
+from cadence.tokenizer_manager import RequestError
+
+logger = logging.getLogger(__name__)
+
+OPEN_ROUTES = {"/health", "/health_generate"}
+
+
+@dataclasses.dataclass
+class ServerState:
+    """What the routes share. `client` is None until the model is loaded."""
+
+    args: ServerArgs
+    client: Any = None  # EngineClient
+    runtime: dict = dataclasses.field(default_factory=dict)  # facts the scheduler reported
+    is_ready: bool = False  # loaded and warmed up
+    is_shutting_down: bool = False
+    started: float = dataclasses.field(default_factory=time.time)
+
+
+async def read_json(request: Request) -> Any:
+    body = await request.body()
+    if not body:
+        return {}
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise InvalidParameter(None, f"the request body is not valid JSON: {e}")
+
+
+def sse(obj) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+async def until_disconnected(request: Request, coro):
+    """Runs `coro`, cancelling it if the client goes away first (its request is then aborted)."""
+    task = asyncio.ensure_future(coro)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            raise asyncio.CancelledError("client disconnected")
+
+
+async def first_result(gen: AsyncIterator):
+    result = None
+    async for result in gen:
+        pass
+    return result
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="Cadence", version=__version__, docs_url=None, redoc_url=None)
+    app.state.cadence = state
+
+    @app.exception_handler(InvalidParameter)
+    async def _invalid(request, e: InvalidParameter):
+        return error_response(400, str(e), e.param)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request, e: RequestError):
+        return error_response(e.status, str(e), e.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        message = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        return error_response(e.status_code, message)
+
+    @app.middleware("http")
+    async def _gate(request: Request, call_next):
+        path = request.url.path
+        key = state.args.api_key
+        if key and path not in OPEN_ROUTES and request.headers.get("authorization") != f"Bearer {key}":
+            return error_response(401, "missing or wrong API key: send `Authorization: Bearer <key>`")
+        if path not in ("/health", "/metrics", "/server_info", "/get_server_info") and not state.is_ready:
+            status_text = "shutting down" if state.is_shutting_down else "starting: the model is loading"
+            return error_response(503, f"the server is {status_text}")
+        return await call_next(request)
+
+    register_native_routes(app, state)
+    return app
+
+
+def register_native_routes(app: FastAPI, state: ServerState) -> None:
+    def client():
+        return state.client
+
+    @app.get("/health")
+    async def health():
+        if not state.is_ready or state.is_shutting_down:
+            return error_response(503, "starting" if not state.is_shutting_down else "shutting down")
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        await asyncio.wait_for(first_result(client().tm.generate_request(obj)), 30)
+        return Response(status_code=200)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info():
+        info = client().tm.info
+        return json_response({"model_path": info.model_path, "tokenizer_path": info.tokenizer_path,
+                              "served_model_name": info.served_model_name, "is_generation": info.is_generation,
+                              "max_context_length": info.context_len, "vocab_size": info.vocab_size})
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info():
+        body = dataclasses.asdict(state.args)
+        body.pop("api_key", None)  # never echo a secret
+        body.update(version=__version__, is_ready=state.is_ready, uptime_s=time.time() - state.started,
+                    **state.runtime)
+        return json_response(body)
+
+    @app.get("/get_load")
+    async def get_load():
+        load = await client().get_load()
+        return json_response([{"dp_rank": load.dp_rank, "num_reqs": load.num_running_reqs,
+                               "num_waiting_reqs": load.num_waiting_reqs, "num_tokens": load.num_used_tokens}])
+
+    @app.get("/v1/loads")
+    async def loads(request: Request):
+        load = await client().get_load()
+        entry = {f: getattr(load, f) for f in ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens",
+                                                "num_cached_tokens", "max_total_num_tokens", "token_usage",
+                                                "gen_throughput", "cache_hit_rate")}
+        entries = [entry]
+        rank = request.query_params.get("dp_rank")
+        if rank is not None:
+            if not rank.lstrip("-").isdigit():
+                raise InvalidParameter("dp_rank", f"dp_rank must be an integer, got {rank!r}")
+            entries = [e for e in entries if e["dp_rank"] == int(rank)]
+        if request.query_params.get("format") == "prometheus":
+            lines = []
+            for e in entries:
+                for name, value in e.items():
+                    if name != "dp_rank":
+                        lines.append(f'cadence_{name}{{dp_rank="{e["dp_rank"]}"}} {float(value)}')
+            return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return json_response({"timestamp": time.time(), "version": __version__, "loads": entries})
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        obj = GenerateReqInput.from_json_dict(await read_json(request))
+        gen = client().tm.generate_request(obj)
+        if obj.stream:
+            return await stream_response(gen)
+        return json_response(await until_disconnected(request, first_result(gen)))
+
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(request: Request):
+        body = await read_json(request)
+        unknown = set(body) - {"prompt", "add_special_tokens", "model"}
+        if unknown:
+            raise InvalidParameter(sorted(unknown)[0], f"unknown field {sorted(unknown)[0]!r}")
+        prompt = body.get("prompt")
+        add_special = body.get("add_special_tokens", True)
+        if not isinstance(add_special, bool):
+            raise InvalidParameter("add_special_tokens", "add_special_tokens must be a boolean")
+        tok = client().tm.tokenizer
+        max_len = client().tm.info.context_len
+        if isinstance(prompt, str):
+            tokens = tok.encode(prompt, add_special_tokens=add_special)
+            return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": max_len})
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            tokens = [tok.encode(p, add_special_tokens=add_special) for p in prompt]
+            return json_response({"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": max_len})
+        raise InvalidParameter("prompt", "prompt must be a string or a non-empty list of strings")
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(request: Request):
+        body = await read_json(request)
+        tokens = body.get("tokens")
+        skip = body.get("skip_special_tokens", True)
+        tm = client().tm
+        vocab = tm.info.vocab_size
+
+        def check(ids):
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise InvalidParameter("tokens", "tokens must be a list of token ids or a list of such lists")
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidParameter("tokens", f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab})")
+            return ids
+
+        if isinstance(tokens, list) and tokens and all(isinstance(t, list) for t in tokens):
+            return json_response({"text": [tm.tokenizer.decode(check(t), skip_special_tokens=skip) for t in tokens]})
+        return json_response({"text": tm.tokenizer.decode(check(tokens), skip_special_tokens=skip)})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await read_json(request)
+        if body.get("abort_all"):
+            client().tm.abort_request(abort_all=True, message="aborted by /abort_request")
+        elif isinstance(body.get("rid"), str):
+            client().tm.abort_request(body["rid"], message="aborted by /abort_request")
+        else:
+            raise InvalidParameter("rid", "give a rid (string) or abort_all: true")
+        return Response(status_code=200)
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        out = await client().flush_cache()
+        if not out.success:
+            return error_response(400, f"cannot flush the cache: {out.message}")
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        body = await read_json(request)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise InvalidParameter("mode", f"mode must be abort, retract or in_place, got {mode!r}")
+        client().pause(mode)
+        return json_response({"success": True, "mode": mode})
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        client().resume()
+        return json_response({"success": True})
+
+    @app.post("/start_profile")
+    async def start_profile(request: Request):
+        body = await read_json(request)
+        out = await client().profile("start", body.get("output_dir"), body.get("num_steps"))
+        return json_response({"success": out.success, "message": out.message}, 200 if out.success else 400)
+
+    @app.post("/stop_profile")
+    async def stop_profile():
+        out = await client().profile("stop", None)
+        return json_response({"success": out.success, "message": out.message}, 200 if out.success else 400)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights(request: Request):
+        body = await read_json(request)
+        if not isinstance(body.get("model_path"), str):
+            raise InvalidParameter("model_path", "model_path (a .gguf file or model directory) is required")
+        out = await client().update_weights(body["model_path"], body.get("load_format"))
+        return json_response({"success": out.success, "message": out.message}, 200 if out.success else 400)
+
+
+async def stream_response(gen: AsyncIterator) -> StreamingResponse:
+    """SSE of the chunks of `gen`; errors before the first chunk are ordinary error responses."""
+    try:
+        first = await gen.__anext__()
+    except StopAsyncIteration:
+        first = None
+
+    async def body():
+        try:
+            if first is not None:
+                yield sse(first)
+            async for chunk in gen:
+                yield sse(chunk)
+        except (InvalidParameter, RequestError) as e:
+            status = getattr(e, "status", 400)
+            yield sse({"error": {"message": str(e), "code": status}})
+        finally:
+            await gen.aclose()  # aborts the request if the client left mid-stream
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")

@@ -1,0 +1,247 @@
+"""`cadence serve`: the front process (HTTP, later gRPC) plus the scheduler and detokenizer
+processes. `--help` imports nothing heavy.
+
+Life cycle: the HTTP port is bound at once and answers 503 on /health until the model is
+loaded and a warm-up generation has passed. SIGINT/SIGTERM stop everything within seconds
+and remove the socket directory; if a child process dies, the server exits non-zero naming
+it. Children also die with the front process (PR_SET_PDEATHSIG), so nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from cadence.server_args import ServerArgs, add_cli_args, from_cli_args
+
+logger = logging.getLogger("cadence.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cadence serve", description="Serve a model over HTTP and gRPC.")
+    add_cli_args(parser)
+    return parser
+
+
+def _child_start(parent_pid: int) -> None:
+    """First thing in a child: die with the parent, even if it is already gone."""
+    import os
+
+    from cadence.ipc import die_with_parent
+
+    die_with_parent()
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def _scheduler_entry(args, paths, model_path, ready_pipe, parent_pid):
+    _child_start(parent_pid)
+    from cadence.managers.scheduler_process import run_scheduler_process
+
+    run_scheduler_process(args, paths, model_path, ready_pipe)
+
+
+def _detokenizer_entry(args, paths, tokenizer_source, parent_pid):
+    _child_start(parent_pid)
+    from cadence.managers.detokenizer_process import run_detokenizer_process
+
+    run_detokenizer_process(args, paths, tokenizer_source)
+
+
+class ChildDied(RuntimeError):
+    pass
+
+
+def _wait_ready(reader, children, stopping, timeout: float = 1800.0) -> dict:
+    import time
+
+    import msgspec
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stopping.is_set():
+        if reader.poll(0.5):
+            return msgspec.msgpack.decode(reader.recv_bytes())
+        for proc in children:
+            if proc.exitcode is not None:
+                raise ChildDied(f"the {proc.name} process died during start-up (exit code {proc.exitcode})")
+    if stopping.is_set():
+        return {"status": "stopped"}
+    raise ChildDied("the scheduler did not report ready in time")
+
+
+async def _serve(args: ServerArgs, paths, children, reader, model_path: str, stopping) -> int:
+    import asyncio
+    import multiprocessing.connection
+    import signal
+
+    import uvicorn
+
+    from cadence.entrypoints.http_server import ServerState, build_app
+    from cadence.managers.engine_client import EngineClient
+    from cadence.model_loader.loader import load_tokenizer
+    from cadence.model_loader.locate import model_name
+    from cadence.tokenizer_manager import ModelInfo
+
+    class Server(uvicorn.Server):
+        def capture_signals(self):  # we install our own handlers below
+            import contextlib
+
+            return contextlib.nullcontext()
+
+    loop = asyncio.get_running_loop()
+    state = ServerState(args)
+    server = Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
+                                   lifespan="off", timeout_graceful_shutdown=2, access_log=False))
+    exit_code = 0
+
+    def stop(code: int = 0):
+        nonlocal exit_code
+        exit_code = exit_code or code
+        state.is_shutting_down = True
+        server.should_exit = True
+        stopping.set()
+
+    if stopping.is_set():  # a signal arrived while we were starting
+        return 0
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    serve_task = asyncio.create_task(server.serve())
+    client = None
+    try:
+        tokenizer_future = loop.run_in_executor(None, load_tokenizer, model_path, args.tokenizer_path)
+        ready = await loop.run_in_executor(None, _wait_ready, reader, children, stopping)
+        if ready.get("status") == "stopped":
+            await serve_task
+            return exit_code
+        if ready.get("status") != "ready":
+            logger.error("the scheduler failed to load the model: %s\n%s", ready.get("error"), ready.get("traceback", ""))
+            stop(1)
+            await serve_task
+            return exit_code
+        tokenizer = await tokenizer_future
+        info = ModelInfo(model_path=model_path, tokenizer_path=args.tokenizer_path or model_path,
+                         served_model_name=args.served_model_name or model_name(model_path),
+                         context_len=ready["context_len"], vocab_size=ready["vocab_size"],
+                         max_total_tokens=ready["max_total_tokens"])
+        state.runtime = {k: v for k, v in ready.items() if k != "status"}
+        client = EngineClient(paths, info, tokenizer, args.max_queued_requests + args.max_running_requests)
+        client.start()
+        state.client = client
+
+        def watch():
+            # Wakes up regularly so that shutting down never waits on this thread.
+            while not stopping.is_set():
+                if multiprocessing.connection.wait([p.sentinel for p in children], timeout=0.5):
+                    return [p for p in children if p.exitcode is not None]
+            return []
+
+        async def watchdog():
+            dead = await loop.run_in_executor(None, watch)
+            if not state.is_shutting_down:
+                for p in dead:
+                    logger.error("the %s process died (exit code %s); shutting down", p.name, p.exitcode)
+                stop(1)
+
+        watch_task = asyncio.create_task(watchdog())
+        if not args.skip_warmup:
+            from cadence.entrypoints.http_server import first_result
+            from cadence.io_struct import GenerateReqInput
+
+            warm = GenerateReqInput(text="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0})
+            warmup = asyncio.ensure_future(first_result(client.tm.generate_request(warm)))
+            await asyncio.wait({warmup, serve_task}, timeout=300, return_when=asyncio.FIRST_COMPLETED)
+            if not warmup.done():
+                warmup.cancel()
+                if not state.is_shutting_down:
+                    raise RuntimeError("the warm-up generation did not finish in 300 s")
+            elif warmup.exception() is not None:
+                raise warmup.exception()
+        if not state.is_shutting_down:
+            state.is_ready = True
+            logger.info("Cadence is ready: http://%s:%d", args.host, args.port)
+        await serve_task
+        watch_task.cancel()
+    except ChildDied as e:
+        logger.error("%s", e)
+        stop(1)
+        await serve_task
+    except Exception:
+        logger.exception("start-up failed")
+        stop(1)
+        await serve_task
+    finally:
+        state.is_shutting_down = True
+        if client is not None:
+            client.close()
+    if not server.started and exit_code == 0:
+        logger.error("could not bind %s:%d", args.host, args.port)
+        exit_code = 1
+    return exit_code
+
+
+def _stop_children(children) -> None:
+    for proc in children:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in children:
+        proc.join(timeout=3)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=2)
+
+
+def launch(args: ServerArgs) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import multiprocessing as mp
+    import os
+    import signal
+    import threading
+
+    import uvloop
+
+    # Until the event loop takes over, a signal only marks the server as stopping, so the
+    # children and the socket directory are still cleaned up.
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+
+    from cadence.ipc import IpcPaths
+    from cadence.model_loader.locate import resolve_model_path
+
+    try:
+        model_path = resolve_model_path(args.model_path)
+    except (ValueError, FileNotFoundError) as e:
+        logger.error("%s", e)
+        return 2
+    paths = IpcPaths.create()
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    children = [
+        ctx.Process(target=_scheduler_entry, args=(args, paths, model_path, writer, os.getpid()), name="scheduler"),
+        ctx.Process(target=_detokenizer_entry, args=(args, paths, args.tokenizer_path or model_path, os.getpid()),
+                    name="detokenizer"),
+    ]
+    try:
+        for proc in children:
+            proc.start()
+        return uvloop.run(_serve(args, paths, children, reader, model_path, stopping))
+    finally:
+        _stop_children(children)
+        paths.remove()
+        logger.info("Cadence stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        args = from_cli_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The detokenizer process: token ids from the scheduler in, text deltas out to each front."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import zmq
+
+from cadence import io_struct
+from cadence.detokenizer import Detokenizer
+from cadence.io_struct import BatchEmbeddingOutput, BatchStrOutput, BatchTokenIDOutput
+from cadence.ipc import FrontRouter, IpcPaths, bind, die_with_parent
+from cadence.server_args import ServerArgs
+
+logger = logging.getLogger("cadence.detokenizer")
+
+
+def _split_by_front(out: BatchStrOutput) -> dict[str | None, BatchStrOutput]:
+    """One BatchStrOutput per front process, so each front gets only its own rids."""
+    fronts = set(out.http_worker_ipcs)
+    if len(fronts) == 1:
+        return {fronts.pop(): out}
+    parts = {}
+    for front in fronts:
+        idx = [i for i, f in enumerate(out.http_worker_ipcs) if f == front]
+        parts[front] = BatchStrOutput(
+            rids=[out.rids[i] for i in idx], http_worker_ipcs=[front] * len(idx),
+            finished_reasons=[out.finished_reasons[i] for i in idx],
+            output_strs=[out.output_strs[i] for i in idx], output_ids=[out.output_ids[i] for i in idx],
+            prompt_tokens=[out.prompt_tokens[i] for i in idx],
+            completion_tokens=[out.completion_tokens[i] for i in idx],
+            cached_tokens=[out.cached_tokens[i] for i in idx],
+            logprobs=None if out.logprobs is None else [out.logprobs[i] for i in idx],
+        )
+    return parts
+
+
+def run_detokenizer_process(args: ServerArgs, paths: IpcPaths, tokenizer_source: str) -> None:
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front process decides when we stop
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from cadence.model_loader.loader import load_tokenizer
+
+    detokenizer = Detokenizer(load_tokenizer(tokenizer_source))
+    ctx = zmq.Context(1)
+    inbox = bind(ctx, zmq.PULL, paths.detokenizer_input)
+    fronts = FrontRouter(ctx)
+    parent = os.getppid()
+    while True:
+        if not inbox.poll(1000):
+            if os.getppid() != parent:
+                return
+            continue
+        msg = io_struct.decode(inbox.recv(copy=False).bytes)
+        if isinstance(msg, BatchTokenIDOutput):
+            for front, part in _split_by_front(detokenizer.process(msg)).items():
+                fronts.send(front, part)
+        elif isinstance(msg, BatchEmbeddingOutput):
+            fronts.send(msg.http_worker_ipcs[0], msg)
+        else:
+            logger.error("detokenizer got an unexpected %s", type(msg).__name__)

@@ -1,0 +1,183 @@
+"""The scheduler process: owns the model and KV memory; one loop of receive → dispatch → step.
+
+It never blocks on a client: requests and control messages arrive on a ZMQ PULL socket and
+are drained between steps; token outputs go to the detokenizer, control answers straight
+back to the asking front process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+
+import msgspec
+import torch
+import zmq
+
+from cadence import io_struct
+from cadence.io_struct import (AbortReq, ContinueGenerationReqInput, FlushCacheReqInput, FlushCacheReqOutput,
+                               GetLoadReqInput, GetLoadReqOutput, PauseGenerationReqInput, ProfileReq,
+                               ProfileReqOutput, TokenizedGenerateReqInput, UpdateWeightFromDiskReqInput,
+                               UpdateWeightFromDiskReqOutput)
+from cadence.ipc import FrontRouter, IpcPaths, bind, connect, die_with_parent
+from cadence.scheduler.req import to_batch_output
+from cadence.scheduler.scheduler import Scheduler
+from cadence.server_args import ServerArgs
+
+logger = logging.getLogger("cadence.scheduler")
+
+
+class SchedulerProcess:
+    def __init__(self, args: ServerArgs, paths: IpcPaths, model_path: str, tokenizer):
+        self.args = args
+        self.scheduler = Scheduler(args, model_path, tokenizer)
+        self.ctx = zmq.Context(1)
+        self.inbox = bind(self.ctx, zmq.PULL, paths.scheduler_input)
+        self.to_detokenizer = connect(self.ctx, zmq.PUSH, paths.detokenizer_input)
+        self.fronts = FrontRouter(self.ctx)
+        self.profiler: torch.profiler.profile | None = None
+        self.profile_dir: str | None = None
+        self.handlers = {
+            TokenizedGenerateReqInput: self._on_generate,
+            AbortReq: self._on_abort,
+            FlushCacheReqInput: self._on_flush,
+            PauseGenerationReqInput: self._on_pause,
+            ContinueGenerationReqInput: self._on_continue,
+            GetLoadReqInput: self._on_get_load,
+            ProfileReq: self._on_profile,
+            UpdateWeightFromDiskReqInput: self._on_update_weights,
+        }
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        parent = os.getppid()
+        while True:
+            timeout = 0 if self.scheduler.has_work else 1000
+            if self.inbox.poll(timeout):
+                while True:
+                    try:
+                        data = self.inbox.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    msg = io_struct.decode(data.bytes)
+                    self.handlers[type(msg)](msg)
+            elif os.getppid() != parent:
+                return  # the server is gone
+            outputs = self.scheduler.step()
+            if outputs:
+                self.to_detokenizer.send(io_struct.encode(to_batch_output(outputs)), copy=False)
+
+    def _flush_outputs(self) -> None:
+        outputs = self.scheduler.outputs
+        if outputs:
+            self.scheduler.outputs = []
+            self.to_detokenizer.send(io_struct.encode(to_batch_output(outputs)), copy=False)
+
+    # ---- handlers ------------------------------------------------------------------------
+
+    def _on_generate(self, msg: TokenizedGenerateReqInput) -> None:
+        from cadence.engine import req_from_tokenized
+
+        self.scheduler.add_request(req_from_tokenized(msg))
+
+    def _on_abort(self, msg: AbortReq) -> None:
+        self.scheduler.abort(msg.rid, msg.abort_all, msg.message or "aborted")
+        self._flush_outputs()
+
+    def _on_flush(self, msg: FlushCacheReqInput) -> None:
+        s = self.scheduler
+        busy = bool(s.running or s.waiting or s.chunked)
+        reply = FlushCacheReqOutput(success=not busy, http_worker_ipc=msg.http_worker_ipc,
+                                    message="requests are running; retry when idle" if busy else "")
+        self.fronts.send(msg.http_worker_ipc, reply)
+
+    def _on_pause(self, msg: PauseGenerationReqInput) -> None:
+        s = self.scheduler
+        if msg.mode == "abort":
+            s.abort(abort_all=True, message="generation paused")
+        elif msg.mode == "retract":
+            s.retract_all()
+        s.is_paused = True
+        self._flush_outputs()
+
+    def _on_continue(self, msg: ContinueGenerationReqInput) -> None:
+        self.scheduler.is_paused = False
+
+    def _on_get_load(self, msg: GetLoadReqInput) -> None:
+        s = self.scheduler
+        used = s.num_used_tokens()
+        total = s.runner.max_total_tokens
+        self.fronts.send(msg.http_worker_ipc, GetLoadReqOutput(
+            dp_rank=0, num_running_reqs=len(s.running) + (1 if s.chunked else 0),
+            num_waiting_reqs=len(s.waiting), num_used_tokens=used, num_cached_tokens=0,
+            max_total_num_tokens=total, token_usage=used / total if total else 0.0,
+            gen_throughput=s.throughput(), cache_hit_rate=0.0, http_worker_ipc=msg.http_worker_ipc))
+
+    def _on_profile(self, msg: ProfileReq) -> None:
+        if msg.action == "start":
+            if self.profiler is not None:
+                reply = ProfileReqOutput(success=False, message="a profile is already running")
+            else:
+                self.profile_dir = msg.output_dir or os.path.join(os.getcwd(), "cadence-profiles")
+                os.makedirs(self.profile_dir, exist_ok=True)
+                self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self.profiler.__enter__()
+                reply = ProfileReqOutput(success=True, message=f"profiling into {self.profile_dir}")
+        elif self.profiler is None:
+            reply = ProfileReqOutput(success=False, message="no profile is running; start one first")
+        else:
+            self.profiler.__exit__(None, None, None)
+            path = os.path.join(self.profile_dir, f"trace-{int(time.time())}-{os.getpid()}.json")
+            self.profiler.export_chrome_trace(path)
+            self.profiler = None
+            reply = ProfileReqOutput(success=True, message=path)
+        reply.http_worker_ipc = msg.http_worker_ipc
+        self.fronts.send(msg.http_worker_ipc, reply)
+
+    def _on_update_weights(self, msg: UpdateWeightFromDiskReqInput) -> None:
+        from cadence.model_loader.loader import load_model
+        from cadence.model_loader.locate import resolve_model_path
+
+        runner = self.scheduler.runner
+        try:
+            path = resolve_model_path(msg.model_path)
+            config, model = load_model(path, runner.dtype, runner.device, progress=False)
+            if config.num_hidden_layers != runner.config.num_hidden_layers or \
+                    config.hidden_size != runner.config.hidden_size or config.vocab_size != runner.config.vocab_size:
+                raise ValueError("the new weights have a different architecture; restart the server instead")
+            with torch.no_grad():
+                for dst, src in zip(runner.model.parameters(), model.parameters()):
+                    dst.copy_(src)
+            reply = UpdateWeightFromDiskReqOutput(success=True, message=f"loaded weights from {path}")
+        except Exception as e:  # the server keeps its old weights and says why
+            reply = UpdateWeightFromDiskReqOutput(success=False, message=str(e))
+        reply.http_worker_ipc = msg.http_worker_ipc
+        self.fronts.send(msg.http_worker_ipc, reply)
+
+
+def run_scheduler_process(args: ServerArgs, paths: IpcPaths, model_path: str, ready_pipe) -> None:
+    """Entry of the scheduler process. Reports the loaded model's facts (or the load error)
+    through `ready_pipe` as msgpack bytes, then serves until the server goes away."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front process decides when we stop
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        from cadence.model_loader.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(model_path, args.tokenizer_path)
+        proc = SchedulerProcess(args, paths, model_path, tokenizer)
+        runner = proc.scheduler.runner
+        ready_pipe.send_bytes(msgspec.msgpack.encode({
+            "status": "ready", "context_len": runner.context_len, "vocab_size": runner.config.vocab_size,
+            "max_total_tokens": runner.max_total_tokens, "dtype": str(runner.dtype).replace("torch.", ""),
+            "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""),
+        }))
+    except Exception as e:
+        ready_pipe.send_bytes(msgspec.msgpack.encode({"status": "error", "error": f"{e}",
+                                                      "traceback": traceback.format_exc()}))
+        raise SystemExit(1)
+    proc.run()
