@@ -246,14 +246,14 @@ def _route_record(ex: Exchange, status: int, elapsed: float, policy: str) -> dic
 async def run_router(config: RouterConfig, specs: list[WorkerSpec], stop: asyncio.Event) -> None:
     """Serve until `stop` is set."""
     router = Router(config, specs)
-    await router.start()
-    logger.info(
-        "cadence router listening on %s: %d worker(s), policy %s",
-        router.url,
-        len(router.registry),
-        config.policy,
-    )
     try:
+        await router.start()
+        logger.info(
+            "cadence router listening on %s: %d worker(s), policy %s",
+            router.url,
+            len(router.registry),
+            config.policy,
+        )
         await stop.wait()
     finally:
-        await router.stop()
+        await router.stop()  # also after a failed start: the client session is closed

@@ -123,3 +123,14 @@ def test_cadence_router_help_lists_every_flag():
     for flag in ("--worker-urls", "--worker-config", "--policy", "--max-payload-size", "--route-log",
                  "--api-key", "--health-check-endpoint", "--retry-max-retries"):  # fmt: skip
         assert flag in out.stdout
+
+
+def test_cli_port_in_use_exits_1_and_cleans_up(spawn):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        proc = spawn("--port", str(busy.getsockname()[1]))
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert "cannot listen" in err
+    assert "Unclosed" not in err  # the client session was closed on the way out
