@@ -218,3 +218,16 @@ async def test_route_log_lines_and_write_failures_do_not_fail_requests(make_work
                 assert resp.status == 200
         assert full.route_log.num_write_errors == 2
         await assert_idle(full)
+
+
+async def test_large_bodies_both_ways_are_exact(make_worker, make_router, client):
+    answer = os.urandom(3 * 1024 * 1024)  # over the 1 MiB buffering limit: relayed in chunks
+    worker = await make_worker(body=answer, content_type="application/octet-stream")
+    router = await make_router([worker.url])
+    upload = os.urandom(5 * 1024 * 1024)
+    async with client.post(router.url + "/v1/embeddings", data=upload) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Length"] == str(len(answer))
+        assert await resp.read() == answer
+    assert worker.received[0].body == upload
+    await assert_idle(router)
