@@ -17,6 +17,7 @@ class AttentionBackend(ABC):
     Invariants: `forward` first stores the new K/V at `batch.out_cache_loc` in the pool,
     then attends over each request's whole sequence (prefix + new). It reads only the KV
     slots listed for that request, so slots shared with other requests are never written.
+    Queries arrive already multiplied by the softmax scale.
     """
 
     def __init__(self, kv_pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
@@ -24,40 +25,34 @@ class AttentionBackend(ABC):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
 
     @abstractmethod
     def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
-        """q: [T, H*D]; kv: [T, 2, KVH, D] (K then V). Returns [T, H*D]."""
+        """q: [T, H*D]; kv: [T, 2, KVH, D] (K then V), both in the pool's dtype. Returns [T, H*D]."""
 
 
-class TorchSDPABackend(AttentionBackend):
+class TorchNativeBackend(AttentionBackend):
     """Portable backend on torch matmuls and scaled_dot_product_attention (the CPU default)."""
 
     def forward(self, q, kv, layer_id, batch):
-        k_buf, v_buf = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
-        kv = kv.to(k_buf.dtype)
-        k_buf[:, batch.out_cache_loc] = kv[:, 0].transpose(0, 1)
-        v_buf[:, batch.out_cache_loc] = kv[:, 1].transpose(0, 1)
+        buf = self.kv_pool.kv_buffer[layer_id]  # [2, KVH, slots, D]
+        buf[:, :, batch.out_cache_loc] = kv.permute(1, 2, 0, 3)
         if batch.is_decode:
-            return self._decode(q.to(k_buf.dtype), k_buf, v_buf, batch).to(q.dtype)
-        return self._extend(q.to(k_buf.dtype), kv, k_buf, v_buf, batch).to(q.dtype)
+            return self._decode(q, buf, batch)
+        return self._extend(q, kv, buf, batch)
 
-    def _decode(self, q, k_buf, v_buf, batch):
+    def _decode(self, q, buf, batch):
         # One query token per request: two batched matmuls over [KVH, B] beat the flash kernel.
         bs, kvh, d = batch.batch_size, self.num_kv_heads, self.head_dim
-        group = self.num_heads // kvh
-        k = k_buf[:, batch.kv_indices]  # [KVH, B, L, D]
-        v = v_buf[:, batch.kv_indices]
-        qg = q.view(bs, kvh, group, d).transpose(0, 1)  # [KVH, B, G, D]
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(self.scale)  # [KVH, B, G, L]
+        kv = buf[:, :, batch.kv_indices]  # [2, KVH, B, L, D]
+        qg = q.view(bs, kvh, self.num_heads // kvh, d).transpose(0, 1)  # [KVH, B, G, D]
+        scores = torch.matmul(qg, kv[0].transpose(-1, -2))  # [KVH, B, G, L]
         if batch.kv_mask is not None:
             scores.masked_fill_(batch.kv_mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        out = torch.matmul(probs, v)  # [KVH, B, G, D]
+        out = torch.matmul(torch.softmax(scores, dim=-1), kv[1])  # [KVH, B, G, D]
         return out.transpose(0, 1).reshape(bs, self.num_heads * d)
 
-    def _extend(self, q, kv, k_buf, v_buf, batch):
+    def _extend(self, q, kv, buf, batch):
         out = torch.empty_like(q)
         start = 0
         for i, ext in enumerate(batch.extend_lens):
@@ -69,15 +64,14 @@ class TorchSDPABackend(AttentionBackend):
                 v = kv[start : start + ext, 1].transpose(0, 1)
                 mask, causal = None, True
             else:
-                idx = batch.seq_kv_indices[i]
-                k, v = k_buf[:, idx], v_buf[:, idx]  # [KVH, L, D]
+                seq = buf[:, :, batch.seq_kv_indices[i]]  # [2, KVH, L, D]
+                k, v = seq[0], seq[1]
                 total = prefix + ext
                 rows = torch.arange(prefix, total, device=q.device)[:, None]
                 mask = torch.arange(total, device=q.device)[None, :] <= rows  # [ext, total]
                 causal = False
-            o = F.scaled_dot_product_attention(
-                qh, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
-            )
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, is_causal=causal, scale=1.0,
+                                               enable_gqa=True)
             out[start : start + ext] = o.transpose(0, 1).reshape(ext, -1)
             start += ext
         return out

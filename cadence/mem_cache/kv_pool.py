@@ -12,9 +12,9 @@ import torch
 
 
 class KVPool:
-    """K/V storage for every layer: k_buffer[layer] and v_buffer[layer] are
-    [num_kv_heads, num_slots, head_dim]. Head-major, so gathering the slots of a batch gives
-    [heads, batch, len, dim] blocks that batched matmuls take without another copy."""
+    """K/V storage for every layer: kv_buffer[layer] is [2, num_kv_heads, num_slots, head_dim]
+    (K then V). Head-major, so one gather of a batch's slots gives [2, heads, batch, len, dim]
+    blocks that batched matmuls take without another copy."""
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu"):
@@ -23,10 +23,10 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_slots = num_pages * page_size
+        self.dtype = dtype
         # torch.empty does not touch the memory: pages are faulted in only when written.
-        shape = (num_kv_heads, self.num_slots, head_dim)
-        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (2, num_kv_heads, self.num_slots, head_dim)
+        self.kv_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

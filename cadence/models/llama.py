@@ -16,26 +16,28 @@ from cadence.model_loader.config import ModelConfig
 
 
 class RotaryEmbedding:
-    """Half-split rotary embedding (the Hugging Face layout), cos/sin cached per position."""
+    """Rotary embedding in the interleaved layout: dims (2i, 2i+1) of a head form pair i.
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype, device):
+    The model stores its Q/K projection rows in that order (see `interleave_rotary_rows`),
+    which is the same attention as Hugging Face's half-split layout — q·k sums over the head
+    dimension, so permuting both alike changes nothing — but lets one in-place complex
+    multiply rotate every head at once.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, device):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        self.cos = freqs.cos().to(dtype=dtype, device=device)  # [max_positions, head_dim/2]
-        self.sin = freqs.sin().to(dtype=dtype, device=device)
-        self.half = head_dim // 2
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.cis = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(device)  # [pos, D/2]
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for these positions, shaped [T, 1, head_dim/2] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def step_factors(self, positions: torch.Tensor, head_scales: torch.Tensor) -> torch.Tensor:
+        """Complex factors [T, heads, D/2] for this step: rotation times each head's scale."""
+        return self.cis[positions].unsqueeze(1) * head_scales.view(1, -1, 1)
 
-    def apply_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Rotate x [T, heads, head_dim] in place."""
-        x1, x2 = x[..., : self.half], x[..., self.half :]
-        r1 = x1 * cos - x2 * sin
-        r2 = x2 * cos + x1 * sin
-        x1.copy_(r1)
-        x2.copy_(r2)
+
+def interleave_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Hugging Face (half-split) Q/K rows -> interleaved rows, per head: [a..., b...] -> [a0, b0, a1, b1, ...]."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -56,18 +58,17 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(h, config.intermediate_size))
         self.inter = config.intermediate_size
 
-    def forward(self, residual: torch.Tensor, rope: RotaryEmbedding,
-                cos_sin: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
+    def forward(self, residual: torch.Tensor, rope_factors: torch.Tensor, attn: AttentionBackend,
                 batch: ForwardBatch) -> torch.Tensor:
         """Adds attention to `residual` in place; returns the MLP output for the caller to add."""
         shape = (residual.shape[-1],)
         x = F.rms_norm(residual, shape, self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias).to(attn.kv_pool.dtype)  # [T, (H + 2 KVH) * D]
         t = qkv.shape[0]
-        qk = qkv[:, : self.q_dim + self.kv_dim].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        rope.apply_(qk, *cos_sin)
+        qk = torch.view_as_complex(qkv[:, : self.q_dim + self.kv_dim].view(t, -1, self.head_dim // 2, 2))
+        qk.mul_(rope_factors)  # rotary on q and k, and the softmax scale on q, in place
         kv = qkv[:, self.q_dim :].view(t, 2, self.num_kv_heads, self.head_dim)
-        o = attn.forward(qkv[:, : self.q_dim], kv, self.layer_id, batch)
+        o = attn.forward(qkv[:, : self.q_dim], kv, self.layer_id, batch).to(residual.dtype)
         residual.add_(F.linear(o, self.o_proj))
         x = F.rms_norm(residual, shape, self.post_attention_norm, self.eps)
         gate_up = F.linear(x, self.gate_up_proj)
@@ -89,8 +90,10 @@ class LlamaForCausalLM(nn.Module):
 
     def setup(self, attn: AttentionBackend, max_positions: int) -> None:
         """Attach the attention backend and build rotary tables (after weights are loaded)."""
-        p = self.embed_tokens
-        self.rope = RotaryEmbedding(self.config.head_dim, max_positions, self.config.rope_theta, p.dtype, p.device)
+        c = self.config
+        self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, self.embed_tokens.device)
+        scales = [c.head_dim**-0.5] * c.num_attention_heads + [1.0] * c.num_key_value_heads
+        self.head_scales = torch.tensor(scales, dtype=torch.complex64, device=self.embed_tokens.device)
         self.attn = attn
 
     @property
@@ -100,9 +103,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Returns the final hidden states of the rows in `batch.logits_indices`: [rows, hidden]."""
         residual = F.embedding(batch.input_ids, self.embed_tokens)
-        cos_sin = self.rope.tables(batch.positions)
+        factors = self.rope.step_factors(batch.positions, self.head_scales)
         for layer in self.layers:
-            residual.add_(layer(residual, self.rope, cos_sin, self.attn, batch))
+            residual.add_(layer(residual, factors, self.attn, batch))
         hidden = residual if batch.logits_indices is None else residual[batch.logits_indices]
         return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
 
@@ -143,6 +146,10 @@ class LlamaForCausalLM(nn.Module):
                     layer = self.layers[int(idx)]
                     if rest in fused:
                         attr, lo, hi = fused[rest]
+                        if rest.startswith("self_attn.q_proj"):
+                            tensor = interleave_rotary_rows(tensor, c.num_attention_heads)
+                        elif rest.startswith("self_attn.k_proj"):
+                            tensor = interleave_rotary_rows(tensor, c.num_key_value_heads)
                         getattr(layer, attr)[lo:hi].copy_(tensor)
                     elif rest in plain:
                         getattr(layer, plain[rest]).copy_(tensor)

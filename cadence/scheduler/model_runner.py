@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from cadence.layers.attention import TorchSDPABackend
+from cadence.layers.attention import TorchNativeBackend
 from cadence.layers.forward_batch import ForwardBatch
 from cadence.mem_cache.kv_pool import KVPool, PageAllocator, ReqToTokenPool
 from cadence.model_loader.loader import load_model
@@ -60,7 +60,7 @@ class ModelRunner:
                               cfg.head_dim, self.kv_dtype, self.device)
         self.allocator = PageAllocator(num_pages)
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 1, self.context_len + 1, self.device)
-        self.attn = TorchSDPABackend(self.kv_pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.attn = TorchNativeBackend(self.kv_pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.model.setup(self.attn, self.context_len + 1)
         logger.info("KV pool: %d tokens in %d pages of %d", num_pages * self.page_size, num_pages, self.page_size)
 
