@@ -55,6 +55,28 @@ class ServerArgs:
     """Logging level: debug, info, warning, error."""
     skip_warmup: bool = False
     """Report healthy without running the warm-up generation first."""
+    grpc_port: int | None = None
+    """gRPC port (the native sglang.runtime.v1.SglangService); default: --port + 10000."""
+    disable_grpc: bool = False
+    """Serve HTTP only; the gRPC port is then not bound."""
+    grpc_tls_cert: str | None = None
+    """PEM certificate chain of the gRPC server; with --grpc-tls-key, gRPC speaks TLS only."""
+    grpc_tls_key: str | None = None
+    """PEM private key matching --grpc-tls-cert."""
+    grpc_tls_client_ca: str | None = None
+    """PEM CA bundle for mutual TLS: gRPC clients must present a certificate it signed."""
+    grpc_keepalive_time_s: float = 60.0
+    """Seconds between the server's keepalive pings on an idle gRPC connection."""
+    grpc_keepalive_timeout_s: float = 20.0
+    """Seconds the server waits for a keepalive ping's answer before closing the connection."""
+    grpc_min_ping_interval_s: float = 5.0
+    """Shortest interval between client pings the gRPC server accepts, even with no call or no data in flight (e.g. during a long prefill); faster pings count as abuse (too_many_pings)."""
+    grpc_max_message_mb: int = 256
+    """Largest gRPC message, in MiB, received or sent."""
+    grpc_max_concurrent_requests: int | None = None
+    """Most gRPC generation calls in flight (generate, embed, OpenAI pass-through); more get RESOURCE_EXHAUSTED. Default: --max-running-requests + --max-queued-requests."""
+    grpc_stream_buffer: int = 256
+    """Most messages a gRPC stream may hold back while its client does not read; beyond that the call ends with RESOURCE_EXHAUSTED and its request is aborted."""
 
     def __post_init__(self) -> None:
         for name in ("dtype", "kv_cache_dtype"):
@@ -71,6 +93,41 @@ class ServerArgs:
             raise ValueError(f"max_total_tokens must be ≥ page_size ({self.page_size}), got {self.max_total_tokens}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        self._check_grpc()
+
+    def _check_grpc(self) -> None:
+        if self.grpc_port is not None and not 1 <= self.grpc_port <= 65535:
+            raise ValueError(f"grpc_port must be in [1, 65535], got {self.grpc_port}")
+        if not self.disable_grpc and self.grpc_port is None and self.port + 10000 > 65535:
+            raise ValueError(f"grpc_port defaults to port + 10000 = {self.port + 10000}, which is not a port; "
+                             "give --grpc-port or --disable-grpc")
+        if not self.disable_grpc and self.effective_grpc_port == self.port:
+            raise ValueError(f"grpc_port must differ from port ({self.port})")
+        if (self.grpc_tls_cert is None) != (self.grpc_tls_key is None):
+            raise ValueError("grpc_tls_cert and grpc_tls_key go together: give both or neither")
+        if self.grpc_tls_client_ca is not None and self.grpc_tls_cert is None:
+            raise ValueError("grpc_tls_client_ca (mutual TLS) needs grpc_tls_cert and grpc_tls_key")
+        for name in ("grpc_keepalive_time_s", "grpc_keepalive_timeout_s", "grpc_min_ping_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 1 <= self.grpc_max_message_mb <= 2047:
+            raise ValueError(f"grpc_max_message_mb must be in [1, 2047] (gRPC's limit is 2 GiB), "
+                             f"got {self.grpc_max_message_mb}")
+        if self.grpc_max_concurrent_requests is not None and self.grpc_max_concurrent_requests < 1:
+            raise ValueError(f"grpc_max_concurrent_requests must be ≥ 1, got {self.grpc_max_concurrent_requests}")
+        if self.grpc_stream_buffer < 1:
+            raise ValueError(f"grpc_stream_buffer must be ≥ 1, got {self.grpc_stream_buffer}")
+
+    @property
+    def effective_grpc_port(self) -> int:
+        """The port gRPC binds (meaningless with disable_grpc)."""
+        return self.grpc_port if self.grpc_port is not None else self.port + 10000
+
+    @property
+    def effective_grpc_max_concurrent_requests(self) -> int:
+        if self.grpc_max_concurrent_requests is not None:
+            return self.grpc_max_concurrent_requests
+        return self.max_running_requests + self.max_queued_requests
 
     def replace(self, **changes) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
