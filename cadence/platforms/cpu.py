@@ -1,0 +1,61 @@
+"""The built-in CPU platform: torch's portable kernels on the host."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from cadence import envs
+from cadence.platforms.interface import Platform, TorchNativeFactories
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _meminfo_bytes(key: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class CpuPlatform(TorchNativeFactories, Platform):
+    name = "cpu"
+    device_type = "cpu"
+
+    def get_device_name(self) -> str:
+        for line in _cpu_flags().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+        return "cpu"
+
+    def total_memory_bytes(self) -> int:
+        return _meminfo_bytes("MemTotal") or 8 << 30  # no /proc: assume a small machine
+
+    def available_memory_bytes(self) -> int:
+        return _meminfo_bytes("MemAvailable") or 8 << 30
+
+    def supports_bf16(self) -> bool:
+        # Without these instructions bfloat16 matmuls are emulated and slower than float32.
+        flags = _cpu_flags()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+
+    def default_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        # The attention matmuls over the cache are small; on CPU they run much faster in float32.
+        return torch.float32
+
+    def init_backend(self) -> None:
+        num_threads = envs.num_threads()
+        if num_threads is not None and torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)

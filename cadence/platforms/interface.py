@@ -1,0 +1,171 @@
+"""The `Platform` seam: everything the engine needs to know about the device it runs on."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from cadence.layers.attention import AttentionBackend
+    from cadence.mem_cache.kv_pool import KVPool, PageAllocator
+    from cadence.server_args import ServerArgs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Platform:
+    """A device family Cadence can run on: identity, device operations, capability flags,
+    factories and lifecycle hooks.
+
+    Invariants:
+    - One instance per process, made by the resolver (`cadence.platforms.current_platform`).
+      The engine asks it every device question and never branches on a device name itself.
+    - Capability flags default to False: a platform claims only what it has verified.
+    - Factories raise NotImplementedError unless the platform provides them. The engine
+      treats that as "this platform cannot do it", never as a cue to fall back silently.
+    - `apply_server_args_defaults` runs in the front process (and the in-process Engine)
+      before `cadence.hooks.server_args_finalized`. `init_backend` runs in every process
+      that builds a model, before any tensor is placed on the device; it must be idempotent.
+    - Sampling runs on the host today, so generators from `make_generator` are host
+      generators and the model runner hands logits back on the host.
+    """
+
+    name: str = ""
+    """The name users select with CADENCE_PLATFORM (the entry point's name)."""
+    device_type: str = ""
+    """The torch device type tensors are placed on ("cpu", "cuda", or a vendor's own)."""
+
+    _out_of_tree: bool = False  # set by the resolver from where the entry point lives
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} on {self.device}>"
+
+    # ---- identity --------------------------------------------------------------------
+
+    def is_cuda(self) -> bool:
+        return self.device_type == "cuda"
+
+    def is_cpu(self) -> bool:
+        return self.device_type == "cpu"
+
+    def is_out_of_tree(self) -> bool:
+        """True for a platform registered by a plugin rather than by Cadence itself."""
+        return self._out_of_tree
+
+    # ---- device operations -----------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model, the KV pool and each forward batch live."""
+        return torch.device(self.device_type)
+
+    def set_device(self, index: int) -> None:
+        """Makes device `index` the one this process uses. Single-device platforms accept 0."""
+        if index != 0:
+            raise ValueError(f"platform {self.name!r} has a single device; got device index {index}")
+
+    def get_device_name(self) -> str:
+        return self.device_type
+
+    def total_memory_bytes(self) -> int:
+        raise NotImplementedError(f"platform {self.name!r} does not report its memory; set --max-total-tokens")
+
+    def available_memory_bytes(self) -> int:
+        """Free device memory now; the KV pool takes a share of it when --max-total-tokens is unset."""
+        raise NotImplementedError(f"platform {self.name!r} does not report its memory; set --max-total-tokens")
+
+    def synchronize(self) -> None:
+        """Waits until the device has finished all queued work (nothing to wait for by default)."""
+
+    def empty_cache(self) -> None:
+        """Returns cached, unused device memory to the system (no cache by default)."""
+
+    def seed(self, seed: int) -> None:
+        """Seeds the process-wide randomness (torch seeds the host and every device it knows)."""
+        torch.manual_seed(seed)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        """A generator for one seeded request's sampling, which runs on the host."""
+        return torch.Generator(device="cpu").manual_seed(seed)
+
+    def profiler_activities(self) -> list:
+        """What torch.profiler records on this platform."""
+        return [torch.profiler.ProfilerActivity.CPU]
+
+    # ---- capability flags (conservative) -----------------------------------------------
+
+    def supports_graph_capture(self) -> bool:
+        return False
+
+    def supports_fp8(self) -> bool:
+        return False
+
+    def supports_bf16(self) -> bool:
+        return False
+
+    def supports_pinned_memory(self) -> bool:
+        return False
+
+    # ---- dtypes ----------------------------------------------------------------------
+
+    def default_dtype(self) -> torch.dtype:
+        """The weight and activation dtype `--dtype auto` means here."""
+        return torch.bfloat16 if self.supports_bf16() else torch.float32
+
+    def default_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache dtype `--kv-cache-dtype auto` means here."""
+        return model_dtype
+
+    def resolve_dtype(self, name: str) -> torch.dtype:
+        return self.default_dtype() if name == "auto" else DTYPES[name]
+
+    def resolve_kv_cache_dtype(self, name: str, model_dtype: torch.dtype) -> torch.dtype:
+        return self.default_kv_cache_dtype(model_dtype) if name == "auto" else DTYPES[name]
+
+    # ---- factories (NotImplementedError unless provided) -----------------------------------
+
+    def make_attention_backend(self, kv_pool: "KVPool", num_heads: int, num_kv_heads: int,
+                               head_dim: int) -> "AttentionBackend":
+        raise NotImplementedError(f"platform {self.name!r} provides no attention backend")
+
+    def make_kv_pool(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype) -> "KVPool":
+        raise NotImplementedError(f"platform {self.name!r} provides no KV pool")
+
+    def make_allocator(self, num_pages: int) -> "PageAllocator":
+        raise NotImplementedError(f"platform {self.name!r} provides no KV page allocator")
+
+    def make_graph_runner(self, model: torch.nn.Module, max_batch_size: int):
+        raise NotImplementedError(f"platform {self.name!r} provides no graph runner")
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def apply_server_args_defaults(self, args: "ServerArgs") -> "ServerArgs":
+        """Returns the arguments with this platform's defaults filled in (ServerArgs is frozen:
+        return `args.replace(...)`). Called once in the front process and in the Engine."""
+        return args
+
+    def init_backend(self) -> None:
+        """Prepares the device for this process (threads, current device). Idempotent."""
+
+
+class TorchNativeFactories:
+    """The factories of the portable torch implementations, for platforms that use them."""
+
+    device: torch.device
+
+    def make_attention_backend(self, kv_pool, num_heads, num_kv_heads, head_dim):
+        from cadence.layers.attention import TorchNativeBackend
+
+        return TorchNativeBackend(kv_pool, num_heads, num_kv_heads, head_dim)
+
+    def make_kv_pool(self, num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype):
+        from cadence.mem_cache.kv_pool import KVPool
+
+        return KVPool(num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, self.device)
+
+    def make_allocator(self, num_pages):
+        from cadence.mem_cache.kv_pool import PageAllocator
+
+        return PageAllocator(num_pages)
