@@ -7,47 +7,25 @@ import math
 
 import torch
 
-from cadence.layers.attention import TorchNativeBackend
 from cadence.layers.forward_batch import ForwardBatch
-from cadence.mem_cache.kv_pool import KVPool, PageAllocator, ReqToTokenPool
+from cadence.mem_cache.kv_pool import KVPool, ReqToTokenPool
 from cadence.model_loader.loader import load_model
+from cadence.platforms import get_current_platform
 from cadence.scheduler.req import Req
 from cadence.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cpu_supports_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
-    return _DTYPES[name]
-
-
-def available_memory_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 8 << 30
-
 
 class ModelRunner:
     def __init__(self, args: ServerArgs, model_path: str):
         self.args = args
-        self.device = torch.device("cpu")
-        self.dtype = resolve_dtype(args.dtype)
-        self.kv_dtype = torch.float32 if args.kv_cache_dtype == "auto" else _DTYPES[args.kv_cache_dtype]
+        # Every device decision (device, dtypes, kernels, memory) is the platform's.
+        self.platform = get_current_platform()
+        self.platform.init_backend()
+        self.device = self.platform.device
+        self.dtype = self.platform.resolve_dtype(args.dtype)
+        self.kv_dtype = self.platform.resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.config, self.model = load_model(model_path, self.dtype, self.device)
         cfg = self.config
         self.context_len = args.context_length or cfg.max_position_embeddings
@@ -56,11 +34,12 @@ class ModelRunner:
         self.page_size = args.page_size
         self.max_total_tokens = self._kv_budget_tokens()
         num_pages = self.max_total_tokens // self.page_size
-        self.kv_pool = KVPool(num_pages, self.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                              cfg.head_dim, self.kv_dtype, self.device)
-        self.allocator = PageAllocator(num_pages)
+        self.kv_pool = self.platform.make_kv_pool(num_pages, self.page_size, cfg.num_hidden_layers,
+                                                  cfg.num_key_value_heads, cfg.head_dim, self.kv_dtype)
+        self.allocator = self.platform.make_allocator(num_pages)
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 1, self.context_len + 1, self.device)
-        self.attn = TorchNativeBackend(self.kv_pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.attn = self.platform.make_attention_backend(self.kv_pool, cfg.num_attention_heads,
+                                                         cfg.num_key_value_heads, cfg.head_dim)
         self.model.setup(self.attn, self.context_len + 1)
         logger.info("KV pool: %d tokens in %d pages of %d", num_pages * self.page_size, num_pages, self.page_size)
 
@@ -69,7 +48,7 @@ class ModelRunner:
             return self.args.max_total_tokens // self.page_size * self.page_size
         c = self.config
         per_token = KVPool.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.kv_dtype)
-        tokens = int(available_memory_bytes() * self.args.kv_cache_memory_fraction) // per_token
+        tokens = int(self.platform.available_memory_bytes() * self.args.kv_cache_memory_fraction) // per_token
         return max(tokens // self.page_size, 1) * self.page_size
 
     # ---- KV slots ----------------------------------------------------------------------
@@ -113,19 +92,20 @@ class ModelRunner:
             seq_lens.append(start + n)
             logits_idx.extend(offset + r for r in rows)
             offset += n
+        dev = self.device
         batch = ForwardBatch(
             is_decode=False,
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.cat(positions),
-            out_cache_loc=torch.cat(locs),
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.cat(positions).to(dev),
+            out_cache_loc=torch.cat(locs).to(dev),
             seq_lens=seq_lens,
             extend_lens=list(chunk_lens),
             prefix_lens=prefix_lens,
             seq_kv_indices=seq_kv,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
+            logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
         )
         hidden = self.model(batch)
-        return self.model.compute_logits(hidden) if logits_idx else None
+        return self._to_host(self.model.compute_logits(hidden)) if logits_idx else None
 
     @torch.inference_mode()
     def forward_decode(self, reqs: list[Req]) -> torch.Tensor:
@@ -140,19 +120,21 @@ class ModelRunner:
             else:
                 page = req.pages[(n - 1) // self.page_size]
                 locs.append(page * self.page_size + (n - 1) % self.page_size)
-        rows_t = torch.tensor(rows, dtype=torch.int64)
-        lens_t = torch.tensor(seq_lens, dtype=torch.int64)
-        out_loc = torch.tensor(locs, dtype=torch.int64)
+        dev = self.device
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
+        out_loc = torch.tensor(locs, dtype=torch.int64, device=dev)
         self.req_to_token.table[rows_t, lens_t - 1] = out_loc
         max_len = max(seq_lens)
         kv_indices = self.req_to_token.table[rows_t, :max_len]
         kv_mask = None
         if min(seq_lens) != max_len:
             # True where a row is padding (masked out), broadcast over [KVH, B, G, L] scores.
-            kv_mask = (torch.arange(max_len).unsqueeze(0) >= lens_t.unsqueeze(1)).view(1, len(reqs), 1, max_len)
+            pad = torch.arange(max_len, device=dev).unsqueeze(0) >= lens_t.unsqueeze(1)
+            kv_mask = pad.view(1, len(reqs), 1, max_len)
         batch = ForwardBatch(
             is_decode=True,
-            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64),
+            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev),
             positions=lens_t - 1,
             out_cache_loc=out_loc,
             seq_lens=seq_lens,
@@ -161,4 +143,9 @@ class ModelRunner:
             kv_indices=kv_indices,
             kv_mask=kv_mask,
         )
-        return self.model.compute_logits(self.model(batch))
+        return self._to_host(self.model.compute_logits(self.model(batch)))
+
+    @staticmethod
+    def _to_host(logits: torch.Tensor) -> torch.Tensor:
+        # The sampler runs on the host (see Platform); on the CPU platform this is a no-op.
+        return logits.cpu()

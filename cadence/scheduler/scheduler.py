@@ -40,13 +40,13 @@ class Scheduler:
         self.gen_throughput = 0.0
         self._throughput_window: deque[tuple[float, int]] = deque(maxlen=64)
         if args.random_seed is not None:
-            torch.manual_seed(args.random_seed)
+            self.runner.platform.seed(args.random_seed)
 
     # ---- requests in -----------------------------------------------------------------
 
     def add_request(self, req: Req) -> None:
         if req.params.seed is not None:
-            req.generator = torch.Generator().manual_seed(req.params.seed)
+            req.generator = self.runner.platform.make_generator(req.params.seed)
         if len(req.input_ids) + req.params.max_new_tokens > self.context_len and req.params.max_new_tokens:
             return self._refuse(req, f"the prompt ({len(req.input_ids)} tokens) plus max_new_tokens "
                                      f"({req.params.max_new_tokens}) exceeds the context length ({self.context_len})")
