@@ -124,7 +124,7 @@ class SchedulerProcess:
             else:
                 self.profile_dir = msg.output_dir or os.path.join(os.getcwd(), "cadence-profiles")
                 os.makedirs(self.profile_dir, exist_ok=True)
-                self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self.profiler = torch.profiler.profile(activities=self.scheduler.runner.platform.profiler_activities())
                 self.profiler.__enter__()
                 reply = ProfileReqOutput(success=True, message=f"profiling into {self.profile_dir}")
         elif self.profiler is None:
@@ -174,7 +174,7 @@ def run_scheduler_process(args: ServerArgs, paths: IpcPaths, model_path: str, re
         ready_pipe.send_bytes(msgspec.msgpack.encode({
             "status": "ready", "context_len": runner.context_len, "vocab_size": runner.config.vocab_size,
             "max_total_tokens": runner.max_total_tokens, "dtype": str(runner.dtype).replace("torch.", ""),
-            "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""),
+            "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""), "platform": runner.platform.name,
         }))
     except Exception as e:
         ready_pipe.send_bytes(msgspec.msgpack.encode({"status": "error", "error": f"{e}",
