@@ -21,8 +21,8 @@ def platform_name() -> str | None:
 
 
 def plugin_whitelist() -> list[str] | None:
-    """CADENCE_PLUGINS: comma-separated general plugins to load; unset loads all."""
-    value = _get("CADENCE_PLUGINS")
+    """CADENCE_PLUGINS: comma-separated general plugins to load; unset loads all, empty loads none."""
+    value = os.environ.get("CADENCE_PLUGINS")
     return None if value is None else [p.strip() for p in value.split(",") if p.strip()]
 
 
