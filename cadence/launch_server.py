@@ -234,12 +234,27 @@ def launch(args: ServerArgs) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cadence.plugins import PluginError, load_plugins
+
+    try:
+        load_plugins()  # before the arguments exist, so that plugins can shape them
+    except PluginError as e:
+        print(f"cadence serve: error: {e}", file=sys.stderr)
+        return 1
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
         args = from_cli_args(ns)
     except ValueError as e:
         parser.error(str(e))
+    from cadence.hooks import finalize_server_args
+    from cadence.platforms import PlatformError
+
+    try:
+        args = finalize_server_args(args)  # platform defaults, then the server_args_finalized hook point
+    except (PlatformError, ValueError, TypeError) as e:
+        print(f"cadence serve: error: {e}", file=sys.stderr)
+        return 1
     return launch(args)
 
 
