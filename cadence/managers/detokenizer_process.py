@@ -42,7 +42,9 @@ def run_detokenizer_process(args: ServerArgs, paths: IpcPaths, tokenizer_source:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front process decides when we stop
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from cadence.model_loader.loader import load_tokenizer
+    from cadence.plugins import load_plugins
 
+    load_plugins()
     detokenizer = Detokenizer(load_tokenizer(tokenizer_source))
     ctx = zmq.Context(1)
     inbox = bind(ctx, zmq.PULL, paths.detokenizer_input)

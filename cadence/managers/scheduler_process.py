@@ -167,7 +167,9 @@ def run_scheduler_process(args: ServerArgs, paths: IpcPaths, model_path: str, re
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         from cadence.model_loader.loader import load_tokenizer
+        from cadence.plugins import load_plugins
 
+        load_plugins()
         tokenizer = load_tokenizer(model_path, args.tokenizer_path)
         proc = SchedulerProcess(args, paths, model_path, tokenizer)
         runner = proc.scheduler.runner
