@@ -14,6 +14,7 @@ from collections import deque
 
 import torch
 
+from cadence import hooks
 from cadence.layers.sampler import SamplingInput, sample
 from cadence.scheduler.model_runner import ModelRunner
 from cadence.scheduler.req import Req, ReqOutput
@@ -94,11 +95,18 @@ class Scheduler:
         if not self.is_paused:
             batch = self._schedule_extend()
             if batch:
+                self._announce(True, batch[0], sum(batch[1]))
                 self._run_extend(*batch)
             elif self.running:
+                self._announce(False, self.running, len(self.running))
                 self._run_decode()
         outputs, self.outputs = self.outputs, []
         return outputs
+
+    @staticmethod
+    def _announce(is_prefill: bool, reqs: list[Req], num_tokens: int) -> None:
+        """The `batch_scheduled` hook point, for plugins."""
+        hooks.notify(hooks.batch_scheduled, hooks.BatchInfo(is_prefill, tuple(r.rid for r in reqs), num_tokens))
 
     def _outstanding_pages(self) -> int:
         admitted = self.running + ([self.chunked] if self.chunked else [])
