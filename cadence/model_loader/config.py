@@ -56,6 +56,12 @@ class ModelConfig:
         if model_type not in ("llama", "qwen2", "qwen3", "mistral", "smollm"):
             raise ValueError(f"model_type {model_type!r} is not supported (supported: llama, qwen2, mistral)")
         num_heads = cfg["num_attention_heads"]
+        # Newer configs nest rotary settings under rope_parameters; older ones use rope_scaling.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"rope type {rope_type!r} is not supported yet (only plain rotary embeddings)")
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -67,7 +73,7 @@ class ModelConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
