@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from cadence import hooks
 from cadence.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, Logprobs, TokenizedGenerateReqInput
 from cadence.sampling_params import InvalidParameter, SamplingParams
 
@@ -136,6 +137,8 @@ class TokenizerManager:
             raise RequestError(429, "the server is overloaded: too many requests in flight; retry later")
         now = time.monotonic()
         items = [obj] if obj.is_single else [obj.item(i) for i in range(obj.batch_size)]
+        for item in items:
+            hooks.request_received(item)  # may raise to refuse; nothing is registered or sent yet
         states = []
         for item, tok in zip(items, tokenized):
             st = _ReqState(item, now)
@@ -154,6 +157,8 @@ class TokenizerManager:
             for tok, st in zip(tokenized, states):
                 if not st.finished:
                     self.abort_request(tok.rid, "the client went away")
+                    hooks.notify(hooks.request_finished, tok.rid,
+                                 {**st.meta, "finish_reason": {"type": "abort", "message": "the client went away"}})
                 self.states.pop(tok.rid, None)
 
     async def _wait_final(self, st: _ReqState) -> dict:
@@ -235,6 +240,7 @@ class TokenizerManager:
                 self._add_logprobs(st, out.logprobs[i])
             if out.finished_reasons[i] is not None:
                 st.finished = True
+                hooks.notify(hooks.request_finished, rid, dict(st.meta))
             st.event.set()
 
     @staticmethod
