@@ -13,9 +13,11 @@ import threading
 from typing import Any, AsyncIterator
 
 from cadence.detokenizer import Detokenizer
+from cadence.hooks import finalize_server_args
 from cadence.io_struct import AbortReq, GenerateReqInput, TokenizedGenerateReqInput
 from cadence.model_loader.loader import load_tokenizer
 from cadence.model_loader.locate import model_name, resolve_model_path
+from cadence.plugins import load_plugins
 from cadence.scheduler.req import Req, to_batch_output
 from cadence.scheduler.scheduler import Scheduler
 from cadence.server_args import ServerArgs
@@ -91,7 +93,8 @@ class _SchedulerThread:
 
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any):
-        self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        load_plugins()  # front and scheduler share this process: every hook point fires here
+        self.args = finalize_server_args(ServerArgs.from_kwargs(model_path=model_path, **kwargs))
         path = resolve_model_path(self.args.model_path)
         self.tokenizer = load_tokenizer(path, self.args.tokenizer_path)
         self.scheduler = Scheduler(self.args, path, self.tokenizer)
