@@ -43,6 +43,13 @@ def parse_config(argv: list[str] | None) -> RouterConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cadence.plugins import PluginError, load_plugins
+
+    try:
+        load_plugins()  # before the configuration exists, so that plugins can shape it
+    except PluginError as exc:
+        print(f"cadence router: error: {exc}", file=sys.stderr)
+        return 1
     try:
         config = parse_config(argv)
         specs = load_worker_specs(config)
