@@ -1,0 +1,200 @@
+"""Platform resolution rules, the lazy `current_platform`, and what the base and CPU
+platforms promise. The entry points are real `EntryPoint` objects (the built-ins exactly
+as pyproject.toml registers them); only the discovery call is replaced."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import types
+from importlib.metadata import EntryPoint
+
+import pytest
+import torch
+
+import cadence.platforms as platforms
+from cadence.platforms import Platform, PlatformError
+from cadence.platforms.cpu import CpuPlatform
+
+MODULE = "cadence_test_platform_plugins"
+
+SOURCE = """
+from cadence.platforms.cpu import CpuPlatform
+
+class AltPlatform(CpuPlatform):
+    name = "alt"
+
+class OtherPlatform(CpuPlatform):
+    name = "other"
+
+class NotAPlatform:
+    pass
+
+def activate_alt():
+    return f"{__name__}.AltPlatform"
+
+def activate_other():
+    return f"{__name__}:OtherPlatform"
+
+def activate_absent():
+    return None
+
+def activate_boom():
+    raise OSError("driver version mismatch")
+
+def activate_bogus():
+    return f"{__name__}.NotAPlatform"
+"""
+
+BUILTINS = [EntryPoint("cpu", "cadence.platforms.builtin:activate_cpu", platforms.PLATFORM_GROUP),
+            EntryPoint("cuda", "cadence.platforms.builtin:activate_cuda", platforms.PLATFORM_GROUP)]
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """installed(*names): makes the built-ins plus these test platforms the installed ones."""
+    module = types.ModuleType(MODULE)
+    sys.modules[MODULE] = module
+    exec(textwrap.dedent(SOURCE), module.__dict__)
+    monkeypatch.delenv("CADENCE_PLATFORM", raising=False)
+
+    def install(*names: str) -> None:
+        eps = BUILTINS + [EntryPoint(n, f"{MODULE}:activate_{n}", platforms.PLATFORM_GROUP) for n in names]
+        monkeypatch.setattr(platforms, "_entry_points", lambda: eps)
+
+    install()
+    platforms.reset_current_platform()
+    yield install
+    platforms.reset_current_platform()
+    sys.modules.pop(MODULE, None)
+
+
+def test_no_plugin_picks_the_best_builtin(installed):
+    platform = platforms.resolve_platform()
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert platform.name == expected and not platform.is_out_of_tree()
+
+
+def test_the_only_active_out_of_tree_platform_is_used(installed):
+    installed("alt", "absent")
+    platform = platforms.resolve_platform()
+    assert platform.name == "alt" and platform.is_out_of_tree() and platform.is_cpu()
+
+
+def test_inactive_out_of_tree_platforms_leave_the_builtin(installed):
+    installed("absent")
+    assert platforms.resolve_platform().name in ("cpu", "cuda")
+
+
+def test_several_active_platforms_are_an_error_asking_for_cadence_platform(installed):
+    installed("alt", "other")
+    with pytest.raises(PlatformError, match=r"several platform plugins are active \(alt, other\).*CADENCE_PLATFORM"):
+        platforms.resolve_platform()
+
+
+@pytest.mark.parametrize("name", ["other", "cpu"])
+def test_cadence_platform_picks_one_even_among_several(installed, monkeypatch, name):
+    installed("alt", "other")
+    monkeypatch.setenv("CADENCE_PLATFORM", name)
+    assert platforms.resolve_platform().name == name
+
+
+def test_cadence_platform_activates_only_the_chosen_entry_point(installed, monkeypatch):
+    installed("alt", "boom")  # boom would fail if it were activated
+    monkeypatch.setenv("CADENCE_PLATFORM", "alt")
+    assert platforms.resolve_platform().name == "alt"
+
+
+def test_unknown_cadence_platform_is_an_error_listing_the_installed_ones(installed, monkeypatch):
+    installed("alt")
+    monkeypatch.setenv("CADENCE_PLATFORM", "tpu")
+    with pytest.raises(PlatformError, match=r"CADENCE_PLATFORM='tpu'.*installed: alt, cpu, cuda"):
+        platforms.resolve_platform()
+
+
+def test_chosen_platform_without_its_hardware_is_an_error_not_a_fallback(installed, monkeypatch):
+    installed("absent")
+    monkeypatch.setenv("CADENCE_PLATFORM", "absent")
+    with pytest.raises(PlatformError, match="platform 'absent'.*returned None"):
+        platforms.resolve_platform()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cadence_platform_cuda_without_a_gpu_is_an_error(installed, monkeypatch):
+    monkeypatch.setenv("CADENCE_PLATFORM", "cuda")
+    with pytest.raises(PlatformError, match="platform 'cuda'.*returned None"):
+        platforms.resolve_platform()
+
+
+def test_a_failing_or_bogus_plugin_is_an_error_naming_it(installed, monkeypatch):
+    installed("boom")
+    with pytest.raises(PlatformError, match="platform plugin 'boom'.*driver version mismatch"):
+        platforms.resolve_platform()
+    installed("bogus")
+    with pytest.raises(PlatformError, match="platform 'bogus'.*not a subclass of cadence.platforms.Platform"):
+        platforms.resolve_platform()
+
+
+def test_two_packages_registering_one_name_is_an_error(installed, monkeypatch):
+    eps = BUILTINS + [EntryPoint("cpu", f"{MODULE}:activate_alt", platforms.PLATFORM_GROUP)]
+    monkeypatch.setattr(platforms, "_entry_points", lambda: eps)
+    with pytest.raises(PlatformError, match="two installed packages register the platform 'cpu'"):
+        platforms.resolve_platform()
+
+
+def test_current_platform_resolves_once_on_first_use_and_records_where(installed, monkeypatch):
+    installed("alt")
+    assert platforms.resolved_at() is None
+    assert "not resolved" in repr(platforms.current_platform)  # importing it resolved nothing
+    assert platforms.current_platform.name == "alt"
+    assert "test_platforms.py" in platforms.resolved_at()
+    installed("alt", "other")  # would now be an error, but the platform is already chosen
+    assert platforms.get_current_platform() is platforms.get_current_platform()
+    assert platforms.current_platform.name == "alt"
+
+
+def test_a_failed_resolution_is_not_cached(installed, monkeypatch):
+    monkeypatch.setenv("CADENCE_PLATFORM", "nope")
+    with pytest.raises(PlatformError):
+        platforms.get_current_platform()
+    monkeypatch.delenv("CADENCE_PLATFORM")
+    assert platforms.get_current_platform().name in ("cpu", "cuda")
+
+
+def test_base_platform_claims_nothing_and_provides_no_factories():
+    class Bare(Platform):
+        name = "bare"
+        device_type = "bare"
+
+    bare = Bare()
+    assert not any([bare.supports_graph_capture(), bare.supports_fp8(), bare.supports_bf16(),
+                    bare.supports_pinned_memory(), bare.is_cuda(), bare.is_cpu(), bare.is_out_of_tree()])
+    for make, args in [(bare.make_attention_backend, (None, 1, 1, 1)), (bare.make_kv_pool, (1, 1, 1, 1, 1, None)),
+                       (bare.make_allocator, (1,)), (bare.make_graph_runner, (None, 1)),
+                       (bare.available_memory_bytes, ()), (bare.total_memory_bytes, ())]:
+        with pytest.raises(NotImplementedError, match="'bare'"):
+            make(*args)
+    assert bare.resolve_dtype("auto") == torch.float32  # no bf16 claimed
+    assert bare.resolve_kv_cache_dtype("auto", torch.float16) == torch.float16
+    with pytest.raises(ValueError):
+        bare.set_device(1)
+
+
+def test_cpu_platform_decisions():
+    from cadence.layers.attention import TorchNativeBackend
+
+    cpu = CpuPlatform()
+    assert cpu.device == torch.device("cpu") and cpu.is_cpu() and not cpu.is_cuda()
+    assert cpu.resolve_dtype("auto") == (torch.bfloat16 if cpu.supports_bf16() else torch.float32)
+    assert cpu.resolve_dtype("float16") == torch.float16
+    assert cpu.resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.float32
+    assert cpu.resolve_kv_cache_dtype("bfloat16", torch.float32) == torch.bfloat16
+    assert 0 < cpu.available_memory_bytes() <= cpu.total_memory_bytes()
+    pool = cpu.make_kv_pool(num_pages=2, page_size=4, num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    assert pool.kv_buffer[0].shape == (2, 2, 8, 8) and pool.kv_buffer[0].device == cpu.device
+    assert cpu.make_allocator(2).num_free_pages == 2
+    assert isinstance(cpu.make_attention_backend(pool, 4, 2, 8), TorchNativeBackend)
+    a, b = cpu.make_generator(7), cpu.make_generator(7)
+    assert torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=b))
+    cpu.synchronize()  # nothing queued on the host: returns at once
+    cpu.empty_cache()
