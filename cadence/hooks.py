@@ -5,12 +5,11 @@ a plugin hooks it like any target, by its dotted path:
 
     HookRegistry.register("cadence.hooks.request_finished", on_finished, HookType.AFTER)
 
-| point                                  | process                      | when                               |
-|----------------------------------------|------------------------------|------------------------------------|
-| `server_args_finalized(args) -> args`  | front (and in-process Engine) | once, after parsing and platform defaults |
-| `request_received(req)`                | front                        | each request accepted, before it is sent |
-| `request_finished(rid, meta_info)`     | front                        | once per received request, however it ended |
-| `batch_scheduled(batch_info)`          | scheduler                    | each forward step, before it runs  |
+- `server_args_finalized(args) -> args` — front process (and the in-process Engine), once,
+  after parsing and the platform's defaults.
+- `request_received(req)` — front process, for each request accepted, before it is sent.
+- `request_finished(rid, meta_info)` — front process, once per received request, however it ended.
+- `batch_scheduled(batch_info)` — scheduler process, before each forward step.
 
 `server_args_finalized` and `request_received` let exceptions through: a hook can stop
 start-up, or refuse a request by raising `cadence.tokenizer_manager.RequestError`. The

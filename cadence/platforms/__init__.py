@@ -97,8 +97,8 @@ def resolve_platform() -> Platform:
             raise PlatformError(f"platform {chosen!r} chosen by CADENCE_PLATFORM is not available here: its "
                                 f"activate() returned None (is its hardware or driver missing?)")
         return _instantiate(ep, path)
-    active = [(ep, path) for name, ep in sorted(eps.items()) if not _is_builtin(ep)
-              if (path := _activate(ep)) is not None]
+    external = [ep for _, ep in sorted(eps.items()) if not _is_builtin(ep)]
+    active = [(ep, path) for ep in external if (path := _activate(ep)) is not None]
     if len(active) > 1:
         names = ", ".join(ep.name for ep, _ in active)
         raise PlatformError(f"several platform plugins are active ({names}); set CADENCE_PLATFORM to the one to use")
