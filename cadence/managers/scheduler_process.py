@@ -152,6 +152,8 @@ class SchedulerProcess:
             with torch.no_grad():
                 for dst, src in zip(runner.model.parameters(), model.parameters()):
                     dst.copy_(src)
+            del model  # the staging copy: hand its device memory back
+            runner.platform.empty_cache()
             reply = UpdateWeightFromDiskReqOutput(success=True, message=f"loaded weights from {path}")
         except Exception as e:  # the server keeps its old weights and says why
             reply = UpdateWeightFromDiskReqOutput(success=False, message=str(e))
