@@ -1,0 +1,18 @@
+"""The native gRPC API: `sglang.runtime.v1.SglangService`, served beside HTTP.
+
+Generated stubs ship in this package, so clients need neither protoc nor grpcio-tools:
+
+    import grpc
+    from cadence.grpc import sglang_pb2, sglang_pb2_grpc
+
+    channel = grpc.insecure_channel("127.0.0.1:40000")        # --grpc-port, default --port + 10000
+    stub = sglang_pb2_grpc.SglangServiceStub(channel)
+    print(stub.Tokenize(sglang_pb2.TokenizeRequest(text="Hello")).tokens)
+
+The stubs come from `proto/sglang/runtime/v1/sglang.proto`; after changing the proto, run
+`python scripts/gen_grpc_stubs.py` (a unit test fails while they are stale).
+
+This module imports nothing: `server` (grpc.aio) is loaded by the front process only.
+"""
+
+SERVICE_NAME = "sglang.runtime.v1.SglangService"
