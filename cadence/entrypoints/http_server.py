@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
 from cadence import __version__
+from cadence.entrypoints import native_api
 from cadence.entrypoints.http_errors import error_response, json_response
 from cadence.io_struct import GenerateReqInput
 from cadence.sampling_params import InvalidParameter
@@ -125,19 +126,12 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info():
-        info = client().tm.info
-        return json_response({"model_path": info.model_path, "tokenizer_path": info.tokenizer_path,
-                              "served_model_name": info.served_model_name, "is_generation": info.is_generation,
-                              "max_context_length": info.context_len, "vocab_size": info.vocab_size})
+        return json_response(native_api.model_info(client().tm.info))
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info():
-        body = dataclasses.asdict(state.args)
-        body.pop("api_key", None)  # never echo a secret
-        body.update(version=__version__, is_ready=state.is_ready, uptime_s=time.time() - state.started,
-                    **state.runtime)
-        return json_response(body)
+        return json_response(native_api.server_info(state))
 
     @app.get("/get_load")
     async def get_load():
@@ -148,15 +142,10 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/loads")
     async def loads(request: Request):
         load = await client().get_load()
-        entry = {f: getattr(load, f) for f in ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens",
-                                                "num_cached_tokens", "max_total_num_tokens", "token_usage",
-                                                "gen_throughput", "cache_hit_rate")}
-        entries = [entry]
         rank = request.query_params.get("dp_rank")
-        if rank is not None:
-            if not rank.lstrip("-").isdigit():
-                raise InvalidParameter("dp_rank", f"dp_rank must be an integer, got {rank!r}")
-            entries = [e for e in entries if e["dp_rank"] == int(rank)]
+        if rank is not None and not rank.lstrip("-").isdigit():
+            raise InvalidParameter("dp_rank", f"dp_rank must be an integer, got {rank!r}")
+        entries = native_api.load_entries(load, None if rank is None else int(rank))
         if request.query_params.get("format") == "prometheus":
             lines = []
             for e in entries:
@@ -185,13 +174,13 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
         add_special = body.get("add_special_tokens", True)
         if not isinstance(add_special, bool):
             raise InvalidParameter("add_special_tokens", "add_special_tokens must be a boolean")
-        tok = client().tm.tokenizer
-        max_len = client().tm.info.context_len
+        tm = client().tm
+        max_len = tm.info.context_len
         if isinstance(prompt, str):
-            tokens = tok.encode(prompt, add_special_tokens=add_special)
+            tokens = native_api.tokenize(tm, prompt, add_special)
             return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": max_len})
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            tokens = [tok.encode(p, add_special_tokens=add_special) for p in prompt]
+            tokens = [native_api.tokenize(tm, p, add_special) for p in prompt]
             return json_response({"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": max_len})
         raise InvalidParameter("prompt", "prompt must be a string or a non-empty list of strings")
 
@@ -202,29 +191,14 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
         tokens = body.get("tokens")
         skip = body.get("skip_special_tokens", True)
         tm = client().tm
-        vocab = tm.info.vocab_size
-
-        def check(ids):
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise InvalidParameter("tokens", "tokens must be a list of token ids or a list of such lists")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidParameter("tokens", f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab})")
-            return ids
-
         if isinstance(tokens, list) and tokens and all(isinstance(t, list) for t in tokens):
-            return json_response({"text": [tm.tokenizer.decode(check(t), skip_special_tokens=skip) for t in tokens]})
-        return json_response({"text": tm.tokenizer.decode(check(tokens), skip_special_tokens=skip)})
+            return json_response({"text": [native_api.detokenize(tm, t, skip) for t in tokens]})
+        return json_response({"text": native_api.detokenize(tm, tokens, skip)})
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
         body = await read_json(request)
-        if body.get("abort_all"):
-            client().tm.abort_request(abort_all=True, message="aborted by /abort_request")
-        elif isinstance(body.get("rid"), str):
-            client().tm.abort_request(body["rid"], message="aborted by /abort_request")
-        else:
-            raise InvalidParameter("rid", "give a rid (string) or abort_all: true")
+        native_api.abort(client().tm, body.get("rid"), bool(body.get("abort_all")), "aborted by /abort_request")
         return Response(status_code=200)
 
     @app.post("/flush_cache")
@@ -237,9 +211,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         body = await read_json(request)
-        mode = body.get("mode", "abort")
-        if mode not in ("abort", "retract", "in_place"):
-            raise InvalidParameter("mode", f"mode must be abort, retract or in_place, got {mode!r}")
+        mode = native_api.check_pause_mode(body.get("mode", "abort"))
         client().pause(mode)
         return json_response({"success": True, "mode": mode})
 

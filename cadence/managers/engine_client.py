@@ -47,6 +47,7 @@ class EngineClient:
         self._waiters: dict[type, deque[asyncio.Future]] = defaultdict(deque)
         self._control_lock: dict[type, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._task: asyncio.Task | None = None
+        self.is_paused = False  # PauseGeneration sent by this front and not yet continued
 
     def send(self, msg) -> None:
         self.to_scheduler.send(io_struct.encode(msg), copy=False)
@@ -91,9 +92,11 @@ class EngineClient:
 
     def pause(self, mode: str) -> None:
         self.send(PauseGenerationReqInput(mode=mode, http_worker_ipc=self.address))
+        self.is_paused = True
 
     def resume(self) -> None:
         self.send(ContinueGenerationReqInput(http_worker_ipc=self.address))
+        self.is_paused = False
 
     async def profile(self, action: str, output_dir: str | None, num_steps: int | None = None) -> ProfileReqOutput:
         return await self.control(ProfileReq(action=action, output_dir=output_dir, num_steps=num_steps))
