@@ -56,16 +56,28 @@ def sse(obj) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone away. Call only after the body has been read."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def until_disconnected(request: Request, coro):
-    """Runs `coro`, cancelling it if the client goes away first (its request is then aborted)."""
+    """Runs `coro`, cancelling it if the client goes away first (its request is then aborted).
+
+    Waits on the ASGI receive channel itself: `request.is_disconnected()` polls it under an
+    already-cancelled scope, which never reports the disconnect through the HTTP middleware."""
     task = asyncio.ensure_future(coro)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
             task.cancel()
-            raise asyncio.CancelledError("client disconnected")
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise asyncio.CancelledError("client disconnected")
 
 
 async def first_result(gen: AsyncIterator):
