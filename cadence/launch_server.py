@@ -133,8 +133,12 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
         def watch():
             # Wakes up regularly so that shutting down never waits on this thread.
             while not stopping.is_set():
-                if multiprocessing.connection.wait([p.sentinel for p in children], timeout=0.5):
-                    return [p for p in children if p.exitcode is not None]
+                fired = multiprocessing.connection.wait([p.sentinel for p in children], timeout=0.5)
+                if fired:
+                    dead = [p for p in children if p.sentinel in fired]
+                    for p in dead:  # the sentinel can fire just before the exit status is readable
+                        p.join(timeout=1)
+                    return dead
             return []
 
         async def watchdog():
