@@ -1,0 +1,98 @@
+"""Launched servers for the end-to-end tests, started together and stopped without a trace.
+
+`server` is the one shared server most tests talk to. The other `*_server` fixtures are
+short-lived servers that a single test takes apart (signals, killed children, API key,
+tiny queues). Whichever server a test asks for first, every server that the collected
+tests will need is launched at that moment, in parallel, so their loads overlap; each
+fixture then waits only for its own. At the end of the session every server still up is
+stopped, and no process started by any of them may be left.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from e2e_server import API_KEY, SESSION_TAG, Server, tagged_pids, wait_until
+
+_SMALL = ["--max-total-tokens", "2048", "--skip-warmup"]
+SERVER_SPECS: dict[str, list[str]] = {
+    # Warm-up on: /health must stay 503 until the warm-up generation has passed.
+    "server": ["--max-total-tokens", "16384", "--chunked-prefill-size", "512"],
+    "api_key_server": ["--api-key", API_KEY, *_SMALL],
+    # At most 1 running + 1 queued request: the third one in flight is refused with 429.
+    "overload_server": ["--max-running-requests", "1", "--max-queued-requests", "1", *_SMALL],
+    "sigterm_server": _SMALL,
+    "sigint_server": _SMALL,
+    "kill_scheduler_server": _SMALL,
+    "kill_detokenizer_server": _SMALL,
+    "kill_front_server": _SMALL,
+}
+
+
+class Fleet:
+    def __init__(self, needed: set[str]):
+        self.needed = needed
+        self.servers: dict[str, Server] = {}
+        self.crashed: list[Server] = []  # shared servers that died under a test, replaced since
+
+    def get(self, name: str) -> Server:
+        if name not in self.servers:
+            for other in [name, *sorted(self.needed - set(self.servers) - {name})]:
+                self.servers[other] = self._launch(other)
+        elif name == "server" and self.servers[name].proc.poll() is not None:
+            # A test killed the shared server (a bug): the test that did it fails, the session
+            # reports it at the end, and the tests after it get a fresh server.
+            self.crashed.append(self.servers[name])
+            self.servers[name] = self._launch(name)
+        return self.servers[name].wait_ready()
+
+    @staticmethod
+    def _launch(name: str) -> Server:
+        return Server(name.removesuffix("_server") or "shared", SERVER_SPECS[name]).start()
+
+    def shutdown(self) -> list[str]:
+        """Stops every server; returns what went wrong (left processes, socket dirs, exit codes)."""
+        problems = [f"the shared server died during the session (exit code {srv.proc.returncode}):\n"
+                    f"{srv.log_tail(3000)}" for srv in self.crashed]
+        for name, srv in self.servers.items():
+            if srv.proc.poll() is None:
+                code = srv.stop(signal.SIGTERM, timeout=20)
+                if code != 0:
+                    problems.append(f"{name}: exit code {code} after SIGTERM\n{srv.log_tail(1500)}")
+                if srv.socket_dirs():
+                    problems.append(f"{name}: socket directory left behind: {srv.socket_dirs()}")
+        if not wait_until(lambda: not tagged_pids(SESSION_TAG), timeout=10):
+            problems.append(f"processes left by the servers: {tagged_pids(SESSION_TAG)}")
+        for srv in [*self.servers.values(), *self.crashed]:
+            srv.destroy()
+        return problems
+
+
+_needed: set[str] = set()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        _needed.update(n for n in getattr(item, "fixturenames", ()) if n in SERVER_SPECS)
+
+
+@pytest.fixture(scope="session")
+def fleet():
+    f = Fleet(_needed)
+    yield f
+    problems = f.shutdown()
+    assert not problems, "\n".join(problems)
+
+
+def _make_server_fixture(name: str):
+    # The shared server is looked up per test, so that one which died gets replaced.
+    @pytest.fixture(scope="function" if name == "server" else "session", name=name)
+    def _fixture(fleet):
+        return fleet.get(name)
+
+    return _fixture
+
+
+for _name in SERVER_SPECS:
+    globals()[f"_fixture_{_name}"] = _make_server_fixture(_name)
