@@ -1,0 +1,158 @@
+"""The server's life: 503 until loaded and warmed up, clean stops on SIGTERM and SIGINT, a
+non-zero exit naming a child that died, no orphans after a SIGKILL of the front process,
+the API key on every route but the health checks, and 429 beyond a bounded queue.
+
+Each test here takes its own short-lived server apart (see conftest.py); those servers are
+launched together with the shared one so their loads overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from e2e_server import API_KEY, is_idle, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+STOP_WITHIN_S = 8.0  # "within a few seconds", with room for a loaded 2-core machine
+
+
+def assert_nothing_left(srv, within: float = 3.0) -> None:
+    assert wait_until(lambda: not srv.leftover_pids(), within), f"orphans: {srv.leftover_pids()}"
+
+
+# ---- start-up -----------------------------------------------------------------------------
+
+
+def test_health_is_503_while_loading_then_200(server):
+    statuses = [s for _, s in server.health_history]
+    assert statuses[-1] == 200
+    assert 503 in statuses, f"never saw the loading phase: {server.health_history[:5]}"
+    assert 200 not in statuses[:-1]
+    first_503 = statuses.index(503)
+    assert all(s == 503 for s in statuses[first_503:-1]), "once bound, /health answers 503 until ready"
+    status, body = server.early_responses["/generate"]
+    assert status == 503 and "starting" in body
+    status, _ = server.early_responses["/health"]
+    assert status == 503
+
+
+# ---- stopping -----------------------------------------------------------------------------
+
+
+def test_sigterm_with_a_stream_in_flight_stops_everything(sigterm_server):
+    srv = sigterm_server
+    assert len(srv.leftover_pids()) >= 3  # front, scheduler, detokenizer
+    assert len(srv.socket_dirs()) == 1
+    stream_ended = threading.Event()
+
+    body = {"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+
+    def stream():
+        try:
+            with httpx.stream("POST", srv.url + "/generate", json=body, timeout=60) as r:
+                for _ in r.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass
+        stream_ended.set()
+
+    threading.Thread(target=stream, daemon=True).start()
+    assert wait_until(lambda: srv.load()["num_running_reqs"] == 1, 30)
+    start = time.monotonic()
+    srv.send_signal(signal.SIGTERM)
+    code = srv.wait_exit(STOP_WITHIN_S)
+    took = time.monotonic() - start
+    assert code == 0, f"exit code {code} after {took:.1f}s\n{srv.log_tail()}"
+    assert srv.socket_dirs() == [], "the socket directory must be removed"
+    assert_nothing_left(srv, within=1.0)
+    assert stream_ended.wait(5), "the client's stream was left hanging"
+
+
+def test_sigint_stops_everything(sigint_server):
+    srv = sigint_server
+    children = srv.children()
+    assert len(children) >= 2
+    start = time.monotonic()
+    srv.send_signal(signal.SIGINT)
+    code = srv.wait_exit(STOP_WITHIN_S)
+    assert code == 0, f"exit code {code} after {time.monotonic() - start:.1f}s\n{srv.log_tail()}"
+    assert srv.socket_dirs() == []
+    assert_nothing_left(srv, within=1.0)
+
+
+@pytest.mark.parametrize("role,sig", [("scheduler", signal.SIGKILL), ("detokenizer", signal.SIGTERM)])
+def test_a_dead_child_stops_the_server_non_zero_naming_it(request, role, sig):
+    srv = request.getfixturevalue(f"kill_{role}_server")
+    os.kill(srv.child_pid(role), sig)
+    code = srv.wait_exit(STOP_WITHIN_S)
+    assert code not in (0, None), f"exit code {code}\n{srv.log_tail()}"
+    log = srv.log_tail()
+    assert f"the {role} process died" in log, log
+    assert srv.socket_dirs() == []
+    assert_nothing_left(srv, within=1.0)
+
+
+def test_sigkill_of_the_front_leaves_no_orphans(kill_front_server):
+    srv = kill_front_server
+    children = [p for p in srv.leftover_pids() if p != srv.proc.pid]
+    assert len(children) >= 2
+    srv.send_signal(signal.SIGKILL)
+    assert srv.wait_exit(5) == -signal.SIGKILL
+    assert wait_until(lambda: not srv.leftover_pids(), 5), f"children outlived the front: {srv.leftover_pids()}"
+
+
+# ---- API key --------------------------------------------------------------------------------
+
+GUARDED = [("GET", "/model_info"), ("GET", "/get_model_info"), ("GET", "/server_info"), ("GET", "/get_server_info"),
+           ("GET", "/get_load"), ("GET", "/v1/loads"), ("POST", "/generate"), ("POST", "/tokenize"),
+           ("POST", "/v1/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/detokenize"), ("POST", "/abort_request"),
+           ("POST", "/flush_cache"), ("POST", "/pause_generation"), ("POST", "/continue_generation"),
+           ("POST", "/start_profile"), ("POST", "/stop_profile"), ("POST", "/update_weights_from_disk"),
+           ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/no/such/route")]
+
+
+def test_api_key_guards_every_route_but_health(api_key_server):
+    srv = api_key_server
+    with srv.client(timeout=30) as client:
+        for method, route in GUARDED:
+            for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": API_KEY}):
+                r = client.request(method, route, headers=headers, json={"text": "hi"} if method == "POST" else None)
+                assert r.status_code == 401, (method, route, headers, r.status_code)
+                assert r.json()["error"]["type"] == "authentication_error"
+        assert client.get("/health").status_code == 200
+        assert client.get("/health_generate").status_code == 200
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        assert client.get("/model_info", headers=auth).status_code == 200
+        info = client.get("/server_info", headers=auth)
+        assert info.status_code == 200 and API_KEY not in info.text
+        r = client.post("/generate", headers=auth, json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] >= 1
+
+
+# ---- overload ---------------------------------------------------------------------------------
+
+
+async def test_overload_beyond_the_queue_is_429(overload_server):
+    srv = overload_server
+    body = {"text": "Count slowly:", "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}}
+    limits = httpx.Limits(max_connections=32)
+    async with httpx.AsyncClient(base_url=srv.url, timeout=120, limits=limits) as client:
+        responses = await asyncio.gather(*(client.post("/generate", json=body) for _ in range(12)))
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) == {200, 429}, statuses
+    assert 1 <= statuses.count(200) <= 4  # one running + one queued, plus any that came after one finished
+    refused = next(r for r in responses if r.status_code == 429).json()["error"]
+    assert refused["type"] == "rate_limit_error" and refused["code"] == 429
+    for r in responses:
+        if r.status_code == 200:
+            assert r.json()["meta_info"]["completion_tokens"] == 48
+    assert is_idle(srv.wait_idle())
+    with srv.client() as client:  # the refusals left nothing behind: a new request runs
+        assert client.post("/generate", json=body).status_code == 200
