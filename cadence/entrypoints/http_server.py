@@ -20,6 +20,7 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from cadence import __version__
 from cadence.entrypoints import native_api
 from cadence.entrypoints.http_errors import error_response, json_response
+from cadence.entrypoints.openai_routes import register_openai_routes
 from cadence.io_struct import GenerateReqInput
 from cadence.sampling_params import InvalidParameter
 from cadence.server_args import ServerArgs
@@ -116,6 +117,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await call_next(request)
 
     register_native_routes(app, state)
+    register_openai_routes(app, state)
     return app
 
 

@@ -1,0 +1,399 @@
+"""Request and response shapes of the OpenAI-compatible routes, and the pure functions
+that turn one into a `GenerateReqInput` and TokenizerManager results into the other.
+
+No I/O and nothing heavy: `openai_serving` drives the TokenizerManager with these, and
+unit tests check them without a model. Every user error is an `InvalidParameter` whose
+`param` is the OpenAI field at fault (never one of our native names).
+
+Checks made here are the OpenAI-specific ones (types, unknown fields, `top_logprobs`
+range, ...); the ranges of the sampling parameters are checked once, below both
+adapters, by `SamplingParams.verify`, and `openai_serving` renames the native field in
+those errors (`max_new_tokens` becomes `max_tokens`, ...).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from cadence.sampling_params import InvalidParameter
+
+MAX_TOP_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# apply_chat_template's own arguments; chat_template_kwargs must not smuggle them in.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "sanitize_control_tokens",
+})
+
+
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    include_usage: bool | None = None  # add a last chunk with the usage of the whole request
+    include_obfuscation: bool | None = None  # accepted; this server never pads chunks
+
+
+class _Request(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and completions. None everywhere means "not given"."""
+
+    model: str | None = None  # the served model name; None means the served model
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    user: str | None = None  # accepted, not used
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    # SGLang's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None  # a schema object or its JSON text
+    ebnf: str | None = None
+
+    @property
+    def is_stream(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Request, kw_only=True):
+    messages: list[Any]
+    max_completion_tokens: int | None = None  # wins over max_tokens when both are given
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None  # text; json_object / json_schema → json_schema
+    add_generation_prompt: bool | None = None  # default true
+    continue_final_message: bool | None = None  # default false
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    tools: list[Any] | None = None  # refused unless empty: no tool calling yet
+    tool_choice: str | dict[str, Any] | None = None  # only "none" / "auto" without tools
+    parallel_tool_calls: bool | None = None  # accepted, not used
+    store: bool | None = None  # accepted, not used
+    metadata: dict[str, Any] | None = None  # accepted, not used
+    service_tier: str | None = None  # accepted, not used
+
+
+class CompletionRequest(_Request, kw_only=True):
+    prompt: str | list[Any]  # str, list of str, list of token ids, or list of such lists
+    logprobs: int | None = None  # top alternatives per token, in [0, MAX_TOP_LOGPROBS]
+    echo: bool | None = None  # answer with the prompt before the completion
+    suffix: str | None = None  # refused: no insertion
+    best_of: int | None = None  # only equal to n (or 1)
+
+
+# -- parsing --------------------------------------------------------------------------------
+
+
+def parse_request(cls: type, body: bytes | str | dict) -> Any:
+    """Decode and type-check a request body; `InvalidParameter` names the field at fault."""
+    if isinstance(body, (bytes, bytearray, memoryview, str)):
+        try:
+            body = msgspec.json.decode(body) if len(body) else {}
+        except msgspec.DecodeError as e:
+            raise InvalidParameter(None, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidParameter(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    known = cls.__struct_fields__
+    for key in body:
+        if key not in known:
+            raise InvalidParameter(str(key), f"unknown field {key!r}; this server accepts: {', '.join(sorted(known))}")
+    required = "messages" if cls is ChatCompletionRequest else "prompt"
+    if body.get(required) is None:
+        raise InvalidParameter(required, f"{required} is required")
+    try:
+        req = msgspec.convert(body, cls)
+    except msgspec.ValidationError as e:
+        raise _readable(e) from None
+    _check_common(req)
+    if isinstance(req, ChatCompletionRequest):
+        _check_chat(req)
+    else:
+        _check_completion(req)
+    return req
+
+
+def _readable(error: msgspec.ValidationError) -> InvalidParameter:
+    # msgspec says "Expected `float | null`, got `str` - at `$.temperature`".
+    text = str(error)
+    match = re.search(r" - at `\$\.([A-Za-z_]\w*)(.*)`$", text)
+    if match is None:
+        return InvalidParameter(None, text)
+    name, rest = match.group(1), match.group(2)
+    problem = text[: match.start()].replace("`", "")
+    return InvalidParameter(name, f"{name}{rest} has the wrong type: {problem[:1].lower()}{problem[1:]}")
+
+
+def _check_common(req: _Request) -> None:
+    # OpenAI's range; the engine itself takes any temperature >= 0.
+    if req.temperature is not None and not 0 <= req.temperature <= MAX_TEMPERATURE:
+        raise InvalidParameter("temperature", f"temperature must be in [0, {MAX_TEMPERATURE}] (0 means greedy), "
+                                              f"got {req.temperature:g}")
+    if req.stream_options is not None and not req.stream:
+        raise InvalidParameter("stream_options", "stream_options is only allowed when stream is true")
+    for token_id, bias in (req.logit_bias or {}).items():
+        if not -100 <= bias <= 100:
+            raise InvalidParameter("logit_bias", f"logit_bias[{token_id}] must be in [-100, 100], got {bias}")
+
+
+def _check_chat(req: ChatCompletionRequest) -> None:
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidParameter("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                                                   f"got {req.top_logprobs}")
+        if not req.logprobs:
+            raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
+    if req.tools:
+        raise InvalidParameter("tools", "tools: tool calling is not supported by this server yet; remove tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise InvalidParameter("tool_choice", "tool_choice: tool calling is not supported by this server yet")
+    if req.response_format is not None:
+        kind = req.response_format.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise InvalidParameter("response_format", "response_format.type must be text, json_object or "
+                                                      f"json_schema, got {kind!r}")
+        if kind == "json_schema" and not isinstance((req.response_format.get("json_schema") or {}).get("schema"),
+                                                    dict):
+            raise InvalidParameter("response_format", "response_format.json_schema.schema must be an object")
+    for name, value in (req.chat_template_kwargs or {}).items():
+        if name in _RESERVED_TEMPLATE_KWARGS:
+            raise InvalidParameter("chat_template_kwargs", f"chat_template_kwargs cannot set {name!r}")
+
+
+def _check_completion(req: CompletionRequest) -> None:
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidParameter("logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}")
+    if req.suffix:
+        raise InvalidParameter("suffix", "suffix: insertion is not supported by this server; remove it")
+    if req.best_of is not None and req.best_of not in (1, req.n or 1):
+        raise InvalidParameter("best_of", f"best_of must equal n ({req.n or 1}): this server returns every "
+                                          "sample it generates")
+    prompt_fields(req.prompt)
+
+
+# -- request → GenerateReqInput pieces --------------------------------------------------------
+
+
+def prompt_fields(prompt: Any) -> dict[str, Any]:
+    """The `text=` or `input_ids=` of GenerateReqInput for a completions prompt."""
+    if isinstance(prompt, str):
+        return {"text": prompt}
+    if not prompt:
+        raise InvalidParameter("prompt", "prompt must not be an empty list")
+    if all(isinstance(p, str) for p in prompt):
+        return {"text": list(prompt)}
+    if all(_is_int(t) for t in prompt):
+        return {"input_ids": list(prompt)}
+    if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+        return {"input_ids": [list(p) for p in prompt]}
+    raise InvalidParameter("prompt", "prompt must be a string, a list of strings, a list of token ids, "
+                                     "or a list of non-empty lists of token ids")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: content always a string."""
+    if not messages:
+        raise InvalidParameter("messages", "messages must not be empty")
+    result = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidParameter("messages", f"messages[{i}] must be an object with role and content")
+        role = message.get("role")
+        if role not in ROLES:
+            raise InvalidParameter("messages", f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        content = message.get("content")
+        if content is None and role not in ("assistant", "tool"):
+            raise InvalidParameter("messages", f"messages[{i}].content is required for role {role}")
+        msg = dict(message, role="system" if role == "developer" else role, content=_text_content(i, content))
+        result.append(msg)
+    return result
+
+
+def _text_content(i: int, content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidParameter("messages", f"messages[{i}].content must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in ("image_url", "input_audio", "file", "video_url"):
+            raise InvalidParameter("messages", f"messages[{i}].content[{j}]: this model does not accept "
+                                               f"{kind} input")
+        else:
+            raise InvalidParameter("messages", f"messages[{i}].content[{j}] must be a text part "
+                                               '({"type": "text", "text": ...})')
+    return "\n".join(texts)
+
+
+def template_options(req: ChatCompletionRequest) -> dict[str, Any]:
+    """Keyword arguments of apply_chat_template: the request's switches plus its kwargs."""
+    extra = dict(req.chat_template_kwargs or {})
+    options = {
+        "add_generation_prompt": extra.pop("add_generation_prompt", req.add_generation_prompt),
+        "continue_final_message": extra.pop("continue_final_message", req.continue_final_message),
+    }
+    if options["continue_final_message"]:
+        options["add_generation_prompt"] = False  # continuing the last turn means no new one
+    elif options["add_generation_prompt"] is None:
+        options["add_generation_prompt"] = True
+    options["continue_final_message"] = bool(options["continue_final_message"])
+    return {**extra, **options}
+
+
+def sampling_params(req: _Request, max_new_tokens: int) -> dict[str, Any]:
+    """The native sampling_params dict; fields the client left out keep the native defaults."""
+    params = {
+        "max_new_tokens": max_new_tokens,
+        "min_new_tokens": req.min_tokens,
+        "n": req.n,
+        "stop": req.stop,
+        "seed": req.seed,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "logit_bias": req.logit_bias,
+        "ignore_eos": req.ignore_eos,
+        "stop_token_ids": req.stop_token_ids,
+        "skip_special_tokens": req.skip_special_tokens,
+        "no_stop_trim": req.no_stop_trim,
+        "regex": req.regex,
+        "json_schema": _json_schema(req),
+        "ebnf": req.ebnf,
+    }
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def _json_schema(req: _Request) -> str | None:
+    schema = req.json_schema
+    fmt = getattr(req, "response_format", None)
+    if schema is None and fmt is not None:
+        if fmt["type"] == "json_object":
+            schema = {"type": "object"}
+        elif fmt["type"] == "json_schema":
+            schema = fmt["json_schema"]["schema"]
+    if isinstance(schema, dict):
+        return msgspec.json.encode(schema).decode()
+    return schema
+
+
+def requested_max_tokens(req: _Request) -> tuple[str, int | None]:
+    """(the field the client used for the output length, its value or None)."""
+    value = getattr(req, "max_completion_tokens", None)
+    if value is not None:
+        return "max_completion_tokens", value
+    return "max_tokens", req.max_tokens
+
+
+def native_names(req: _Request) -> dict[str, str]:
+    """Native field → the OpenAI field it came from, for renaming errors raised below us."""
+    prompt = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    names = {
+        "max_new_tokens": requested_max_tokens(req)[0],
+        "min_new_tokens": "min_tokens",
+        "text": prompt,
+        "input_ids": prompt,
+        "top_logprobs_num": "top_logprobs" if prompt == "messages" else "logprobs",
+        "logprob_start_len": "echo",
+    }
+    if req.json_schema is None and getattr(req, "response_format", None) is not None:
+        names["json_schema"] = "response_format"
+    return names
+
+
+# -- results → response pieces ----------------------------------------------------------------
+
+
+def finish_reason(reason: dict | None) -> str | None:
+    """OpenAI's finish_reason for a native one: stop (EOS, stop token or string), length, abort."""
+    if reason is None:
+        return None
+    kind = reason.get("type")
+    return kind if kind in ("stop", "length") else "abort"
+
+
+def matched_stop(reason: dict | None) -> Any:
+    return reason.get("matched") if reason and reason.get("type") == "stop" else None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def chat_logprobs(token_logprobs: list, top_logprobs: list | None) -> dict[str, Any]:
+    """`choices[i].logprobs` of chat: one entry per generated token, with its alternatives.
+
+    `token_logprobs` holds [logprob, id, text] per token; `top_logprobs` a list of such
+    triples per token (None or shorter when not asked for)."""
+    content = []
+    for k, (logprob, _, text) in enumerate(token_logprobs):
+        tops = top_logprobs[k] if top_logprobs and k < len(top_logprobs) and top_logprobs[k] else []
+        content.append({
+            "token": text,
+            "logprob": logprob,
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for lp, _, t in tops],
+        })
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(token_logprobs: list, top_logprobs: list | None, num_top: int,
+                        text_offset: int) -> dict[str, Any]:
+    """`choices[i].logprobs` of legacy completions; offsets index the choice's `text`,
+    starting at `text_offset` (the length of what came before in that text)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for k, (logprob, _, text) in enumerate(token_logprobs):
+        tokens.append(text)
+        values.append(logprob)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        row = top_logprobs[k] if top_logprobs and k < len(top_logprobs) else None
+        # The first prompt token has no logprob, hence no alternatives either.
+        tops.append({t: lp for lp, _, t in row[:num_top]} if row and logprob is not None else None)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops if num_top else None,
+            "text_offset": offsets}
+
+
+def merge_completion_logprobs(a: dict | None, b: dict) -> dict:
+    if a is None:
+        return b
+    tops = None if a["top_logprobs"] is None else a["top_logprobs"] + b["top_logprobs"]
+    return {"tokens": a["tokens"] + b["tokens"], "token_logprobs": a["token_logprobs"] + b["token_logprobs"],
+            "top_logprobs": tops, "text_offset": a["text_offset"] + b["text_offset"]}

@@ -1,0 +1,384 @@
+"""The OpenAI-compatible API as one protocol-free module: raw JSON bytes in, a status and
+a JSON body (or a stream of JSON chunks) out.
+
+The HTTP routes (`openai_routes`) and the gRPC pass-through RPCs both call
+`OpenAIServing`, so a request gets the same answer whichever way it came:
+
+    result = await serving.chat_completions(body)      # or .completions(body)
+    if isinstance(result, OpenAIResponse):              # errors, and every non-stream answer
+        send(result.status, result.body)
+    else:                                               # OpenAIStream: "stream": true, accepted
+        async for chunk in result: ...                  # JSON bytes of one SSE event each;
+                                                        # raises StreamFailed mid-stream
+        # or, for HTTP: async for frame in result.sse(): ... (`data: ...`, error event, [DONE])
+
+Errors found before a stream starts (bad input, unknown model, overload) are always an
+`OpenAIResponse` with the error status, never a stream. Leaving a stream early, or
+cancelling a call, aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import msgspec
+
+from cadence.entrypoints import openai_protocol as proto
+from cadence.entrypoints.http_errors import error_body
+from cadence.io_struct import GenerateReqInput
+from cadence.sampling_params import InvalidParameter
+from cadence.tokenizer_manager import RequestError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenAIResponse:
+    """A whole answer: the HTTP status and the JSON body (an error body when status >= 400)."""
+
+    status: int
+    body: bytes
+
+
+class StreamFailed(Exception):
+    """A stream ended by an error after it had started; `body` is the JSON error body."""
+
+    def __init__(self, status: int, body: bytes):
+        super().__init__(body.decode())
+        self.status = status
+        self.body = body
+
+
+class OpenAIStream:
+    """An accepted streaming request. Iterate for the JSON bytes of each chunk (no `data: `,
+    no `[DONE]`); the iteration raises `StreamFailed` if the request fails midway.
+    `aclose()` (or leaving `sse()` early) aborts the request."""
+
+    def __init__(self, chunks: AsyncIterator[dict]):
+        self._chunks = chunks
+
+    def __aiter__(self):
+        return self._encoded()
+
+    async def _encoded(self):
+        try:
+            async for chunk in self._chunks:
+                yield msgspec.json.encode(chunk)
+        except (InvalidParameter, RequestError) as e:
+            status, body = _error(e)
+            raise StreamFailed(status, body) from None
+        finally:
+            await self._chunks.aclose()
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        """Server-sent event frames: one per chunk, an error event on failure, then [DONE]."""
+        chunks = self.__aiter__()
+        try:
+            async for chunk in chunks:
+                yield b"data: " + chunk + b"\n\n"
+        except StreamFailed as e:
+            yield b"data: " + e.body + b"\n\n"
+        finally:
+            await chunks.aclose()
+        yield b"data: [DONE]\n\n"
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+
+
+OpenAIResult = OpenAIResponse | OpenAIStream
+
+
+@dataclasses.dataclass
+class _Job:
+    """One accepted request: what shaping its results needs."""
+
+    req: Any  # ChatCompletionRequest | CompletionRequest
+    obj: GenerateReqInput
+    id: str
+    model: str
+    names: dict[str, str]  # native field -> OpenAI field, for errors raised below us
+    num_choices: int
+    prompt_texts: list[str] = dataclasses.field(default_factory=list)  # per prompt, for echo
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def is_chat(self) -> bool:
+        return isinstance(self.req, proto.ChatCompletionRequest)
+
+    @property
+    def n(self) -> int:
+        return self.req.n or 1
+
+    def echo_text(self, index: int) -> str:
+        return self.prompt_texts[index // self.n] if getattr(self.req, "echo", False) else ""
+
+
+class OpenAIServing:
+    """Serves the OpenAI API over the front process's TokenizerManager.
+
+    `state` is anything with `.args` (ServerArgs) and `.client.tm` (the TokenizerManager,
+    read per request: it exists only once the model is loaded). The --chat-template file,
+    when given, is read here, so a bad one stops the server at start-up.
+    """
+
+    def __init__(self, state):
+        self.state = state
+        self.chat_template = None
+        path = getattr(state.args, "chat_template", None)
+        if path:
+            self.chat_template = _read_chat_template(path)
+
+    @property
+    def tm(self):
+        return self.state.client.tm
+
+    # ---- routes ---------------------------------------------------------------------------
+
+    def list_models(self) -> OpenAIResponse:
+        return _ok({"object": "list", "data": [self._model_card()]})
+
+    def retrieve_model(self, model_id: str) -> OpenAIResponse:
+        try:
+            self._check_model(model_id)
+        except RequestError as e:
+            return OpenAIResponse(*_error(e))
+        return _ok(self._model_card())
+
+    async def chat_completions(self, body: bytes) -> OpenAIResult:
+        return await self._serve(body, proto.ChatCompletionRequest)
+
+    async def completions(self, body: bytes) -> OpenAIResult:
+        return await self._serve(body, proto.CompletionRequest)
+
+    # ---- one request --------------------------------------------------------------------
+
+    async def _serve(self, body: bytes, cls: type) -> OpenAIResult:
+        names: dict[str, str] = {}
+        try:
+            req = proto.parse_request(cls, body)
+            names = proto.native_names(req)
+            self._check_model(req.model)
+            job = self._chat_job(req) if cls is proto.ChatCompletionRequest else self._completion_job(req)
+            gen = self.tm.generate_request(job.obj)
+            if req.is_stream:
+                # The first chunk comes after admission and prefill: errors up to there
+                # are still an ordinary error response.
+                try:
+                    first = await gen.__anext__()
+                except StopAsyncIteration:
+                    first = None
+                return OpenAIStream(self._stream(job, gen, first))
+            result = None
+            async for result in gen:
+                pass
+            return _ok(self._response(job, result if isinstance(result, list) else [result]))
+        except (InvalidParameter, RequestError) as e:
+            return OpenAIResponse(*_error(e, names))
+        except Exception:
+            logger.exception("OpenAI request failed")
+            return OpenAIResponse(500, msgspec.json.encode(error_body(500, "internal error; see the server log")))
+
+    def _check_model(self, model: str | None) -> None:
+        served = self.tm.info.served_model_name
+        if model is not None and model != served:
+            raise RequestError(404, f"The model {model!r} does not exist; this server serves {served!r}", "model")
+
+    def _model_card(self) -> dict:
+        info = self.tm.info
+        return {"id": info.served_model_name, "object": "model", "created": int(getattr(self.state, "started", 0)),
+                "owned_by": "cadence", "root": info.model_path, "parent": None, "max_model_len": info.context_len}
+
+    def _chat_job(self, req: proto.ChatCompletionRequest) -> _Job:
+        messages = proto.chat_messages(req.messages)
+        try:
+            prompt = self.tm.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.chat_template,
+                                                           **proto.template_options(req))
+        except Exception as e:  # a template's raise_exception, or a malformed conversation
+            raise InvalidParameter("messages", f"the chat template rejected the messages: {e}") from None
+        # The template writes the special tokens itself.
+        input_ids = self.tm.tokenizer.encode(prompt, add_special_tokens=False)
+        _, max_tokens = proto.requested_max_tokens(req)
+        if max_tokens is None:  # OpenAI's default: whatever the context leaves
+            max_tokens = max(self.tm.info.context_len - len(input_ids), 1)
+        rid = uuid.uuid4().hex
+        obj = GenerateReqInput(
+            input_ids=input_ids, sampling_params=proto.sampling_params(req, max_tokens), rid=rid,
+            return_logprob=bool(req.logprobs), top_logprobs_num=req.top_logprobs or 0,
+            return_text_in_logprobs=True, stream=req.is_stream)
+        return _Job(req, obj, f"chatcmpl-{rid}", self.tm.info.served_model_name, proto.native_names(req),
+                    num_choices=req.n or 1)
+
+    def _completion_job(self, req: proto.CompletionRequest) -> _Job:
+        prompt = proto.prompt_fields(req.prompt)
+        is_batch = (isinstance(prompt.get("text"), list)
+                    or ("input_ids" in prompt and isinstance(prompt["input_ids"][0], list)))
+        num_prompts = len(next(iter(prompt.values()))) if is_batch else 1
+        max_tokens = req.max_tokens if req.max_tokens is not None else proto.COMPLETION_DEFAULT_MAX_TOKENS
+        base = uuid.uuid4().hex
+        # With logprobs and echo, the prompt's own logprobs come first (from position 0).
+        wants_logprobs = req.logprobs is not None
+        obj = GenerateReqInput(
+            **prompt, sampling_params=proto.sampling_params(req, max_tokens),
+            rid=[f"{base}-p{i}" for i in range(num_prompts)] if is_batch else base,
+            return_logprob=wants_logprobs, top_logprobs_num=req.logprobs or 0,
+            logprob_start_len=0 if wants_logprobs and req.echo else -1,
+            return_text_in_logprobs=True, stream=req.is_stream)
+        job = _Job(req, obj, f"cmpl-{base}", self.tm.info.served_model_name, proto.native_names(req),
+                   num_choices=num_prompts * (req.n or 1))
+        if req.echo:
+            prompts = prompt.get("text", prompt.get("input_ids"))
+            prompts = prompts if is_batch else [prompts]
+            job.prompt_texts = [p if isinstance(p, str) else self.tm.tokenizer.decode(p) for p in prompts]
+        return job
+
+    # ---- results → OpenAI shapes ------------------------------------------------------------
+
+    def _response(self, job: _Job, results: list[dict]) -> dict:
+        choices = [self._choice(job, i, r) for i, r in enumerate(results)]
+        firsts = results[:: job.n]  # one sample per prompt: the prompt counts once
+        usage = proto.usage(sum(r["meta_info"]["prompt_tokens"] for r in firsts),
+                            sum(r["meta_info"]["completion_tokens"] for r in results),
+                            sum(r["meta_info"].get("cached_tokens", 0) for r in firsts))
+        kind = "chat.completion" if job.is_chat else "text_completion"
+        return {"id": job.id, "object": kind, "created": job.created, "model": job.model, "choices": choices,
+                "usage": usage}
+
+    def _choice(self, job: _Job, index: int, result: dict) -> dict:
+        meta = result["meta_info"]
+        reason = meta.get("finish_reason")
+        choice: dict[str, Any] = {"index": index}
+        if job.is_chat:
+            choice["message"] = {"role": "assistant", "content": result["text"], "refusal": None}
+            choice["logprobs"] = self._chat_logprobs(job, meta)
+        else:
+            echo = job.echo_text(index)
+            choice["text"] = echo + result["text"]
+            choice["logprobs"] = self._completion_logprobs(job, meta, 0, with_prompt=True)
+        choice["finish_reason"] = proto.finish_reason(reason)
+        choice["matched_stop"] = proto.matched_stop(reason)
+        return choice
+
+    def _chat_logprobs(self, job: _Job, meta: dict) -> dict | None:
+        if not job.req.logprobs:
+            return None
+        return proto.chat_logprobs(meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs"))
+
+    def _completion_logprobs(self, job: _Job, meta: dict, offset: int, with_prompt: bool) -> dict | None:
+        req = job.req
+        if req.logprobs is None:
+            return None
+        tokens, tops = [], []
+        if with_prompt and req.echo:
+            tokens += meta.get("input_token_logprobs") or []
+            tops += meta.get("input_top_logprobs") or []
+            tops += [None] * (len(tokens) - len(tops))
+        tokens += meta.get("output_token_logprobs") or []
+        tops += meta.get("output_top_logprobs") or []
+        return proto.completion_logprobs(tokens, tops, req.logprobs, offset)
+
+    async def _stream(self, job: _Job, gen: AsyncIterator, first: dict | None) -> AsyncIterator[dict]:
+        """The chunks of a stream; ends the engine request if left early."""
+        counts: dict[int, dict] = {}  # choice index -> its latest meta (counts are cumulative)
+        offsets: dict[int, int] = {}  # choice index -> chars of text sent so far (logprob offsets)
+        kind = "chat.completion.chunk" if job.is_chat else "text_completion"
+
+        def chunk(choices: list, **extra) -> dict:
+            out = {"id": job.id, "object": kind, "created": job.created, "model": job.model, "choices": choices}
+            if job.req.include_usage:
+                out["usage"] = None
+            out.update(extra)
+            return out
+
+        try:
+            if job.is_chat:
+                for i in range(job.num_choices):
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+            pending = [first] if first is not None else []
+            while True:
+                if pending:
+                    delta = pending.pop()
+                else:
+                    try:
+                        delta = await gen.__anext__()
+                    except StopAsyncIteration:
+                        break
+                index = delta.get("index", 0)
+                counts[index] = delta["meta_info"]
+                choice = self._delta_choice(job, index, delta, offsets)
+                if choice is not None:
+                    yield chunk([choice])
+            if job.req.include_usage:
+                metas = [counts[i] for i in sorted(counts)]
+                firsts = metas[:: job.n]
+                yield chunk([], usage=proto.usage(sum(m["prompt_tokens"] for m in firsts),
+                                                  sum(m["completion_tokens"] for m in metas),
+                                                  sum(m.get("cached_tokens", 0) for m in firsts)))
+        finally:
+            await gen.aclose()
+
+    def _delta_choice(self, job: _Job, index: int, delta: dict, offsets: dict[int, int]) -> dict | None:
+        meta = delta["meta_info"]
+        reason = meta.get("finish_reason")
+        text = delta["text"]
+        is_first = index not in offsets
+        if job.is_chat:
+            logprobs = self._chat_logprobs(job, meta)
+            if not text and reason is None and not (logprobs and logprobs["content"]):
+                return None  # nothing to say yet (e.g. half a multi-byte character)
+            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs}
+        else:
+            if is_first:
+                text = job.echo_text(index) + text
+            offset = offsets.get(index, 0)
+            logprobs = self._completion_logprobs(job, meta, offset, with_prompt=is_first)
+            if not text and reason is None and not (logprobs and logprobs["tokens"]):
+                return None
+            choice = {"index": index, "text": text, "logprobs": logprobs}
+        offsets[index] = offsets.get(index, 0) + len(text)
+        choice["finish_reason"] = proto.finish_reason(reason)
+        choice["matched_stop"] = proto.matched_stop(reason)
+        return choice
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _ok(obj: dict) -> OpenAIResponse:
+    return OpenAIResponse(200, msgspec.json.encode(obj))
+
+
+def _error(e: Exception, names: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """(status, JSON error body) for an InvalidParameter or RequestError, with native field
+    names (max_new_tokens, ...) renamed to the OpenAI fields the client sent."""
+    status = getattr(e, "status", 400)
+    param, message = getattr(e, "param", None), str(e)
+    if names:
+        if param in names:
+            param = names[param]
+        for native, name in names.items():
+            # Only whole-word names; text/input_ids only where they name the field at fault.
+            pattern = rf"\b{native}\b" if "_" in native else rf"^{native}(?=[:\[ ])"
+            message = re.sub(pattern, name, message)
+    return status, msgspec.json.encode(error_body(status, message, param))
+
+
+def _read_chat_template(path: str) -> str:
+    import jinja2
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"--chat-template: cannot read {path}: {e.strerror}") from None
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: {path} is not a valid Jinja template (line {e.lineno}): {e}") from None
+    return text
