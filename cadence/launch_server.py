@@ -95,9 +95,11 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
                                    lifespan="off", timeout_graceful_shutdown=2, access_log=False))
     exit_code = 0
 
-    def stop(code: int = 0):
+    def stop(code: int = 0, reason: str = "the server is shutting down"):
         nonlocal exit_code
         exit_code = exit_code or code
+        if state.client is not None and not state.is_shutting_down:
+            state.client.end_all(reason)  # answered now, not cut off by the HTTP server's grace period
         state.is_shutting_down = True
         server.should_exit = True
         stopping.set()
@@ -146,7 +148,7 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
             if not state.is_shutting_down:
                 for p in dead:
                     logger.error("the %s process died (exit code %s); shutting down", p.name, p.exitcode)
-                stop(1)
+                stop(1, f"the {' and '.join(p.name for p in dead)} process died; the server is shutting down")
 
         watch_task = asyncio.create_task(watchdog())
         if not args.skip_warmup:

@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from cadence import io_struct
-from cadence.io_struct import (BatchStrOutput, ContinueGenerationReqInput, FlushCacheReqInput, FlushCacheReqOutput,
+from cadence.io_struct import (AbortReq, BatchStrOutput, ContinueGenerationReqInput, FlushCacheReqInput, FlushCacheReqOutput,
                                GetLoadReqInput, GetLoadReqOutput, PauseGenerationReqInput, ProfileReq,
                                ProfileReqOutput, UpdateWeightFromDiskReqInput, UpdateWeightFromDiskReqOutput)
 from cadence.ipc import IpcPaths
@@ -48,8 +48,11 @@ class EngineClient:
         self._control_lock: dict[type, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._task: asyncio.Task | None = None
         self.is_paused = False  # PauseGeneration sent by this front and not yet continued
+        self.is_closed = False
 
     def send(self, msg) -> None:
+        if self.is_closed:  # shutting down: a late abort from a request's cleanup has nowhere to go
+            return
         self.to_scheduler.send(io_struct.encode(msg), copy=False)
 
     def start(self) -> None:
@@ -105,7 +108,22 @@ class EngineClient:
         return await self.control(UpdateWeightFromDiskReqInput(model_path=model_path, load_format=load_format),
                                   timeout=600)
 
+    def end_all(self, message: str, status: int = 503) -> None:
+        """Ends every request of this front now with an error of `status`, without waiting for
+        the scheduler (the server is stopping, or a child died and will never answer)."""
+        rids = list(self.tm.states)
+        if not rids:
+            return
+        self.send(AbortReq(abort_all=True, message=message, http_worker_ipc=self.address))
+        n = len(rids)
+        # The token counts are never shown: a finish reason with status >= 400 becomes an error.
+        self.tm.handle_output(BatchStrOutput(
+            rids=rids, http_worker_ipcs=[self.address] * n, output_strs=[""] * n, output_ids=[[] for _ in rids],
+            finished_reasons=[{"type": "abort", "message": message, "status_code": status} for _ in rids],
+            prompt_tokens=[0] * n, completion_tokens=[0] * n, cached_tokens=[0] * n))
+
     def close(self) -> None:
+        self.is_closed = True
         if self._task:
             self._task.cancel()
         self.ctx.destroy(linger=0)
