@@ -72,6 +72,7 @@ class Fleet:
 _needed: set[str] = set()
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: launch only what will run
 def pytest_collection_modifyitems(config, items):
     for item in items:
         _needed.update(n for n in getattr(item, "fixturenames", ()) if n in SERVER_SPECS)

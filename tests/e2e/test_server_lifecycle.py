@@ -46,25 +46,40 @@ def test_health_is_503_while_loading_then_200(server):
 # ---- stopping -----------------------------------------------------------------------------
 
 
-def test_sigterm_with_a_stream_in_flight_stops_everything(sigterm_server):
+class InFlight:
+    """A long /generate running on a thread; `outcome` is what the client finally got."""
+
+    def __init__(self, srv, stream: bool):
+        self.body = {"text": "Hello", "stream": stream, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+        self.url = srv.url + "/generate"
+        self.outcome: httpx.Response | Exception | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        try:
+            with httpx.stream("POST", self.url, json=self.body, timeout=60) as r:
+                r.read()
+                self.outcome = r
+        except httpx.HTTPError as e:
+            self.outcome = e
+        self.done.set()
+
+
+def assert_ended_with_503(req: InFlight, words: str) -> None:
+    assert req.done.wait(5), "the request was left hanging"
+    r = req.outcome
+    assert isinstance(r, httpx.Response) and r.status_code == 503, r
+    error = r.json()["error"]
+    assert error["code"] == 503 and words in error["message"], error
+
+
+def test_sigterm_with_requests_in_flight_stops_everything(sigterm_server):
     srv = sigterm_server
     assert len(srv.leftover_pids()) >= 3  # front, scheduler, detokenizer
     assert len(srv.socket_dirs()) == 1
-    stream_ended = threading.Event()
-
-    body = {"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
-
-    def stream():
-        try:
-            with httpx.stream("POST", srv.url + "/generate", json=body, timeout=60) as r:
-                for _ in r.iter_lines():
-                    pass
-        except httpx.HTTPError:
-            pass
-        stream_ended.set()
-
-    threading.Thread(target=stream, daemon=True).start()
-    assert wait_until(lambda: srv.load()["num_running_reqs"] == 1, 30)
+    stream, plain = InFlight(srv, stream=True), InFlight(srv, stream=False)
+    assert wait_until(lambda: srv.load()["num_running_reqs"] == 2, 30)
     start = time.monotonic()
     srv.send_signal(signal.SIGTERM)
     code = srv.wait_exit(STOP_WITHIN_S)
@@ -72,7 +87,8 @@ def test_sigterm_with_a_stream_in_flight_stops_everything(sigterm_server):
     assert code == 0, f"exit code {code} after {took:.1f}s\n{srv.log_tail()}"
     assert srv.socket_dirs() == [], "the socket directory must be removed"
     assert_nothing_left(srv, within=1.0)
-    assert stream_ended.wait(5), "the client's stream was left hanging"
+    assert_ended_with_503(plain, "shutting down")
+    assert stream.done.wait(5), "the client's stream was left hanging"
 
 
 def test_sigint_stops_everything(sigint_server):
@@ -90,6 +106,8 @@ def test_sigint_stops_everything(sigint_server):
 @pytest.mark.parametrize("role,sig", [("scheduler", signal.SIGKILL), ("detokenizer", signal.SIGTERM)])
 def test_a_dead_child_stops_the_server_non_zero_naming_it(request, role, sig):
     srv = request.getfixturevalue(f"kill_{role}_server")
+    plain = InFlight(srv, stream=False)
+    assert wait_until(lambda: srv.load()["num_running_reqs"] == 1, 30)
     os.kill(srv.child_pid(role), sig)
     code = srv.wait_exit(STOP_WITHIN_S)
     assert code not in (0, None), f"exit code {code}\n{srv.log_tail()}"
@@ -97,6 +115,7 @@ def test_a_dead_child_stops_the_server_non_zero_naming_it(request, role, sig):
     assert f"the {role} process died" in log, log
     assert srv.socket_dirs() == []
     assert_nothing_left(srv, within=1.0)
+    assert_ended_with_503(plain, f"the {role} process died")
 
 
 def test_sigkill_of_the_front_leaves_no_orphans(kill_front_server):
