@@ -179,7 +179,11 @@ class TokenizerManager:
                 text = "".join(d[0] for d in deltas)
                 ids = [t for d in deltas for t in d[1]]
                 if text or ids or st.finished:
-                    await queue.put((index, self._result(st, text, ids, delta=True)))
+                    try:
+                        chunk = self._result(st, text, ids, delta=True)
+                    except RequestError as e:  # a failed request: the consumer raises it
+                        chunk = e
+                    await queue.put((index, chunk))
                 if st.finished:
                     await queue.put((index, None))
                     return
@@ -192,6 +196,8 @@ class TokenizerManager:
                 if chunk is None:
                     remaining -= 1
                     continue
+                if isinstance(chunk, RequestError):
+                    raise chunk
                 if not is_single:
                     chunk["index"] = index
                 yield chunk
