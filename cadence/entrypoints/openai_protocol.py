@@ -147,7 +147,7 @@ def _readable(error: msgspec.ValidationError) -> InvalidParameter:
 def _check_common(req: _Request) -> None:
     # OpenAI's range; the engine itself takes any temperature >= 0.
     if req.temperature is not None and not 0 <= req.temperature <= MAX_TEMPERATURE:
-        raise InvalidParameter("temperature", f"temperature must be in [0, {MAX_TEMPERATURE}] (0 means greedy), "
+        raise InvalidParameter("temperature", f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy), "
                                               f"got {req.temperature:g}")
     if req.stream_options is not None and not req.stream:
         raise InvalidParameter("stream_options", "stream_options is only allowed when stream is true")
@@ -390,10 +390,3 @@ def completion_logprobs(token_logprobs: list, top_logprobs: list | None, num_top
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops if num_top else None,
             "text_offset": offsets}
 
-
-def merge_completion_logprobs(a: dict | None, b: dict) -> dict:
-    if a is None:
-        return b
-    tops = None if a["top_logprobs"] is None else a["top_logprobs"] + b["top_logprobs"]
-    return {"tokens": a["tokens"] + b["tokens"], "token_logprobs": a["token_logprobs"] + b["token_logprobs"],
-            "top_logprobs": tops, "text_offset": a["text_offset"] + b["text_offset"]}
