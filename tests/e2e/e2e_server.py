@@ -9,6 +9,7 @@ reparented to. No psutil.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import glob
 import json
@@ -74,6 +75,11 @@ def child_pids(pid: int) -> list[int]:
     return kids
 
 
+def _stop_with_parent() -> None:
+    """In the server, before exec: SIGTERM it if the test run dies, so nothing outlives pytest."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while True:
@@ -111,7 +117,7 @@ class Server:
         env = dict(os.environ, TMPDIR=self.tmpdir, CADENCE_E2E_TAG=self.tag, PYTHONUNBUFFERED="1")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env=env)
+                                         start_new_session=True, env=env, preexec_fn=_stop_with_parent)
         self.started_at = time.monotonic()
         threading.Thread(target=self._watch_health, name=f"health-{self.name}", daemon=True).start()
         return self
