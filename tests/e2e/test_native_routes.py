@@ -201,6 +201,26 @@ def test_generate_stream_batch_and_logprob_deltas(client):
         assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_stream_never_splits_a_multi_byte_character(client):
+    """Byte-level tokens of CJK text: a chunk waits until its character is complete."""
+    body = {"text": "你好，我的朋友。今天天气", "sampling_params": {"temperature": 0, "max_new_tokens": 16}}
+    whole = client.post("/generate", json=body).json()
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        chunks = sse_events(r.iter_lines())[:-1]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert any(c["output_ids"] and not c["text"] for c in chunks), "no token was held back: not a multi-byte case"
+    assert all("\ufffd" not in c["text"] for c in chunks)
+
+
+def test_stop_string_is_trimmed_and_reported(client):
+    params = {"temperature": 0, "max_new_tokens": 24, "stop": ["answer"]}
+    body = client.post("/generate", json={"text": PROMPT, "sampling_params": params}).json()
+    assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": "answer"}
+    assert "Paris" in body["text"] and "answer" not in body["text"]
+    kept = client.post("/generate", json={"text": PROMPT, "sampling_params": {**params, "no_stop_trim": True}}).json()
+    assert kept["text"].endswith("answer") and kept["text"].startswith(body["text"])
+
+
 # ---- tokenizer routes --------------------------------------------------------------------
 
 
