@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -210,6 +211,8 @@ async def bench_served(args) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     log(f"server stopped (exit code {proc.returncode})")
+    if proc.returncode == 0:
+        shutil.rmtree(os.path.dirname(log_path), ignore_errors=True)
     return results
 
 
