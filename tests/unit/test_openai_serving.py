@@ -166,7 +166,8 @@ async def test_chat_template_file_and_kwargs(tmp_path):
     await serving.chat_completions(body(messages=messages, max_tokens=1, chat_template_kwargs={"greeting": "hi"}))
     await serving.chat_completions(body(messages=messages, max_tokens=1, add_generation_prompt=False))
     rendered = ["".join(map(chr, r.input_ids)) for r in engine.requests]
-    assert rendered == ["hi[system:S][user:U][assistant:A][user:V][assistant:", "[system:S][user:U][assistant:A][user:V]"]
+    assert rendered == ["hi[system:S][user:U][assistant:A][user:V][assistant:",
+                        "[system:S][user:U][assistant:A][user:V]"]
 
 
 def test_unreadable_or_invalid_chat_template_stops_start_up(tmp_path):
