@@ -9,6 +9,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import os
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
@@ -93,6 +94,8 @@ class ServerArgs:
             raise ValueError(f"max_total_tokens must be ≥ page_size ({self.page_size}), got {self.max_total_tokens}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"chat_template: no such file {self.chat_template!r}; give a Jinja template file")
         self._check_grpc()
 
     def _check_grpc(self) -> None:

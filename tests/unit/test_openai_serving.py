@@ -321,3 +321,12 @@ async def test_failure_mid_stream_is_an_error_event_then_done():
         async for _ in await engine2_serving.chat_completions(body(messages=USER, stream=True)):
             pass
     assert info.value.status == 500
+
+
+def test_server_args_refuse_a_missing_chat_template_file(tmp_path):
+    from cadence.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="chat_template: no such file"):
+        ServerArgs(chat_template=str(tmp_path / "missing.jinja"))
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    assert ServerArgs(chat_template=str(tmp_path / "t.jinja")).chat_template.endswith("t.jinja")
