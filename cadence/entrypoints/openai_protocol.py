@@ -161,7 +161,7 @@ def _check_chat(req: ChatCompletionRequest) -> None:
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidParameter("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
                                                    f"got {req.top_logprobs}")
-        if not req.logprobs:
+        if req.top_logprobs and not req.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
     if req.tools:
         raise InvalidParameter("tools", "tools: tool calling is not supported by this server yet; remove tools")

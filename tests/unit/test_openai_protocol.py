@@ -35,6 +35,10 @@ def test_parse_accepts_json_bytes_and_keeps_every_field():
     assert not req.is_stream and not req.include_usage
 
 
+def test_top_logprobs_zero_needs_no_logprobs():
+    assert chat(top_logprobs=0).top_logprobs == 0
+
+
 def test_nulls_mean_not_given():
     req = chat(n=None, temperature=None, stream=None, max_tokens=None)
     assert proto.sampling_params(req, 10) == {"max_new_tokens": 10}
