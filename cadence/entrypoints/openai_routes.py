@@ -3,12 +3,10 @@
 Each route hands the raw body to the serving module and writes back what it returns;
 the gRPC pass-through RPCs call the same module, so both protocols answer alike.
 /v1/tokenize and /v1/detokenize are the native routes' aliases (one implementation, in
-http_server). The API key and readiness checks are the app's middleware.
+native_api). The API key and readiness checks are the app's middleware.
 """
 
 from __future__ import annotations
-
-import asyncio
 
 from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
@@ -17,6 +15,9 @@ from cadence.entrypoints.openai_serving import OpenAIResponse, OpenAIServing
 
 
 def register_openai_routes(app: FastAPI, state) -> OpenAIServing:
+    # Imported here: http_server imports this module to call this function.
+    from cadence.entrypoints.http_server import until_disconnected
+
     serving = OpenAIServing(state)
 
     @app.get("/v1/models")
@@ -30,12 +31,12 @@ def register_openai_routes(app: FastAPI, state) -> OpenAIServing:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await request.body()
-        return _to_http(await _unless_disconnected(request, serving.chat_completions(body)))
+        return _to_http(await until_disconnected(request, serving.chat_completions(body)))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.body()
-        return _to_http(await _unless_disconnected(request, serving.completions(body)))
+        return _to_http(await until_disconnected(request, serving.completions(body)))
 
     return serving
 
@@ -46,29 +47,3 @@ def _to_http(result) -> Response:
     return StreamingResponse(result.sse(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-
-async def _unless_disconnected(request: Request, coro):
-    """Awaits `coro`, cancelling it (which aborts its engine request) if the client leaves.
-
-    Waits for the ASGI disconnect message instead of polling `request.is_disconnected()`,
-    which never sees the disconnect behind the app's http middleware (BaseHTTPMiddleware).
-    """
-    task = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # we are cancelled ourselves: so is the request
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    raise asyncio.CancelledError("client disconnected")
-
-
-async def _disconnected(request: Request) -> None:
-    # The body has been read, so the only message left to receive is the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
