@@ -70,8 +70,9 @@ class TorchNativeBackend(AttentionBackend):
                 rows = torch.arange(prefix, total, device=q.device)[:, None]
                 mask = torch.arange(total, device=q.device)[None, :] <= rows  # [ext, total]
                 causal = False
-            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, is_causal=causal, scale=1.0,
-                                               enable_gqa=True)
+            # 4-D inputs keep SDPA on its fused CPU kernel; 3-D ones fall back to plain math (3x slower).
+            o = F.scaled_dot_product_attention(qh[None], k[None], v[None], attn_mask=mask, is_causal=causal,
+                                               scale=1.0, enable_gqa=True)[0]
             out[start : start + ext] = o.transpose(0, 1).reshape(ext, -1)
             start += ext
         return out
