@@ -10,6 +10,10 @@ One run, one dtype, one machine:
     requests with the same closed-loop concurrency, after the server has stopped so the two
     never compete. Target (issue 3): served tok/s at C=32 >= 0.9x offline.
 
+Each level is measured served then offline (a fresh server and engine per level), so that a
+pair shares the load of the moment on a shared machine; the 1-minute load average at each
+measurement is reported next to it.
+
 Both sides use OMP_WAIT_POLICY=PASSIVE (what `cadence serve` gives its children) unless the
 environment sets it, so they differ only by the serving path.
 
@@ -186,7 +190,7 @@ async def served_level(url: str, work: list[Work], concurrency: int) -> tuple[li
         return await closed_loop(work, concurrency, run_one)
 
 
-async def bench_served(args) -> dict:
+async def bench_served(args, levels: list[int]) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(tempfile.mkdtemp(prefix="bench-serving-"), "server.log")
@@ -197,11 +201,12 @@ async def bench_served(args) -> dict:
         await wait_healthy(url, proc)
         log("served: warm-up")
         await served_level(url, workload(4), 4)
-        for c in args.concurrency:
+        for c in levels:
             work = workload(num_requests_for(c, args.requests_per_client))
             log(f"served: concurrency {c}, {len(work)} requests")
+            load = os.getloadavg()[0]
             stats, wall = await served_level(url, work, c)
-            results[c] = summarize(stats, wall)
+            results[c] = {**summarize(stats, wall), "loadavg": load}
             log(f"served: c={c} {results[c]['tok_s']:.1f} tok/s")
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -235,7 +240,7 @@ async def offline_level(engine, work: list[Work], concurrency: int) -> tuple[lis
     return await closed_loop(work, concurrency, run_one)
 
 
-async def bench_offline(args) -> tuple[dict, int]:
+async def bench_offline(args, levels: list[int]) -> tuple[dict, int]:
     import torch
 
     from cadence import Engine
@@ -246,11 +251,12 @@ async def bench_offline(args) -> tuple[dict, int]:
     try:
         log("offline: warm-up")
         await offline_level(engine, workload(4), 4)
-        for c in args.concurrency:
+        for c in levels:
             work = workload(num_requests_for(c, args.requests_per_client))
             log(f"offline: concurrency {c}, {len(work)} requests")
+            load = os.getloadavg()[0]
             stats, wall = await offline_level(engine, work, c)
-            results[c] = summarize(stats, wall)
+            results[c] = {**summarize(stats, wall), "loadavg": load}
             log(f"offline: c={c} {results[c]['tok_s']:.1f} tok/s")
     finally:
         engine.shutdown()
@@ -268,6 +274,7 @@ def flatten(served: dict, offline: dict, args, threads: int) -> dict:
         flat.update({f"served_tok_s_c{c}": s["tok_s"], f"offline_tok_s_c{c}": o["tok_s"],
                      f"served_over_offline_c{c}": s["tok_s"] / o["tok_s"], f"num_requests_c{c}": s["num_requests"],
                      f"output_tokens_c{c}": s["output_tokens"]})
+        flat[f"loadavg_served_c{c}"], flat[f"loadavg_offline_c{c}"] = s["loadavg"], o["loadavg"]
         for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms"):
             flat[f"{key}_c{c}"] = s[key]
             flat[f"offline_{key}_c{c}"] = o[key]
@@ -278,12 +285,13 @@ def print_table(flat: dict, concurrency: list[int]) -> None:
     print(f"\nCadence serving, dtype={flat['dtype']}, threads={flat['threads']}, "
           f"OMP_WAIT_POLICY={flat['omp_wait_policy']}, output lengths {OUTPUT_LENS}")
     print(f"{'C':>4} {'served tok/s':>13} {'offline tok/s':>14} {'ratio':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'ITL p50':>8} {'ITL p99':>8}   (ms; offline TTFT p50 / ITL p50)")
+          f"{'ITL p50':>8} {'ITL p99':>8}   (ms; offline TTFT p50 / ITL p50; load avg served / offline)")
     for c in concurrency:
         g = lambda k: flat[f"{k}_c{c}"]  # noqa: E731
         print(f"{c:>4} {g('served_tok_s'):13.1f} {g('offline_tok_s'):14.1f} {g('served_over_offline'):6.2f} "
               f"{g('ttft_p50_ms'):9.1f} {g('ttft_p99_ms'):9.1f} {g('itl_p50_ms'):8.1f} {g('itl_p99_ms'):8.1f}"
-              f"   ({g('offline_ttft_p50_ms'):.1f} / {g('offline_itl_p50_ms'):.1f})")
+              f"   ({g('offline_ttft_p50_ms'):.1f} / {g('offline_itl_p50_ms'):.1f}; "
+              f"{g('loadavg_served'):.1f} / {g('loadavg_offline'):.1f})")
     top = max(concurrency)
     ratio = flat[f"served_over_offline_c{top}"]
     verdict = "meets" if ratio >= TARGET_RATIO else "misses"
@@ -327,13 +335,21 @@ def main() -> int:
     parser.add_argument("--requests-per-client", type=int, default=2,
                         help="requests per level: max(8, this x concurrency)")
     parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure served and offline level by level (a server and an engine per level)")
     parser.add_argument("--json", default=None, help="write the results as one flat JSON object")
     parser.add_argument("--plot", default="bench_results/bench_serving.png")
     args = parser.parse_args()
     args.concurrency = sorted(set(args.concurrency))
 
-    served = asyncio.run(bench_served(args))
-    offline, threads = asyncio.run(bench_offline(args))
+    served, offline = {}, {}
+    # Level by level, served then offline, so that each pair shares the machine's load of the
+    # moment (other tenants come and go); --no-interleave measures all served levels first.
+    groups = [[c] for c in args.concurrency] if args.interleave else [args.concurrency]
+    for levels in groups:
+        served.update(asyncio.run(bench_served(args, levels)))
+        more, threads = asyncio.run(bench_offline(args, levels))
+        offline.update(more)
     flat = flatten(served, offline, args, threads)
     print_table(flat, args.concurrency)
     if args.json:
