@@ -1,5 +1,5 @@
-"""`cadence serve`: the front process (HTTP, later gRPC) plus the scheduler and detokenizer
-processes. `--help` imports nothing heavy.
+"""`cadence serve`: the front process (HTTP and gRPC on one event loop) plus the scheduler
+and detokenizer processes. `--help` imports nothing heavy.
 
 Life cycle: the HTTP port is bound at once and answers 503 on /health until the model is
 loaded and a warm-up generation has passed. SIGINT/SIGTERM stop everything within seconds
@@ -53,6 +53,10 @@ class ChildDied(RuntimeError):
     pass
 
 
+class StartupFailed(RuntimeError):
+    """A start-up step failed for a reason the message explains (no traceback needed)."""
+
+
 def _wait_ready(reader, children, stopping, timeout: float = 1800.0) -> dict:
     import time
 
@@ -94,12 +98,15 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
     server = Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
                                    lifespan="off", timeout_graceful_shutdown=2, access_log=False))
     exit_code = 0
+    grpc_server = None
 
     def stop(code: int = 0, reason: str = "the server is shutting down"):
         nonlocal exit_code
         exit_code = exit_code or code
         if state.client is not None and not state.is_shutting_down:
             state.client.end_all(reason)  # answered now, not cut off by the HTTP server's grace period
+        if grpc_server is not None:
+            grpc_server.begin_stop()  # health NOT_SERVING at once; calls in flight get a grace period
         state.is_shutting_down = True
         server.should_exit = True
         stopping.set()
@@ -112,6 +119,14 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
     serve_task = asyncio.create_task(server.serve())
     client = None
     try:
+        if not args.disable_grpc:
+            from cadence.grpc.server import GrpcServer
+
+            grpc_server = GrpcServer(args, state)
+            try:
+                await grpc_server.start()
+            except (RuntimeError, ValueError) as e:
+                raise StartupFailed(f"gRPC: {e} (give another --grpc-port, or --disable-grpc)") from None
         tokenizer_future = loop.run_in_executor(None, load_tokenizer, model_path, args.tokenizer_path)
         ready = await loop.run_in_executor(None, _wait_ready, reader, children, stopping)
         if ready.get("status") == "stopped":
@@ -166,10 +181,12 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
                 raise warmup.exception()
         if not state.is_shutting_down:
             state.is_ready = True
+            if grpc_server is not None:
+                await grpc_server.set_serving()
             logger.info("Cadence is ready: http://%s:%d", args.host, args.port)
         await serve_task
         watch_task.cancel()
-    except ChildDied as e:
+    except (ChildDied, StartupFailed) as e:
         logger.error("%s", e)
         stop(1)
         await serve_task
@@ -179,6 +196,8 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
         await serve_task
     finally:
         state.is_shutting_down = True
+        if grpc_server is not None:
+            await grpc_server.stop()
         if client is not None:
             client.close()
     if not server.started and exit_code == 0:

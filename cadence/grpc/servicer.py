@@ -1,0 +1,407 @@
+"""`sglang.runtime.v1.SglangService`: every RPC of the contract over the front's one engine.
+
+Thin by design, like the HTTP adapter: turn the request message into what the HTTP route
+would build (`GenerateReqInput`, raw OpenAI JSON), call the same code below it, and turn
+the result into messages. Failures become status codes through `errors.rpc`; nothing is
+reported inside a message. A call that ends early (client cancel, deadline, error) closes
+its result iterator, which aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+import msgspec
+
+from cadence.entrypoints import native_api
+from cadence.entrypoints.openai_serving import OpenAIResponse, OpenAIServing, StreamFailed
+from cadence.grpc import convert
+from cadence.grpc import sglang_pb2 as pb
+from cadence.grpc import sglang_pb2_grpc
+from cadence.grpc.errors import RpcError, code_for_http_status, rpc
+from cadence.grpc.streams import buffered
+from cadence.io_struct import GenerateReqInput
+from cadence.sampling_params import InvalidParameter
+from cadence.tokenizer_manager import RequestError
+
+logger = logging.getLogger(__name__)
+
+HEALTH_CHECK_TIMEOUT_S = 20.0
+# The OpenAI pass-through RPCs that map onto a method of OpenAIServing once it has one.
+_OPENAI_UNARY = {"OpenAIEmbed": "embeddings", "OpenAIClassify": "classify", "Score": "score", "Rerank": "rerank"}
+
+
+class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
+    """`state` is the front's ServerState (shared with HTTP): `client` is None until loaded."""
+
+    def __init__(self, state, openai: OpenAIServing | None = None):
+        self.state = state
+        self.args = state.args
+        self.openai = openai or OpenAIServing(state)
+        self.max_active = self.args.effective_grpc_max_concurrent_requests
+        self.num_active = 0  # generation calls in flight
+
+    # ---- gates -------------------------------------------------------------------------
+
+    def _tm(self):
+        """The TokenizerManager, or UNAVAILABLE while the server starts or stops."""
+        state = self.state
+        if state.is_shutting_down:
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if not state.is_ready or state.client is None:
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "the server is starting: the model is loading; retry "
+                                                        "once grpc.health.v1 reports SERVING")
+        return state.client.tm
+
+    def _admit(self) -> None:
+        if self.num_active >= self.max_active:
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"the server is overloaded: {self.max_active} gRPC generation calls are in flight "
+                           "(--grpc-max-concurrent-requests); retry later")
+
+    def _check_not_paused(self) -> None:
+        if getattr(self.state.client, "is_paused", False):
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "generation is paused (PauseGeneration); call ContinueGeneration first")
+
+    # ---- generation --------------------------------------------------------------------
+
+    @rpc
+    async def TextGenerate(self, request, context):
+        async for msg in self._generate(request, context, convert.text_response):
+            yield msg
+
+    @rpc
+    async def Generate(self, request, context):
+        async for msg in self._generate(request, context, convert.ids_response):
+            yield msg
+
+    async def _generate(self, request, context, make: Callable[[dict, bool], Any]) -> AsyncIterator:
+        obj = convert.generate_input(request)
+        tm = self._tm()
+        self._check_not_paused()
+        self._admit()
+        self.num_active += 1
+        try:
+            results = tm.generate_request(obj)
+            if obj.stream:
+                async for items in buffered(results, self.args.grpc_stream_buffer, _aborter(context)):
+                    for chunk in _merge_by_sample(items):
+                        msgs, cancelled = _messages(chunk, make, final=convert.is_finished(chunk))
+                        for msg in msgs:
+                            yield msg
+                        if cancelled:
+                            raise RpcError(grpc.StatusCode.CANCELLED, cancelled)
+            else:
+                result = await _last(results)
+                samples = result if isinstance(result, list) else [result]
+                outcomes = []
+                for index, chunk in enumerate(samples):
+                    if len(samples) > 1:
+                        chunk["index"] = index
+                    outcomes.append(_messages(chunk, make, final=True))
+                for msgs, cancelled in outcomes:
+                    if cancelled:
+                        raise RpcError(grpc.StatusCode.CANCELLED, cancelled)
+                for msgs, _ in outcomes:
+                    for msg in msgs:
+                        yield msg
+        finally:
+            self.num_active -= 1
+
+    # ---- embeddings and classification (with the embeddings support, not yet) -----------
+
+    @rpc
+    async def TextEmbed(self, request, context):
+        _require_text(request.text)
+        self._unimplemented("TextEmbed", "embeddings")
+
+    @rpc
+    async def Embed(self, request, context):
+        _require_ids(request.input_ids)
+        self._unimplemented("Embed", "embeddings")
+
+    @rpc
+    async def Classify(self, request, context):
+        if request.text and request.input_ids:
+            raise InvalidParameter("text", "text and input_ids are mutually exclusive: give exactly one of them")
+        if not request.text and not request.input_ids:
+            raise InvalidParameter("text", "text or input_ids is required: give exactly one of them")
+        if request.input_ids:
+            _require_ids(request.input_ids)
+        self._unimplemented("Classify", "classification")
+
+    def _unimplemented(self, method: str, what: str) -> None:
+        info = self._tm().info
+        kind = "a generation model" if info.is_generation else "an embedding model"
+        raise RpcError(grpc.StatusCode.UNIMPLEMENTED,
+                       f"{method}: this server does not serve {what} yet; the loaded model "
+                       f"{info.served_model_name!r} is {kind}. Use TextGenerate/Generate, or a server "
+                       "release with embedding support")
+
+    # ---- tokenizer (front process only) ---------------------------------------------------
+
+    @rpc
+    async def Tokenize(self, request, context):
+        tm = self._tm()
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        tokens = native_api.tokenize(tm, request.text, add_special)
+        return pb.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=tm.info.context_len,
+                                   input_text=request.text)
+
+    @rpc
+    async def Detokenize(self, request, context):
+        return pb.DetokenizeResponse(text=native_api.detokenize(self._tm(), list(request.tokens)))
+
+    # ---- health and information --------------------------------------------------------
+
+    @rpc
+    async def HealthCheck(self, request, context):
+        """Healthy when a one-token generation passes through the whole pipeline (as
+        /health_generate); while paused, the engine is up by choice and reported healthy."""
+        state = self.state
+        if not state.is_ready or state.is_shutting_down or state.client is None:
+            return pb.HealthCheckResponse(healthy=False)
+        if getattr(state.client, "is_paused", False):
+            return pb.HealthCheckResponse(healthy=True)
+        probe = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        try:
+            await asyncio.wait_for(_last(state.client.tm.generate_request(probe)), HEALTH_CHECK_TIMEOUT_S)
+        except (asyncio.TimeoutError, InvalidParameter, RequestError) as e:
+            logger.warning("gRPC HealthCheck: the probe generation failed: %s", e or type(e).__name__)
+            return pb.HealthCheckResponse(healthy=False)
+        return pb.HealthCheckResponse(healthy=True)
+
+    @rpc
+    async def GetModelInfo(self, request, context):
+        info = self._tm().info
+        return pb.GetModelInfoResponse(model_path=info.model_path, json_info=_json(native_api.model_info(info)))
+
+    @rpc
+    async def GetServerInfo(self, request, context):
+        return pb.GetServerInfoResponse(json_info=_json(native_api.server_info(self.state)))
+
+    @rpc
+    async def ListModels(self, request, context):
+        self._tm()
+        body = msgspec.json.decode(self.openai.list_models().body)
+        cards = [pb.ModelCard(id=m["id"], root=m.get("root") or "", parent=m.get("parent"),
+                              max_model_len=m.get("max_model_len")) for m in body["data"]]
+        return pb.ListModelsResponse(models=cards)
+
+    @rpc
+    async def GetLoad(self, request, context):
+        self._tm()
+        load = await self.state.client.get_load()
+        dp_rank = request.dp_rank if request.HasField("dp_rank") else None
+        return pb.GetLoadResponse(json_info=_json(native_api.load_entries(load, dp_rank)))
+
+    # ---- control -----------------------------------------------------------------------
+
+    @rpc
+    async def Abort(self, request, context):
+        is_live = native_api.abort(self._tm(), request.rid or None, request.abort_all, "aborted by the Abort RPC")
+        return pb.AbortResponse(success=is_live)
+
+    @rpc
+    async def FlushCache(self, request, context):
+        self._tm()
+        out = await self.state.client.flush_cache()
+        if not out.success:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot flush the cache: {out.message}")
+        return pb.FlushCacheResponse(success=True, message="Cache flushed.")
+
+    @rpc
+    async def PauseGeneration(self, request, context):
+        mode = native_api.check_pause_mode(request.mode or "abort")
+        self._tm()
+        self.state.client.pause(mode)
+        return pb.PauseGenerationResponse(message=f"generation paused (mode {mode})")
+
+    @rpc
+    async def ContinueGeneration(self, request, context):
+        self._tm()
+        self.state.client.resume()
+        return pb.ContinueGenerationResponse(message="generation continued")
+
+    # ---- OpenAI JSON pass-through (the HTTP OpenAI routes' own code) ------------------------
+
+    @rpc
+    async def ChatComplete(self, request, context):
+        async for chunk in self._openai_stream(self.openai.chat_completions, request, context):
+            yield chunk
+
+    @rpc
+    async def Complete(self, request, context):
+        async for chunk in self._openai_stream(self.openai.completions, request, context):
+            yield chunk
+
+    async def _openai_stream(self, call, request, context) -> AsyncIterator[pb.OpenAIStreamChunk]:
+        """One message per SSE event of the HTTP route; the last has finished = true, so each
+        event is sent once the next one exists (or the stream has ended)."""
+        self._tm()
+        self._check_not_paused()
+        self._admit()
+        self.num_active += 1
+        try:
+            result = await call(request.json_body)
+            if isinstance(result, OpenAIResponse):
+                _raise_if_error(result.status, result.body)
+                yield pb.OpenAIStreamChunk(json_chunk=result.body, finished=True)
+                return
+            held = None
+            try:
+                async for items in buffered(result.__aiter__(), self.args.grpc_stream_buffer, _aborter(context)):
+                    if held is not None:
+                        yield pb.OpenAIStreamChunk(json_chunk=held, finished=False)
+                    for item in items[:-1]:
+                        yield pb.OpenAIStreamChunk(json_chunk=item, finished=False)
+                    held = items[-1]
+            except StreamFailed as e:
+                _raise_if_error(e.status, e.body)
+            if held is not None:
+                yield pb.OpenAIStreamChunk(json_chunk=held, finished=True)
+        finally:
+            self.num_active -= 1
+
+    @rpc
+    async def OpenAIEmbed(self, request, context):
+        return await self._openai_unary("OpenAIEmbed", request)
+
+    @rpc
+    async def OpenAIClassify(self, request, context):
+        return await self._openai_unary("OpenAIClassify", request)
+
+    @rpc
+    async def Score(self, request, context):
+        return await self._openai_unary("Score", request)
+
+    @rpc
+    async def Rerank(self, request, context):
+        return await self._openai_unary("Rerank", request)
+
+    async def _openai_unary(self, method: str, request) -> pb.OpenAIResponse:
+        self._tm()
+        call = getattr(self.openai, _OPENAI_UNARY[method], None)
+        if call is None:
+            route = {"OpenAIEmbed": "/v1/embeddings", "OpenAIClassify": "/v1/classify", "Score": "/v1/score",
+                     "Rerank": "/v1/rerank"}[method]
+            raise RpcError(grpc.StatusCode.UNIMPLEMENTED,
+                           f"{method}: this server does not serve {route} yet (it comes with the embeddings "
+                           "support); the loaded model serves ChatComplete and Complete")
+        self._admit()
+        self.num_active += 1
+        try:
+            result = await call(request.json_body)
+        finally:
+            self.num_active -= 1
+        _raise_if_error(result.status, result.body)
+        return pb.OpenAIResponse(json_body=result.body, status_code=result.status)
+
+    # ---- profiling and weights -------------------------------------------------------------
+
+    @rpc
+    async def StartProfile(self, request, context):
+        self._tm()
+        output_dir = request.output_dir if request.HasField("output_dir") else None
+        out = await self.state.client.profile("start", output_dir)
+        if not out.success:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot start the profiler: {out.message}")
+        return pb.StartProfileResponse(message=out.message or "profiling started")
+
+    @rpc
+    async def StopProfile(self, request, context):
+        self._tm()
+        out = await self.state.client.profile("stop", None)
+        if not out.success:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot stop the profiler: {out.message}")
+        return pb.StopProfileResponse(message=out.message or "profiling stopped")
+
+    @rpc
+    async def UpdateWeightsFromDisk(self, request, context):
+        if not request.model_path:
+            raise InvalidParameter("model_path", "model_path (a .gguf file or model directory) is required")
+        self._tm()
+        load_format = request.load_format if request.HasField("load_format") else None
+        out = await self.state.client.update_weights(request.model_path, load_format)
+        if not out.success:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot update the weights: {out.message}")
+        return pb.UpdateWeightsResponse(success=True, message=out.message or "weights updated")
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _json(obj) -> str:
+    return msgspec.json.encode(obj).decode()
+
+
+def _aborter(context):
+    """Ends the call with an RpcError's status, from any task (a stalled send included)."""
+    async def abort(error: RpcError):
+        await context.abort(error.code, str(error))
+    return abort
+
+
+async def _last(results: AsyncIterator):
+    result = None
+    async for result in results:
+        pass
+    return result
+
+
+def _merge_by_sample(chunks: list[dict]) -> list[dict]:
+    """Stream chunks of one batch of results, merged into one per sample (n > 1 chunks carry
+    `index`), in the order the samples first appear."""
+    if len(chunks) == 1:
+        return chunks
+    merged: dict[int, dict] = {}
+    for chunk in chunks:
+        index = chunk.get("index", 0)
+        if index in merged:
+            convert.merge_delta(merged[index], chunk)
+        else:
+            merged[index] = chunk
+    return list(merged.values())
+
+
+def _messages(chunk: dict, make: Callable[[dict, bool], Any], final: bool) -> tuple[list, str | None]:
+    """The message(s) of one result, and why its request was aborted (Abort, abort_all,
+    pause), if it was: the call then ends with CANCELLED once what it produced is sent."""
+    if "index" in chunk:
+        chunk["meta_info"]["index"] = chunk.pop("index")
+    reason = convert.abort_message(chunk)
+    if reason is None:
+        return [make(chunk, final)], None
+    if chunk["text"] or chunk["output_ids"]:
+        return [make(chunk, False)], reason
+    return [], reason
+
+
+def _raise_if_error(status: int, body: bytes) -> None:
+    """An OpenAI error answer as a status: the code of its HTTP status, the error message as
+    details, and the HTTP status and JSON body in trailing metadata for clients that want them."""
+    if status < 400:
+        return
+    try:
+        message = msgspec.json.decode(body)["error"]["message"]
+    except (msgspec.DecodeError, KeyError, TypeError):
+        message = body.decode(errors="replace")
+    raise RpcError(code_for_http_status(status), message,
+                   (("x-http-status", str(status)), ("error-json-bin", body)))
+
+
+def _require_text(text: str) -> None:
+    if not text:
+        raise InvalidParameter("text", "text must not be empty")
+
+
+def _require_ids(ids) -> None:
+    if not ids:
+        raise InvalidParameter("input_ids", "input_ids must not be empty")
+    bad = [t for t in ids if t < 0]
+    if bad:
+        raise InvalidParameter("input_ids", f"input_ids: token id {bad[0]} is negative")
