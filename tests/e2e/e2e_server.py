@@ -31,10 +31,18 @@ LOAD_DEADLINE_S = 300  # many servers load at once on a small shared machine
 API_KEY = "sk-e2e-secret-7b1d"  # the --api-key of api_key_server; must never be echoed
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free right now and not given to another server of this session."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def _server_arg_names() -> set[str]:
@@ -96,8 +104,8 @@ class Server:
     def __init__(self, name: str, args: list[str]):
         self.name = name
         self.args = args
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = 0
+        self.url = ""
         self.tag = f"{SESSION_TAG}-{name}-{uuid.uuid4().hex[:8]}"
         self.tmpdir = tempfile.mkdtemp(prefix=f"cdt-{name[:10]}-", dir="/tmp")  # short: socket paths
         self.log_path = os.path.join(self.tmpdir, "server.log")
@@ -110,6 +118,9 @@ class Server:
     # ---- life ------------------------------------------------------------------------
 
     def start(self) -> "Server":
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.health_history, self.early_responses = [], {}
         cmd = [sys.executable, "-m", "cadence.launch_server", "--port", str(self.port), "--dtype", "float32",
                *self.args]
         if "grpc_port" in _server_arg_names() and "--disable-grpc" not in self.args:
@@ -119,22 +130,23 @@ class Server:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, env=env, preexec_fn=_stop_with_parent)
         self.started_at = time.monotonic()
-        threading.Thread(target=self._watch_health, name=f"health-{self.name}", daemon=True).start()
+        threading.Thread(target=self._watch_health, args=(self.proc, self.url), name=f"health-{self.name}",
+                         daemon=True).start()
         return self
 
-    def _watch_health(self) -> None:
+    def _watch_health(self, proc: subprocess.Popen, url: str) -> None:
         """Polls /health from launch until 200, recording every answer (the 503 phase included)."""
         with httpx.Client(timeout=5) as client:
-            while self.proc.poll() is None and time.monotonic() - self.started_at < LOAD_DEADLINE_S:
+            while proc.poll() is None and time.monotonic() - self.started_at < LOAD_DEADLINE_S:
                 try:
-                    status: int | str = client.get(self.url + "/health").status_code
+                    status: int | str = client.get(url + "/health").status_code
                 except httpx.HTTPError as e:
                     status = type(e).__name__
                 self.health_history.append((time.monotonic() - self.started_at, status))
                 if status == 503 and "/generate" not in self.early_responses:
                     for method, route, body in (("GET", "/health", None), ("POST", "/generate", {"text": "hi"})):
                         try:
-                            r = client.request(method, self.url + route, json=body)
+                            r = client.request(method, url + route, json=body)
                             self.early_responses[route] = (r.status_code, r.text)
                         except httpx.HTTPError:
                             pass
@@ -145,8 +157,13 @@ class Server:
 
     def wait_ready(self, timeout: float = LOAD_DEADLINE_S) -> "Server":
         deadline = time.monotonic() + timeout
+        relaunches = 2
         while not self.ready.wait(0.5):
             if self.proc.poll() is not None:
+                if relaunches and "already in use" in self.log_text():
+                    relaunches -= 1  # someone took one of its ports between picking and binding
+                    self.start()
+                    continue
                 raise RuntimeError(f"server {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server {self.name} not ready within {timeout:.0f}s:\n{self.log_tail()}")

@@ -119,3 +119,15 @@ def test_unknown_route_is_404_json(server):
         r = client.get("/no/such/route")
     assert r.status_code == 404
     assert "/no/such/route" in r.json()["error"]["message"]
+
+
+def test_stream_the_scheduler_refuses_is_a_plain_400_at_once(overload_server):
+    """Past the edge checks, a request whose KV need exceeds the whole pool (2048 tokens here)
+    is refused by the scheduler before its first token: streamed or not, it is a 400 at once."""
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 4000}}
+    with overload_server.client(timeout=10) as client:
+        for stream in (False, True):
+            r = client.post("/generate", json={**body, "stream": stream})
+            assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
+            assert "max_new_tokens" in r.json()["error"]["message"]
+    assert is_idle(overload_server.wait_idle())

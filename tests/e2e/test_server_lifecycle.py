@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from e2e_server import API_KEY, is_idle, wait_until
+from e2e_server import API_KEY, is_idle, sse_events, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -53,6 +53,7 @@ class InFlight:
         self.body = {"text": "Hello", "stream": stream, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
         self.url = srv.url + "/generate"
         self.outcome: httpx.Response | Exception | None = None
+        self.events: list = []  # SSE payloads of a stream that ended properly
         self.done = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
 
@@ -61,6 +62,7 @@ class InFlight:
             with httpx.stream("POST", self.url, json=self.body, timeout=60) as r:
                 r.read()
                 self.outcome = r
+                self.events = sse_events(r.text.split("\n")) if self.body["stream"] else []
         except httpx.HTTPError as e:
             self.outcome = e
         self.done.set()
@@ -89,6 +91,9 @@ def test_sigterm_with_requests_in_flight_stops_everything(sigterm_server):
     assert_nothing_left(srv, within=1.0)
     assert_ended_with_503(plain, "shutting down")
     assert stream.done.wait(5), "the client's stream was left hanging"
+    assert stream.events[-1] == "[DONE]", stream.outcome
+    error = stream.events[-2]["error"]
+    assert error["code"] == 503 and "shutting down" in error["message"]
 
 
 def test_sigint_stops_everything(sigint_server):
