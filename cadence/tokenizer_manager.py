@@ -101,6 +101,19 @@ class TokenizerManager:
             field_name = "regex" if params.regex else "json_schema" if params.json_schema else "ebnf"
             raise InvalidParameter(field_name, f"{field_name}: constrained decoding is not supported by this "
                                                "server yet; remove the field")
+        if len(input_ids) + params.max_new_tokens > self.info.max_total_tokens:
+            raise InvalidParameter("max_new_tokens",
+                                   f"max_new_tokens: the prompt ({len(input_ids)} tokens) plus max_new_tokens "
+                                   f"({params.max_new_tokens}) needs more KV memory than the whole pool holds "
+                                   f"({self.info.max_total_tokens} tokens); lower max_new_tokens")
+        vocab = self.info.vocab_size
+        bad = [t for t in item.token_ids_logprob or () if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameter("token_ids_logprob", f"token_ids_logprob: token id {bad[0]} is outside the "
+                                                        f"vocabulary [0, {vocab})")
+        if (item.top_logprobs_num or 0) > vocab:
+            raise InvalidParameter("top_logprobs_num", f"top_logprobs_num ({item.top_logprobs_num}) must be at "
+                                                       f"most the vocabulary size ({vocab})")
         start_len = item.logprob_start_len
         if item.return_logprob and start_len >= len(input_ids):
             raise InvalidParameter("logprob_start_len", f"logprob_start_len ({start_len}) must be below "
