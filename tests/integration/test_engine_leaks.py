@@ -9,7 +9,6 @@ import contextlib
 import pytest
 
 from cadence.sampling_params import InvalidParameter
-from cadence.tokenizer_manager import RequestError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -146,7 +145,7 @@ async def test_no_leak_after_aborts_while_waiting_and_during_chunked_prefill(sma
     assert_engine_idle(engine)
 
     # Refused outright (can never fit the pool): nothing is taken either.
-    with pytest.raises(RequestError):
+    with pytest.raises(InvalidParameter):
         await final(engine, input_ids=[100] * 20, sampling_params={"max_new_tokens": 1000})
     assert_engine_idle(engine)
 
