@@ -77,7 +77,7 @@ class ServerArgs:
     grpc_max_concurrent_requests: int | None = None
     """Most gRPC generation calls in flight (generate, embed, OpenAI pass-through); more get RESOURCE_EXHAUSTED. Default: --max-running-requests + --max-queued-requests."""
     grpc_stream_buffer: int = 256
-    """Most messages a gRPC stream may hold back while its client does not read; beyond that the call ends with RESOURCE_EXHAUSTED and its request is aborted."""
+    """Most output tokens (OpenAI pass-through streams: chunks) a gRPC stream may hold back while its client does not read; beyond that the call ends with RESOURCE_EXHAUSTED and its request is aborted."""
 
     def __post_init__(self) -> None:
         for name in ("dtype", "kv_cache_dtype"):

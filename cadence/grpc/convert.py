@@ -23,8 +23,6 @@ _FLOAT_FIELDS = frozenset(("temperature", "top_p", "min_p", "frequency_penalty",
                            "repetition_penalty"))
 # Request fields copied as they are when present (same name on both sides).
 _REQUEST_SCALARS = ("return_logprob", "top_logprobs_num", "logprob_start_len", "rid", "lora_path", "routing_key")
-_LOGPROB_LISTS = frozenset(("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs",
-                            "output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"))
 
 _json = msgspec.json.Encoder()
 
@@ -69,7 +67,11 @@ def generate_input(req: pb.TextGenerateRequest | pb.GenerateRequest) -> Generate
 def meta_info(meta: dict[str, Any]) -> dict[str, str]:
     """meta_info as the contract sends it: every value JSON-encoded ("12", "\\"stop\\"")."""
     encode = _json.encode
-    return {key: encode(value).decode() for key, value in meta.items()}
+    out = {}
+    for key, value in meta.items():  # once per streamed token: ints and null without the encoder
+        kind = type(value)
+        out[key] = str(value) if kind is int else "null" if value is None else encode(value).decode()
+    return out
 
 
 def text_response(result: dict, finished: bool) -> pb.TextGenerateResponse:
@@ -79,19 +81,6 @@ def text_response(result: dict, finished: bool) -> pb.TextGenerateResponse:
 def ids_response(result: dict, finished: bool) -> pb.GenerateResponse:
     return pb.GenerateResponse(output_ids=result["output_ids"], meta_info=meta_info(result["meta_info"]),
                                finished=finished)
-
-
-def merge_delta(into: dict, delta: dict) -> None:
-    """Appends stream chunk `delta` to the earlier chunk `into` of the same sample, as if the
-    two had been one: text and ids concatenated, logprob lists extended, the rest updated."""
-    into["text"] += delta["text"]
-    into["output_ids"] = into["output_ids"] + delta["output_ids"]
-    meta = into["meta_info"]
-    for key, value in delta["meta_info"].items():
-        if key in _LOGPROB_LISTS and key in meta:
-            meta[key] = meta[key] + value
-        else:
-            meta[key] = value
 
 
 def is_finished(result: dict) -> bool:

@@ -76,14 +76,17 @@ def rpc(method):
     name = method.__name__
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
-        async def stream(self, request, context):
+        async def stream(self, request, context, **kwargs):
+            messages = method(self, request, context, **kwargs)
             try:
-                async for msg in method(self, request, context):
+                async for msg in messages:
                     yield msg
             except grpc.aio.AbortError:
                 raise
             except Exception as e:
                 await _abort(context, e, name)
+            finally:
+                await messages.aclose()  # now, not at garbage collection: it may hold a request
         return stream
 
     @functools.wraps(method)

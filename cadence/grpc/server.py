@@ -43,7 +43,7 @@ def server_options(args: ServerArgs) -> list[tuple[str, int]]:
         ("grpc.keepalive_time_ms", int(args.grpc_keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(args.grpc_keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", int(args.grpc_min_ping_interval_s * 1000)),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(args.grpc_min_ping_interval_s * 1000)),
         ("grpc.http2.max_pings_without_data", 0),  # our own keepalive pings never stop
         ("grpc.so_reuseport", 0),
     ]

@@ -10,6 +10,7 @@ its result iterator, which aborts the request in the engine.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any, AsyncIterator, Callable
 
@@ -22,7 +23,7 @@ from cadence.grpc import convert
 from cadence.grpc import sglang_pb2 as pb
 from cadence.grpc import sglang_pb2_grpc
 from cadence.grpc.errors import RpcError, code_for_http_status, rpc
-from cadence.grpc.streams import buffered
+from cadence.grpc.streams import BacklogWatch, buffered
 from cadence.io_struct import GenerateReqInput
 from cadence.sampling_params import InvalidParameter
 from cadence.tokenizer_manager import RequestError
@@ -43,6 +44,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
         self.openai = openai or OpenAIServing(state)
         self.max_active = self.args.effective_grpc_max_concurrent_requests
         self.num_active = 0  # generation calls in flight
+        self.backlogs = BacklogWatch(self.args.grpc_stream_buffer)
 
     # ---- gates -------------------------------------------------------------------------
 
@@ -70,47 +72,66 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     # ---- generation --------------------------------------------------------------------
 
     @rpc
-    async def TextGenerate(self, request, context):
-        async for msg in self._generate(request, context, convert.text_response):
-            yield msg
-
-    @rpc
-    async def Generate(self, request, context):
-        async for msg in self._generate(request, context, convert.ids_response):
-            yield msg
-
     async def _generate(self, request, context, make: Callable[[dict, bool], Any]) -> AsyncIterator:
+        """TextGenerate and Generate: one request, its results as messages built by `make`."""
         obj = convert.generate_input(request)
         tm = self._tm()
         self._check_not_paused()
         self._admit()
         self.num_active += 1
         try:
-            results = tm.generate_request(obj)
             if obj.stream:
-                async for items in buffered(results, self.args.grpc_stream_buffer, _aborter(context)):
-                    for chunk in _merge_by_sample(items):
-                        msgs, cancelled = _messages(chunk, make, final=convert.is_finished(chunk))
-                        for msg in msgs:
-                            yield msg
-                        if cancelled:
-                            raise RpcError(grpc.StatusCode.CANCELLED, cancelled)
-            else:
-                result = await _last(results)
-                samples = result if isinstance(result, list) else [result]
-                outcomes = []
-                for index, chunk in enumerate(samples):
-                    if len(samples) > 1:
-                        chunk["index"] = index
-                    outcomes.append(_messages(chunk, make, final=True))
-                for msgs, cancelled in outcomes:
-                    if cancelled:
-                        raise RpcError(grpc.StatusCode.CANCELLED, cancelled)
-                for msgs, _ in outcomes:
-                    for msg in msgs:
+                messages = self._stream(tm, obj, context, make)
+                try:
+                    async for msg in messages:
                         yield msg
+                finally:
+                    await messages.aclose()
+                return
+            result = await _last(tm.generate_request(obj))
+            samples = result if isinstance(result, list) else [result]
+            outcomes = []
+            for index, chunk in enumerate(samples):
+                if len(samples) > 1:
+                    chunk["index"] = index
+                outcomes.append(_messages(chunk, make, final=True))
+            for msgs, cancelled in outcomes:
+                if cancelled:
+                    raise RpcError(grpc.StatusCode.CANCELLED, cancelled)
+            for msgs, _ in outcomes:
+                for msg in msgs:
+                    yield msg
         finally:
             self.num_active -= 1
+
+    TextGenerate = functools.partialmethod(_generate, make=convert.text_response)
+    Generate = functools.partialmethod(_generate, make=convert.ids_response)
+
+    async def _stream(self, tm, obj: GenerateReqInput, context, make) -> AsyncIterator:
+        """One message per result chunk, sent as it comes; the backlog watch ends the call
+        if the client stops reading (what the request produced minus what was sent)."""
+        obj.normalize_batch_and_arguments()  # the rids, before the first result
+        rids = [obj.rid] if obj.is_single else list(obj.rid)
+        results = tm.generate_request(obj)
+        sent = _Sent(tm, rids)
+
+        async def overflow(error: RpcError):
+            for rid in rids:  # the engine stops at once, whatever becomes of this handler
+                tm.abort_request(rid, "the gRPC client stopped reading its stream")
+            await context.abort(error.code, str(error))
+
+        watch = self.backlogs.watch(sent.backlog, overflow)
+        try:
+            async for chunk in results:
+                msgs, cancelled = _messages(chunk, make, final=convert.is_finished(chunk))
+                for msg in msgs:
+                    yield msg
+                sent.num_tokens += len(chunk["output_ids"])
+                if cancelled:
+                    raise RpcError(grpc.StatusCode.CANCELLED, cancelled)
+        finally:
+            self.backlogs.unwatch(watch)
+            await results.aclose()  # aborts the request unless it finished
 
     # ---- embeddings and classification (with the embeddings support, not yet) -----------
 
@@ -353,19 +374,20 @@ async def _last(results: AsyncIterator):
     return result
 
 
-def _merge_by_sample(chunks: list[dict]) -> list[dict]:
-    """Stream chunks of one batch of results, merged into one per sample (n > 1 chunks carry
-    `index`), in the order the samples first appear."""
-    if len(chunks) == 1:
-        return chunks
-    merged: dict[int, dict] = {}
-    for chunk in chunks:
-        index = chunk.get("index", 0)
-        if index in merged:
-            convert.merge_delta(merged[index], chunk)
-        else:
-            merged[index] = chunk
-    return list(merged.values())
+class _Sent:
+    """What a native stream has sent, against what its requests produced (its backlog)."""
+
+    __slots__ = ("tm", "rids", "num_tokens")
+
+    def __init__(self, tm, rids: list[str]):
+        self.tm = tm
+        self.rids = rids
+        self.num_tokens = 0
+
+    def backlog(self) -> int:
+        states = self.tm.states
+        produced = sum(len(states[rid].output_ids) for rid in self.rids if rid in states)
+        return produced - self.num_tokens if produced else 0
 
 
 def _messages(chunk: dict, make: Callable[[dict, bool], Any], final: bool) -> tuple[list, str | None]:

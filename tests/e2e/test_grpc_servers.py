@@ -182,18 +182,37 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_request_aborted(servers)
     assert 0 < len(received) < 200
 
 
+PINGING = {"grpc.keepalive_time_ms": 1500, "grpc.keepalive_timeout_ms": 5000,
+           "grpc.keepalive_permit_without_calls": 1, "grpc.http2.max_pings_without_data": 0}
+
+
+def _ping_through_idle_and_a_silent_call(channel) -> list:
+    """Idle, then a call that sends nothing for seconds, while the client pings every 1.5 s;
+    returns the channel's connectivity states seen (a GOAWAY drops it out of READY)."""
+    states = []
+    channel.subscribe(states.append, try_to_connect=True)
+    rpc = stub_on(channel)
+    assert rpc.Tokenize(pb.TokenizeRequest(text="connect"), timeout=30).count > 0
+    time.sleep(6)  # idle: four pings with no call in flight
+    assert list(rpc.TextGenerate(short_request(max_new_tokens=40), timeout=120))[-1].finished
+    time.sleep(0.2)
+    channel.unsubscribe(states.append)
+    return states[states.index(grpc.ChannelConnectivity.READY):]
+
+
 def test_keepalive_pings_without_calls_or_data_are_welcome(servers):
-    """A client pinging every 1.5 s (above the server's --grpc-min-ping-interval-s 1), also
-    with no call in flight and through a call that sends nothing for seconds, keeps its
-    connection: no GOAWAY too_many_pings, which would fail the call in flight."""
-    server = servers["limits"]
-    rpc = stub(server, **{"grpc.keepalive_time_ms": 1500, "grpc.keepalive_timeout_ms": 5000,
-                          "grpc.keepalive_permit_without_calls": 1, "grpc.http2.max_pings_without_data": 0})
-    assert rpc.Tokenize(pb.TokenizeRequest(text="connect")).count > 0
-    time.sleep(6)  # idle: four pings with no call
-    final = list(rpc.TextGenerate(short_request(max_new_tokens=40)))  # no data until the end
-    assert final[-1].finished
-    assert rpc.Tokenize(pb.TokenizeRequest(text="still connected")).count > 0
+    """Pings every 1.5 s, above the server's --grpc-min-ping-interval-s 1: the connection
+    stays up throughout (no GOAWAY too_many_pings, which would fail a long prefill)."""
+    channel = grpc.insecure_channel(target(servers["limits"]), options=list(PINGING.items()))
+    assert set(_ping_through_idle_and_a_silent_call(channel)) == {grpc.ChannelConnectivity.READY}
+
+
+def test_pings_faster_than_the_minimum_interval_are_refused(servers, certs):
+    """The same client against a server at the default minimum (5 s) is sent away: so the
+    flag is what lets it through above."""
+    channel = grpc.secure_channel(target(servers["tls"]), grpc.ssl_channel_credentials(read(certs["ca.pem"])),
+                                  options=list(PINGING.items()))
+    assert set(_ping_through_idle_and_a_silent_call(channel)) != {grpc.ChannelConnectivity.READY}
 
 
 # ---- disabled ------------------------------------------------------------------------------------

@@ -46,9 +46,11 @@ def test_unservable_fields_are_invalid_arguments():
 
 
 def test_meta_info_values_are_json():
-    meta = {"id": "abc", "prompt_tokens": 12, "finish_reason": {"type": "stop", "matched": 2}, "e2e_latency": 0.5}
+    meta = {"id": "abc", "prompt_tokens": 12, "finish_reason": {"type": "stop", "matched": 2}, "e2e_latency": 0.5,
+            "cached": None, "flag": True, "neg": -3, "big": 2**40, "quoted": 'say "hi"\n'}
     encoded = convert.meta_info(meta)
     assert encoded["id"] == '"abc"' and encoded["prompt_tokens"] == "12"
+    assert (encoded["cached"], encoded["flag"], encoded["neg"]) == ("null", "true", "-3")
     assert {k: json.loads(v) for k, v in encoded.items()} == meta
 
 
@@ -60,16 +62,11 @@ def test_responses_carry_text_ids_and_finished():
     assert (list(ids.output_ids), ids.finished) == ([7, 8], True)
 
 
-def test_merged_deltas_equal_one_delta():
-    a = {"text": "Hel", "output_ids": [1], "meta_info": {"completion_tokens": 1, "output_token_logprobs": [[-1.0, 1, None]],
-                                                        "finish_reason": None}}
-    b = {"text": "lo", "output_ids": [2], "meta_info": {"completion_tokens": 2, "output_token_logprobs": [[-2.0, 2, None]],
-                                                       "finish_reason": {"type": "length", "length": 2}}}
-    convert.merge_delta(a, b)
-    assert a == {"text": "Hello", "output_ids": [1, 2],
-                 "meta_info": {"completion_tokens": 2, "output_token_logprobs": [[-1.0, 1, None], [-2.0, 2, None]],
-                               "finish_reason": {"type": "length", "length": 2}}}
-    assert convert.is_finished(a) and convert.abort_message(a) is None
+def test_finished_and_aborted_results_are_recognised():
+    done = {"meta_info": {"finish_reason": {"type": "length", "length": 2}}}
+    running = {"meta_info": {"finish_reason": None}}
+    assert convert.is_finished(done) and not convert.is_finished(running)
+    assert convert.abort_message(done) is None
 
 
 def test_abort_reasons_are_recognised():

@@ -47,7 +47,7 @@ def test_server_options_carry_the_flags():
     opts = dict(server_options(ServerArgs(grpc_max_message_mb=8, grpc_min_ping_interval_s=2.5,
                                           grpc_keepalive_time_s=30, grpc_keepalive_timeout_s=5)))
     assert opts["grpc.max_receive_message_length"] == opts["grpc.max_send_message_length"] == 8 * 1024 * 1024
-    assert opts["grpc.http2.min_recv_ping_interval_without_data_ms"] == 2500
+    assert opts["grpc.http2.min_ping_interval_without_data_ms"] == 2500
     assert opts["grpc.keepalive_permit_without_calls"] == 1
     assert (opts["grpc.keepalive_time_ms"], opts["grpc.keepalive_timeout_ms"]) == (30000, 5000)
     assert opts["grpc.so_reuseport"] == 0

@@ -7,8 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from cadence.grpc.errors import RpcError
-from cadence.grpc.streams import buffered
+from cadence.grpc.streams import BacklogWatch, buffered
 
 
 class Source:
@@ -95,3 +94,36 @@ async def test_a_failing_source_raises_its_error():
         async for batch in buffered(src.gen(), limit=8):
             got.extend(batch)
     assert got == [0, 1, 2] and src.closed
+
+
+async def test_backlog_watch_ends_only_the_stream_that_falls_behind():
+    held = {"slow": 0, "fast": 0}
+    ended = []
+
+    async def end(name, error):
+        ended.append((name, error))
+
+    watch = BacklogWatch(limit=10, interval=0.01)
+    keys = {name: watch.watch(lambda name=name: held[name], lambda e, name=name: end(name, e)) for name in held}
+    held["slow"], held["fast"] = 11, 10  # fast is at the limit, not beyond
+    await asyncio.sleep(0.05)
+    assert [name for name, _ in ended] == ["slow"]
+    error = ended[0][1]
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "11 tokens" in str(error)
+    assert len(watch) == 1  # an overflowed stream is no longer watched
+    watch.unwatch(keys["fast"])
+    await asyncio.sleep(0.05)
+    assert watch._task is None  # the checking task ends with the last stream
+
+
+async def test_backlog_watch_swallows_the_abort_that_ends_a_call():
+    calls = []
+
+    async def abort(error):
+        calls.append(error)
+        raise grpc.aio.AbortError()
+
+    watch = BacklogWatch(limit=0, interval=0.01)
+    watch.watch(lambda: 1, abort)
+    await asyncio.sleep(0.05)
+    assert len(calls) == 1 and len(watch) == 0
