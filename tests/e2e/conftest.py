@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import signal
 
+import httpx
+import openai
 import pytest
-from e2e_server import API_KEY, SESSION_TAG, Server, tagged_pids, wait_until
+from e2e_server import API_KEY, SESSION_TAG, Server, is_idle, tagged_pids, wait_until
 
 _SMALL = ["--max-total-tokens", "2048", "--skip-warmup"]
 SERVER_SPECS: dict[str, list[str]] = {
@@ -97,3 +99,25 @@ def _make_server_fixture(name: str):
 
 for _name in SERVER_SPECS:
     globals()[f"_fixture_{_name}"] = _make_server_fixture(_name)
+
+
+# ---- OpenAI clients on the shared server (each test must leave it idle) ----------------------
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+    assert is_idle(server.wait_idle()), "a request outlived its test"
+
+
+@pytest.fixture
+async def aclient(server):
+    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+    assert is_idle(server.wait_idle()), "a request outlived its test"
+
+
+@pytest.fixture
+def model(server) -> str:
+    return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from e2e_server import is_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -19,25 +18,6 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 RENDERED_QUESTION = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
                      "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
                      "<|im_start|>assistant\n")
-
-
-@pytest.fixture
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-    assert is_idle(server.wait_idle()), "a request outlived its test"
-
-
-@pytest.fixture
-async def aclient(server):
-    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-    assert is_idle(server.wait_idle()), "a request outlived its test"
-
-
-@pytest.fixture
-def model(server) -> str:
-    return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
 
 
 def num_tokens(server, text: str) -> int:

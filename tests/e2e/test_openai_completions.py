@@ -7,30 +7,10 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from e2e_server import is_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-    assert is_idle(server.wait_idle()), "a request outlived its test"
-
-
-@pytest.fixture
-async def aclient(server):
-    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-    assert is_idle(server.wait_idle()), "a request outlived its test"
-
-
-@pytest.fixture
-def model(server) -> str:
-    return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
 
 
 def test_generate_and_completions_give_the_same_greedy_tokens(client, server, model):

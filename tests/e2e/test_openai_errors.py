@@ -15,25 +15,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-    assert is_idle(server.wait_idle()), "a request outlived its test"
-
-
-@pytest.fixture
-async def aclient(server):
-    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-    assert is_idle(server.wait_idle()), "a request outlived its test"
-
-
-@pytest.fixture
-def model(server) -> str:
-    return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
-
-
 def check_error(error: openai.APIStatusError, status: int, param: str | None, *words: str) -> None:
     assert error.status_code == status
     body = error.response.json()
