@@ -5,7 +5,6 @@ greedy tokens for the same request."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
