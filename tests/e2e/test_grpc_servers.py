@@ -1,5 +1,6 @@
 """gRPC features that need their own server: TLS, mutual TLS, the admission limit, the
-per-stream buffer, keepalive pings, the answer while loading, and --disable-grpc.
+per-stream buffer, keepalive pings, the answer while loading, --disable-grpc, and a gRPC
+port already in use.
 
 The module's servers are launched together (their loads overlap) and killed in a finalizer.
 Certificates are made for the test by the openssl CLI."""
@@ -7,13 +8,16 @@ Certificates are made for the test by the openssl CLI."""
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 
 import grpc
 import pytest
-from e2e_server import Server, is_idle, wait_until
+from e2e_server import Server, free_port, is_idle, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_support import (SERVICE, grpc_port, long_stream, make_certs, openssl_available, read, short_request, stub,
                           target)
@@ -248,3 +252,16 @@ def test_disable_grpc_binds_no_grpc_port(servers):
 def test_an_enabled_server_listens_on_http_and_grpc_only(servers):
     server = servers["limits"]
     assert _listening_ports(server.proc.pid) == {server.port, grpc_port(server)}
+
+
+def test_a_grpc_port_in_use_stops_the_server_with_the_reason(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "cadence.launch_server", "--port", str(free_port()),
+                                 "--grpc-port", str(port), "--skip-warmup"], capture_output=True, text=True,
+                                timeout=120, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert result.returncode == 1
+    assert f"gRPC: Failed to bind to address 127.0.0.1:{port}" in result.stderr and "--grpc-port" in result.stderr
+    assert not list(tmp_path.glob("cadence-ipc-*")), "the socket directory was removed"
