@@ -440,7 +440,8 @@ def print_table(res: dict) -> None:
         extra += f"   target {target}" if target else ""
         print(f"{label:<44}{value:>12}{extra}")
 
-    print(f"\ngRPC vs HTTP on one cadence serve ({res['cpu_count']} CPUs, load avg {res['load_avg_1m']:.1f}, "
+    print(f"\ngRPC vs HTTP on one cadence serve ({res['cpu_count']} CPUs, load avg {res['load_avg_start']:.1f} at start, "
+          f"{res['load_avg_1m']:.1f} at end, "
           f"median of {res['rounds']} rounds of {res['duration_s']}s, HTTP client {res['http_client']})")
     row("gRPC Tokenize req/s", f"{res['grpc_tokenize_rps']:.0f}",
         f"bare grpc.aio echo {res['grpc_echo_rps']:.0f} ({res['grpc_tokenize_vs_echo']:.2f}x)", f">= {TOKENIZE_TARGET}x")
@@ -481,10 +482,10 @@ def write_chart(res: dict, path: str) -> None:
         ax.axis("off")
     for ax, (title, labels, values) in zip(axes, panels):
         bars = ax.bar(labels, values, color=[colors[label] for label in labels])
-        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.bar_label(bars, fmt=lambda v: f"{v:.0f}" if v >= 100 else f"{v:.3g}", fontsize=8)
         ax.set_title(title, fontsize=9)
-    fig.suptitle(f"cadence serve: gRPC vs HTTP ({res['cpu_count']} CPUs, load avg {res['load_avg_1m']:.1f}, "
-                 f"median of {res['rounds']} rounds)")
+    fig.suptitle(f"cadence serve: gRPC vs HTTP ({res['cpu_count']} CPUs, 1-min load average "
+                 f"{res['load_avg_start']:.1f} at start, {res['load_avg_1m']:.1f} at end; median of {res['rounds']} rounds)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -528,7 +529,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.http_client == "wrk" and shutil.which("wrk") is None:
         parser.error("--http-client wrk: wrk is not installed")
+    load_at_start = os.getloadavg()[0]
     res = run(args)
+    res["load_avg_start"] = load_at_start
     print_table(res)
     if args.json:
         with open(args.json, "w") as f:
