@@ -1,6 +1,6 @@
 """gRPC features that need their own server: TLS, mutual TLS, the admission limit, the
 per-stream buffer, keepalive pings, the answer while loading, --disable-grpc, and a gRPC
-port already in use.
+port already in use, and calls in flight when the server stops.
 
 The module's servers are launched together (their loads overlap) and killed in a finalizer.
 Certificates are made for the test by the openssl CLI."""
@@ -8,6 +8,7 @@ Certificates are made for the test by the openssl CLI."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -77,6 +78,7 @@ def servers(certs):
         "limits": ["--grpc-max-concurrent-requests", "1", "--grpc-stream-buffer", str(BUFFER),
                    "--grpc-min-ping-interval-s", "1", *_SMALL],
         "nogrpc": ["--disable-grpc", *_SMALL],
+        "stopping": _SMALL,  # taken down by a test
     }
     launched = {name: Server(f"grpc-{name}", args).start() for name, args in specs.items()}
     probe = LoadingProbe(launched["limits"])
@@ -265,3 +267,18 @@ def test_a_grpc_port_in_use_stops_the_server_with_the_reason(tmp_path):
     assert result.returncode == 1
     assert f"gRPC: Failed to bind to address 127.0.0.1:{port}" in result.stderr and "--grpc-port" in result.stderr
     assert not list(tmp_path.glob("cadence-ipc-*")), "the socket directory was removed"
+
+
+def test_sigterm_ends_live_calls_with_unavailable_and_health_goes_not_serving(servers):
+    server = servers["stopping"]
+    rpc = stub(server)
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target(server)))
+    watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE))
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    call = rpc.TextGenerate(long_stream(max_new_tokens=2000))
+    next(call)
+    server.send_signal(signal.SIGTERM)
+    assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # at once, before the exit
+    e = refused(lambda: list(call))
+    assert e.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.details()
+    assert server.wait_exit(20) == 0, server.log_tail()
