@@ -2,7 +2,8 @@
 and detokenizer processes. `--help` imports nothing heavy.
 
 Life cycle: the HTTP port is bound at once and answers 503 on /health until the model is
-loaded and a warm-up generation has passed. SIGINT/SIGTERM stop everything within seconds
+loaded and a warm-up generation has passed (the gRPC port likewise: UNAVAILABLE, and
+grpc.health.v1 NOT_SERVING until then, NOT_SERVING again once stopping). SIGINT/SIGTERM stop everything within seconds
 and remove the socket directory; if a child process dies, the server exits non-zero naming
 it. Children also die with the front process (PR_SET_PDEATHSIG), so nothing is orphaned.
 """
