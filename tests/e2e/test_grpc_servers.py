@@ -76,7 +76,7 @@ def servers(certs):
         "tls": [*tls, *_SMALL],
         "mtls": [*tls, "--grpc-tls-client-ca", certs["ca.pem"], *_SMALL],
         "limits": ["--grpc-max-concurrent-requests", "1", "--grpc-stream-buffer", str(BUFFER),
-                   "--grpc-min-ping-interval-s", "1", *_SMALL],
+                   "--grpc-min-ping-interval-s", "1", "--grpc-max-message-mb", "1", *_SMALL],
         "nogrpc": ["--disable-grpc", *_SMALL],
         "stopping": _SMALL,  # taken down by a test
     }
@@ -219,6 +219,13 @@ def test_pings_faster_than_the_minimum_interval_are_refused(servers, certs):
     channel = grpc.secure_channel(target(servers["tls"]), grpc.ssl_channel_credentials(read(certs["ca.pem"])),
                                   options=list(PINGING.items()))
     assert set(_ping_through_idle_and_a_silent_call(channel)) != {grpc.ChannelConnectivity.READY}
+
+
+def test_messages_beyond_the_size_limit_are_refused(servers):
+    rpc = stub(servers["limits"], **{"grpc.max_send_message_length": 8 * 1024 * 1024})
+    e = refused(lambda: rpc.Tokenize(pb.TokenizeRequest(text="a" * (1024 * 1024 + 1))))
+    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert rpc.Tokenize(pb.TokenizeRequest(text="a " * 1000)).count > 0  # below the limit
 
 
 # ---- disabled ------------------------------------------------------------------------------------
