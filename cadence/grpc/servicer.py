@@ -251,31 +251,24 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     # ---- OpenAI JSON pass-through (the HTTP OpenAI routes' own code) ------------------------
 
     @rpc
-    async def ChatComplete(self, request, context):
-        async for chunk in self._openai_stream(self.openai.chat_completions, request, context):
-            yield chunk
-
-    @rpc
-    async def Complete(self, request, context):
-        async for chunk in self._openai_stream(self.openai.completions, request, context):
-            yield chunk
-
-    async def _openai_stream(self, call, request, context) -> AsyncIterator[pb.OpenAIStreamChunk]:
-        """One message per SSE event of the HTTP route; the last has finished = true, so each
-        event is sent once the next one exists (or the stream has ended)."""
+    async def _openai_stream(self, request, context, route: str) -> AsyncIterator[pb.OpenAIStreamChunk]:
+        """ChatComplete and Complete: one message per SSE event of the HTTP route `route`
+        (a method of OpenAIServing); the last has finished = true, so each event is sent once
+        the next one exists (or the stream has ended)."""
         self._tm()
         self._check_not_paused()
         self._admit()
         self.num_active += 1
         try:
-            result = await call(request.json_body)
+            result = await getattr(self.openai, route)(request.json_body)
             if isinstance(result, OpenAIResponse):
                 _raise_if_error(result.status, result.body)
                 yield pb.OpenAIStreamChunk(json_chunk=result.body, finished=True)
                 return
+            batches = buffered(result.__aiter__(), self.args.grpc_stream_buffer, _aborter(context))
             held = None
             try:
-                async for items in buffered(result.__aiter__(), self.args.grpc_stream_buffer, _aborter(context)):
+                async for items in batches:
                     if held is not None:
                         yield pb.OpenAIStreamChunk(json_chunk=held, finished=False)
                     for item in items[:-1]:
@@ -283,10 +276,16 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
                     held = items[-1]
             except StreamFailed as e:
                 _raise_if_error(e.status, e.body)
+            finally:
+                await batches.aclose()  # aborts the request if the call ended early
+                await result.aclose()
             if held is not None:
                 yield pb.OpenAIStreamChunk(json_chunk=held, finished=True)
         finally:
             self.num_active -= 1
+
+    ChatComplete = functools.partialmethod(_openai_stream, route="chat_completions")
+    Complete = functools.partialmethod(_openai_stream, route="completions")
 
     @rpc
     async def OpenAIEmbed(self, request, context):

@@ -116,3 +116,14 @@ def test_many_cancelled_streams_leave_nothing_behind(server, rpc):
         call.cancel()
     assert_freed(server)
     assert time.monotonic() - start < FREED_WITHIN_S + 1
+
+
+def test_cancelling_an_openai_pass_through_stream_frees_the_kv_pool(server, rpc):
+    body = json.dumps({"messages": [{"role": "user", "content": "Tell me a very long story."}], "stream": True,
+                       "max_tokens": 2000, "ignore_eos": True}).encode()
+    call = rpc.ChatComplete(pb.OpenAIRequest(json_body=body))
+    for _ in range(3):
+        assert not next(call).finished
+    running_with_kv(server)
+    call.cancel()
+    assert_freed(server)
