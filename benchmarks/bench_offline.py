@@ -157,10 +157,13 @@ def main() -> int:
         results = {"dtype": args.dtype, "threads": torch.get_num_threads()}
         results.update(bench_ours(engine, args.repeats))
         log("limit: weight matmuls alone")
-        results.update(bench_limit(engine.scheduler.runner.model, dtype, args.repeats))
+        # On the engine's own thread: OpenMP keeps a worker team per calling thread, and a
+        # second team on this thread would slow both down (see cadence/engine.py).
+        results.update(engine.run_in_scheduler(lambda s: bench_limit(s.runner.model, dtype, args.repeats),
+                                               timeout=600))
         model_path = engine.info.model_path
     finally:
-        engine.shutdown()
+        engine.shutdown()  # its thread, and with it its OpenMP team, ends here
     if not args.skip_hf:
         results.update(bench_hf(model_path, dtype, args.repeats, engine.tokenizer))
 

@@ -2,6 +2,11 @@
 
 The scheduler and detokenizer run on one background thread; the `TokenizerManager` runs on
 a private event loop thread. Results are exactly what `/generate` answers.
+
+The scheduler thread also loads the model. OpenMP keeps a worker team per calling thread;
+once two threads own teams on a small machine, libgomp stops spin-waiting and every parallel
+op pays a futex wake-up (~40 us, hundreds per decode step). Doing all tensor work on one
+thread keeps one team.
 """
 
 from __future__ import annotations
@@ -36,14 +41,29 @@ def req_from_tokenized(t: TokenizedGenerateReqInput) -> Req:
 class _SchedulerThread:
     """Runs the scheduler loop and the detokenizer on one thread, fed through a queue."""
 
-    def __init__(self, scheduler: Scheduler, detokenizer: Detokenizer, deliver):
-        self.scheduler = scheduler
+    def __init__(self, make_scheduler, detokenizer: Detokenizer):
         self.detokenizer = detokenizer
-        self.deliver = deliver
+        self.deliver = None  # set before the first request arrives
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.alive = True
-        self.thread = threading.Thread(target=self._loop, name="cadence-scheduler", daemon=True)
+        self.scheduler: Scheduler | None = None
+        ready: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, args=(make_scheduler, ready),
+                                       name="cadence-scheduler", daemon=True)
         self.thread.start()
+        error = ready.get()
+        if error is not None:
+            raise error
+
+    def _run(self, make_scheduler, ready: queue.SimpleQueue) -> None:
+        try:
+            self.scheduler = make_scheduler()
+        except BaseException as e:  # the constructor re-raises it on the caller's thread
+            self.alive = False
+            ready.put(e)
+            return
+        ready.put(None)
+        self._loop()
 
     def _handle(self, msg) -> bool:
         if msg is None:
@@ -97,7 +117,8 @@ class Engine:
         self.args = finalize_server_args(ServerArgs.from_kwargs(model_path=model_path, **kwargs))
         path = resolve_model_path(self.args.model_path)
         self.tokenizer = load_tokenizer(path, self.args.tokenizer_path)
-        self.scheduler = Scheduler(self.args, path, self.tokenizer)
+        self._worker = _SchedulerThread(lambda: Scheduler(self.args, path, self.tokenizer), Detokenizer(self.tokenizer))
+        self.scheduler = self._worker.scheduler
         runner = self.scheduler.runner
         self.info = ModelInfo(
             model_path=path, tokenizer_path=self.args.tokenizer_path or path,
@@ -110,8 +131,7 @@ class Engine:
         self._loop_thread.start()
         self.tokenizer_manager = TokenizerManager(self.tokenizer, self.info, self._send,
                                                   max_pending=self.args.max_queued_requests + self.args.max_running_requests)
-        self._worker = _SchedulerThread(self.scheduler, Detokenizer(self.tokenizer),
-                                        lambda out: self.loop.call_soon_threadsafe(self.tokenizer_manager.handle_output, out))
+        self._worker.deliver = lambda out: self.loop.call_soon_threadsafe(self.tokenizer_manager.handle_output, out)
         self._closed = False
 
     def _send(self, msg) -> None:
@@ -170,11 +190,21 @@ class Engine:
             raise ValueError("give either a rid or abort_all=True")
         self.loop.call_soon_threadsafe(lambda: self.tokenizer_manager.abort_request(rid, abort_all=abort_all))
 
-    def run_in_scheduler(self, fn):
+    def run_in_scheduler(self, fn, timeout: float = 60):
         """Runs fn(scheduler) on the scheduler thread and returns its result (tests, admin)."""
         done: queue.SimpleQueue = queue.SimpleQueue()
-        self._send(lambda s: done.put(fn(s)))
-        return done.get(timeout=60)
+
+        def call(scheduler):
+            try:
+                done.put((True, fn(scheduler)))
+            except Exception as e:  # raised again on the caller's thread, not in the loop
+                done.put((False, e))
+
+        self._send(call)
+        ok, value = done.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
 
     def shutdown(self) -> None:
         if self._closed:
