@@ -16,7 +16,7 @@ class AttentionBackend(ABC):
 
     Invariants: `forward` first stores the new K/V at `batch.out_cache_loc` in the pool,
     then attends over each request's whole sequence (prefix + new). It reads only the KV
-    slots listed for that request, so slots shared with other requests are never written.
+    pages listed for that request, so pages shared with other requests are never written.
     Queries arrive already multiplied by the softmax scale.
     """
 
@@ -35,24 +35,27 @@ class TorchNativeBackend(AttentionBackend):
     """Portable backend on torch matmuls and scaled_dot_product_attention (the CPU default)."""
 
     def forward(self, q, kv, layer_id, batch):
-        # [2 * KVH, slots, D]: flat views take index_select/index_copy_, which are an order of
-        # magnitude faster than advanced indexing on a middle dimension.
-        buf = self.kv_pool.kv_buffer[layer_id].flatten(0, 1)
-        buf.index_copy_(1, batch.out_cache_loc, kv.permute(1, 2, 0, 3).reshape(buf.shape[0], -1, self.head_dim))
+        buf = self.kv_pool.kv_buffer[layer_id]  # [2, KVH, pages, page, D]
+        # index_copy_ on a flat view is an order of magnitude faster than advanced indexing.
+        buf.view(-1, self.head_dim).index_copy_(0, batch.kv_write_rows, kv.reshape(-1, self.head_dim))
         if batch.is_decode:
             return self._decode(q, buf, batch)
         return self._extend(q, kv, buf, batch)
 
-    def _gather(self, buf, slots: torch.Tensor) -> torch.Tensor:
-        """K and V of these slots: [2, KVH, *slots.shape, D]."""
-        out = buf.index_select(1, slots.reshape(-1))
-        return out.view(2, self.num_kv_heads, *slots.shape, self.head_dim)
+    def _gather(self, buf, page_rows: torch.Tensor) -> torch.Tensor:
+        """K and V on the pages of `KVPool.page_rows`, in order: [2, KVH, pages * page_size, D]."""
+        pages = buf.view(-1, buf.shape[3] * self.head_dim)  # one whole page per row
+        return pages.index_select(0, page_rows).view(2, self.num_kv_heads, -1, self.head_dim)
 
     def _decode(self, q, buf, batch):
         # One query token per request: two batched matmuls over [KVH, B] beat the flash kernel.
         bs, kvh, d = batch.batch_size, self.num_kv_heads, self.head_dim
-        kv = self._gather(buf, batch.kv_indices)  # [2, KVH, B, L, D]
-        qg = q.view(bs, kvh, self.num_heads // kvh, d).transpose(0, 1)  # [KVH, B, G, D]
+        # [2, KVH, B, L, D]: whole pages, cut to the longest sequence. The matmuls run in
+        # float32: at these shapes (a few query rows per head) CPU bfloat16 batched matmuls are
+        # about twice as slow, and the cast is one pass over data the gather just brought in.
+        kv = self._gather(buf, batch.page_rows).view(2, kvh, bs, -1, d)[:, :, :, : max(batch.seq_lens)]
+        kv = kv.to(torch.float32, memory_format=torch.contiguous_format)
+        qg = q.view(bs, kvh, self.num_heads // kvh, d).transpose(0, 1).float()  # [KVH, B, G, D]
         scores = torch.matmul(qg, kv[0].transpose(-1, -2))  # [KVH, B, G, L]
         if batch.kv_mask is not None:
             scores.masked_fill_(batch.kv_mask, float("-inf"))
@@ -71,9 +74,8 @@ class TorchNativeBackend(AttentionBackend):
                 v = kv[start : start + ext, 1].transpose(0, 1)
                 mask, causal = None, True
             else:
-                seq = self._gather(buf, batch.seq_kv_indices[i])  # [2, KVH, L, D]
-                k, v = seq[0], seq[1]
                 total = prefix + ext
+                k, v = self._gather(buf, batch.seq_page_rows[i])[:, :, :total]
                 rows = torch.arange(prefix, total, device=q.device)[:, None]
                 mask = torch.arange(total, device=q.device)[None, :] <= rows  # [ext, total]
                 causal = False

@@ -20,12 +20,13 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64, position of each new token in its sequence
     out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot each new token writes
+    kv_write_rows: torch.Tensor  # [num_tokens * 2 * kv_heads] int64, see KVPool.write_rows
     seq_lens: list[int]  # per request: prefix + new tokens
     extend_lens: list[int]  # per request: new tokens this step (all 1 in decode)
     prefix_lens: list[int]  # per request: tokens already in the KV pool
-    kv_indices: torch.Tensor | None = None  # decode: [batch, max_seq_len] int64 KV slots, padded
+    page_rows: torch.Tensor | None = None  # decode: KVPool.page_rows of the [batch, max_pages] padded page table
     kv_mask: torch.Tensor | None = None  # decode: [1, batch, 1, max_seq_len] bool, True = padding; None if none
-    seq_kv_indices: list[torch.Tensor] | None = None  # extend: per request [seq_len] int64 KV slots
+    seq_page_rows: list[torch.Tensor | None] | None = None  # extend: per request with a prefix, KVPool.page_rows of its pages
     logits_indices: torch.Tensor | None = None  # [num_logit_rows] int64 rows of the flat tokens to project
 
     @property

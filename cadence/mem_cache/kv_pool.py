@@ -12,9 +12,14 @@ import torch
 
 
 class KVPool:
-    """K/V storage for every layer: kv_buffer[layer] is [2, num_kv_heads, num_slots, head_dim]
-    (K then V). Head-major, so one gather of a batch's slots gives [2, heads, batch, len, dim]
-    blocks that batched matmuls take without another copy."""
+    """K/V storage for every layer: kv_buffer[layer] is [2, num_kv_heads, num_pages, page_size,
+    head_dim] (K then V).
+
+    Head-major, so gathering a batch's pages along the page dimension gives [2, heads, batch,
+    length, head_dim] blocks that batched matmuls take without another copy; and paged, so each
+    gathered index moves a whole page (one large memcpy) rather than one token. A token's slot
+    is `page * page_size + offset`.
+    """
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu"):
@@ -22,11 +27,28 @@ class KVPool:
             raise ValueError("max_total_tokens is too small to hold a single KV page")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
         self.num_slots = num_pages * page_size
         self.dtype = dtype
+        self.device = device
         # torch.empty does not touch the memory: pages are faulted in only when written.
-        shape = (2, num_kv_heads, self.num_slots, head_dim)
+        shape = (2, num_kv_heads, num_pages, page_size, head_dim)
         self.kv_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Row offset of each (K/V, head) plane in a layer's flat [-1, head_dim] view.
+        self._planes = torch.arange(2 * num_kv_heads, dtype=torch.int64, device=device) * self.num_slots
+
+    def write_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of the flat [-1, head_dim] view of a layer's buffer where tokens at `slots`
+        keep their K and V heads: [len(slots) * 2 * heads], in (token, K/V, head) order —
+        the order of a [tokens, 2, heads, head_dim] K/V tensor."""
+        return (slots.unsqueeze(1) + self._planes).reshape(-1)
+
+    def page_rows(self, pages: torch.Tensor) -> torch.Tensor:
+        """Rows of the [-1, page_size * head_dim] view of a layer's buffer holding these pages,
+        for every (K/V, head) plane: gathering them gives [2, heads, len(pages) * page_size,
+        head_dim]. One index_select over dim 0 of that view moves whole pages with memcpy."""
+        return (self._planes.unsqueeze(1) // self.page_size + pages.reshape(1, -1)).reshape(-1)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -51,10 +51,6 @@ class CpuPlatform(TorchNativeFactories, Platform):
         flags = _cpu_flags()
         return "avx512_bf16" in flags or "amx_bf16" in flags
 
-    def default_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        # The attention matmuls over the cache are small; on CPU they run much faster in float32.
-        return torch.float32
-
     def init_backend(self) -> None:
         num_threads = envs.num_threads()
         if num_threads is not None and torch.get_num_threads() != num_threads:

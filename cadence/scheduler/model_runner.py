@@ -41,6 +41,7 @@ class ModelRunner:
         self.attn = self.platform.make_attention_backend(self.kv_pool, cfg.num_attention_heads,
                                                          cfg.num_key_value_heads, cfg.head_dim)
         self.model.setup(self.attn, self.context_len + 1)
+        self._fresh_pages: list[int] = []  # allocated since the last forward, not yet zeroed
         logger.info("KV pool: %d tokens in %d pages of %d", num_pages * self.page_size, num_pages, self.page_size)
 
     def _kv_budget_tokens(self) -> int:
@@ -64,6 +65,7 @@ class ModelRunner:
             if pages is None:  # admission reserved these pages, so this is a bookkeeping bug
                 raise RuntimeError(f"KV pool exhausted while extending reserved request {req.rid}")
             req.pages.extend(pages)
+            self._fresh_pages.extend(pages)
         pos = torch.arange(start, end)
         page_t = torch.tensor(req.pages, dtype=torch.int64)
         slots = page_t[pos // self.page_size] * self.page_size + pos % self.page_size
@@ -79,7 +81,7 @@ class ModelRunner:
         `logit_rows[i]` are offsets within request i's chunk whose logits are wanted.
         Returns logits [sum(len(rows)), vocab] float32, rows in request order.
         """
-        ids, positions, locs, seq_kv, prefix_lens, seq_lens, logits_idx = [], [], [], [], [], [], []
+        ids, positions, locs, seq_pages, prefix_lens, seq_lens, logits_idx = [], [], [], [], [], [], []
         offset = 0
         for req, n, rows in zip(reqs, chunk_lens, logit_rows):
             start = req.num_computed
@@ -87,63 +89,81 @@ class ModelRunner:
             ids.extend(fill[start : start + n])
             positions.append(torch.arange(start, start + n))
             locs.append(self.assign_slots(req, start, start + n))
-            seq_kv.append(self.req_to_token.table[req.row, : start + n])
+            if start:
+                pages = torch.tensor(req.pages[: self.pages_for(start + n)], dtype=torch.int64, device=self.device)
+                seq_pages.append(self.kv_pool.page_rows(pages))
+            else:
+                seq_pages.append(None)  # no prefix: attention reads the new K/V directly
             prefix_lens.append(start)
             seq_lens.append(start + n)
             logits_idx.extend(offset + r for r in rows)
             offset += n
         dev = self.device
+        out_loc = torch.cat(locs).to(dev)
         batch = ForwardBatch(
             is_decode=False,
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.cat(positions).to(dev),
-            out_cache_loc=torch.cat(locs).to(dev),
+            out_cache_loc=out_loc,
+            kv_write_rows=self.kv_pool.write_rows(out_loc),
             seq_lens=seq_lens,
             extend_lens=list(chunk_lens),
             prefix_lens=prefix_lens,
-            seq_kv_indices=seq_kv,
+            seq_page_rows=seq_pages,
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
         )
+        self._zero_fresh_pages()
         hidden = self.model(batch)
         return self._to_host(self.model.compute_logits(hidden)) if logits_idx else None
 
     @torch.inference_mode()
     def forward_decode(self, reqs: list[Req]) -> torch.Tensor:
         """One new token per request (its last output token). Returns logits [batch, vocab]."""
-        rows = [r.row for r in reqs]
         seq_lens = [r.seq_len for r in reqs]
         locs = []
         for req, n in zip(reqs, seq_lens):
             if self.pages_for(n) > len(req.pages):
                 self.assign_slots(req, n - 1, n)
-                locs.append(int(self.req_to_token.table[req.row, n - 1]))
-            else:
-                page = req.pages[(n - 1) // self.page_size]
-                locs.append(page * self.page_size + (n - 1) % self.page_size)
+            page = req.pages[(n - 1) // self.page_size]
+            locs.append(page * self.page_size + (n - 1) % self.page_size)
         dev = self.device
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
         lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
         out_loc = torch.tensor(locs, dtype=torch.int64, device=dev)
-        self.req_to_token.table[rows_t, lens_t - 1] = out_loc
-        max_len = max(seq_lens)
-        kv_indices = self.req_to_token.table[rows_t, :max_len]
+        self.req_to_token.table[torch.tensor([r.row for r in reqs], device=dev), lens_t - 1] = out_loc
+        max_pages = self.pages_for(max(seq_lens))
+        # Rows shorter than the longest repeat their first page as padding (masked out below).
+        table = [r.pages[: self.pages_for(n)] for r, n in zip(reqs, seq_lens)]
+        page_table = torch.tensor([p + [p[0]] * (max_pages - len(p)) for p in table], dtype=torch.int64, device=dev)
         kv_mask = None
-        if min(seq_lens) != max_len:
-            # True where a row is padding (masked out), broadcast over [KVH, B, G, L] scores.
-            pad = torch.arange(max_len, device=dev).unsqueeze(0) >= lens_t.unsqueeze(1)
-            kv_mask = pad.view(1, len(reqs), 1, max_len)
+        if min(seq_lens) != max(seq_lens):
+            # True past each row's length, broadcast over [KVH, B, G, max_len] scores.
+            kv_mask = (torch.arange(max(seq_lens), device=dev).unsqueeze(0) >= lens_t.unsqueeze(1)).view(
+                1, len(reqs), 1, -1)
         batch = ForwardBatch(
             is_decode=True,
             input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev),
             positions=lens_t - 1,
             out_cache_loc=out_loc,
+            kv_write_rows=self.kv_pool.write_rows(out_loc),
             seq_lens=seq_lens,
             extend_lens=[1] * len(reqs),
             prefix_lens=[n - 1 for n in seq_lens],
-            kv_indices=kv_indices,
+            page_rows=self.kv_pool.page_rows(page_table),
             kv_mask=kv_mask,
         )
+        self._zero_fresh_pages()
         return self._to_host(self.model.compute_logits(self.model(batch)))
+
+    def _zero_fresh_pages(self) -> None:
+        """Zero the pages handed out for this step. Decode attention reads whole pages and
+        masks the slots past each sequence; a masked slot still multiplies its V by 0, and
+        stale memory there could hold NaN (0 * NaN = NaN). The pool itself is never zeroed
+        up front, so untouched pages cost no memory."""
+        if self._fresh_pages:
+            pages = torch.tensor(self._fresh_pages, dtype=torch.int64, device=self.device)
+            for buf in self.kv_pool.kv_buffer:
+                buf.index_fill_(2, pages, 0)
+            self._fresh_pages.clear()
 
     @staticmethod
     def _to_host(logits: torch.Tensor) -> torch.Tensor:

@@ -187,11 +187,11 @@ def test_cpu_platform_decisions():
     assert cpu.device == torch.device("cpu") and cpu.is_cpu() and not cpu.is_cuda()
     assert cpu.resolve_dtype("auto") == (torch.bfloat16 if cpu.supports_bf16() else torch.float32)
     assert cpu.resolve_dtype("float16") == torch.float16
-    assert cpu.resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.float32
+    assert cpu.resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert cpu.resolve_kv_cache_dtype("bfloat16", torch.float32) == torch.bfloat16
     assert 0 < cpu.available_memory_bytes() <= cpu.total_memory_bytes()
     pool = cpu.make_kv_pool(num_pages=2, page_size=4, num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32)
-    assert pool.kv_buffer[0].shape == (2, 2, 8, 8) and pool.kv_buffer[0].device == cpu.device
+    assert pool.kv_buffer[0].shape == (2, 2, 2, 4, 8)  # [K/V, kv heads, pages, page, head dim] and pool.kv_buffer[0].device == cpu.device
     assert cpu.make_allocator(2).num_free_pages == 2
     assert isinstance(cpu.make_attention_backend(pool, 4, 2, 8), TorchNativeBackend)
     a, b = cpu.make_generator(7), cpu.make_generator(7)

@@ -1,0 +1,83 @@
+"""The torch attention backend against plain dense attention, on a paged pool whose unused
+memory is poisoned with NaN (what a reused allocation can hold)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cadence.layers.attention import TorchNativeBackend
+from cadence.layers.forward_batch import ForwardBatch
+from cadence.mem_cache.kv_pool import KVPool
+
+HEADS, KV_HEADS, DIM, PAGE = 6, 2, 8, 4
+
+
+def dense_attention(q, k, v, causal_from: int):
+    """q: [T, H, D] for positions causal_from.., k/v: [L, KVH, D]; reference in float64."""
+    q, k, v = (x.double().transpose(0, 1) for x in (q, k, v))
+    k = k.repeat_interleave(HEADS // KV_HEADS, 0)
+    v = v.repeat_interleave(HEADS // KV_HEADS, 0)
+    scores = q @ k.transpose(-1, -2)
+    rows = torch.arange(causal_from, causal_from + q.shape[1])[:, None]
+    scores = scores.masked_fill(torch.arange(k.shape[1])[None, :] > rows, float("-inf"))
+    return (torch.softmax(scores, -1) @ v).transpose(0, 1).reshape(q.shape[1], -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_and_extend_match_dense_attention(dtype):
+    torch.manual_seed(0)
+    pool = KVPool(num_pages=16, page_size=PAGE, num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=dtype)
+    pool.kv_buffer[0].fill_(float("nan"))  # stale memory: nothing outside written slots may be read
+    attn = TorchNativeBackend(pool, HEADS, KV_HEADS, DIM)
+    lens = [5, 11, 2]
+    pages = [[9, 2], [0, 7, 12], [5]]  # scattered, not in order
+    for p in pages:  # the runner zeroes every page it hands out
+        pool.kv_buffer[0].index_fill_(2, torch.tensor(p), 0)
+    keys = [torch.randn(n, KV_HEADS, DIM, dtype=dtype) for n in lens]
+    values = [torch.randn(n, KV_HEADS, DIM, dtype=dtype) for n in lens]
+
+    def slots(i, positions):
+        return torch.tensor([pages[i][p // PAGE] * PAGE + p % PAGE for p in positions])
+
+    # Prefill all but the last token of each request: request 0 without a prefix, requests 1
+    # and 2 on top of a prefix already in the pool.
+    for i, n in enumerate(lens):
+        split = 0 if i == 0 else n // 2
+        if split:
+            loc = slots(i, range(split))
+            pool.kv_buffer[0].view(-1, DIM).index_copy_(
+                0, pool.write_rows(loc), torch.stack([keys[i][:split], values[i][:split]], 1).reshape(-1, DIM))
+        ext = n - 1 - split
+        if ext == 0:
+            continue
+        q = torch.randn(ext, HEADS, DIM, dtype=dtype)
+        loc = slots(i, range(split, n - 1))
+        kv = torch.stack([keys[i][split : n - 1], values[i][split : n - 1]], 1)  # [ext, 2, KVH, D]
+        rows = pool.page_rows(torch.tensor(pages[i][: -(-(n - 1) // PAGE)]))
+        batch = ForwardBatch(is_decode=False, input_ids=torch.zeros(ext, dtype=torch.int64),
+                             positions=torch.arange(split, n - 1), out_cache_loc=loc,
+                             kv_write_rows=pool.write_rows(loc), seq_lens=[n - 1], extend_lens=[ext],
+                             prefix_lens=[split], seq_page_rows=[rows if split else None])
+        out = attn.forward(q.reshape(ext, -1), kv, 0, batch)
+        ref = dense_attention(q, keys[i][: n - 1], values[i][: n - 1], split)
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+    # One decode step for all three at once: different lengths, so padding is masked.
+    q = torch.randn(len(lens), HEADS, DIM, dtype=dtype)
+    loc = torch.cat([slots(i, [n - 1]) for i, n in enumerate(lens)])
+    kv = torch.stack([torch.stack([k[-1] for k in keys]), torch.stack([v[-1] for v in values])], 1)
+    max_pages = max(len(p) for p in pages)
+    table = torch.tensor([p + [p[0]] * (max_pages - len(p)) for p in pages])
+    lens_t = torch.tensor(lens)
+    mask = (torch.arange(max(lens))[None, :] >= lens_t[:, None]).view(1, len(lens), 1, -1)
+    batch = ForwardBatch(is_decode=True, input_ids=torch.zeros(len(lens), dtype=torch.int64),
+                         positions=lens_t - 1, out_cache_loc=loc, kv_write_rows=pool.write_rows(loc),
+                         seq_lens=lens, extend_lens=[1] * len(lens), prefix_lens=[n - 1 for n in lens],
+                         page_rows=pool.page_rows(table), kv_mask=mask)
+    out = attn.forward(q.reshape(len(lens), -1), kv, 0, batch)
+    assert not out.isnan().any()
+    for i, n in enumerate(lens):
+        ref = dense_attention(q[i : i + 1], keys[i], values[i], n - 1)
+        torch.testing.assert_close(out[i : i + 1].double(), ref, atol=2e-2, rtol=2e-2)
