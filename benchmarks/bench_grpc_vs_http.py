@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `cadence serve` gives its children
+from cadence import envs  # noqa: E402
+
+envs.set_openmp_defaults()  # as `cadence serve` gives its children; before anything loads OpenMP
 
 import argparse
 import asyncio

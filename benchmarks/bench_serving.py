@@ -14,8 +14,8 @@ Each level is measured served then offline (a fresh server and engine per level)
 pair shares the load of the moment on a shared machine; the 1-minute load average at each
 measurement is reported next to it.
 
-Both sides use OMP_WAIT_POLICY=PASSIVE (what `cadence serve` gives its children) unless the
-environment sets it, so they differ only by the serving path.
+Both sides get the OpenMP wait settings `cadence serve` gives its children (see
+cadence/envs.py) unless the environment sets them, so they differ only by the serving path.
 
 Usage: python benchmarks/bench_serving.py [--concurrency 1 8 32] [--json out.json]
        [--plot bench_results/bench_serving.png] [--dtype float32]
@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before anything loads OpenMP
+from cadence import envs  # noqa: E402
+
+envs.set_openmp_defaults()  # as `cadence serve` gives its children; before anything loads OpenMP
 
 import argparse
 import asyncio
@@ -268,6 +270,7 @@ async def bench_offline(args, levels: list[int]) -> tuple[dict, int]:
 
 def flatten(served: dict, offline: dict, args, threads: int) -> dict:
     flat = {"dtype": args.dtype, "threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
             "concurrency": list(args.concurrency), "output_lens": OUTPUT_LENS, "target_ratio": TARGET_RATIO}
     for c in args.concurrency:
         s, o = served[c], offline[c]
@@ -283,7 +286,7 @@ def flatten(served: dict, offline: dict, args, threads: int) -> dict:
 
 def print_table(flat: dict, concurrency: list[int]) -> None:
     print(f"\nCadence serving, dtype={flat['dtype']}, threads={flat['threads']}, "
-          f"OMP_WAIT_POLICY={flat['omp_wait_policy']}, output lengths {OUTPUT_LENS}")
+          f"OMP_WAIT_POLICY={flat['omp_wait_policy']}, GOMP_SPINCOUNT={flat['gomp_spincount']}, output lengths {OUTPUT_LENS}")
     print(f"{'C':>4} {'served tok/s':>13} {'offline tok/s':>14} {'ratio':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'ITL p50':>8} {'ITL p99':>8}   (ms; offline TTFT p50 / ITL p50; load avg served / offline)")
     for c in concurrency:

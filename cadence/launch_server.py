@@ -233,6 +233,7 @@ def launch(args: ServerArgs) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
 
+    from cadence import envs
     from cadence.ipc import IpcPaths
     from cadence.model_loader.locate import resolve_model_path
 
@@ -242,11 +243,7 @@ def launch(args: ServerArgs) -> int:
         logger.error("%s", e)
         return 2
     paths = IpcPaths.create()
-    # A decode step is hundreds of small torch ops. With OpenMP's default spin-waiting, an
-    # intra-op worker that loses its core to another process stalls every one of them: on a
-    # shared 2-core machine the scheduler decoded ~10x slower than the in-process Engine
-    # (1-2 vs 19 tok/s at batch 1). Passive waiting avoids that; an explicit setting wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    envs.set_openmp_defaults()  # the children read it when they start (see envs.py)
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     children = [
