@@ -50,6 +50,38 @@ def tokenize(tm, text: str, add_special_tokens: bool = True) -> list[int]:
     return tm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+def tokenize_body(tm, body: Any) -> dict[str, Any]:
+    """POST /tokenize: {"prompt": str | [str], "add_special_tokens"?, "model"?} -> the answer."""
+    if not isinstance(body, dict):
+        raise InvalidParameter(None, "the request body must be a JSON object")
+    unknown = set(body) - {"prompt", "add_special_tokens", "model"}
+    if unknown:
+        raise InvalidParameter(sorted(unknown)[0], f"unknown field {sorted(unknown)[0]!r}")
+    prompt = body.get("prompt")
+    add_special = body.get("add_special_tokens", True)
+    if not isinstance(add_special, bool):
+        raise InvalidParameter("add_special_tokens", "add_special_tokens must be a boolean")
+    max_len = tm.info.context_len
+    if isinstance(prompt, str):
+        tokens = tokenize(tm, prompt, add_special)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": max_len}
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        tokens = [tokenize(tm, p, add_special) for p in prompt]
+        return {"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": max_len}
+    raise InvalidParameter("prompt", "prompt must be a string or a non-empty list of strings")
+
+
+def detokenize_body(tm, body: Any) -> dict[str, Any]:
+    """POST /detokenize: {"tokens": [int] | [[int]], "skip_special_tokens"?} -> {"text": ...}."""
+    if not isinstance(body, dict):
+        raise InvalidParameter(None, "the request body must be a JSON object")
+    tokens = body.get("tokens")
+    skip = body.get("skip_special_tokens", True)
+    if isinstance(tokens, list) and tokens and all(isinstance(t, list) for t in tokens):
+        return {"text": [detokenize(tm, t, skip) for t in tokens]}
+    return {"text": detokenize(tm, tokens, skip)}
+
+
 def detokenize(tm, ids: Any, skip_special_tokens: bool = True) -> str:
     """The text of one list of token ids; ids must be ints inside the vocabulary."""
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

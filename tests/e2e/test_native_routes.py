@@ -248,3 +248,13 @@ def test_tokenizer_routes_reject_bad_input(client):
         r = client.post(route, json=body)
         assert r.status_code == 400, (route, body, r.text)
         assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
+
+
+def test_tokenizer_routes_reject_bodies_that_are_not_json_objects(client):
+    for route in ("/tokenize", "/v1/detokenize"):
+        r = client.post(route, content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
+        r = client.post(route, json=["a", "list"])
+        assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"], r.text
+    # GET is not a tokenizer route: the framework's 405 still answers.
+    assert client.get("/tokenize").status_code == 405
