@@ -47,7 +47,7 @@ def load_entries(load, dp_rank: int | None = None) -> list[dict[str, Any]]:
 
 
 def tokenize(tm, text: str, add_special_tokens: bool = True) -> list[int]:
-    return tm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return tm.encode(text, add_special_tokens)
 
 
 def tokenize_body(tm, body: Any) -> dict[str, Any]:

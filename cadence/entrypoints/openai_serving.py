@@ -202,7 +202,7 @@ class OpenAIServing:
         except Exception as e:  # a template's raise_exception, or a malformed conversation
             raise InvalidParameter("messages", f"the chat template rejected the messages: {e}") from None
         # The template writes the special tokens itself.
-        input_ids = self.tm.tokenizer.encode(prompt, add_special_tokens=False)
+        input_ids = self.tm.encode(prompt, add_special_tokens=False)
         _, max_tokens = proto.requested_max_tokens(req)
         if max_tokens is None:  # OpenAI's default: whatever the context leaves
             max_tokens = max(self.tm.info.context_len - len(input_ids), 1)
