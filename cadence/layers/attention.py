@@ -34,6 +34,8 @@ class AttentionBackend(ABC):
 class TorchNativeBackend(AttentionBackend):
     """Portable backend on torch matmuls and scaled_dot_product_attention (the CPU default)."""
 
+    FLOAT32_DECODE_TOKENS = 1024  # decode attention over at most this many KV tokens runs in float32
+
     def forward(self, q, kv, layer_id, batch):
         buf = self.kv_pool.kv_buffer[layer_id]  # [2, KVH, pages, page, D]
         # index_copy_ on a flat view is an order of magnitude faster than advanced indexing.
@@ -50,12 +52,15 @@ class TorchNativeBackend(AttentionBackend):
     def _decode(self, q, buf, batch):
         # One query token per request: two batched matmuls over [KVH, B] beat the flash kernel.
         bs, kvh, d = batch.batch_size, self.num_kv_heads, self.head_dim
-        # [2, KVH, B, L, D]: whole pages, cut to the longest sequence. The matmuls run in
-        # float32: at these shapes (a few query rows per head) CPU bfloat16 batched matmuls are
-        # about twice as slow, and the cast is one pass over data the gather just brought in.
-        kv = self._gather(buf, batch.page_rows).view(2, kvh, bs, -1, d)[:, :, :, : max(batch.seq_lens)]
-        kv = kv.to(torch.float32, memory_format=torch.contiguous_format)
-        qg = q.view(bs, kvh, self.num_heads // kvh, d).transpose(0, 1).float()  # [KVH, B, G, D]
+        # [2, KVH, B, L, D]: whole pages, cut to the longest sequence.
+        max_len = max(batch.seq_lens)
+        kv = self._gather(buf, batch.page_rows).view(2, kvh, bs, -1, d)[:, :, :, :max_len]
+        qg = q.view(bs, kvh, self.num_heads // kvh, d).transpose(0, 1)  # [KVH, B, G, D]
+        if kv.dtype != torch.float32 and bs * max_len <= self.FLOAT32_DECODE_TOKENS:
+            # A CPU bfloat16 batched matmul has a fixed cost of ~20 us at these shapes (a few
+            # query rows per head); float32 takes half that. Past a few hundred tokens the cast
+            # itself costs more than it saves.
+            kv, qg = kv.float(), qg.float()
         scores = torch.matmul(qg, kv[0].transpose(-1, -2))  # [KVH, B, G, L]
         if batch.kv_mask is not None:
             scores.masked_fill_(batch.kv_mask, float("-inf"))

@@ -25,8 +25,11 @@ def dense_attention(q, k, v, causal_from: int):
     return (torch.softmax(scores, -1) @ v).transpose(0, 1).reshape(q.shape[1], -1)
 
 
+@pytest.mark.parametrize("float32_tokens", [0, 1024], ids=["kv-dtype-matmuls", "float32-matmuls"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_and_extend_match_dense_attention(dtype):
+def test_decode_and_extend_match_dense_attention(dtype, float32_tokens, monkeypatch):
+    # Small decode batches attend in float32, large ones in the cache's dtype: both paths.
+    monkeypatch.setattr(TorchNativeBackend, "FLOAT32_DECODE_TOKENS", float32_tokens)
     torch.manual_seed(0)
     pool = KVPool(num_pages=16, page_size=PAGE, num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=dtype)
     pool.kv_buffer[0].fill_(float("nan"))  # stale memory: nothing outside written slots may be read
