@@ -192,21 +192,43 @@ class TokenizerManager:
         st.chunks.clear()
         return self._result(st, st.text, st.output_ids)
 
+    def _take_delta(self, st: _ReqState) -> dict | None:
+        """What `st` produced since the last call as a delta result (None if nothing).
+        Raises the request's RequestError if it failed."""
+        deltas, st.chunks = st.chunks, []
+        text = "".join(d[0] for d in deltas)
+        ids = [t for d in deltas for t in d[1]]
+        if text or ids or st.finished:
+            return self._result(st, text, ids, delta=True)
+        return None
+
     async def _stream(self, states: list[_ReqState], is_single: bool):
+        if len(states) == 1:
+            # One request (the common case): wait on it directly. Every streamed token passes
+            # here, so no helper task and queue in between.
+            st = states[0]
+            while True:
+                await st.event.wait()
+                st.event.clear()
+                done = st.finished  # as of this delta: more may arrive while the consumer holds it
+                chunk = self._take_delta(st)
+                if chunk is not None:
+                    if not is_single:
+                        chunk["index"] = 0
+                    yield chunk
+                if done:
+                    return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, st: _ReqState):
             while True:
                 await st.event.wait()
                 st.event.clear()
-                deltas, st.chunks = st.chunks, []
-                text = "".join(d[0] for d in deltas)
-                ids = [t for d in deltas for t in d[1]]
-                if text or ids or st.finished:
-                    try:
-                        chunk = self._result(st, text, ids, delta=True)
-                    except RequestError as e:  # a failed request: the consumer raises it
-                        chunk = e
+                try:
+                    chunk = self._take_delta(st)
+                except RequestError as e:  # a failed request: the consumer raises it
+                    chunk = e
+                if chunk is not None:
                     await queue.put((index, chunk))
                 if st.finished:
                     await queue.put((index, None))
