@@ -33,7 +33,7 @@ class ServerArgs:
     dtype: str = "auto"
     """Weight and activation dtype: auto (bfloat16 where the CPU supports it, else float32), float32, bfloat16, float16."""
     kv_cache_dtype: str = "auto"
-    """KV cache dtype: auto (float32 on CPU, where small attention matmuls are much faster in float32; the model dtype elsewhere), float32, bfloat16, float16."""
+    """KV cache dtype: auto (the model dtype), float32, bfloat16, float16."""
     context_length: int | None = None
     """Longest sequence (prompt + output) served; default: the model's own."""
     max_running_requests: int = 64

@@ -65,8 +65,13 @@ class LlamaDecoderLayer(nn.Module):
         x = F.rms_norm(residual, shape, self.input_norm, self.eps)
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias).to(attn.kv_pool.dtype)  # [T, (H + 2 KVH) * D]
         t = qkv.shape[0]
-        qk = torch.view_as_complex(qkv[:, : self.q_dim + self.kv_dim].view(t, -1, self.head_dim // 2, 2))
-        qk.mul_(rope_factors)  # rotary on q and k, and the softmax scale on q, in place
+        qk = qkv[:, : self.q_dim + self.kv_dim]
+        if qk.dtype in (torch.float32, torch.float64):
+            # Rotary on q and k, and the softmax scale on q, in place.
+            torch.view_as_complex(qk.view(t, -1, self.head_dim // 2, 2)).mul_(rope_factors)
+        else:  # complex numbers need float32 parts; rotate a float32 copy and write it back
+            rotated = torch.view_as_complex(qk.float().view(t, -1, self.head_dim // 2, 2)).mul_(rope_factors)
+            qk.copy_(torch.view_as_real(rotated).view(t, -1))
         kv = qkv[:, self.q_dim :].view(t, 2, self.num_kv_heads, self.head_dim)
         o = attn.forward(qkv[:, : self.q_dim], kv, self.layer_id, batch).to(residual.dtype)
         residual.add_(F.linear(o, self.o_proj))
