@@ -283,6 +283,10 @@ class TokenizerManager:
             st = self.states.get(rid)
             if st is None:
                 continue  # the client already left; its abort is on the way
+            if st.finished:
+                # Final once finished: the scheduler's own outputs still in flight after the front
+                # ended a request (end_all on shutdown) must not overwrite its finish reason.
+                continue
             st.text += out.output_strs[i]
             st.output_ids.extend(out.output_ids[i])
             st.chunks.append((out.output_strs[i], out.output_ids[i]))

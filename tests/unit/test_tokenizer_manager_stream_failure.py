@@ -44,3 +44,26 @@ async def test_failure_mid_stream_raises_in_the_consumer(n):
     assert tm.states == {}
     # The other samples of the request stop too.
     assert sorted(m.rid for m in sent if isinstance(m, AbortReq)) == [t.rid for t in sent[1:n]]
+
+
+async def test_outputs_after_the_finish_do_not_change_the_outcome():
+    """The front ends a stream (a 503 on shutdown) while the scheduler's outputs for it are
+    still in flight: the consumer, even a slow one, still gets the 503."""
+    sent = []
+    info = ModelInfo(model_path="m", tokenizer_path=None, served_model_name="m", context_len=256, vocab_size=100,
+                     max_total_tokens=1024)
+    tm = TokenizerManager(_Tokenizer(), info, sent.append)
+    gen = tm.generate_request(GenerateReqInput(text="hi", stream=True))
+    first = asyncio.ensure_future(gen.__anext__())
+    await asyncio.sleep(0)
+    rid = sent[0].rid
+    tm.handle_output(_output(rid, None, "a"))
+    assert (await asyncio.wait_for(first, 2))["text"] == "a"
+    # The consumer is busy: the front's 503, then late scheduler outputs, arrive before it reads on.
+    tm.handle_output(_output(rid, {"type": "abort", "message": "the server is shutting down", "status_code": 503}, ""))
+    tm.handle_output(_output(rid, None, "b"))
+    tm.handle_output(_output(rid, {"type": "abort", "message": "aborted"}, ""))
+    with pytest.raises(RequestError, match="shutting down") as info:
+        await asyncio.wait_for(gen.__anext__(), 2)
+    assert info.value.status == 503
+    assert tm.states == {}
