@@ -168,11 +168,11 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
 
         watch_task = asyncio.create_task(watchdog())
         if not args.skip_warmup:
-            from cadence.entrypoints.http_server import first_result
+            from cadence.entrypoints.native_api import last_result
             from cadence.io_struct import GenerateReqInput
 
             warm = GenerateReqInput(text="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0})
-            warmup = asyncio.ensure_future(first_result(client.tm.generate_request(warm)))
+            warmup = asyncio.ensure_future(last_result(client.tm.generate_request(warm)))
             await asyncio.wait({warmup, serve_task}, timeout=300, return_when=asyncio.FIRST_COMPLETED)
             if not warmup.done():
                 warmup.cancel()

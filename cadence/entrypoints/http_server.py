@@ -81,13 +81,6 @@ async def until_disconnected(request: Request, coro):
     raise asyncio.CancelledError("client disconnected")
 
 
-async def first_result(gen: AsyncIterator):
-    result = None
-    async for result in gen:
-        pass
-    return result
-
-
 class Gate:
     """API key and readiness checks in front of every route, as a plain ASGI middleware.
 
@@ -193,7 +186,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health_generate")
     async def health_generate():
         obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
-        await asyncio.wait_for(first_result(client().tm.generate_request(obj)), 30)
+        await asyncio.wait_for(native_api.last_result(client().tm.generate_request(obj)), 30)
         return Response(status_code=200)
 
     @app.get("/model_info")
@@ -234,7 +227,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
         gen = client().tm.generate_request(obj)
         if obj.stream:
             return await stream_response(gen)
-        return json_response(await until_disconnected(request, first_result(gen)))
+        return json_response(await until_disconnected(request, native_api.last_result(gen)))
 
     # Also answered by `Gate` before routing (the hot path); these serve the same code to
     # anything that mounts the app without the middleware.

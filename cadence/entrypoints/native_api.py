@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 from cadence import __version__
 from cadence.sampling_params import InvalidParameter
@@ -20,6 +20,14 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 LOAD_FIELDS = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_cached_tokens",
                "max_total_num_tokens", "token_usage", "gen_throughput", "cache_hit_rate")
+
+
+async def last_result(results: AsyncIterator):
+    """The last item of `results` (a non-streamed generation yields exactly one)."""
+    result = None
+    async for result in results:
+        pass
+    return result
 
 
 def model_info(info) -> dict[str, Any]:

@@ -88,7 +88,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
                 finally:
                     await messages.aclose()
                 return
-            result = await _last(tm.generate_request(obj))
+            result = await native_api.last_result(tm.generate_request(obj))
             samples = result if isinstance(result, list) else [result]
             outcomes = []
             for index, chunk in enumerate(samples):
@@ -190,7 +190,8 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
             return pb.HealthCheckResponse(healthy=True)
         probe = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
         try:
-            await asyncio.wait_for(_last(state.client.tm.generate_request(probe)), HEALTH_CHECK_TIMEOUT_S)
+            await asyncio.wait_for(native_api.last_result(state.client.tm.generate_request(probe)),
+                                   HEALTH_CHECK_TIMEOUT_S)
         except (asyncio.TimeoutError, InvalidParameter, RequestError) as e:
             logger.warning("gRPC HealthCheck: the probe generation failed: %s", e or type(e).__name__)
             return pb.HealthCheckResponse(healthy=False)
@@ -364,13 +365,6 @@ def _aborter(context):
     async def abort(error: RpcError):
         await context.abort(error.code, str(error))
     return abort
-
-
-async def _last(results: AsyncIterator):
-    result = None
-    async for result in results:
-        pass
-    return result
 
 
 class _Sent:
