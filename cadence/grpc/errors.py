@@ -90,9 +90,9 @@ def rpc(method):
         return stream
 
     @functools.wraps(method)
-    async def unary(self, request, context):
+    async def unary(self, request, context, **kwargs):
         try:
-            return await method(self, request, context)
+            return await method(self, request, context, **kwargs)
         except grpc.aio.AbortError:
             raise
         except Exception as e:

@@ -289,22 +289,8 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     Complete = functools.partialmethod(_openai_stream, route="completions")
 
     @rpc
-    async def OpenAIEmbed(self, request, context):
-        return await self._openai_unary("OpenAIEmbed", request)
-
-    @rpc
-    async def OpenAIClassify(self, request, context):
-        return await self._openai_unary("OpenAIClassify", request)
-
-    @rpc
-    async def Score(self, request, context):
-        return await self._openai_unary("Score", request)
-
-    @rpc
-    async def Rerank(self, request, context):
-        return await self._openai_unary("Rerank", request)
-
-    async def _openai_unary(self, method: str, request) -> pb.OpenAIResponse:
+    async def _openai_unary(self, request, context, method: str) -> pb.OpenAIResponse:
+        """OpenAIEmbed, OpenAIClassify, Score, Rerank: the HTTP route's answer as one message."""
         self._tm()
         call = getattr(self.openai, _OPENAI_UNARY[method], None)
         if call is None:
@@ -321,6 +307,11 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
             self.num_active -= 1
         _raise_if_error(result.status, result.body)
         return pb.OpenAIResponse(json_body=result.body, status_code=result.status)
+
+    OpenAIEmbed = functools.partialmethod(_openai_unary, method="OpenAIEmbed")
+    OpenAIClassify = functools.partialmethod(_openai_unary, method="OpenAIClassify")
+    Score = functools.partialmethod(_openai_unary, method="Score")
+    Rerank = functools.partialmethod(_openai_unary, method="Rerank")
 
     # ---- profiling and weights -------------------------------------------------------------
 
