@@ -32,6 +32,12 @@ def num_threads() -> int | None:
     return None if value is None else int(value)
 
 
+def cpu_packed_linear() -> bool:
+    """CADENCE_CPU_PACKED_LINEAR: 0 keeps CPU weights as loaded (plain F.linear) instead of
+    reordering them once into oneDNN's packed layout (default 1; see cadence/layers/linear.py)."""
+    return _get("CADENCE_CPU_PACKED_LINEAR", "1") not in ("0", "false", "no")
+
+
 # A decode step is hundreds of small parallel torch ops. OpenMP's default (spin ~ms before
 # sleeping) lets an idle worker hold a core another process needs: on a shared 2-core machine
 # the served scheduler ran ~10x slower. OMP_WAIT_POLICY=PASSIVE avoids that but pays a futex

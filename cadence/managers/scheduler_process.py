@@ -146,13 +146,8 @@ class SchedulerProcess:
         try:
             path = resolve_model_path(msg.model_path)
             config, model = load_model(path, runner.dtype, runner.device, progress=False)
-            if config.num_hidden_layers != runner.config.num_hidden_layers or \
-                    config.hidden_size != runner.config.hidden_size or config.vocab_size != runner.config.vocab_size:
-                raise ValueError("the new weights have a different architecture; restart the server instead")
-            with torch.no_grad():
-                for dst, src in zip(runner.model.parameters(), model.parameters()):
-                    dst.copy_(src)
-            del model  # the staging copy: hand its device memory back
+            runner.adopt_weights(config, model)
+            del model  # its tensors now belong to the runner; anything left over goes back
             runner.platform.empty_cache()
             reply = UpdateWeightFromDiskReqOutput(success=True, message=f"loaded weights from {path}")
         except Exception as e:  # the server keeps its old weights and says why

@@ -12,6 +12,7 @@ from torch import nn
 
 from cadence.layers.attention import AttentionBackend
 from cadence.layers.forward_batch import ForwardBatch
+from cadence.layers.linear import Linear
 from cadence.model_loader.config import ModelConfig
 
 
@@ -58,12 +59,20 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(h, config.intermediate_size))
         self.inter = config.intermediate_size
 
+    def build_linears(self, make_linear) -> list[tuple[nn.Parameter, Linear]]:
+        self.qkv = make_linear(self.qkv_proj, self.qkv_bias)
+        self.o = make_linear(self.o_proj)
+        self.gate_up = make_linear(self.gate_up_proj)
+        self.down = make_linear(self.down_proj)
+        return [(self.qkv_proj, self.qkv), (self.o_proj, self.o), (self.gate_up_proj, self.gate_up),
+                (self.down_proj, self.down)]
+
     def forward(self, residual: torch.Tensor, rope_factors: torch.Tensor, attn: AttentionBackend,
                 batch: ForwardBatch) -> torch.Tensor:
         """Adds attention to `residual` in place; returns the MLP output for the caller to add."""
         shape = (residual.shape[-1],)
         x = F.rms_norm(residual, shape, self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias).to(attn.kv_pool.dtype)  # [T, (H + 2 KVH) * D]
+        qkv = self.qkv(x).to(attn.kv_pool.dtype)  # [T, (H + 2 KVH) * D]
         t = qkv.shape[0]
         qk = qkv[:, : self.q_dim + self.kv_dim]
         if qk.dtype in (torch.float32, torch.float64):
@@ -74,11 +83,11 @@ class LlamaDecoderLayer(nn.Module):
             qk.copy_(torch.view_as_real(rotated).view(t, -1))
         kv = qkv[:, self.q_dim :].view(t, 2, self.num_kv_heads, self.head_dim)
         o = attn.forward(qkv[:, : self.q_dim], kv, self.layer_id, batch).to(residual.dtype)
-        residual.add_(F.linear(o, self.o_proj))
+        residual.add_(self.o(o))
         x = F.rms_norm(residual, shape, self.post_attention_norm, self.eps)
-        gate_up = F.linear(x, self.gate_up_proj)
+        gate_up = self.gate_up(x)
         act = F.silu(gate_up[:, : self.inter]).mul_(gate_up[:, self.inter :])
-        return F.linear(act, self.down_proj)
+        return self.down(act)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -93,9 +102,10 @@ class LlamaForCausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None
         self.attn: AttentionBackend | None = None
 
-    def setup(self, attn: AttentionBackend, max_positions: int) -> None:
-        """Attach the attention backend and build rotary tables (after weights are loaded)."""
+    def setup(self, attn: AttentionBackend, max_positions: int, make_linear=Linear) -> None:
+        """Attach the attention backend, build rotary tables and the projections (after weights are loaded)."""
         c = self.config
+        self.build_linears(make_linear)
         self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, self.embed_tokens.device)
         scales = [c.head_dim**-0.5] * c.num_attention_heads + [1.0] * c.num_key_value_heads
         self.head_scales = torch.tensor(scales, dtype=torch.complex64, device=self.embed_tokens.device)
@@ -104,6 +114,22 @@ class LlamaForCausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def build_linears(self, make_linear) -> None:
+        """Turn every projection weight into what the forward pass calls (`Platform.make_linear`).
+
+        A projection that keeps its own copy of the weight (a packed layout) leaves the
+        parameter unused, so its memory is released: the parameter becomes an empty tensor.
+        To load new weights, give every parameter its tensor again and call this once more
+        (see `ModelRunner.adopt_weights`). The embedding table always stays: lookups need it.
+        """
+        pairs = [pair for layer in self.layers for pair in layer.build_linears(make_linear)]
+        self.lm_head_linear = make_linear(self.lm_head_weight)
+        if self.lm_head is not None:
+            pairs.append((self.lm_head, self.lm_head_linear))
+        for param, linear in pairs:
+            if not linear.holds_weight:
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Returns the final hidden states of the rows in `batch.logits_indices`: [rows, hidden]."""
@@ -116,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> float32 logits [rows, vocab]."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self.lm_head_linear(hidden).float()
 
     # ---- weight loading -------------------------------------------------------------
 

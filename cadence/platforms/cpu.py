@@ -51,6 +51,11 @@ class CpuPlatform(TorchNativeFactories, Platform):
         flags = _cpu_flags()
         return "avx512_bf16" in flags or "amx_bf16" in flags
 
+    def make_linear(self, weight, bias=None):
+        from cadence.layers.linear import Linear, pack_or_plain
+
+        return pack_or_plain(weight, bias) if envs.cpu_packed_linear() else Linear(weight, bias)
+
     def init_backend(self) -> None:
         num_threads = envs.num_threads()
         if num_threads is not None and torch.get_num_threads() != num_threads:

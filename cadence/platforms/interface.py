@@ -8,6 +8,7 @@ import torch
 
 if TYPE_CHECKING:
     from cadence.layers.attention import AttentionBackend
+    from cadence.layers.linear import Linear
     from cadence.mem_cache.kv_pool import KVPool, PageAllocator
     from cadence.server_args import ServerArgs
 
@@ -135,6 +136,14 @@ class Platform:
 
     def make_allocator(self, num_pages: int) -> "PageAllocator":
         raise NotImplementedError(f"platform {self.name!r} provides no KV page allocator")
+
+    def make_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear":
+        """The object a model projects through for one loaded weight (and optional bias).
+        Unlike the other factories this one has a portable default, `F.linear` on the weight
+        as loaded; a platform with a faster weight layout returns its own `Linear`."""
+        from cadence.layers.linear import Linear
+
+        return Linear(weight, bias)
 
     def make_graph_runner(self, model: torch.nn.Module, max_batch_size: int):
         raise NotImplementedError(f"platform {self.name!r} provides no graph runner")

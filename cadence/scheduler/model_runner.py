@@ -40,9 +40,25 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 1, self.context_len + 1, self.device)
         self.attn = self.platform.make_attention_backend(self.kv_pool, cfg.num_attention_heads,
                                                          cfg.num_key_value_heads, cfg.head_dim)
-        self.model.setup(self.attn, self.context_len + 1)
+        self.model.setup(self.attn, self.context_len + 1, self.platform.make_linear)
         self._fresh_pages: list[int] = []  # allocated since the last forward, not yet zeroed
         logger.info("KV pool: %d tokens in %d pages of %d", num_pages * self.page_size, num_pages, self.page_size)
+
+    SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "attention_bias", "tie_word_embeddings")
+
+    def adopt_weights(self, config, model) -> None:
+        """Serve the weights of `model`, freshly loaded in this runner's dtype and device. Its
+        tensors are taken over, not copied; the projections are rebuilt from them. Raises
+        ValueError, changing nothing, when the architecture differs."""
+        diff = [f for f in self.SHAPE_FIELDS if getattr(config, f) != getattr(self.config, f)]
+        if diff:
+            raise ValueError(f"the new weights have a different architecture ({', '.join(diff)}); "
+                             "restart the server instead")
+        with torch.no_grad():
+            for dst, src in zip(self.model.parameters(), model.parameters(), strict=True):
+                dst.data = src.data
+        self.model.build_linears(self.platform.make_linear)
 
     def _kv_budget_tokens(self) -> int:
         if self.args.max_total_tokens is not None:
