@@ -37,8 +37,12 @@ class MkldnnPackedLinear(Linear):
     packed kernel (float16 without AVX512-FP16, for one); see `pack_or_plain`.
     """
 
+    # The row count the layout is tuned for; any count works. For float32 a hint of 1 is ~25%
+    # slower at 8-32 rows than a hint of 32, which costs nothing at 1 row or at prefill sizes.
+    BATCH_HINT = 32
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)  # a copy, in oneDNN's layout
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.BATCH_HINT)  # a copy
         self.bias = None if bias is None else bias.detach()
         self.weight = None
         self.out_features, self.in_features = weight.shape
