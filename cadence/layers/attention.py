@@ -30,31 +30,77 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         """q: [T, H*D]; kv: [T, 2, KVH, D] (K then V), both in the pool's dtype. Returns [T, H*D]."""
 
+    def release_decode_state(self) -> None:
+        """Drops anything kept from one decode step for the next (the running batch is empty)."""
+
+    def decode_state_bytes(self) -> int:
+        """Memory held by what `release_decode_state` drops."""
+        return 0
+
 
 class TorchNativeBackend(AttentionBackend):
-    """Portable backend on torch matmuls and scaled_dot_product_attention (the CPU default)."""
+    """Portable backend on torch matmuls and scaled_dot_product_attention (the CPU default).
+
+    Decode keeps, per layer, the batch's pages gathered into one [2, KVH, B, L, D] block (the
+    "decode block", L = the padded page table's width in tokens) and, while the next step runs
+    the same requests one token longer over the same width (`ForwardBatch.decode_continues`),
+    only writes the new token into it. Gathering every step moved the whole batch's K/V twice
+    more than attention reads it, as much memory traffic as the weights at batch 32; now a
+    gather happens when the batch changes or its longest sequence crosses a page boundary.
+    """
 
     FLOAT32_DECODE_TOKENS = 1024  # decode attention over at most this many KV tokens runs in float32
+    DECODE_BLOCK_BYTES = 512 << 20  # decode blocks are kept only while all layers' fit in this
+
+    def __init__(self, kv_pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__(kv_pool, num_heads, num_kv_heads, head_dim)
+        self._blocks: list[torch.Tensor | None] = [None] * len(kv_pool.kv_buffer)
+        self._block_rows: tuple[ForwardBatch, torch.Tensor] | None = None  # this step's write rows
 
     def forward(self, q, kv, layer_id, batch):
         buf = self.kv_pool.kv_buffer[layer_id]  # [2, KVH, pages, page, D]
         # index_copy_ on a flat view is an order of magnitude faster than advanced indexing.
         buf.view(-1, self.head_dim).index_copy_(0, batch.kv_write_rows, kv.reshape(-1, self.head_dim))
         if batch.is_decode:
-            return self._decode(q, buf, batch)
+            return self._decode(q, self._decode_block(kv, buf, layer_id, batch), batch)
         return self._extend(q, kv, buf, batch)
+
+    def release_decode_state(self) -> None:
+        self._blocks = [None] * len(self._blocks)
+        self._block_rows = None
+
+    def decode_state_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._blocks if b is not None)
+
+    def _decode_block(self, kv, buf, layer_id: int, batch) -> torch.Tensor:
+        """This layer's [2, KVH, B, L, D] K/V of the decode batch, this step's token included."""
+        bs, kvh, d = batch.batch_size, self.num_kv_heads, self.head_dim
+        width = batch.page_rows.numel() // (2 * kvh * bs) * buf.shape[3]  # padded table, in tokens
+        block = self._blocks[layer_id]
+        if batch.decode_continues and block is not None and block.shape[2:4] == (bs, width):
+            if self._block_rows is None or self._block_rows[0] is not batch:
+                # Row of each (request, K/V, head) in the block's flat [-1, D] view, in kv's order.
+                last = torch.tensor(batch.seq_lens, dtype=torch.int64, device=kv.device) - 1
+                planes = torch.arange(2 * kvh, dtype=torch.int64, device=kv.device) * (bs * width)
+                rows = (planes.unsqueeze(0) + (torch.arange(bs, device=kv.device) * width + last).unsqueeze(1))
+                self._block_rows = (batch, rows.reshape(-1))
+            block.view(-1, d).index_copy_(0, self._block_rows[1], kv.reshape(-1, d))
+            return block
+        block = self._gather(buf, batch.page_rows).view(2, kvh, bs, width, d)
+        keep = block.numel() * block.element_size() * len(self._blocks) <= self.DECODE_BLOCK_BYTES
+        self._blocks[layer_id] = block if keep else None
+        return block
 
     def _gather(self, buf, page_rows: torch.Tensor) -> torch.Tensor:
         """K and V on the pages of `KVPool.page_rows`, in order: [2, KVH, pages * page_size, D]."""
         pages = buf.view(-1, buf.shape[3] * self.head_dim)  # one whole page per row
         return pages.index_select(0, page_rows).view(2, self.num_kv_heads, -1, self.head_dim)
 
-    def _decode(self, q, buf, batch):
+    def _decode(self, q, block, batch):
         # One query token per request: two batched matmuls over [KVH, B] beat the flash kernel.
         bs, kvh, d = batch.batch_size, self.num_kv_heads, self.head_dim
-        # [2, KVH, B, L, D]: whole pages, cut to the longest sequence.
         max_len = max(batch.seq_lens)
-        kv = self._gather(buf, batch.page_rows).view(2, kvh, bs, -1, d)[:, :, :, :max_len]
+        kv = block[:, :, :, :max_len]  # [2, KVH, B, L, D]: whole pages, cut to the longest sequence
         qg = q.view(bs, kvh, self.num_heads // kvh, d).transpose(0, 1)  # [KVH, B, G, D]
         if kv.dtype != torch.float32 and bs * max_len <= self.FLOAT32_DECODE_TOKENS:
             # A CPU bfloat16 batched matmul has a fixed cost of ~20 us at these shapes (a few

@@ -26,6 +26,9 @@ class ForwardBatch:
     prefix_lens: list[int]  # per request: tokens already in the KV pool
     page_rows: torch.Tensor | None = None  # decode: KVPool.page_rows of the [batch, max_pages] padded page table
     kv_mask: torch.Tensor | None = None  # decode: [1, batch, 1, max_seq_len] bool, True = padding; None if none
+    # decode: the previous decode step ran exactly these requests, in this order, each one token
+    # shorter (their K/V in the pool changed since only by this step's tokens)
+    decode_continues: bool = False
     seq_page_rows: list[torch.Tensor | None] | None = None  # extend: per request with a prefix, KVPool.page_rows of its pages
     logits_indices: torch.Tensor | None = None  # [num_logit_rows] int64 rows of the flat tokens to project
 

@@ -42,6 +42,7 @@ class ModelRunner:
                                                          cfg.num_key_value_heads, cfg.head_dim)
         self.model.setup(self.attn, self.context_len + 1, self.platform.make_linear)
         self._fresh_pages: list[int] = []  # allocated since the last forward, not yet zeroed
+        self._last_decode: tuple[list[Req], list[int]] = ([], [])  # requests and lengths of the last decode step
         logger.info("KV pool: %d tokens in %d pages of %d", num_pages * self.page_size, num_pages, self.page_size)
 
     SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -136,6 +137,10 @@ class ModelRunner:
     def forward_decode(self, reqs: list[Req]) -> torch.Tensor:
         """One new token per request (its last output token). Returns logits [batch, vocab]."""
         seq_lens = [r.seq_len for r in reqs]
+        last_reqs, last_lens = self._last_decode
+        continues = (len(reqs) == len(last_reqs) and all(a is b for a, b in zip(reqs, last_reqs))
+                     and all(n == m + 1 for n, m in zip(seq_lens, last_lens)))
+        self._last_decode = (list(reqs), seq_lens)
         locs = []
         for req, n in zip(reqs, seq_lens):
             if self.pages_for(n) > len(req.pages):
@@ -166,9 +171,17 @@ class ModelRunner:
             prefix_lens=[n - 1 for n in seq_lens],
             page_rows=self.kv_pool.page_rows(page_table),
             kv_mask=kv_mask,
+            decode_continues=continues,
         )
         self._zero_fresh_pages()
         return self._to_host(self.model.compute_logits(self.model(batch)))
+
+    def release_decode_state(self) -> None:
+        """The running batch has emptied: forget it, and let the attention backend drop what it
+        kept for it (copies of its K/V)."""
+        if self._last_decode[0]:
+            self._last_decode = ([], [])
+            self.attn.release_decode_state()
 
     def _zero_fresh_pages(self) -> None:
         """Zero the pages handed out for this step. Decode attention reads whole pages and

@@ -100,6 +100,8 @@ class Scheduler:
             elif self.running:
                 self._announce(False, self.running, len(self.running))
                 self._run_decode()
+        if not self.running:
+            self.runner.release_decode_state()
         outputs, self.outputs = self.outputs, []
         return outputs
 

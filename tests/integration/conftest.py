@@ -45,6 +45,7 @@ def engine_state(engine) -> dict:
             "free_rows": rows.num_free_rows, "num_rows": rows.max_reqs,
             "waiting": len(s.waiting), "running": len(s.running), "chunked": s.chunked is not None,
             "detokenizer_states": len(engine._worker.detokenizer.states),
+            "decode_state_bytes": s.runner.attn.decode_state_bytes(),  # K/V copies kept between decode steps
         }
 
     state = engine.run_in_scheduler(read)
@@ -55,7 +56,7 @@ def engine_state(engine) -> dict:
 def idle_state(state: dict) -> dict:
     """What `state` must read once nothing is live: every page and row free, no queues."""
     return {**state, "free_pages": state["num_pages"], "free_rows": state["num_rows"], "waiting": 0,
-            "running": 0, "chunked": False, "detokenizer_states": 0, "front_states": 0}
+            "running": 0, "chunked": False, "detokenizer_states": 0, "front_states": 0, "decode_state_bytes": 0}
 
 
 def wait_idle(engine, timeout: float = 10.0) -> dict:

@@ -83,3 +83,69 @@ def test_decode_and_extend_match_dense_attention(dtype, float32_tokens, monkeypa
     for i, n in enumerate(lens):
         ref = dense_attention(q[i : i + 1], keys[i], values[i], n - 1)
         torch.testing.assert_close(out[i : i + 1].double(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("keep_blocks", [True, False], ids=["kept-decode-blocks", "gather-every-step"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_steps_over_a_changing_batch_match_dense_attention(dtype, keep_blocks, monkeypatch):
+    """Many decode steps: the batch continues (its kept blocks get each new token), crosses
+    page boundaries, loses a request and gains one; every step matches dense attention."""
+    if not keep_blocks:
+        monkeypatch.setattr(TorchNativeBackend, "DECODE_BLOCK_BYTES", 0)
+    torch.manual_seed(1)
+    pool = KVPool(num_pages=32, page_size=PAGE, num_layers=2, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=dtype)
+    for buf in pool.kv_buffer:
+        buf.fill_(float("nan"))
+    attn = TorchNativeBackend(pool, HEADS, KV_HEADS, DIM)
+    pages = {"a": [3, 17, 8, 25], "b": [11, 0, 30], "c": [6, 21, 14, 2], "d": [9, 28, 19]}
+    for p in pages.values():
+        for buf in pool.kv_buffer:
+            buf.index_fill_(2, torch.tensor(p), 0)
+    seqs = {r: {"k": [], "v": []} for r in pages}  # per request, per layer: [len, KVH, D] so far
+
+    def slot(r, pos):
+        return pages[r][pos // PAGE] * PAGE + pos % PAGE
+
+    def prefill(r, n):  # n tokens straight into the pool (attention over them is tested above)
+        k, v = torch.randn(2, n, KV_HEADS, DIM, dtype=dtype)
+        loc = torch.tensor([slot(r, i) for i in range(n)])
+        for buf in pool.kv_buffer:
+            buf.view(-1, DIM).index_copy_(0, pool.write_rows(loc), torch.stack([k, v], 1).reshape(-1, DIM))
+        seqs[r] = {"k": k, "v": v}
+
+    prefill("a", 3), prefill("b", 6), prefill("c", 1)
+    last: tuple[list[str], list[int]] = ([], [])
+    schedule = [["a", "b", "c"]] * 5 + [["a", "c"]] * 3 + [["a", "c", "d"]] * 3
+    for step, names in enumerate(schedule):
+        if "d" in names and not len(seqs["d"]["k"]):
+            prefill("d", 2)
+        lens = [len(seqs[r]["k"]) + 1 for r in names]
+        continues = names == last[0] and all(n == m + 1 for n, m in zip(lens, last[1]))
+        last = (names, lens)
+        if step in (1, 6, 9):
+            assert continues
+        k_new, v_new = torch.randn(2, len(names), KV_HEADS, DIM, dtype=dtype)
+        loc = torch.tensor([slot(r, n - 1) for r, n in zip(names, lens)])
+        max_pages = -(-max(lens) // PAGE)
+        table = torch.tensor([(pages[r][: -(-n // PAGE)] + [pages[r][0]] * max_pages)[:max_pages]
+                              for r, n in zip(names, lens)])
+        lens_t = torch.tensor(lens)
+        mask = None
+        if min(lens) != max(lens):
+            mask = (torch.arange(max(lens))[None, :] >= lens_t[:, None]).view(1, len(names), 1, -1)
+        batch = ForwardBatch(is_decode=True, input_ids=torch.zeros(len(names), dtype=torch.int64),
+                             positions=lens_t - 1, out_cache_loc=loc, kv_write_rows=pool.write_rows(loc),
+                             seq_lens=lens, extend_lens=[1] * len(names), prefix_lens=[n - 1 for n in lens],
+                             page_rows=pool.page_rows(table), kv_mask=mask, decode_continues=continues)
+        for r, k, v in zip(names, k_new, v_new):
+            seqs[r] = {"k": torch.cat([seqs[r]["k"], k[None]]), "v": torch.cat([seqs[r]["v"], v[None]])}
+        for layer in range(2):
+            q = torch.randn(len(names), HEADS, DIM, dtype=dtype)
+            out = attn.forward(q.reshape(len(names), -1), torch.stack([k_new, v_new], 1), layer, batch)
+            for i, (r, n) in enumerate(zip(names, lens)):
+                ref = dense_attention(q[i : i + 1], seqs[r]["k"], seqs[r]["v"], n - 1)
+                torch.testing.assert_close(out[i : i + 1].double(), ref, atol=2e-2, rtol=2e-2,
+                                           msg=lambda m: f"step {step}, layer {layer}, request {r}: {m}")
+    assert (attn.decode_state_bytes() > 0) == keep_blocks
+    attn.release_decode_state()
+    assert attn.decode_state_bytes() == 0
