@@ -99,10 +99,11 @@ class TorchNativeBackend(AttentionBackend):
     def _decode(self, q, block, batch):
         # One query token per request: two batched matmuls over [KVH, B] beat the flash kernel.
         bs, kvh, d = batch.batch_size, self.num_kv_heads, self.head_dim
-        max_len = max(batch.seq_lens)
-        kv = block[:, :, :, :max_len]  # [2, KVH, B, L, D]: whole pages, cut to the longest sequence
+        # [2, KVH, B, W, D]: whole pages, slots past each sequence masked. Not cut to the longest
+        # sequence: a cut block is no longer one strided batch, and the matmul would copy it.
+        kv = block
         qg = q.view(bs, kvh, self.num_heads // kvh, d).transpose(0, 1)  # [KVH, B, G, D]
-        if kv.dtype != torch.float32 and bs * max_len <= self.FLOAT32_DECODE_TOKENS:
+        if kv.dtype != torch.float32 and bs * kv.shape[3] <= self.FLOAT32_DECODE_TOKENS:
             # A CPU bfloat16 batched matmul has a fixed cost of ~20 us at these shapes (a few
             # query rows per head); float32 takes half that. Past a few hundred tokens the cast
             # itself costs more than it saves.

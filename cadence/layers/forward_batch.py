@@ -25,7 +25,8 @@ class ForwardBatch:
     extend_lens: list[int]  # per request: new tokens this step (all 1 in decode)
     prefix_lens: list[int]  # per request: tokens already in the KV pool
     page_rows: torch.Tensor | None = None  # decode: KVPool.page_rows of the [batch, max_pages] padded page table
-    kv_mask: torch.Tensor | None = None  # decode: [1, batch, 1, max_seq_len] bool, True = padding; None if none
+    # decode: [1, batch, 1, max_pages * page_size] bool, True = past the sequence; None if nothing is
+    kv_mask: torch.Tensor | None = None
     # decode: the previous decode step ran exactly these requests, in this order, each one token
     # shorter (their K/V in the pool changed since only by this step's tokens)
     decode_continues: bool = False

@@ -155,11 +155,11 @@ class ModelRunner:
         # Rows shorter than the longest repeat their first page as padding (masked out below).
         table = [r.pages[: self.pages_for(n)] for r, n in zip(reqs, seq_lens)]
         page_table = torch.tensor([p + [p[0]] * (max_pages - len(p)) for p in table], dtype=torch.int64, device=dev)
+        width = max_pages * self.page_size
         kv_mask = None
-        if min(seq_lens) != max(seq_lens):
-            # True past each row's length, broadcast over [KVH, B, G, max_len] scores.
-            kv_mask = (torch.arange(max(seq_lens), device=dev).unsqueeze(0) >= lens_t.unsqueeze(1)).view(
-                1, len(reqs), 1, -1)
+        if min(seq_lens) != width:
+            # True past each row's length, broadcast over [KVH, B, G, width] scores.
+            kv_mask = (torch.arange(width, device=dev).unsqueeze(0) >= lens_t.unsqueeze(1)).view(1, len(reqs), 1, -1)
         batch = ForwardBatch(
             is_decode=True,
             input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev),

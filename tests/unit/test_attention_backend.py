@@ -73,7 +73,7 @@ def test_decode_and_extend_match_dense_attention(dtype, float32_tokens, monkeypa
     max_pages = max(len(p) for p in pages)
     table = torch.tensor([p + [p[0]] * (max_pages - len(p)) for p in pages])
     lens_t = torch.tensor(lens)
-    mask = (torch.arange(max(lens))[None, :] >= lens_t[:, None]).view(1, len(lens), 1, -1)
+    mask = (torch.arange(max_pages * PAGE)[None, :] >= lens_t[:, None]).view(1, len(lens), 1, -1)
     batch = ForwardBatch(is_decode=True, input_ids=torch.zeros(len(lens), dtype=torch.int64),
                          positions=lens_t - 1, out_cache_loc=loc, kv_write_rows=pool.write_rows(loc),
                          seq_lens=lens, extend_lens=[1] * len(lens), prefix_lens=[n - 1 for n in lens],
@@ -131,8 +131,8 @@ def test_decode_steps_over_a_changing_batch_match_dense_attention(dtype, keep_bl
                               for r, n in zip(names, lens)])
         lens_t = torch.tensor(lens)
         mask = None
-        if min(lens) != max(lens):
-            mask = (torch.arange(max(lens))[None, :] >= lens_t[:, None]).view(1, len(names), 1, -1)
+        if min(lens) != max_pages * PAGE:
+            mask = (torch.arange(max_pages * PAGE)[None, :] >= lens_t[:, None]).view(1, len(names), 1, -1)
         batch = ForwardBatch(is_decode=True, input_ids=torch.zeros(len(names), dtype=torch.int64),
                              positions=lens_t - 1, out_cache_loc=loc, kv_write_rows=pool.write_rows(loc),
                              seq_lens=lens, extend_lens=[1] * len(names), prefix_lens=[n - 1 for n in lens],
