@@ -73,7 +73,8 @@ class TorchNativeBackend(AttentionBackend):
         return sum(b.numel() * b.element_size() for b in self._blocks if b is not None)
 
     def _decode_block(self, kv, buf, layer_id: int, batch) -> torch.Tensor:
-        """This layer's [2, KVH, B, L, D] K/V of the decode batch, this step's token included."""
+        """This layer's [2, KVH, B, W, D] K/V of the decode batch, this step's token included
+        (float32 for batches small enough to attend in float32)."""
         bs, kvh, d = batch.batch_size, self.num_kv_heads, self.head_dim
         width = batch.page_rows.numel() // (2 * kvh * bs) * buf.shape[3]  # padded table, in tokens
         block = self._blocks[layer_id]
@@ -84,9 +85,11 @@ class TorchNativeBackend(AttentionBackend):
                 planes = torch.arange(2 * kvh, dtype=torch.int64, device=kv.device) * (bs * width)
                 rows = (planes.unsqueeze(0) + (torch.arange(bs, device=kv.device) * width + last).unsqueeze(1))
                 self._block_rows = (batch, rows.reshape(-1))
-            block.view(-1, d).index_copy_(0, self._block_rows[1], kv.reshape(-1, d))
+            block.view(-1, d).index_copy_(0, self._block_rows[1], kv.reshape(-1, d).to(block.dtype))
             return block
         block = self._gather(buf, batch.page_rows).view(2, kvh, bs, width, d)
+        if bs * width <= self.FLOAT32_DECODE_TOKENS:
+            block = block.float()  # kept in the dtype its matmuls run in (see _decode)
         keep = block.numel() * block.element_size() * len(self._blocks) <= self.DECODE_BLOCK_BYTES
         self._blocks[layer_id] = block if keep else None
         return block
@@ -102,13 +105,11 @@ class TorchNativeBackend(AttentionBackend):
         # [2, KVH, B, W, D]: whole pages, slots past each sequence masked. Not cut to the longest
         # sequence: a cut block is no longer one strided batch, and the matmul would copy it.
         kv = block
-        qg = q.view(bs, kvh, self.num_heads // kvh, d).transpose(0, 1)  # [KVH, B, G, D]
-        if kv.dtype != torch.float32 and bs * kv.shape[3] <= self.FLOAT32_DECODE_TOKENS:
-            # A CPU bfloat16 batched matmul has a fixed cost of ~20 us at these shapes (a few
-            # query rows per head); float32 takes half that. Past a few hundred tokens the cast
-            # itself costs more than it saves.
-            kv, qg = kv.float(), qg.float()
-        scores = torch.matmul(qg, kv[0].transpose(-1, -2))  # [KVH, B, G, L]
+        # Small batches attend in float32 (their block is kept in float32): a CPU bfloat16
+        # batched matmul has a fixed cost of ~20 us at these shapes (a few query rows per
+        # head), float32 half that. Past about a thousand tokens bfloat16 is faster.
+        qg = q.view(bs, kvh, self.num_heads // kvh, d).transpose(0, 1).to(kv.dtype)  # [KVH, B, G, D]
+        scores = torch.matmul(qg, kv[0].transpose(-1, -2))  # [KVH, B, G, W]
         if batch.kv_mask is not None:
             scores.masked_fill_(batch.kv_mask, float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1), kv[1])  # [KVH, B, G, D]

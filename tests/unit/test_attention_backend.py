@@ -85,11 +85,13 @@ def test_decode_and_extend_match_dense_attention(dtype, float32_tokens, monkeypa
         torch.testing.assert_close(out[i : i + 1].double(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("float32_tokens", [0, 1024], ids=["kv-dtype-matmuls", "float32-matmuls"])
 @pytest.mark.parametrize("keep_blocks", [True, False], ids=["kept-decode-blocks", "gather-every-step"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_steps_over_a_changing_batch_match_dense_attention(dtype, keep_blocks, monkeypatch):
+def test_decode_steps_over_a_changing_batch_match_dense_attention(dtype, keep_blocks, float32_tokens, monkeypatch):
     """Many decode steps: the batch continues (its kept blocks get each new token), crosses
     page boundaries, loses a request and gains one; every step matches dense attention."""
+    monkeypatch.setattr(TorchNativeBackend, "FLOAT32_DECODE_TOKENS", float32_tokens)
     if not keep_blocks:
         monkeypatch.setattr(TorchNativeBackend, "DECODE_BLOCK_BYTES", 0)
     torch.manual_seed(1)
