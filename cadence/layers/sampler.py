@@ -35,6 +35,28 @@ class SampleOutput:
     token_ids_logprobs: list[list[tuple[float, int]]] | None  # per row, the requested ids
 
 
+ARGMAX_BLOCK = 64
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of [rows, vocab] logits, exactly as `torch.argmax` answers (the first of
+    equal maxima; NaN counts as the maximum), through a vectorized max over blocks of 64: torch's
+    CPU argmax kernel is scalar, ~5x slower at a 49k vocabulary."""
+    rows, vocab = logits.shape
+    width = vocab - vocab % ARGMAX_BLOCK
+    if width == 0:
+        return logits.argmax(-1)
+    blocks = logits[:, :width].view(rows, -1, ARGMAX_BLOCK)
+    best = blocks.amax(-1).argmax(-1)  # the first block holding the row's maximum
+    ids = best * ARGMAX_BLOCK + blocks[torch.arange(rows, device=logits.device), best].argmax(-1)
+    if width < vocab:  # the last, partial block
+        tail_val, tail_id = logits[:, width:].max(-1)
+        head_val = logits.gather(1, ids.unsqueeze(1)).squeeze(1)
+        later = (tail_val > head_val) | (tail_val.isnan() & ~head_val.isnan())
+        ids = torch.where(later, tail_id + width, ids)
+    return ids
+
+
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingInput]) -> None:
     vocab = logits.shape[1]
     for i, r in enumerate(rows):
@@ -119,7 +141,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingInput]) -> SampleOutput:
            for r in rows):
         _apply_penalties(logits, rows)
     _apply_bias_and_masks(logits, rows)
-    next_ids = logits.argmax(dim=-1)
+    next_ids = argmax(logits)
     sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if sampled:
         sub_rows = [rows[i] for i in sampled]

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from cadence.layers.sampler import SamplingInput, sample
+from cadence.layers.sampler import SamplingInput, argmax, sample
 from cadence.sampling_params import SamplingParams
 
 VOCAB = 8
@@ -227,3 +227,20 @@ def test_logits_from_an_inference_mode_forward(params):
     out = sample(logits, [row(output=[3, 3], seed=0, suppress=[0], return_logprob=True, **params)])
     assert out.next_ids[0] != 0
     assert len(out.logprobs) == 1
+
+
+@pytest.mark.parametrize("vocab", [1, 63, 64, 100, 49152, 49155])
+def test_blocked_argmax_answers_exactly_like_torch_argmax(vocab):
+    torch.manual_seed(vocab)
+    logits = torch.randn(12, vocab)
+    logits[1] = 0.0  # all tied: the first index
+    logits[2] = float("-inf")
+    logits[3, vocab // 2 :] = logits[3].max() + 1  # ties spanning blocks and the partial tail
+    logits[4, -1] = float("nan")  # NaN counts as the maximum
+    logits[5, vocab // 3] = float("nan")
+    logits[5, -1] = float("nan")
+    logits[6, -1] = float("inf")
+    logits[7] = torch.randint(0, 3, (vocab,)).float()  # many ties
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        assert torch.equal(argmax(x), x.argmax(-1)), dtype
