@@ -63,3 +63,40 @@ def pack_or_plain(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Lin
         except RuntimeError:
             pass
     return Linear(weight, bias)
+
+
+TOP_LOGIT_BLOCK = 64
+
+
+def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Recomputes in float32, in place, every logit close enough to its row's maximum to be it.
+
+    `logits` [rows, vocab] float32 came out of a bfloat16/float16 projection of `hidden` by
+    `weight` [vocab, hidden], so each was rounded to 8 (11) significant bits: at a logit of
+    20, steps of 0.125. The best candidates of a row then collapse into ties, and greedy
+    decoding picks among them by token id (a 135M model answers "L'Étoile..." instead of
+    "The capital of France is Paris."). Rounding moves a value by at most 2^-8 of itself,
+    so every token that can hold the true maximum lies within 2^-6 of the rounded maximum;
+    those few are recomputed exactly. The search runs over blocks of 64 logits (a vectorized
+    max), then inside the blocks that can hold a candidate.
+    """
+    rows, vocab = logits.shape
+    width = vocab - vocab % TOP_LOGIT_BLOCK
+    blocks = logits[:, :width].view(rows, -1, TOP_LOGIT_BLOCK)
+    block_max = blocks.amax(-1)  # [rows, blocks]
+    top = block_max.amax(-1, keepdim=True) if width else logits.amax(-1, keepdim=True)
+    tail = logits[:, width:]
+    if width < vocab:
+        top = torch.maximum(top, tail.amax(-1, keepdim=True))
+    floor = top - (top.abs() * 2**-6 + 1e-3)  # [rows, 1]: below it, no token can be the maximum
+    block_rows, block_ids = (block_max >= floor).nonzero(as_tuple=True)
+    hit_rows, hit_cols = (blocks[block_rows, block_ids] >= floor[block_rows]).nonzero(as_tuple=True)
+    cand_rows = block_rows[hit_rows]
+    cand_ids = block_ids[hit_rows] * TOP_LOGIT_BLOCK + hit_cols
+    if width < vocab:
+        tail_rows, tail_cols = (tail >= floor).nonzero(as_tuple=True)
+        cand_rows = torch.cat([cand_rows, tail_rows])
+        cand_ids = torch.cat([cand_ids, tail_cols + width])
+    exact = (hidden[cand_rows].float() * weight[cand_ids].float()).sum(-1)
+    logits[cand_rows, cand_ids] = exact
+    return logits

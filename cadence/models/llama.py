@@ -12,7 +12,7 @@ from torch import nn
 
 from cadence.layers.attention import AttentionBackend
 from cadence.layers.forward_batch import ForwardBatch
-from cadence.layers.linear import Linear
+from cadence.layers.linear import Linear, refine_top_logits
 from cadence.model_loader.config import ModelConfig
 
 
@@ -121,12 +121,11 @@ class LlamaForCausalLM(nn.Module):
         A projection that keeps its own copy of the weight (a packed layout) leaves the
         parameter unused, so its memory is released: the parameter becomes an empty tensor.
         To load new weights, give every parameter its tensor again and call this once more
-        (see `ModelRunner.adopt_weights`). The embedding table always stays: lookups need it.
+        (see `ModelRunner.adopt_weights`). The embedding table and the LM head weight stay:
+        lookups and the float32 refinement of the top logits read them.
         """
         pairs = [pair for layer in self.layers for pair in layer.build_linears(make_linear)]
-        self.lm_head_linear = make_linear(self.lm_head_weight)
-        if self.lm_head is not None:
-            pairs.append((self.lm_head, self.lm_head_linear))
+        self.lm_head_linear = make_linear(self.lm_head_weight)  # its weight stays: see compute_logits
         for param, linear in pairs:
             if not linear.holds_weight:
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -141,8 +140,12 @@ class LlamaForCausalLM(nn.Module):
         return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] -> float32 logits [rows, vocab]."""
-        return self.lm_head_linear(hidden).float()
+        """[rows, hidden] -> float32 logits [rows, vocab]. From a bfloat16/float16 model the
+        logits near each row's maximum are recomputed in float32 (`refine_top_logits`)."""
+        logits = self.lm_head_linear(hidden).float()
+        if hidden.dtype in (torch.bfloat16, torch.float16):
+            refine_top_logits(logits, hidden, self.lm_head_weight)
+        return logits
 
     # ---- weight loading -------------------------------------------------------------
 

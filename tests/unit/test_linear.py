@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cadence.layers.linear import Linear, MkldnnPackedLinear, pack_or_plain
+from cadence.layers.linear import Linear, MkldnnPackedLinear, pack_or_plain, refine_top_logits
 from cadence.model_loader.config import ModelConfig
 from cadence.models.llama import LlamaForCausalLM
 from cadence.platforms.cpu import CpuPlatform
@@ -99,11 +99,10 @@ def test_packed_model_releases_weights_and_adopts_new_ones(tied):
     got_logits, got_x = logits_of(packed, pack_or_plain)
     torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_x, want_x, atol=1e-5, rtol=1e-5)
-    # Projection weights are released; the embedding table stays (lookups need it).
+    # Projection weights are released; the embedding table and the LM head weight stay.
     assert packed.layers[0].qkv_proj.numel() == 0 and packed.layers[1].down_proj.numel() == 0
     assert packed.embed_tokens.shape == (config.vocab_size, config.hidden_size)
-    if not tied:
-        assert packed.lm_head.numel() == 0
+    assert packed.lm_head_weight.shape == (config.vocab_size, config.hidden_size)
 
     runner = ModelRunner.__new__(ModelRunner)  # only what adopt_weights reads
     runner.config, runner.model, runner.platform = config, packed, CpuPlatform()
@@ -118,3 +117,23 @@ def test_packed_model_releases_weights_and_adopts_new_ones(tied):
         runner.adopt_weights(tiny_config(tie_word_embeddings=tied, intermediate_size=64),
                              random_model(tiny_config(tie_word_embeddings=tied, intermediate_size=64), 2))
     torch.testing.assert_close(packed.compute_logits(hidden), new_logits, atol=1e-5, rtol=1e-5)  # unchanged
+
+
+@pytest.mark.parametrize("vocab", [50, 640, 1000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_refined_top_logits_give_the_exact_greedy_token(dtype, vocab):
+    """Large logits rounded to a low-precision output tie near the top; after refinement the
+    row's argmax is the float64 argmax, and every refined value is the exact logit."""
+    torch.manual_seed(vocab)
+    hidden = torch.randn(256, 64).to(dtype)
+    weight = (torch.randn(vocab, 64) * 3).to(dtype)  # logits of a few tens: coarse steps
+    exact = hidden.double() @ weight.double().T
+    rounded = F.linear(hidden, weight).float()
+    if dtype == torch.bfloat16:
+        assert (rounded.argmax(-1) != exact.argmax(-1)).any()  # the rounding does flip greedy picks
+    refined = refine_top_logits(rounded.clone(), hidden, weight)
+    assert torch.equal(refined.argmax(-1), exact.argmax(-1))
+    changed = refined != rounded
+    torch.testing.assert_close(refined[changed].double(), exact[changed], rtol=1e-5, atol=1e-4)
+    top = exact.max(-1).values
+    assert torch.allclose(refined.max(-1).values.double(), top, rtol=1e-5, atol=1e-4)
