@@ -24,6 +24,8 @@ SERVER_SPECS: dict[str, list[str]] = {
     "api_key_server": ["--api-key", API_KEY, *_SMALL],
     # At most 1 running + 1 queued request: the third one in flight is refused with 429.
     "overload_server": ["--max-running-requests", "1", "--max-queued-requests", "1", *_SMALL],
+    # What `cadence serve` runs without a --dtype: bfloat16 on CPUs with bfloat16 instructions.
+    "auto_dtype_server": ["--dtype", "auto", *_SMALL],
     "sigterm_server": _SMALL,
     "sigint_server": _SMALL,
     "kill_scheduler_server": _SMALL,

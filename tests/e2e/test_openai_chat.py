@@ -54,6 +54,20 @@ def test_greedy_answer_names_paris_with_exact_usage(client, server, model):
     assert "".join(tokens[:-1]) == choice.message.content
 
 
+def test_the_default_dtype_answers_paris_too(auto_dtype_server):
+    """The dtype `cadence serve` picks by itself (bfloat16 here when the CPU has it), whose
+    logits are refined near the top in float32, gives the same answer."""
+    from cadence.platforms.cpu import CpuPlatform
+
+    info = httpx.get(auto_dtype_server.url + "/server_info").json()
+    expected = "bfloat16" if CpuPlatform().supports_bf16() else "float32"
+    assert info["dtype"] == expected  # the scheduler reports the dtype it resolved
+    with openai.OpenAI(base_url=auto_dtype_server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        model = c.models.list().data[0].id
+        answer = greedy(c, model, max_tokens=16).choices[0].message.content
+    assert "Paris" in answer, answer
+
+
 def test_logprobs_with_top_logprobs(client, model):
     out = greedy(client, model, max_completion_tokens=5, logprobs=True, top_logprobs=3)
     choice = out.choices[0]
