@@ -13,15 +13,13 @@ import torch.nn.functional as F
 class Linear:
     """The portable projection: `F.linear` on the weight as loaded."""
 
+    holds_weight = True
+    """True when the projection computes from the model's own weight tensor (no copy of it)."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
-
-    @property
-    def holds_weight(self) -> bool:
-        """True when this object computes from the model's own weight tensor (no copy of it)."""
-        return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -40,16 +38,12 @@ class MkldnnPackedLinear(Linear):
     # The row count the layout is tuned for; any count works. For float32 a hint of 1 is ~25%
     # slower at 8-32 rows than a hint of 32, which costs nothing at 1 row or at prefill sizes.
     BATCH_HINT = 32
+    holds_weight = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.BATCH_HINT)  # a copy
-        self.bias = None if bias is None else bias.detach()
-        self.weight = None
-        self.out_features, self.in_features = weight.shape
-
-    @property
-    def holds_weight(self) -> bool:
-        return False
+        super().__init__(weight, None if bias is None else bias.detach())
+        self.weight = None  # the packed copy is what runs; the model may release the original
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
