@@ -41,8 +41,8 @@ class AttentionBackend(ABC):
 class TorchNativeBackend(AttentionBackend):
     """Portable backend on torch matmuls and scaled_dot_product_attention (the CPU default).
 
-    Decode keeps, per layer, the batch's pages gathered into one [2, KVH, B, L, D] block (the
-    "decode block", L = the padded page table's width in tokens) and, while the next step runs
+    Decode keeps, per layer, the batch's pages gathered into one [2, KVH, B, W, D] block (the
+    "decode block", W = the padded page table's width in tokens) and, while the next step runs
     the same requests one token longer over the same width (`ForwardBatch.decode_continues`),
     only writes the new token into it. A gather, which copies the whole batch's K/V, now
     happens only when the batch changes or its longest sequence crosses a page boundary
@@ -99,12 +99,11 @@ class TorchNativeBackend(AttentionBackend):
         pages = buf.view(-1, buf.shape[3] * self.head_dim)  # one whole page per row
         return pages.index_select(0, page_rows).view(2, self.num_kv_heads, -1, self.head_dim)
 
-    def _decode(self, q, block, batch):
+    def _decode(self, q, kv, batch):
         # One query token per request: two batched matmuls over [KVH, B] beat the flash kernel.
         bs, kvh, d = batch.batch_size, self.num_kv_heads, self.head_dim
-        # [2, KVH, B, W, D]: whole pages, slots past each sequence masked. Not cut to the longest
+        # kv: [2, KVH, B, W, D], whole pages, slots past each sequence masked. Not cut to the longest
         # sequence: a cut block is no longer one strided batch, and the matmul would copy it.
-        kv = block
         # Small batches attend in float32 (their block is kept in float32): a CPU bfloat16
         # batched matmul has a fixed cost of ~20 us at these shapes (a few query rows per
         # head), float32 half that. Past about a thousand tokens bfloat16 is faster.
