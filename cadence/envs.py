@@ -38,6 +38,12 @@ def cpu_packed_linear() -> bool:
     return _get("CADENCE_CPU_PACKED_LINEAR", "1") not in ("0", "false", "no")
 
 
+def cpu_kernels() -> bool:
+    """CADENCE_CPU_KERNELS: 0 keeps torch's own ops on CPU instead of Cadence's fused kernels
+    (built once per machine with the C++ compiler; see cadence/kernels)."""
+    return _get("CADENCE_CPU_KERNELS", "1") not in ("0", "false", "no")
+
+
 # A decode step is hundreds of small parallel torch ops. OpenMP's default (spin ~ms before
 # sleeping) lets an idle worker hold a core another process needs: on a shared 2-core machine
 # the served scheduler ran ~10x slower. OMP_WAIT_POLICY=PASSIVE avoids that but pays a futex

@@ -137,3 +137,19 @@ class TorchNativeBackend(AttentionBackend):
             out[start : start + ext] = o.transpose(0, 1).reshape(ext, -1)
             start += ext
         return out
+
+
+class CpuPagedBackend(TorchNativeBackend):
+    """Decode attention by Cadence's CPU kernel, reading each request's pages straight from
+    the pool (no gathered copy, nothing kept between steps); prefill as `TorchNativeBackend`.
+
+    The kernel scores each sequence only up to its length, so no mask and no padding enter
+    the softmax; it accumulates in float32 whatever the pool's dtype.
+    """
+
+    def forward(self, q, kv, layer_id, batch):
+        if not batch.is_decode:
+            return super().forward(q, kv, layer_id, batch)
+        buf = self.kv_pool.kv_buffer[layer_id]  # [2, KVH, pages, page, D]
+        buf.view(-1, self.head_dim).index_copy_(0, batch.kv_write_rows, kv.reshape(-1, self.head_dim))
+        return torch.ops.cadence.decode_attention(q, buf, batch.page_table, batch.kv_lens, self.num_heads)

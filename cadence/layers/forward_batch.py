@@ -24,6 +24,8 @@ class ForwardBatch:
     seq_lens: list[int]  # per request: prefix + new tokens
     extend_lens: list[int]  # per request: new tokens this step (all 1 in decode)
     prefix_lens: list[int]  # per request: tokens already in the KV pool
+    page_table: torch.Tensor | None = None  # decode: [batch, max_pages] int64 page ids, short rows padded
+    kv_lens: torch.Tensor | None = None  # decode: [batch] int64, seq_lens as a tensor
     page_rows: torch.Tensor | None = None  # decode: KVPool.page_rows of the [batch, max_pages] padded page table
     # decode: [1, batch, 1, max_pages * page_size] bool, True = past the sequence; None if nothing is
     kv_mask: torch.Tensor | None = None

@@ -12,6 +12,7 @@ from torch import nn
 
 from cadence.layers.attention import AttentionBackend
 from cadence.layers.forward_batch import ForwardBatch
+from cadence.layers.layer_ops import LayerOps
 from cadence.layers.linear import Linear, refine_top_logits
 from cadence.model_loader.config import ModelConfig
 
@@ -67,27 +68,22 @@ class LlamaDecoderLayer(nn.Module):
         return [(self.qkv_proj, self.qkv), (self.o_proj, self.o), (self.gate_up_proj, self.gate_up),
                 (self.down_proj, self.down)]
 
-    def forward(self, residual: torch.Tensor, rope_factors: torch.Tensor, attn: AttentionBackend,
-                batch: ForwardBatch) -> torch.Tensor:
-        """Adds attention to `residual` in place; returns the MLP output for the caller to add."""
-        shape = (residual.shape[-1],)
-        x = F.rms_norm(residual, shape, self.input_norm, self.eps)
+    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, rope_factors, attn: AttentionBackend,
+                batch: ForwardBatch, ops: LayerOps) -> torch.Tensor:
+        """Adds the previous layer's output `delta` (None for the first layer) and this layer's
+        attention to `residual` in place; returns this layer's MLP output for the next to add."""
+        if delta is None:
+            x = ops.rms_norm(residual, self.input_norm, self.eps)
+        else:
+            x = ops.add_rms_norm_(residual, delta, self.input_norm, self.eps)
         qkv = self.qkv(x).to(attn.kv_pool.dtype)  # [T, (H + 2 KVH) * D]
         t = qkv.shape[0]
-        qk = qkv[:, : self.q_dim + self.kv_dim]
-        if qk.dtype in (torch.float32, torch.float64):
-            # Rotary on q and k, and the softmax scale on q, in place.
-            torch.view_as_complex(qk.view(t, -1, self.head_dim // 2, 2)).mul_(rope_factors)
-        else:  # complex numbers need float32 parts; rotate a float32 copy and write it back
-            rotated = torch.view_as_complex(qk.float().view(t, -1, self.head_dim // 2, 2)).mul_(rope_factors)
-            qk.copy_(torch.view_as_real(rotated).view(t, -1))
+        # Rotary on q and k, and the softmax scale on q, in place.
+        ops.rotary_(qkv[:, : self.q_dim + self.kv_dim], rope_factors)
         kv = qkv[:, self.q_dim :].view(t, 2, self.num_kv_heads, self.head_dim)
         o = attn.forward(qkv[:, : self.q_dim], kv, self.layer_id, batch).to(residual.dtype)
-        residual.add_(self.o(o))
-        x = F.rms_norm(residual, shape, self.post_attention_norm, self.eps)
-        gate_up = self.gate_up(x)
-        act = F.silu(gate_up[:, : self.inter]).mul_(gate_up[:, self.inter :])
-        return self.down(act)
+        x = ops.add_rms_norm_(residual, self.o(o), self.post_attention_norm, self.eps)
+        return self.down(ops.silu_and_mul(self.gate_up(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -101,10 +97,13 @@ class LlamaForCausalLM(nn.Module):
                         else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size)))
         self.rope: RotaryEmbedding | None = None
         self.attn: AttentionBackend | None = None
+        self.ops = LayerOps()
 
-    def setup(self, attn: AttentionBackend, max_positions: int, make_linear=Linear) -> None:
-        """Attach the attention backend, build rotary tables and the projections (after weights are loaded)."""
+    def setup(self, attn: AttentionBackend, max_positions: int, make_linear=Linear, ops: LayerOps | None = None) -> None:
+        """Attach the attention backend and the layer ops, build rotary tables and the
+        projections (after weights are loaded)."""
         c = self.config
+        self.ops = ops or LayerOps()
         self.build_linears(make_linear)
         self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, self.embed_tokens.device)
         scales = [c.head_dim**-0.5] * c.num_attention_heads + [1.0] * c.num_key_value_heads
@@ -133,11 +132,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Returns the final hidden states of the rows in `batch.logits_indices`: [rows, hidden]."""
         residual = F.embedding(batch.input_ids, self.embed_tokens)
-        factors = self.rope.step_factors(batch.positions, self.head_scales)
+        factors = self.ops.rope_factors(self.rope.step_factors(batch.positions, self.head_scales))
+        delta = None
         for layer in self.layers:
-            residual.add_(layer(residual, factors, self.attn, batch))
-        hidden = residual if batch.logits_indices is None else residual[batch.logits_indices]
-        return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
+            delta = layer(residual, delta, factors, self.attn, batch, self.ops)
+        if batch.logits_indices is None:
+            return self.ops.add_rms_norm_(residual, delta, self.norm, self.config.rms_norm_eps)
+        residual.add_(delta)
+        return self.ops.rms_norm(residual[batch.logits_indices], self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> float32 logits [rows, vocab]. From a bfloat16/float16 model the

@@ -56,6 +56,20 @@ class CpuPlatform(TorchNativeFactories, Platform):
 
         return pack_or_plain(weight, bias) if envs.cpu_packed_linear() else Linear(weight, bias)
 
+    def make_layer_ops(self):
+        from cadence.kernels import cpu_kernels_available
+        from cadence.layers.layer_ops import CpuFusedOps, LayerOps
+
+        return CpuFusedOps() if cpu_kernels_available() else LayerOps()
+
+    def make_attention_backend(self, kv_pool, num_heads, num_kv_heads, head_dim):
+        from cadence.kernels import cpu_kernels_available
+        from cadence.layers.attention import CpuPagedBackend
+
+        if cpu_kernels_available():
+            return CpuPagedBackend(kv_pool, num_heads, num_kv_heads, head_dim)
+        return super().make_attention_backend(kv_pool, num_heads, num_kv_heads, head_dim)
+
     def init_backend(self) -> None:
         num_threads = envs.num_threads()
         if num_threads is not None and torch.get_num_threads() != num_threads:

@@ -8,6 +8,7 @@ import torch
 
 if TYPE_CHECKING:
     from cadence.layers.attention import AttentionBackend
+    from cadence.layers.layer_ops import LayerOps
     from cadence.layers.linear import Linear
     from cadence.mem_cache.kv_pool import KVPool, PageAllocator
     from cadence.server_args import ServerArgs
@@ -144,6 +145,13 @@ class Platform:
         from cadence.layers.linear import Linear
 
         return Linear(weight, bias)
+
+    def make_layer_ops(self) -> "LayerOps":
+        """The element-wise ops of a decoder layer (RMSNorm, SiLU, rotary). Portable default:
+        torch's ops; a platform with fused kernels returns its own `LayerOps`."""
+        from cadence.layers.layer_ops import LayerOps
+
+        return LayerOps()
 
     def make_graph_runner(self, model: torch.nn.Module, max_batch_size: int):
         raise NotImplementedError(f"platform {self.name!r} provides no graph runner")

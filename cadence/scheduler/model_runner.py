@@ -40,7 +40,7 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 1, self.context_len + 1, self.device)
         self.attn = self.platform.make_attention_backend(self.kv_pool, cfg.num_attention_heads,
                                                          cfg.num_key_value_heads, cfg.head_dim)
-        self.model.setup(self.attn, self.context_len + 1, self.platform.make_linear)
+        self.model.setup(self.attn, self.context_len + 1, self.platform.make_linear, self.platform.make_layer_ops())
         self._fresh_pages: list[int] = []  # allocated since the last forward, not yet zeroed
         self._last_decode: tuple[list[Req], list[int]] = ([], [])  # requests and lengths of the last decode step
         logger.info("KV pool: %d tokens in %d pages of %d", num_pages * self.page_size, num_pages, self.page_size)
@@ -169,6 +169,8 @@ class ModelRunner:
             seq_lens=seq_lens,
             extend_lens=[1] * len(reqs),
             prefix_lens=[n - 1 for n in seq_lens],
+            page_table=page_table,
+            kv_lens=lens_t,
             page_rows=self.kv_pool.page_rows(page_table),
             kv_mask=kv_mask,
             decode_continues=continues,

@@ -1,6 +1,7 @@
 """The engine in bfloat16, what `--dtype auto` serves on CPUs with bfloat16 instructions:
-packed projections, decode blocks in both matmul dtypes (small batches attend in float32,
-large ones in bfloat16), the chat answer, and nothing left behind."""
+packed projections, decode attention (Cadence's CPU kernel; where it cannot be built, torch's
+decode blocks in both matmul dtypes: small batches in float32, large ones in bfloat16), the
+chat answer, and nothing left behind."""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
-"""The torch attention backend against plain dense attention, on a paged pool whose unused
-memory is poisoned with NaN (what a reused allocation can hold)."""
+"""The attention backends against plain dense attention, on a paged pool whose unused
+memory is poisoned with NaN (what a reused allocation can hold): the portable torch one
+and the CPU one whose decode is Cadence's kernel."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cadence.layers.attention import TorchNativeBackend
+from cadence.kernels import cpu_kernels_available
+from cadence.layers.attention import CpuPagedBackend, TorchNativeBackend
 from cadence.layers.forward_batch import ForwardBatch
 from cadence.mem_cache.kv_pool import KVPool
 
@@ -24,15 +26,24 @@ def dense_attention(q, k, v, causal_from: int):
     return (torch.softmax(scores, -1) @ v).transpose(0, 1).reshape(q.shape[1], -1)
 
 
-@pytest.mark.parametrize("float32_tokens", [0, 1024], ids=["kv-dtype-matmuls", "float32-matmuls"])
+def make_backend(name: str, pool: KVPool):
+    if name == "cpu-kernels":
+        if not cpu_kernels_available():
+            pytest.skip("Cadence's CPU kernels could not be built on this machine (see the log for why)")
+        return CpuPagedBackend(pool, HEADS, KV_HEADS, DIM)
+    return TorchNativeBackend(pool, HEADS, KV_HEADS, DIM)
+
+
+@pytest.mark.parametrize("backend,float32_tokens", [("torch", 0), ("torch", 1024), ("cpu-kernels", 0)],
+                         ids=["torch-kv-dtype-matmuls", "torch-float32-matmuls", "cpu-kernels"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_and_extend_match_dense_attention(dtype, float32_tokens, monkeypatch):
+def test_decode_and_extend_match_dense_attention(dtype, backend, float32_tokens, monkeypatch):
     # Small decode batches attend in float32, large ones in the cache's dtype: both paths.
     monkeypatch.setattr(TorchNativeBackend, "FLOAT32_DECODE_TOKENS", float32_tokens)
     torch.manual_seed(0)
     pool = KVPool(num_pages=16, page_size=PAGE, num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=dtype)
     pool.kv_buffer[0].fill_(float("nan"))  # stale memory: nothing outside written slots may be read
-    attn = TorchNativeBackend(pool, HEADS, KV_HEADS, DIM)
+    attn = make_backend(backend, pool)
     lens = [5, 11, 2]
     pages = [[9, 2], [0, 7, 12], [5]]  # scattered, not in order
     for p in pages:  # the runner zeroes every page it hands out
@@ -77,7 +88,7 @@ def test_decode_and_extend_match_dense_attention(dtype, float32_tokens, monkeypa
     batch = ForwardBatch(is_decode=True, input_ids=torch.zeros(len(lens), dtype=torch.int64),
                          positions=lens_t - 1, out_cache_loc=loc, kv_write_rows=pool.write_rows(loc),
                          seq_lens=lens, extend_lens=[1] * len(lens), prefix_lens=[n - 1 for n in lens],
-                         page_rows=pool.page_rows(table), kv_mask=mask)
+                         page_table=table, kv_lens=lens_t, page_rows=pool.page_rows(table), kv_mask=mask)
     out = attn.forward(q.reshape(len(lens), -1), kv, 0, batch)
     assert not out.isnan().any()
     for i, n in enumerate(lens):
@@ -85,12 +96,16 @@ def test_decode_and_extend_match_dense_attention(dtype, float32_tokens, monkeypa
         torch.testing.assert_close(out[i : i + 1].double(), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("float32_tokens", [0, 1024], ids=["kv-dtype-matmuls", "float32-matmuls"])
-@pytest.mark.parametrize("keep_blocks", [True, False], ids=["kept-decode-blocks", "gather-every-step"])
+@pytest.mark.parametrize("backend,keep_blocks,float32_tokens", [
+    ("torch", True, 0), ("torch", True, 1024), ("torch", False, 0), ("torch", False, 1024), ("cpu-kernels", False, 0)],
+    ids=["torch-kept-blocks-kv-dtype", "torch-kept-blocks-float32", "torch-gather-kv-dtype", "torch-gather-float32",
+         "cpu-kernels"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_steps_over_a_changing_batch_match_dense_attention(dtype, keep_blocks, float32_tokens, monkeypatch):
-    """Many decode steps: the batch continues (its kept blocks get each new token), crosses
-    page boundaries, loses a request and gains one; every step matches dense attention."""
+def test_decode_steps_over_a_changing_batch_match_dense_attention(dtype, backend, keep_blocks, float32_tokens,
+                                                                   monkeypatch):
+    """Many decode steps: the batch continues (the torch backend's kept blocks get each new
+    token), crosses page boundaries, loses a request and gains one; every step matches dense
+    attention. The CPU kernel keeps nothing between steps."""
     monkeypatch.setattr(TorchNativeBackend, "FLOAT32_DECODE_TOKENS", float32_tokens)
     if not keep_blocks:
         monkeypatch.setattr(TorchNativeBackend, "DECODE_BLOCK_BYTES", 0)
@@ -98,7 +113,7 @@ def test_decode_steps_over_a_changing_batch_match_dense_attention(dtype, keep_bl
     pool = KVPool(num_pages=32, page_size=PAGE, num_layers=2, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=dtype)
     for buf in pool.kv_buffer:
         buf.fill_(float("nan"))
-    attn = TorchNativeBackend(pool, HEADS, KV_HEADS, DIM)
+    attn = make_backend(backend, pool)
     pages = {"a": [3, 17, 8, 25], "b": [11, 0, 30], "c": [6, 21, 14, 2], "d": [9, 28, 19]}
     for p in pages.values():
         for buf in pool.kv_buffer:
@@ -138,7 +153,8 @@ def test_decode_steps_over_a_changing_batch_match_dense_attention(dtype, keep_bl
         batch = ForwardBatch(is_decode=True, input_ids=torch.zeros(len(names), dtype=torch.int64),
                              positions=lens_t - 1, out_cache_loc=loc, kv_write_rows=pool.write_rows(loc),
                              seq_lens=lens, extend_lens=[1] * len(names), prefix_lens=[n - 1 for n in lens],
-                             page_rows=pool.page_rows(table), kv_mask=mask, decode_continues=continues)
+                             page_table=table, kv_lens=lens_t, page_rows=pool.page_rows(table), kv_mask=mask,
+                             decode_continues=continues)
         for r, k, v in zip(names, k_new, v_new):
             seqs[r] = {"k": torch.cat([seqs[r]["k"], k[None]]), "v": torch.cat([seqs[r]["v"], v[None]])}
         for layer in range(2):

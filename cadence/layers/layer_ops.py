@@ -1,0 +1,70 @@
+"""The element-wise work of a decoder layer, behind one interface the platform picks.
+
+`LayerOps` is the portable implementation on torch ops. `CpuFusedOps` runs each of these
+as one of Cadence's C++ kernels (cadence/kernels): the same math in float32 with a single
+rounding, without the several small ops (and their fixed costs) torch spends on each.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class LayerOps:
+    """RMSNorm, the residual add fused into it, SiLU-and-multiply and rotary embedding.
+
+    Invariants: inputs are 2-D [tokens, features] with a contiguous last dimension (rows may
+    be strided views); outputs have the input's dtype. `add_rms_norm_` and `rotary_` write
+    their first argument in place; nothing else is written.
+    """
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def add_rms_norm_(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        """residual += x, then returns rms_norm(residual)."""
+        residual.add_(x)
+        return self.rms_norm(residual, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+        inter = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+
+    def rope_factors(self, factors: torch.Tensor) -> torch.Tensor:
+        """This step's complex64 [T, heads, D/2] factors in the form `rotary_` takes (once per step)."""
+        return factors
+
+    def rotary_(self, qk: torch.Tensor, factors) -> None:
+        """Rotates q and k in place, [T, heads * D] in the interleaved pair layout, each pair
+        times its complex factor."""
+        t = qk.shape[0]
+        if qk.dtype in (torch.float32, torch.float64):
+            torch.view_as_complex(qk.view(t, *factors.shape[1:], 2)).mul_(factors)
+        else:  # complex numbers need float32 parts: rotate a float32 copy and write it back
+            rotated = torch.view_as_complex(qk.float().view(t, *factors.shape[1:], 2)).mul_(factors)
+            qk.copy_(torch.view_as_real(rotated).view(t, -1))
+
+
+class CpuFusedOps(LayerOps):
+    """`LayerOps` through Cadence's CPU kernels (available only once they are loaded)."""
+
+    def __init__(self):
+        self._ops = torch.ops.cadence
+
+    def rms_norm(self, x, weight, eps):
+        return self._ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm_(self, residual, x, weight, eps):
+        return self._ops.add_rms_norm_(residual, x, weight, eps)
+
+    def silu_and_mul(self, gate_up):
+        return self._ops.silu_and_mul(gate_up)
+
+    def rope_factors(self, factors):
+        return torch.view_as_real(factors)  # float32 [T, heads, D/2, 2]
+
+    def rotary_(self, qk, factors):
+        self._ops.rotary_(qk, factors)

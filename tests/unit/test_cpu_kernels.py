@@ -1,0 +1,132 @@
+"""Cadence's CPU kernels (cadence/kernels) against torch's own ops (`LayerOps`) and float64
+references: the same numbers, rounding where torch rounds, on strided rows, every dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cadence.kernels import cpu_kernels_available
+from cadence.layers.layer_ops import CpuFusedOps, LayerOps
+
+if not cpu_kernels_available():
+    pytest.skip("Cadence's CPU kernels could not be built on this machine (see the log for why)",
+                allow_module_level=True)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+EPS = 1e-5
+
+
+def ulps(dtype) -> float:
+    """Relative tolerance of one rounding step, for sums that may add in another order."""
+    return {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+
+
+def strided_rows(rows: int, cols: int, dtype, seed: int) -> torch.Tensor:
+    """[rows, cols] as a view with a row stride wider than cols (like q inside qkv)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols + 7, generator=g).to(dtype)[:, 3 : 3 + cols]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_its_fused_residual_add_match_torch(dtype, rows):
+    eager, fused = LayerOps(), CpuFusedOps()
+    x = strided_rows(rows, 576, dtype, 0)
+    weight = torch.randn(576).to(dtype)
+    torch.testing.assert_close(fused.rms_norm(x, weight, EPS), eager.rms_norm(x, weight, EPS),
+                               rtol=ulps(dtype), atol=ulps(dtype))
+    residual = torch.randn(rows, 576).to(dtype) * 4
+    res_eager, res_fused = residual.clone(), residual.clone()
+    out_eager = eager.add_rms_norm_(res_eager, x, weight, EPS)
+    out_fused = fused.add_rms_norm_(res_fused, x, weight, EPS)
+    assert torch.equal(res_fused, res_eager)  # the in-place add rounds exactly as torch's add_
+    torch.testing.assert_close(out_fused, out_eager, rtol=ulps(dtype), atol=ulps(dtype))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(dtype, rows):
+    gate_up = strided_rows(rows, 2 * 1536, dtype, 1) * 3
+    got = CpuFusedOps().silu_and_mul(gate_up)
+    assert got.shape == (rows, 1536) and got.dtype == dtype
+    # Two roundings (silu, then the product), as torch's two ops do: one step apart at most.
+    torch.testing.assert_close(got, LayerOps().silu_and_mul(gate_up), rtol=2 * ulps(dtype), atol=ulps(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_rotates_q_and_k_in_place_and_leaves_v_alone(dtype):
+    rows, heads, dim = 6, 12, 64  # 9 query heads and 3 key heads, then 3 value heads
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(rows, (heads + 3) * dim, generator=g).to(dtype)
+    angles = torch.rand(rows, heads, dim // 2, generator=g) * 6.3
+    factors = torch.polar(torch.full_like(angles, 0.125), angles)  # a rotation times a head scale
+    eager_qkv, fused_qkv = qkv.clone(), qkv.clone()
+    LayerOps().rotary_(eager_qkv[:, : heads * dim], factors)
+    ops = CpuFusedOps()
+    ops.rotary_(fused_qkv[:, : heads * dim], ops.rope_factors(factors))
+    torch.testing.assert_close(fused_qkv, eager_qkv, rtol=ulps(dtype), atol=ulps(dtype))
+    assert torch.equal(fused_qkv[:, heads * dim :], qkv[:, heads * dim :])
+    assert not torch.equal(fused_qkv[:, : heads * dim], qkv[:, : heads * dim])
+
+
+def paged_case(dtype, lens, num_heads=9, kv_heads=3, dim=64, page=16, seed=3):
+    """A NaN-poisoned pool with each sequence's K/V on scattered pages, and the dense K/V."""
+    g = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // page) for n in lens) + 5
+    pool = torch.full((2, kv_heads, num_pages, page, dim), float("nan"), dtype=dtype)
+    order = torch.randperm(num_pages, generator=g).tolist()
+    max_pages = max(-(-n // page) for n in lens)
+    table, dense = [], []
+    for n in lens:
+        pages = [order.pop() for _ in range(-(-n // page))]
+        kv = torch.randn(2, kv_heads, n, dim, generator=g).to(dtype)
+        for i in range(n):
+            pool[:, :, pages[i // page], i % page] = kv[:, :, i]
+        table.append(pages + [pages[0]] * (max_pages - len(pages)))
+        dense.append(kv)
+    q = (torch.randn(len(lens), num_heads * dim, generator=g) * dim**-0.5).to(dtype)
+    return q, pool, torch.tensor(table), torch.tensor(lens), dense
+
+
+def reference_attention(q, dense, num_heads, kv_heads, dim):
+    out = []
+    for b, kv in enumerate(dense):
+        qh = q[b].double().view(kv_heads, num_heads // kv_heads, dim)
+        p = torch.softmax(qh @ kv[0].double().transpose(-1, -2), -1)
+        out.append((p @ kv[1].double()).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_reads_only_each_sequences_pages(dtype):
+    # Lengths of one token, a whole page, past a page boundary, and long; slots past each
+    # length (and unused pages) hold NaN, so reading any of them would show.
+    lens = [1, 16, 17, 130, 45]
+    q, pool, table, lens_t, dense = paged_case(dtype, lens)
+    out = torch.ops.cadence.decode_attention(q, pool, table, lens_t, 9)
+    assert out.shape == q.shape and out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.double(), reference_attention(q, dense, 9, 3, 64),
+                               rtol=4 * ulps(dtype), atol=4 * ulps(dtype))
+
+
+def test_decode_attention_takes_q_as_a_strided_view_and_any_group_size():
+    q, pool, table, lens_t, dense = paged_case(torch.float32, [7, 40], num_heads=8, kv_heads=2, dim=32, page=8)
+    wide = torch.zeros(2, q.shape[1] + 50)
+    wide[:, : q.shape[1]] = q
+    out = torch.ops.cadence.decode_attention(wide[:, : q.shape[1]], pool, table, lens_t, 8)
+    torch.testing.assert_close(out.double(), reference_attention(q, dense, 8, 2, 32), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_rejects_bad_tables_and_shapes():
+    q, pool, table, lens_t, _ = paged_case(torch.float32, [5, 20])
+    bad = table.clone()
+    bad[1, 1] = pool.shape[2]  # a page past the pool
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        torch.ops.cadence.decode_attention(q, pool, bad, lens_t, 9)
+    with pytest.raises(RuntimeError, match="seq_lens out of range"):
+        torch.ops.cadence.decode_attention(q, pool, table, torch.tensor([5, 10_000]), 9)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        torch.ops.cadence.decode_attention(q.bfloat16(), pool, table, lens_t, 9)
+    with pytest.raises(RuntimeError, match="num_heads"):
+        torch.ops.cadence.decode_attention(q, pool, table, lens_t, 8)
