@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -171,83 +172,153 @@ void rotary_(at::Tensor& qk, const at::Tensor& factors) {
   });
 }
 
-// Decode attention straight from the paged pool. q: [B, H * D] (already scaled); kv_buffer:
-// [2, KVH, pages, page_size, D]; page_table: [B, max_pages] int64; seq_lens: [B] int64.
-// Each (request, KV head) is one task: its G query heads score every token of the sequence
-// (reading K once), softmax in float32, then one pass over V. Returns [B, H * D] in q's dtype.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_buffer, const at::Tensor& page_table,
-                            const at::Tensor& seq_lens, int64_t num_heads) {
-  check_rows(q, "q");
+// One (request, KV head) task of decode attention: rotate its new K and its G query heads,
+// store the new K/V in the pool, then attend over the request's `len` tokens. kD is the
+// head dimension when known at compile time (the loops then unroll into registers), 0 when
+// it is only known at run time (`d`).
+template <typename T, int kD>
+struct DecodeTask {
+  const T* qkv; int64_t qkv_stride;   // [B, (H + 2 KVH) * D] this step's projections
+  const float* factors;                 // [B, H + KVH, D / 2, 2] rotary (times head scale)
+  T* pool; int64_t plane;               // kv_buffer and the size of one (K/V, head) plane
+  const int64_t* slots;                 // [B] where each request's new token goes
+  const int64_t* table; int64_t max_pages; int64_t page_size;
+  const int64_t* lens;
+  T* out;                               // [B, H * D]
+  int64_t heads, kv_heads, d;
+
+  void run(int64_t b, int64_t h, float* qf, float* row, float* acc, std::vector<float>& scores) const {
+    const int64_t D = kD > 0 ? kD : d, groups = heads / kv_heads, len = lens[b];
+    const int64_t half = D / 2, fq = heads + kv_heads;
+    const T* src = qkv + b * qkv_stride;
+    const float* fb = factors + b * fq * D;
+    for (int64_t g = 0; g < groups; ++g) {  // the query heads, rotated (and scaled) in float32
+      const int64_t head = h * groups + g;
+      load_row(src + head * D, qf + g * D, D);
+      rotate(qf + g * D, fb + head * D, half);
+    }
+    // The new K (rotated, rounded to the pool's dtype) and V into their slot.
+    const int64_t slot = slots[b];
+    load_row(src + (heads + h) * D, row, D);
+    rotate(row, fb + (heads + h) * D, half);
+    store_row(row, pool + h * plane + slot * D, D);
+    std::copy(src + (heads + kv_heads + h) * D, src + (heads + kv_heads + h + 1) * D,
+              pool + (kv_heads + h) * plane + slot * D);
+
+    scores.resize(groups * len);
+    const T* kplane = pool + h * plane;
+    const T* vplane = pool + (kv_heads + h) * plane;
+    const int64_t* pages = table + b * max_pages;
+    for (int64_t t = 0; t < len; ++t) {
+      load_row(kplane + (pages[t / page_size] * page_size + t % page_size) * D, row, D);
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* qg = qf + g * D;
+        float dot = 0.f;
+        for (int64_t i = 0; i < D; ++i) dot += qg[i] * row[i];
+        scores[g * len + t] = dot;
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      float* s = scores.data() + g * len;
+      const float mx = *std::max_element(s, s + len);
+      float sum = 0.f;
+      for (int64_t t = 0; t < len; ++t) {
+        s[t] = std::exp(s[t] - mx);
+        sum += s[t];
+      }
+      const float inv = 1.f / sum;
+      for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+    }
+    std::fill(acc, acc + groups * D, 0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      load_row(vplane + (pages[t / page_size] * page_size + t % page_size) * D, row, D);
+      for (int64_t g = 0; g < groups; ++g) {
+        const float p = scores[g * len + t];
+        float* a = acc + g * D;
+        for (int64_t i = 0; i < D; ++i) a[i] += p * row[i];
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) store_row(acc + g * D, out + b * heads * D + (h * groups + g) * D, D);
+  }
+
+  static void rotate(float* x, const float* f, int64_t half) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x[2 * i], b = x[2 * i + 1], c = f[2 * i], s = f[2 * i + 1];
+      x[2 * i] = a * c - b * s;
+      x[2 * i + 1] = a * s + b * c;
+    }
+  }
+};
+
+template <typename T, int kD>
+void decode_tasks(const DecodeTask<T, kD>& task, int64_t bs) {
+  const int64_t d = kD > 0 ? kD : task.d, groups = task.heads / task.kv_heads;
+  at::parallel_for(0, bs * task.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(groups * d), row(d), acc(groups * d), scores;
+    for (int64_t i = begin; i < end; ++i) {
+      task.run(i / task.kv_heads, i % task.kv_heads, qf.data(), row.data(), acc.data(), scores);
+    }
+  });
+}
+
+// Decode attention with its rotary and its K/V store, straight on the paged pool.
+// qkv: [B, (H + 2 KVH) * D] this step's un-rotated projections (rows may be strided);
+// factors: float32 [B, H + KVH, D / 2, 2] (`rotary_`'s); kv_buffer: [2, KVH, pages,
+// page_size, D], written at `slots` [B] (page * page_size + offset); page_table: [B,
+// max_pages] int64; seq_lens: [B] int64, the new token included. Each (request, KV head)
+// is one task: it scores its G query heads against every token of the sequence (reading K
+// once), softmax in float32, then one pass over V. Returns [B, H * D] in qkv's dtype.
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& factors, at::Tensor& kv_buffer,
+                            const at::Tensor& slots, const at::Tensor& page_table, const at::Tensor& seq_lens,
+                            int64_t num_heads) {
+  check_rows(qkv, "qkv");
   TORCH_CHECK(kv_buffer.dim() == 5 && kv_buffer.size(0) == 2 && kv_buffer.is_contiguous(),
               "kv_buffer must be a contiguous [2, KVH, pages, page_size, D] tensor");
-  TORCH_CHECK(q.scalar_type() == kv_buffer.scalar_type(), "q and kv_buffer must have the same dtype");
-  TORCH_CHECK(page_table.scalar_type() == at::kLong && page_table.dim() == 2 && page_table.is_contiguous(),
+  TORCH_CHECK(qkv.scalar_type() == kv_buffer.scalar_type(), "qkv and kv_buffer must have the same dtype");
+  for (const auto* t : {&slots, &seq_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous() && t->size(0) == qkv.size(0),
+                "slots and seq_lens must be contiguous int64 [batch] tensors");
+  }
+  TORCH_CHECK(page_table.scalar_type() == at::kLong && page_table.dim() == 2 && page_table.is_contiguous() &&
+                  page_table.size(0) == qkv.size(0),
               "page_table must be a contiguous int64 [batch, max_pages] tensor");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.dim() == 1 && seq_lens.is_contiguous(),
-              "seq_lens must be a contiguous int64 [batch] tensor");
-  const int64_t bs = q.size(0), kvh = kv_buffer.size(1), num_pages = kv_buffer.size(2);
+  const int64_t bs = qkv.size(0), kvh = kv_buffer.size(1), num_pages = kv_buffer.size(2);
   const int64_t page_size = kv_buffer.size(3), d = kv_buffer.size(4);
-  TORCH_CHECK(num_heads % kvh == 0 && q.size(1) == num_heads * d, "q must be [batch, num_heads * head_dim]");
-  TORCH_CHECK(page_table.size(0) == bs && seq_lens.size(0) == bs, "page_table and seq_lens need one row per request");
-  const int64_t groups = num_heads / kvh, max_pages = page_table.size(1);
+  TORCH_CHECK(num_heads % kvh == 0 && qkv.size(1) == (num_heads + 2 * kvh) * d,
+              "qkv must be [batch, (num_heads + 2 * kv_heads) * head_dim]");
+  TORCH_CHECK(factors.scalar_type() == at::kFloat && factors.is_contiguous() &&
+                  factors.numel() == bs * (num_heads + kvh) * d && d % 2 == 0,
+              "factors must be contiguous float32 [batch, num_heads + kv_heads, head_dim / 2, 2]");
+  const int64_t max_pages = page_table.size(1);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* table = page_table.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < bs; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_pages * page_size, "seq_lens out of range of page_table");
     for (int64_t p = 0; p < (lens[b] + page_size - 1) / page_size; ++p) {
       TORCH_CHECK(table[b * max_pages + p] >= 0 && table[b * max_pages + p] < num_pages,
                   "page_table holds a page outside the pool");
     }
+    const int64_t last = lens[b] - 1;
+    TORCH_CHECK(slot[b] == table[b * max_pages + last / page_size] * page_size + last % page_size,
+                "slots must be each sequence's last position in page_table");
   }
-  auto out = at::empty({bs, num_heads * d}, q.options());
-  CADENCE_DISPATCH(q.scalar_type(), "decode_attention", [&] {
-    const scalar_t* qd = q.data_ptr<scalar_t>();
-    const scalar_t* kvd = kv_buffer.data_ptr<scalar_t>();
-    scalar_t* od = out.data_ptr<scalar_t>();
-    const int64_t plane = num_pages * page_size * d;  // one (K/V, head) plane
-    at::parallel_for(0, bs * kvh, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(groups * d), row(d), acc(groups * d), scores;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / kvh, h = task % kvh, len = lens[b];
-        for (int64_t g = 0; g < groups; ++g) load_row(qd + b * q.stride(0) + (h * groups + g) * d, qf.data() + g * d, d);
-        scores.resize(groups * len);
-        const scalar_t* kplane = kvd + h * plane;
-        const scalar_t* vplane = kvd + (kvh + h) * plane;
-        const int64_t* pages = table + b * max_pages;
-        for (int64_t t = 0; t < len; ++t) {
-          const int64_t page = pages[t / page_size];
-          load_row(kplane + (page * page_size + t % page_size) * d, row.data(), d);
-          for (int64_t g = 0; g < groups; ++g) {
-            const float* qg = qf.data() + g * d;
-            float dot = 0.f;
-            for (int64_t i = 0; i < d; ++i) dot += qg[i] * row[i];
-            scores[g * len + t] = dot;
-          }
-        }
-        for (int64_t g = 0; g < groups; ++g) {
-          float* s = scores.data() + g * len;
-          const float mx = *std::max_element(s, s + len);
-          float sum = 0.f;
-          for (int64_t t = 0; t < len; ++t) {
-            s[t] = std::exp(s[t] - mx);
-            sum += s[t];
-          }
-          const float inv = 1.f / sum;
-          for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-        }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t t = 0; t < len; ++t) {
-          const int64_t page = pages[t / page_size];
-          load_row(vplane + (page * page_size + t % page_size) * d, row.data(), d);
-          for (int64_t g = 0; g < groups; ++g) {
-            const float p = scores[g * len + t];
-            float* a = acc.data() + g * d;
-            for (int64_t i = 0; i < d; ++i) a[i] += p * row[i];
-          }
-        }
-        for (int64_t g = 0; g < groups; ++g) store_row(acc.data() + g * d, od + b * num_heads * d + (h * groups + g) * d, d);
-      }
-    });
+  auto out = at::empty({bs, num_heads * d}, qkv.options());
+  CADENCE_DISPATCH(qkv.scalar_type(), "decode_attention", [&] {
+    auto run = [&](auto dim) {
+      constexpr int kD = decltype(dim)::value;
+      DecodeTask<scalar_t, kD> task{qkv.data_ptr<scalar_t>(), qkv.stride(0), factors.data_ptr<float>(),
+                                    kv_buffer.data_ptr<scalar_t>(), num_pages * page_size * d, slot, table,
+                                    max_pages, page_size, lens, out.data_ptr<scalar_t>(), num_heads, kvh, d};
+      decode_tasks(task, bs);
+    };
+    if (d == 64) {
+      run(std::integral_constant<int, 64>());
+    } else if (d == 128) {
+      run(std::integral_constant<int, 128>());
+    } else {
+      run(std::integral_constant<int, 0>());
+    }
   });
   return out;
 }
@@ -259,7 +330,8 @@ TORCH_LIBRARY(cadence, m) {
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) qk, Tensor factors) -> ()");
-  m.def("decode_attention(Tensor q, Tensor kv_buffer, Tensor page_table, Tensor seq_lens, int num_heads) -> Tensor");
+  m.def("decode_attention(Tensor qkv, Tensor factors, Tensor(a!) kv_buffer, Tensor slots, Tensor page_table, "
+        "Tensor seq_lens, int num_heads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cadence, CPU, m) {

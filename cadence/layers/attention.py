@@ -30,6 +30,15 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         """q: [T, H*D]; kv: [T, 2, KVH, D] (K then V), both in the pool's dtype. Returns [T, H*D]."""
 
+    def forward_qkv(self, qkv: torch.Tensor, rope_factors, ops, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """The layer's entry: qkv [T, (H + 2 KVH) * D] is this step's projections, q and k not yet
+        rotated, in the pool's dtype. Rotates q and k in place (`ops.rotary_`, `rope_factors` in
+        the form `ops.rope_factors` gave), then `forward`. A backend may fuse all of it."""
+        t, q_dim = qkv.shape[0], self.num_heads * self.head_dim
+        ops.rotary_(qkv[:, : q_dim + self.num_kv_heads * self.head_dim], rope_factors)
+        kv = qkv[:, q_dim:].view(t, 2, self.num_kv_heads, self.head_dim)
+        return self.forward(qkv[:, :q_dim], kv, layer_id, batch)
+
     def release_decode_state(self) -> None:
         """Drops anything kept from one decode step for the next (the running batch is empty)."""
 
@@ -140,16 +149,19 @@ class TorchNativeBackend(AttentionBackend):
 
 
 class CpuPagedBackend(TorchNativeBackend):
-    """Decode attention by Cadence's CPU kernel, reading each request's pages straight from
-    the pool (no gathered copy, nothing kept between steps); prefill as `TorchNativeBackend`.
+    """Decode by one Cadence CPU kernel per layer: rotary on q and k, the new K/V stored in
+    the pool, and attention reading each request's pages straight from the pool (no gathered
+    copy, nothing kept between steps). Prefill, and `forward`, as `TorchNativeBackend`.
 
     The kernel scores each sequence only up to its length, so no mask and no padding enter
     the softmax; it accumulates in float32 whatever the pool's dtype.
     """
 
-    def forward(self, q, kv, layer_id, batch):
+    def forward_qkv(self, qkv, rope_factors, ops, layer_id, batch):
         if not batch.is_decode:
-            return super().forward(q, kv, layer_id, batch)
-        buf = self.kv_pool.kv_buffer[layer_id]  # [2, KVH, pages, page, D]
-        buf.view(-1, self.head_dim).index_copy_(0, batch.kv_write_rows, kv.reshape(-1, self.head_dim))
-        return torch.ops.cadence.decode_attention(q, buf, batch.page_table, batch.kv_lens, self.num_heads)
+            return super().forward_qkv(qkv, rope_factors, ops, layer_id, batch)
+        if rope_factors.is_complex():  # the kernel takes rotary_'s float32 [T, heads, D/2, 2] form
+            rope_factors = torch.view_as_real(rope_factors)
+        return torch.ops.cadence.decode_attention.default(
+            qkv, rope_factors, self.kv_pool.kv_buffer[layer_id], batch.out_cache_loc, batch.page_table,
+            batch.kv_lens, self.num_heads)

@@ -76,12 +76,13 @@ class LlamaDecoderLayer(nn.Module):
             x = ops.rms_norm(residual, self.input_norm, self.eps)
         else:
             x = ops.add_rms_norm_(residual, delta, self.input_norm, self.eps)
-        qkv = self.qkv(x).to(attn.kv_pool.dtype)  # [T, (H + 2 KVH) * D]
-        t = qkv.shape[0]
-        # Rotary on q and k, and the softmax scale on q, in place.
-        ops.rotary_(qkv[:, : self.q_dim + self.kv_dim], rope_factors)
-        kv = qkv[:, self.q_dim :].view(t, 2, self.num_kv_heads, self.head_dim)
-        o = attn.forward(qkv[:, : self.q_dim], kv, self.layer_id, batch).to(residual.dtype)
+        qkv = self.qkv(x)  # [T, (H + 2 KVH) * D]
+        if qkv.dtype != attn.kv_pool.dtype:
+            qkv = qkv.to(attn.kv_pool.dtype)
+        # Rotary on q and k (and the softmax scale on q), the K/V store, attention.
+        o = attn.forward_qkv(qkv, rope_factors, ops, self.layer_id, batch)
+        if o.dtype != residual.dtype:
+            o = o.to(residual.dtype)
         x = ops.add_rms_norm_(residual, self.o(o), self.post_attention_norm, self.eps)
         return self.down(ops.silu_and_mul(self.gate_up(x)))
 

@@ -10,6 +10,7 @@ import torch
 from cadence.kernels import cpu_kernels_available
 from cadence.layers.attention import CpuPagedBackend, TorchNativeBackend
 from cadence.layers.forward_batch import ForwardBatch
+from cadence.layers.layer_ops import CpuFusedOps
 from cadence.mem_cache.kv_pool import KVPool
 
 HEADS, KV_HEADS, DIM, PAGE = 6, 2, 8, 4
@@ -24,6 +25,18 @@ def dense_attention(q, k, v, causal_from: int):
     rows = torch.arange(causal_from, causal_from + q.shape[1])[:, None]
     scores = scores.masked_fill(torch.arange(k.shape[1])[None, :] > rows, float("-inf"))
     return (torch.softmax(scores, -1) @ v).transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def attend(attn, q, kv, layer_id, batch):
+    """The backend's attention for pre-rotated q [T, H*D] and kv [T, 2, KVH, D]. The kernel
+    backend is entered as the model does (`forward_qkv`), with factors that rotate nothing."""
+    if not isinstance(attn, CpuPagedBackend):
+        return attn.forward(q, kv, layer_id, batch)
+    t = q.shape[0]
+    qkv = torch.cat([q.reshape(t, -1), kv.reshape(t, -1)], 1)
+    ones = torch.ones(t, HEADS + KV_HEADS, DIM // 2, dtype=torch.complex64)
+    ops = CpuFusedOps()
+    return attn.forward_qkv(qkv, ops.rope_factors(ones), ops, layer_id, batch)
 
 
 def make_backend(name: str, pool: KVPool):
@@ -73,7 +86,7 @@ def test_decode_and_extend_match_dense_attention(dtype, backend, float32_tokens,
                              positions=torch.arange(split, n - 1), out_cache_loc=loc,
                              kv_write_rows=pool.write_rows(loc), seq_lens=[n - 1], extend_lens=[ext],
                              prefix_lens=[split], seq_page_rows=[rows if split else None])
-        out = attn.forward(q.reshape(ext, -1), kv, 0, batch)
+        out = attend(attn, q.reshape(ext, -1), kv, 0, batch)
         ref = dense_attention(q, keys[i][: n - 1], values[i][: n - 1], split)
         torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
 
@@ -89,7 +102,7 @@ def test_decode_and_extend_match_dense_attention(dtype, backend, float32_tokens,
                          positions=lens_t - 1, out_cache_loc=loc, kv_write_rows=pool.write_rows(loc),
                          seq_lens=lens, extend_lens=[1] * len(lens), prefix_lens=[n - 1 for n in lens],
                          page_table=table, kv_lens=lens_t, page_rows=pool.page_rows(table), kv_mask=mask)
-    out = attn.forward(q.reshape(len(lens), -1), kv, 0, batch)
+    out = attend(attn, q.reshape(len(lens), -1), kv, 0, batch)
     assert not out.isnan().any()
     for i, n in enumerate(lens):
         ref = dense_attention(q[i : i + 1], keys[i], values[i], n - 1)
@@ -159,7 +172,7 @@ def test_decode_steps_over_a_changing_batch_match_dense_attention(dtype, backend
             seqs[r] = {"k": torch.cat([seqs[r]["k"], k[None]]), "v": torch.cat([seqs[r]["v"], v[None]])}
         for layer in range(2):
             q = torch.randn(len(names), HEADS, DIM, dtype=dtype)
-            out = attn.forward(q.reshape(len(names), -1), torch.stack([k_new, v_new], 1), layer, batch)
+            out = attend(attn, q.reshape(len(names), -1), torch.stack([k_new, v_new], 1), layer, batch)
             for i, (r, n) in enumerate(zip(names, lens)):
                 ref = dense_attention(q[i : i + 1], seqs[r]["k"], seqs[r]["v"], n - 1)
                 torch.testing.assert_close(out[i : i + 1].double(), ref, atol=2e-2, rtol=2e-2,

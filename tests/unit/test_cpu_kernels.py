@@ -71,22 +71,33 @@ def test_rotary_rotates_q_and_k_in_place_and_leaves_v_alone(dtype):
 
 
 def paged_case(dtype, lens, num_heads=9, kv_heads=3, dim=64, page=16, seed=3):
-    """A NaN-poisoned pool with each sequence's K/V on scattered pages, and the dense K/V."""
+    """A NaN-poisoned pool holding all but the last token of each sequence on scattered pages;
+    this step's projections (q, k, v of each last token, not yet rotated) with their rotary
+    factors; and the dense K/V and rotated q a reference attends with."""
     g = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-n // page) for n in lens) + 5
     pool = torch.full((2, kv_heads, num_pages, page, dim), float("nan"), dtype=dtype)
     order = torch.randperm(num_pages, generator=g).tolist()
     max_pages = max(-(-n // page) for n in lens)
-    table, dense = [], []
-    for n in lens:
+    heads = num_heads + kv_heads
+    qkv = torch.randn(len(lens), (heads + kv_heads) * dim, generator=g).to(dtype)
+    angles = torch.rand(len(lens), heads, dim // 2, generator=g) * 6.3
+    scales = torch.tensor([dim**-0.5] * num_heads + [1.0] * kv_heads).view(1, -1, 1)
+    factors = torch.polar(scales.expand_as(angles).contiguous(), angles)  # rotation times softmax scale
+    rotated = qkv.clone()
+    LayerOps().rotary_(rotated[:, : heads * dim], factors)
+    table, slots, dense = [], [], []
+    for b, n in enumerate(lens):
         pages = [order.pop() for _ in range(-(-n // page))]
         kv = torch.randn(2, kv_heads, n, dim, generator=g).to(dtype)
-        for i in range(n):
+        kv[:, :, -1] = rotated[b, num_heads * dim :].view(2, kv_heads, dim)  # this step's token
+        for i in range(n - 1):
             pool[:, :, pages[i // page], i % page] = kv[:, :, i]
         table.append(pages + [pages[0]] * (max_pages - len(pages)))
+        slots.append(pages[(n - 1) // page] * page + (n - 1) % page)
         dense.append(kv)
-    q = (torch.randn(len(lens), num_heads * dim, generator=g) * dim**-0.5).to(dtype)
-    return q, pool, torch.tensor(table), torch.tensor(lens), dense
+    args = (qkv, torch.view_as_real(factors), pool, torch.tensor(slots), torch.tensor(table), torch.tensor(lens))
+    return args, rotated[:, : num_heads * dim], dense
 
 
 def reference_attention(q, dense, num_heads, kv_heads, dim):
@@ -99,34 +110,41 @@ def reference_attention(q, dense, num_heads, kv_heads, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_reads_only_each_sequences_pages(dtype):
+def test_decode_attention_rotates_stores_and_reads_only_each_sequences_pages(dtype):
     # Lengths of one token, a whole page, past a page boundary, and long; slots past each
     # length (and unused pages) hold NaN, so reading any of them would show.
     lens = [1, 16, 17, 130, 45]
-    q, pool, table, lens_t, dense = paged_case(dtype, lens)
-    out = torch.ops.cadence.decode_attention(q, pool, table, lens_t, 9)
+    args, q, dense = paged_case(dtype, lens)
+    out = torch.ops.cadence.decode_attention(*args, 9)
     assert out.shape == q.shape and out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out.double(), reference_attention(q, dense, 9, 3, 64),
                                rtol=4 * ulps(dtype), atol=4 * ulps(dtype))
+    pool, slots = args[2], args[3]
+    for b, kv in enumerate(dense):  # the new token's rotated K, and its V, are in the pool
+        page, offset = divmod(int(slots[b]), 16)
+        torch.testing.assert_close(pool[:, :, page, offset], kv[:, :, -1], rtol=ulps(dtype), atol=ulps(dtype))
 
 
-def test_decode_attention_takes_q_as_a_strided_view_and_any_group_size():
-    q, pool, table, lens_t, dense = paged_case(torch.float32, [7, 40], num_heads=8, kv_heads=2, dim=32, page=8)
-    wide = torch.zeros(2, q.shape[1] + 50)
-    wide[:, : q.shape[1]] = q
-    out = torch.ops.cadence.decode_attention(wide[:, : q.shape[1]], pool, table, lens_t, 8)
-    torch.testing.assert_close(out.double(), reference_attention(q, dense, 8, 2, 32), rtol=1e-5, atol=1e-5)
+def test_decode_attention_takes_strided_rows_any_head_dim_and_group_size():
+    args, q, dense = paged_case(torch.float32, [7, 40], num_heads=8, kv_heads=2, dim=24, page=8)
+    qkv = args[0]
+    wide = torch.zeros(2, qkv.shape[1] + 50)
+    wide[:, : qkv.shape[1]] = qkv
+    out = torch.ops.cadence.decode_attention(wide[:, : qkv.shape[1]], *args[1:], 8)
+    torch.testing.assert_close(out.double(), reference_attention(q, dense, 8, 2, 24), rtol=1e-5, atol=1e-5)
 
 
 def test_decode_attention_rejects_bad_tables_and_shapes():
-    q, pool, table, lens_t, _ = paged_case(torch.float32, [5, 20])
+    (qkv, factors, pool, slots, table, lens), _, _ = paged_case(torch.float32, [5, 20])
     bad = table.clone()
     bad[1, 1] = pool.shape[2]  # a page past the pool
     with pytest.raises(RuntimeError, match="outside the pool"):
-        torch.ops.cadence.decode_attention(q, pool, bad, lens_t, 9)
+        torch.ops.cadence.decode_attention(qkv, factors, pool, slots, bad, lens, 9)
     with pytest.raises(RuntimeError, match="seq_lens out of range"):
-        torch.ops.cadence.decode_attention(q, pool, table, torch.tensor([5, 10_000]), 9)
+        torch.ops.cadence.decode_attention(qkv, factors, pool, slots, table, torch.tensor([5, 10_000]), 9)
+    with pytest.raises(RuntimeError, match="last position"):
+        torch.ops.cadence.decode_attention(qkv, factors, pool, slots + 1, table, lens, 9)
     with pytest.raises(RuntimeError, match="same dtype"):
-        torch.ops.cadence.decode_attention(q.bfloat16(), pool, table, lens_t, 9)
+        torch.ops.cadence.decode_attention(qkv.bfloat16(), factors, pool, slots, table, lens, 9)
     with pytest.raises(RuntimeError, match="num_heads"):
-        torch.ops.cadence.decode_attention(q, pool, table, lens_t, 8)
+        torch.ops.cadence.decode_attention(qkv, factors, pool, slots, table, lens, 8)
