@@ -14,6 +14,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -49,6 +52,18 @@ template <typename T>
 inline void store_row(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
+
+#if defined(__AVX512F__)
+// 16 values of a row as float32 lanes.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
 
 // The value a float takes once stored as T (identity for float): the kernels round where
 // torch's own ops would round, so both paths give the same numbers.
@@ -186,6 +201,7 @@ struct DecodeTask {
   const int64_t* lens;
   T* out;                               // [B, H * D]
   int64_t heads, kv_heads, d;
+  static constexpr int64_t kMaxGroups = 8;  // query heads per KV head kept in registers at once
 
   void run(int64_t b, int64_t h, float* qf, float* row, float* acc, std::vector<float>& scores) const {
     const int64_t D = kD > 0 ? kD : d, groups = heads / kv_heads, len = lens[b];
@@ -209,14 +225,10 @@ struct DecodeTask {
     const T* kplane = pool + h * plane;
     const T* vplane = pool + (kv_heads + h) * plane;
     const int64_t* pages = table + b * max_pages;
-    for (int64_t t = 0; t < len; ++t) {
-      load_row(kplane + (pages[t / page_size] * page_size + t % page_size) * D, row, D);
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* qg = qf + g * D;
-        float dot = 0.f;
-        for (int64_t i = 0; i < D; ++i) dot += qg[i] * row[i];
-        scores[g * len + t] = dot;
-      }
+    // Page by page: no division per token (a 64-bit divide costs more than a token's dot products).
+    for (int64_t start = 0, p = 0; start < len; start += page_size, ++p) {
+      score_rows(kplane + pages[p] * page_size * D, std::min(page_size, len - start), qf, groups,
+                 scores.data() + start, len);
     }
     for (int64_t g = 0; g < groups; ++g) {
       float* s = scores.data() + g * len;
@@ -230,15 +242,98 @@ struct DecodeTask {
       for (int64_t t = 0; t < len; ++t) s[t] *= inv;
     }
     std::fill(acc, acc + groups * D, 0.f);
-    for (int64_t t = 0; t < len; ++t) {
-      load_row(vplane + (pages[t / page_size] * page_size + t % page_size) * D, row, D);
-      for (int64_t g = 0; g < groups; ++g) {
-        const float p = scores[g * len + t];
-        float* a = acc + g * D;
-        for (int64_t i = 0; i < D; ++i) a[i] += p * row[i];
-      }
+    for (int64_t start = 0, p = 0; start < len; start += page_size, ++p) {
+      weigh_rows(vplane + pages[p] * page_size * D, std::min(page_size, len - start), scores.data() + start, len,
+                 groups, acc, row);
     }
     for (int64_t g = 0; g < groups; ++g) store_row(acc + g * D, out + b * heads * D + (h * groups + g) * D, D);
+  }
+
+  // scores[g * stride + t] = q_g . k_t for the n rows of k (one page, contiguous). Each k
+  // row is loaded once for all the groups.
+  void score_rows(const T* k, int64_t n, const float* qf, int64_t groups, float* scores, int64_t stride) const {
+    const int64_t D = kD > 0 ? kD : d;
+#if defined(__AVX512F__)
+    if constexpr (kD > 0 && kD % 32 == 0) {
+      constexpr int kV = kD / 16;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        // bfloat16 pairs straight into float32 sums (q rounded to bfloat16, as torch's path
+        // stores it); no conversion of k at all.
+        constexpr int kP = kD / 32;
+        for (int64_t g0 = 0; g0 < groups; g0 += kMaxGroups) {
+          const int64_t ng = std::min<int64_t>(kMaxGroups, groups - g0);
+          __m512bh q[kMaxGroups][kP];
+          for (int64_t g = 0; g < ng; ++g) {
+            const float* src = qf + (g0 + g) * kD;
+            for (int j = 0; j < kP; ++j) {
+              q[g][j] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 32 * j + 16), _mm512_loadu_ps(src + 32 * j));
+            }
+          }
+          for (int64_t t = 0; t < n; ++t) {
+            __m512bh kk[kP];
+            for (int j = 0; j < kP; ++j) kk[j] = (__m512bh)_mm512_loadu_si512(k + t * kD + 32 * j);
+            for (int64_t g = 0; g < ng; ++g) {
+              __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g][0], kk[0]);
+              for (int j = 1; j < kP; ++j) dot = _mm512_dpbf16_ps(dot, q[g][j], kk[j]);
+              scores[(g0 + g) * stride + t] = _mm512_reduce_add_ps(dot);
+            }
+          }
+        }
+        return;
+      }
+#endif
+      for (int64_t t = 0; t < n; ++t) {
+        __m512 kk[kV];
+        for (int v = 0; v < kV; ++v) kk[v] = load16(k + t * kD + 16 * v);
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* q = qf + g * kD;
+          __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q), kk[0]);
+          for (int v = 1; v < kV; ++v) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * v), kk[v], dot);
+          scores[g * stride + t] = _mm512_reduce_add_ps(dot);
+        }
+      }
+      return;
+    }
+#endif
+    std::vector<float> row(D);
+    for (int64_t t = 0; t < n; ++t) {
+      load_row(k + t * D, row.data(), D);
+      for (int64_t g = 0; g < groups; ++g) {
+        float dot = 0.f;
+        for (int64_t i = 0; i < D; ++i) dot += qf[g * D + i] * row[i];
+        scores[g * stride + t] = dot;
+      }
+    }
+  }
+
+  // acc[g] += sum_t p[g * stride + t] * v_t for the n rows of v (one page, contiguous);
+  // `row` is scratch of n * D floats.
+  void weigh_rows(const T* v, int64_t n, const float* p, int64_t stride, int64_t groups, float* acc,
+                  float* row) const {
+    const int64_t D = kD > 0 ? kD : d;
+    load_row(v, row, n * D);  // each value converted once, then read by every group
+#if defined(__AVX512F__)
+    if constexpr (kD > 0 && kD % 32 == 0) {
+      constexpr int kV = kD / 16;
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512 a[kV];
+        for (int i = 0; i < kV; ++i) a[i] = _mm512_loadu_ps(acc + g * kD + 16 * i);
+        for (int64_t t = 0; t < n; ++t) {
+          const __m512 w = _mm512_set1_ps(p[g * stride + t]);
+          for (int i = 0; i < kV; ++i) a[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + t * kD + 16 * i), a[i]);
+        }
+        for (int i = 0; i < kV; ++i) _mm512_storeu_ps(acc + g * kD + 16 * i, a[i]);
+      }
+      return;
+    }
+#endif
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float w = p[g * stride + t];
+        for (int64_t i = 0; i < D; ++i) acc[g * D + i] += w * row[t * D + i];
+      }
+    }
   }
 
   static void rotate(float* x, const float* f, int64_t half) {
@@ -254,7 +349,7 @@ template <typename T, int kD>
 void decode_tasks(const DecodeTask<T, kD>& task, int64_t bs) {
   const int64_t d = kD > 0 ? kD : task.d, groups = task.heads / task.kv_heads;
   at::parallel_for(0, bs * task.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(groups * d), row(d), acc(groups * d), scores;
+    std::vector<float> qf(groups * d), row(task.page_size * d), acc(groups * d), scores;
     for (int64_t i = begin; i < end; ++i) {
       task.run(i / task.kv_heads, i % task.kv_heads, qf.data(), row.data(), acc.data(), scores);
     }
