@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import platform
 
 import torch
 
@@ -28,6 +30,35 @@ def _meminfo_bytes(key: str) -> int | None:
     except OSError:
         pass
     return None
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+@functools.lru_cache(maxsize=1)
+def _keep_freed_memory() -> bool:
+    """Keep the memory of freed tensors in the process for the next step.
+
+    By default glibc serves every allocation above 128 KiB (a decode step's logits,
+    a batch's MLP activations) with a fresh mmap and unmaps it on free, and trims the
+    heap top back to the OS: each step then faults its activations in again, page by page
+    (~430 page faults a step at batch 32, ~5% of the step). Raising the mmap threshold to
+    its 32 MiB maximum and the trim threshold keeps that memory mapped; what a step frees
+    the next one reuses. Returns False where the C library is not glibc.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok = mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
+    ok &= mallopt(_M_TRIM_THRESHOLD, 512 << 20) == 1
+    ok &= mallopt(_M_TOP_PAD, 64 << 20) == 1
+    return bool(ok)
 
 
 class CpuPlatform(TorchNativeFactories, Platform):
@@ -71,6 +102,7 @@ class CpuPlatform(TorchNativeFactories, Platform):
         return super().make_attention_backend(kv_pool, num_heads, num_kv_heads, head_dim)
 
     def init_backend(self) -> None:
+        _keep_freed_memory()
         num_threads = envs.num_threads()
         if num_threads is not None and torch.get_num_threads() != num_threads:
             torch.set_num_threads(num_threads)

@@ -198,3 +198,36 @@ def test_cpu_platform_decisions():
     assert torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=b))
     cpu.synchronize()  # nothing queued on the host: returns at once
     cpu.empty_cache()
+
+
+HEAP_PROBE = """
+import sys, torch
+if sys.argv[1] == "tuned":
+    from cadence.platforms.cpu import CpuPlatform, _keep_freed_memory
+    CpuPlatform().init_backend()
+    assert _keep_freed_memory()
+t = torch.empty(20 << 20, dtype=torch.uint8)
+for line in open("/proc/self/maps"):
+    if line.rstrip().endswith("[heap]"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        print("heap" if lo <= t.data_ptr() < hi else "mmap")
+        break
+else:
+    print("mmap")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc tuning is Linux-only")
+def test_cpu_backend_serves_step_sized_tensors_from_the_heap_not_fresh_mmaps():
+    """A 20 MiB activation comes from the heap once the CPU backend is set up (freed, it
+    stays mapped for the next step), and from a fresh mmap, faulted in page by page on
+    every step, in a process without that tuning. Fresh processes: the default threshold
+    moves as a process frees large blocks."""
+    import platform
+    import subprocess
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("the C library is not glibc")
+    where = {mode: subprocess.run([sys.executable, "-c", HEAP_PROBE, mode], capture_output=True, text=True,
+                                  check=True).stdout.strip() for mode in ("tuned", "default")}
+    assert where == {"tuned": "heap", "default": "mmap"}
