@@ -201,7 +201,6 @@ struct DecodeTask {
   const int64_t* lens;
   T* out;                               // [B, H * D]
   int64_t heads, kv_heads, d;
-  static constexpr int64_t kMaxGroups = 8;  // query heads per KV head kept in registers at once
 
   void run(int64_t b, int64_t h, float* qf, float* row, float* acc, std::vector<float>& scores) const {
     const int64_t D = kD > 0 ? kD : d, groups = heads / kv_heads, len = lens[b];
@@ -246,52 +245,49 @@ struct DecodeTask {
       weigh_rows(vplane + pages[p] * page_size * D, std::min(page_size, len - start), scores.data() + start, len,
                  groups, acc, row);
     }
+    if constexpr (kPairedV) unpermute_acc(acc, groups * D, row);
     for (int64_t g = 0; g < groups; ++g) store_row(acc + g * D, out + b * heads * D + (h * groups + g) * D, D);
   }
 
-  // scores[g * stride + t] = q_g . k_t for the n rows of k (one page, contiguous). Each k
-  // row is loaded once for all the groups.
+  // scores[g * stride + t] = q_g . k_t for the n rows of k (one page, contiguous).
   void score_rows(const T* k, int64_t n, const float* qf, int64_t groups, float* scores, int64_t stride) const {
     const int64_t D = kD > 0 ? kD : d;
 #if defined(__AVX512F__)
     if constexpr (kD > 0 && kD % 32 == 0) {
-      constexpr int kV = kD / 16;
+      // Sixteen tokens at a time: sixteen dot products as vectors, then one transposing
+      // reduction instead of sixteen horizontal sums.
+      for (int64_t g = 0; g < groups; ++g) {
+        float* out = scores + g * stride;
+        const float* qg = qf + g * kD;
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        // bfloat16 pairs straight into float32 sums (q rounded to bfloat16, as torch's path
-        // stores it); no conversion of k at all.
-        constexpr int kP = kD / 32;
-        for (int64_t g0 = 0; g0 < groups; g0 += kMaxGroups) {
-          const int64_t ng = std::min<int64_t>(kMaxGroups, groups - g0);
-          __m512bh q[kMaxGroups][kP];
-          for (int64_t g = 0; g < ng; ++g) {
-            const float* src = qf + (g0 + g) * kD;
-            for (int j = 0; j < kP; ++j) {
-              q[g][j] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 32 * j + 16), _mm512_loadu_ps(src + 32 * j));
-            }
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          // bfloat16 pairs straight into float32 sums (q rounded to bfloat16, as torch's path
+          // stores it); k is never converted.
+          constexpr int kP = kD / 32;
+          __m512bh q[kP];
+          for (int j = 0; j < kP; ++j) {
+            q[j] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 32 * j + 16), _mm512_loadu_ps(qg + 32 * j));
           }
-          for (int64_t t = 0; t < n; ++t) {
-            __m512bh kk[kP];
-            for (int j = 0; j < kP; ++j) kk[j] = (__m512bh)_mm512_loadu_si512(k + t * kD + 32 * j);
-            for (int64_t g = 0; g < ng; ++g) {
-              __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g][0], kk[0]);
-              for (int j = 1; j < kP; ++j) dot = _mm512_dpbf16_ps(dot, q[g][j], kk[j]);
-              scores[(g0 + g) * stride + t] = _mm512_reduce_add_ps(dot);
+          auto dot = [&](int64_t t) {
+            __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(k + t * kD));
+            for (int j = 1; j < kP; ++j) {
+              acc = _mm512_dpbf16_ps(acc, q[j], (__m512bh)_mm512_loadu_si512(k + t * kD + 32 * j));
             }
-          }
+            return acc;
+          };
+          score_blocks(dot, n, out);
+          continue;
         }
-        return;
-      }
 #endif
-      for (int64_t t = 0; t < n; ++t) {
-        __m512 kk[kV];
-        for (int v = 0; v < kV; ++v) kk[v] = load16(k + t * kD + 16 * v);
-        for (int64_t g = 0; g < groups; ++g) {
-          const float* q = qf + g * kD;
-          __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q), kk[0]);
-          for (int v = 1; v < kV; ++v) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * v), kk[v], dot);
-          scores[g * stride + t] = _mm512_reduce_add_ps(dot);
-        }
+        constexpr int kV = kD / 16;
+        __m512 q[kV];
+        for (int v = 0; v < kV; ++v) q[v] = _mm512_loadu_ps(qg + 16 * v);
+        auto dot = [&](int64_t t) {
+          __m512 acc = _mm512_mul_ps(q[0], load16(k + t * kD));
+          for (int v = 1; v < kV; ++v) acc = _mm512_fmadd_ps(q[v], load16(k + t * kD + 16 * v), acc);
+          return acc;
+        };
+        score_blocks(dot, n, out);
       }
       return;
     }
@@ -307,11 +303,78 @@ struct DecodeTask {
     }
   }
 
+#if defined(__AVX512F__)
+  // out[t] = the sum of dot(t)'s lanes, for t < n.
+  template <typename Dot>
+  static void score_blocks(const Dot& dot, int64_t n, float* out) {
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+      __m512 v[16];
+      for (int i = 0; i < 16; ++i) v[i] = dot(t + i);
+      _mm512_storeu_ps(out + t, reduce16(v));
+    }
+    for (; t < n; ++t) out[t] = _mm512_reduce_add_ps(dot(t));
+  }
+
+  // Lane i of the result is the sum of v[i]'s sixteen lanes.
+  static __m512 reduce16(const __m512* v) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+      w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    }
+    for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of v[4i .. 4i+3]
+      x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
+                           _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+    }
+    for (int i = 0; i < 2; ++i) {  // lanes 0+1 and 2+3 of x[2i], then of x[2i+1]
+      y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+    }
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  }
+#endif
+
+  // Whether weigh_rows keeps acc in its pair-interleaved order (see unpermute_acc).
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  static constexpr bool kPairedV = std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0;
+#else
+  static constexpr bool kPairedV = false;
+#endif
+
   // acc[g] += sum_t p[g * stride + t] * v_t for the n rows of v (one page, contiguous);
   // `row` is scratch of n * D floats.
   void weigh_rows(const T* v, int64_t n, const float* p, int64_t stride, int64_t groups, float* acc,
                   float* row) const {
     const int64_t D = kD > 0 ? kD : d;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if constexpr (kPairedV) {
+      // Two tokens per instruction: their V rows interleaved into (v_t[i], v_t+1[i]) pairs, the
+      // weights rounded to a bfloat16 pair (as torch's bfloat16 path rounds its softmax). The
+      // float32 sums then sit in a fixed permutation of the head dimension (unpermute_acc).
+      constexpr int kP = kD / 32;
+      for (int64_t t = 0; t < n; t += 2) {
+        __m512i lo[kP], hi[kP];
+        for (int j = 0; j < kP; ++j) {
+          const __m512i a = _mm512_loadu_si512(v + t * kD + 32 * j);
+          const __m512i b = t + 1 < n ? _mm512_loadu_si512(v + (t + 1) * kD + 32 * j) : _mm512_setzero_si512();
+          lo[j] = _mm512_unpacklo_epi16(a, b);
+          hi[j] = _mm512_unpackhi_epi16(a, b);
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+          const float w0 = p[g * stride + t], w1 = t + 1 < n ? p[g * stride + t + 1] : 0.f;
+          const uint32_t pair = static_cast<uint32_t>(c10::BFloat16(w0).x) |
+                                (static_cast<uint32_t>(c10::BFloat16(w1).x) << 16);
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          float* a = acc + g * kD;
+          for (int j = 0; j < kP; ++j) {
+            _mm512_storeu_ps(a + 32 * j, _mm512_dpbf16_ps(_mm512_loadu_ps(a + 32 * j), (__m512bh)lo[j], w));
+            _mm512_storeu_ps(a + 32 * j + 16, _mm512_dpbf16_ps(_mm512_loadu_ps(a + 32 * j + 16), (__m512bh)hi[j], w));
+          }
+        }
+      }
+      return;
+    }
+#endif
     load_row(v, row, n * D);  // each value converted once, then read by every group
 #if defined(__AVX512F__)
     if constexpr (kD > 0 && kD % 32 == 0) {
@@ -333,6 +396,20 @@ struct DecodeTask {
         const float w = p[g * stride + t];
         for (int64_t i = 0; i < D; ++i) acc[g * D + i] += w * row[t * D + i];
       }
+    }
+  }
+
+  // The paired weighing leaves, per 32 dims and per 128-bit lane k of its two vectors, dims
+  // 8k..8k+3 in the first vector's lane and 8k+4..8k+7 in the second's: put them in order.
+  static void unpermute_acc(float* acc, int64_t n, float* scratch) {
+    for (int64_t base = 0; base < n; base += 32) {
+      for (int k = 0; k < 4; ++k) {
+        for (int j = 0; j < 4; ++j) {
+          scratch[8 * k + j] = acc[base + 4 * k + j];
+          scratch[8 * k + 4 + j] = acc[base + 16 + 4 * k + j];
+        }
+      }
+      std::copy(scratch, scratch + 32, acc + base);
     }
   }
 
