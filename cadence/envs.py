@@ -44,6 +44,13 @@ def cpu_kernels() -> bool:
     return _get("CADENCE_CPU_KERNELS", "1") not in ("0", "false", "no")
 
 
+def cpu_kernels_cflags() -> list[str] | None:
+    """CADENCE_CPU_KERNELS_CFLAGS: compiler flags for the CPU kernels instead of the defaults
+    (space-separated), e.g. to build them for an older instruction set than this CPU's."""
+    value = _get("CADENCE_CPU_KERNELS_CFLAGS")
+    return None if value is None else value.split()
+
+
 # A decode step is hundreds of small parallel torch ops. OpenMP's default (spin ~ms before
 # sleeping) lets an idle worker hold a core another process needs: on a shared 2-core machine
 # the served scheduler ran ~10x slower. OMP_WAIT_POLICY=PASSIVE avoids that but pays a futex

@@ -30,11 +30,15 @@ NAME = "cadence_cpu_ops"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
+def _cflags() -> list[str]:
+    return envs.cpu_kernels_cflags() or CFLAGS
+
+
 def _build_dir() -> str:
     with open(SOURCE, "rb") as f:
         key = hashlib.sha256(f.read())
     key.update(torch.__version__.encode())
-    key.update(" ".join(CFLAGS).encode())
+    key.update(" ".join(_cflags()).encode())
     try:  # -march=native: a library built for one CPU may not run on another
         with open("/proc/cpuinfo") as f:
             key.update(next((line for line in f if line.startswith("flags")), "").encode())
@@ -57,7 +61,7 @@ def _load(verbose: bool = False) -> None:
     os.makedirs(build_dir, exist_ok=True)
     logger.info("building Cadence's CPU kernels in %s (once, ~15 s)", build_dir)
     # load() takes a file lock on build_dir, so processes starting together build once.
-    load(name=NAME, sources=[SOURCE], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+    load(name=NAME, sources=[SOURCE], extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
          build_directory=build_dir, is_python_module=False, verbose=verbose)
 
 
