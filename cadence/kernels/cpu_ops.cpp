@@ -495,12 +495,73 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& factors, at
   return out;
 }
 
+// float32 logits of a bfloat16/float16 LM head, with every logit that can still be its row's
+// maximum recomputed in float32 from `hidden` [rows, H] and `weight` [vocab, H]: rounding
+// moves a value by at most 2^-8 of itself, so every token that can hold the true maximum is
+// within 2^-6 of the rounded maximum (see cadence.layers.linear.refine_top_logits, the same
+// rule on torch ops). One pass converts and finds each chunk's maximum, a second recomputes
+// the few candidates.
+at::Tensor refined_logits(const at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight) {
+  check_rows(logits, "logits");
+  check_rows(hidden, "hidden");
+  TORCH_CHECK(logits.scalar_type() == hidden.scalar_type() && weight.scalar_type() == hidden.scalar_type(),
+              "logits, hidden and weight must have the same dtype");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(0) == logits.size(1) &&
+                  weight.size(1) == hidden.size(1) && hidden.size(0) == logits.size(0),
+              "weight must be a contiguous [vocab, hidden] tensor matching logits and hidden");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), h = hidden.size(1);
+  constexpr int64_t kChunk = 4096;
+  const int64_t chunks = (vocab + kChunk - 1) / kChunk;
+  auto out = at::empty({rows, vocab}, logits.options().dtype(at::kFloat));
+  std::vector<float> chunk_max(rows * chunks), floor(rows);
+  CADENCE_DISPATCH(logits.scalar_type(), "refined_logits", [&] {
+    const scalar_t* src = logits.data_ptr<scalar_t>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / chunks, lo = (i % chunks) * kChunk, n = std::min(kChunk, vocab - lo);
+        float* o = dst + r * vocab + lo;
+        load_row(src + r * logits.stride(0) + lo, o, n);
+        chunk_max[i] = *std::max_element(o, o + n);
+      }
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      const float top = *std::max_element(chunk_max.begin() + r * chunks, chunk_max.begin() + (r + 1) * chunks);
+      floor[r] = top - (std::fabs(top) * 0.015625f + 1e-3f);
+    }
+    const scalar_t* hd = hidden.data_ptr<scalar_t>();
+    const scalar_t* wd = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> hf(h), wf(h);
+      int64_t loaded = -1;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / chunks, lo = (i % chunks) * kChunk, n = std::min(kChunk, vocab - lo);
+        if (chunk_max[i] < floor[r]) continue;
+        float* o = dst + r * vocab + lo;
+        for (int64_t j = 0; j < n; ++j) {
+          if (o[j] < floor[r]) continue;
+          if (loaded != r) {
+            load_row(hd + r * hidden.stride(0), hf.data(), h);
+            loaded = r;
+          }
+          load_row(wd + (lo + j) * h, wf.data(), h);
+          float dot = 0.f;
+          for (int64_t k = 0; k < h; ++k) dot += hf[k] * wf[k];
+          o[j] = dot;
+        }
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cadence, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("refined_logits(Tensor logits, Tensor hidden, Tensor weight) -> Tensor");
   m.def("rotary_(Tensor(a!) qk, Tensor factors) -> ()");
   m.def("decode_attention(Tensor qkv, Tensor factors, Tensor(a!) kv_buffer, Tensor slots, Tensor page_table, "
         "Tensor seq_lens, int num_heads) -> Tensor");
@@ -510,6 +571,7 @@ TORCH_LIBRARY_IMPL(cadence, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("refined_logits", &refined_logits);
   m.impl("rotary_", &rotary_);
   m.impl("decode_attention", &decode_attention);
 }

@@ -10,9 +10,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cadence.layers.linear import refine_top_logits
+
 
 class LayerOps:
-    """RMSNorm, the residual add fused into it, SiLU-and-multiply and rotary embedding.
+    """RMSNorm, the residual add fused into it, SiLU-and-multiply, rotary embedding, and the
+    float32 logits of a low-precision LM head.
 
     Invariants: inputs are 2-D [tokens, features] with a contiguous last dimension (rows may
     be strided views); outputs have the input's dtype. `add_rms_norm_` and `rotary_` write
@@ -32,6 +35,11 @@ class LayerOps:
         """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
         inter = gate_up.shape[-1] // 2
         return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+
+    def refined_logits(self, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """float32 logits from a bfloat16/float16 LM head output [rows, vocab], the ones that
+        can still be their row's maximum recomputed in float32 (`refine_top_logits`)."""
+        return refine_top_logits(logits.float(), hidden, weight)
 
     def rope_factors(self, factors: torch.Tensor) -> torch.Tensor:
         """This step's complex64 [T, heads, D/2] factors in the form `rotary_` takes (once per step)."""
@@ -62,6 +70,9 @@ class CpuFusedOps(LayerOps):
 
     def silu_and_mul(self, gate_up):
         return self._ops.silu_and_mul(gate_up)
+
+    def refined_logits(self, logits, hidden, weight):
+        return self._ops.refined_logits(logits, hidden, weight)
 
     def rope_factors(self, factors):
         return torch.view_as_real(factors)  # float32 [T, heads, D/2, 2]

@@ -13,7 +13,7 @@ from torch import nn
 from cadence.layers.attention import AttentionBackend
 from cadence.layers.forward_batch import ForwardBatch
 from cadence.layers.layer_ops import LayerOps
-from cadence.layers.linear import Linear, refine_top_logits
+from cadence.layers.linear import Linear
 from cadence.model_loader.config import ModelConfig
 
 
@@ -145,10 +145,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> float32 logits [rows, vocab]. From a bfloat16/float16 model the
         logits near each row's maximum are recomputed in float32 (`refine_top_logits`)."""
-        logits = self.lm_head_linear(hidden).float()
+        logits = self.lm_head_linear(hidden)
         if hidden.dtype in (torch.bfloat16, torch.float16):
-            refine_top_logits(logits, hidden, self.lm_head_weight)
-        return logits
+            return self.ops.refined_logits(logits, hidden, self.lm_head_weight)
+        return logits.float()
 
     # ---- weight loading -------------------------------------------------------------
 

@@ -148,3 +148,24 @@ def test_decode_attention_rejects_bad_tables_and_shapes():
         torch.ops.cadence.decode_attention(qkv.bfloat16(), factors, pool, slots, table, lens, 9)
     with pytest.raises(RuntimeError, match="num_heads"):
         torch.ops.cadence.decode_attention(qkv, factors, pool, slots, table, lens, 8)
+
+
+@pytest.mark.parametrize("vocab", [100, 9000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_refined_logits_match_torch_and_recover_the_exact_greedy_token(dtype, vocab):
+    """The LM head's rounded output as float32, every logit that can be its row's maximum
+    recomputed: the float64 argmax, the same values as the torch path, in one kernel."""
+    g = torch.Generator().manual_seed(vocab)
+    hidden = torch.randn(40, 64 + 9, generator=g).to(dtype)[:, 9:]  # strided rows
+    weight = (torch.randn(vocab, 64, generator=g) * 3).to(dtype)  # logits of a few tens: coarse steps
+    exact = hidden.double() @ weight.double().T
+    rounded = torch.nn.functional.linear(hidden, weight)
+    got = CpuFusedOps().refined_logits(rounded, hidden, weight)
+    assert got.dtype == torch.float32 and got.shape == (40, vocab)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    if dtype == torch.bfloat16 and vocab > 1000:
+        assert (rounded.float().argmax(-1) != exact.argmax(-1)).any()  # without it, greedy picks flip
+    want = LayerOps().refined_logits(rounded, hidden, weight)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    untouched = got == rounded.float()
+    assert untouched.float().mean() > 0.9  # only the candidates near the top were recomputed
