@@ -352,25 +352,34 @@ struct DecodeTask {
       // weights rounded to a bfloat16 pair (as torch's bfloat16 path rounds its softmax). The
       // float32 sums then sit in a fixed permutation of the head dimension (unpermute_acc).
       constexpr int kP = kD / 32;
-      for (int64_t t = 0; t < n; t += 2) {
-        __m512i lo[kP], hi[kP];
+      // The page's rows interleaved once into pairs (scratch: (n + 1) / 2 pairs of 2 * kP
+      // vectors, the same bytes as the page), then each group sums over them in registers.
+      __m512i* pairs = reinterpret_cast<__m512i*>(row);
+      const int64_t num_pairs = (n + 1) / 2;
+      for (int64_t q = 0; q < num_pairs; ++q) {
+        const int64_t t = 2 * q;
         for (int j = 0; j < kP; ++j) {
           const __m512i a = _mm512_loadu_si512(v + t * kD + 32 * j);
           const __m512i b = t + 1 < n ? _mm512_loadu_si512(v + (t + 1) * kD + 32 * j) : _mm512_setzero_si512();
-          lo[j] = _mm512_unpacklo_epi16(a, b);
-          hi[j] = _mm512_unpackhi_epi16(a, b);
+          _mm512_storeu_si512(pairs + q * 2 * kP + 2 * j, _mm512_unpacklo_epi16(a, b));
+          _mm512_storeu_si512(pairs + q * 2 * kP + 2 * j + 1, _mm512_unpackhi_epi16(a, b));
         }
-        for (int64_t g = 0; g < groups; ++g) {
-          const float w0 = p[g * stride + t], w1 = t + 1 < n ? p[g * stride + t + 1] : 0.f;
-          const uint32_t pair = static_cast<uint32_t>(c10::BFloat16(w0).x) |
-                                (static_cast<uint32_t>(c10::BFloat16(w1).x) << 16);
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        float* a = acc + g * kD;
+        __m512 sum[2 * kP];
+        for (int j = 0; j < 2 * kP; ++j) sum[j] = _mm512_loadu_ps(a + 16 * j);
+        const float* pg = p + g * stride;
+        for (int64_t q = 0; q < num_pairs; ++q) {
+          const int64_t t = 2 * q;
+          const uint32_t pair = static_cast<uint32_t>(c10::BFloat16(pg[t]).x) |
+                                (static_cast<uint32_t>(c10::BFloat16(t + 1 < n ? pg[t + 1] : 0.f).x) << 16);
           const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-          float* a = acc + g * kD;
-          for (int j = 0; j < kP; ++j) {
-            _mm512_storeu_ps(a + 32 * j, _mm512_dpbf16_ps(_mm512_loadu_ps(a + 32 * j), (__m512bh)lo[j], w));
-            _mm512_storeu_ps(a + 32 * j + 16, _mm512_dpbf16_ps(_mm512_loadu_ps(a + 32 * j + 16), (__m512bh)hi[j], w));
+          for (int j = 0; j < 2 * kP; ++j) {
+            sum[j] = _mm512_dpbf16_ps(sum[j], (__m512bh)_mm512_loadu_si512(pairs + q * 2 * kP + j), w);
           }
         }
+        for (int j = 0; j < 2 * kP; ++j) _mm512_storeu_ps(a + 16 * j, sum[j]);
       }
       return;
     }
