@@ -20,6 +20,12 @@ class AttentionBackend(ABC):
     Queries arrive already multiplied by the softmax scale.
     """
 
+    decode_reads_whole_pages: bool = True
+    """Decode reads each request's pages whole and masks the slots past its length, so it needs
+    `ForwardBatch.page_rows` and `kv_mask`, and freshly allocated pages zeroed (a masked slot
+    still multiplies its V by 0, and stale memory could hold NaN). False for a backend that
+    reads only each sequence's own slots; the runner then skips all three."""
+
     def __init__(self, kv_pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
         self.kv_pool = kv_pool
         self.num_heads = num_heads
@@ -156,6 +162,8 @@ class CpuPagedBackend(TorchNativeBackend):
     The kernel scores each sequence only up to its length, so no mask and no padding enter
     the softmax; it accumulates in float32 whatever the pool's dtype.
     """
+
+    decode_reads_whole_pages = False  # and prefill cuts its gathered prefix to the sequence
 
     def forward_qkv(self, qkv, rope_factors, ops, layer_id, batch):
         if not batch.is_decode:

@@ -48,9 +48,6 @@ class LlamaDecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.eps = config.rms_norm_eps
         h, q_dim, kv_dim = config.hidden_size, config.q_dim, config.kv_dim
-        self.q_dim, self.kv_dim = q_dim, kv_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         self.input_norm = nn.Parameter(torch.ones(h))
         self.post_attention_norm = nn.Parameter(torch.ones(h))
         self.qkv_proj = nn.Parameter(torch.empty(q_dim + 2 * kv_dim, h))  # rows: q | k | v
@@ -58,7 +55,6 @@ class LlamaDecoderLayer(nn.Module):
         self.o_proj = nn.Parameter(torch.empty(h, q_dim))
         self.gate_up_proj = nn.Parameter(torch.empty(2 * config.intermediate_size, h))  # rows: gate | up
         self.down_proj = nn.Parameter(torch.empty(h, config.intermediate_size))
-        self.inter = config.intermediate_size
 
     def build_linears(self, make_linear) -> list[tuple[nn.Parameter, Linear]]:
         self.qkv = make_linear(self.qkv_proj, self.qkv_bias)

@@ -156,10 +156,12 @@ class ModelRunner:
         table = [r.pages[: self.pages_for(n)] for r, n in zip(reqs, seq_lens)]
         page_table = torch.tensor([p + [p[0]] * (max_pages - len(p)) for p in table], dtype=torch.int64, device=dev)
         width = max_pages * self.page_size
-        kv_mask = None
-        if min(seq_lens) != width:
-            # True past each row's length, broadcast over [KVH, B, G, width] scores.
-            kv_mask = (torch.arange(width, device=dev).unsqueeze(0) >= lens_t.unsqueeze(1)).view(1, len(reqs), 1, -1)
+        kv_mask = page_rows = None
+        if self.attn.decode_reads_whole_pages:
+            page_rows = self.kv_pool.page_rows(page_table)
+            if min(seq_lens) != width:
+                # True past each row's length, broadcast over [KVH, B, G, width] scores.
+                kv_mask = (torch.arange(width, device=dev).unsqueeze(0) >= lens_t.unsqueeze(1)).view(1, len(reqs), 1, -1)
         batch = ForwardBatch(
             is_decode=True,
             input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev),
@@ -171,7 +173,7 @@ class ModelRunner:
             prefix_lens=[n - 1 for n in seq_lens],
             page_table=page_table,
             kv_lens=lens_t,
-            page_rows=self.kv_pool.page_rows(page_table),
+            page_rows=page_rows,
             kv_mask=kv_mask,
             decode_continues=continues,
         )
@@ -186,15 +188,15 @@ class ModelRunner:
             self.attn.release_decode_state()
 
     def _zero_fresh_pages(self) -> None:
-        """Zero the pages handed out for this step. Decode attention reads whole pages and
-        masks the slots past each sequence; a masked slot still multiplies its V by 0, and
-        stale memory there could hold NaN (0 * NaN = NaN). The pool itself is never zeroed
-        up front, so untouched pages cost no memory."""
-        if self._fresh_pages:
+        """Zero the pages handed out for this step, where the attention backend's decode reads
+        whole pages (`AttentionBackend.decode_reads_whole_pages`): a masked slot still
+        multiplies its V by 0, and stale memory there could hold NaN (0 * NaN = NaN). The pool
+        itself is never zeroed up front, so untouched pages cost no memory."""
+        if self._fresh_pages and self.attn.decode_reads_whole_pages:
             pages = torch.tensor(self._fresh_pages, dtype=torch.int64, device=self.device)
             for buf in self.kv_pool.kv_buffer:
                 buf.index_fill_(2, pages, 0)
-            self._fresh_pages.clear()
+        self._fresh_pages.clear()
 
     @staticmethod
     def _to_host(logits: torch.Tensor) -> torch.Tensor:

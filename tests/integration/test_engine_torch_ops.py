@@ -46,3 +46,31 @@ def test_both_paths_generate_the_same_greedy_tokens(engine, torch_ops_engine, as
         assert a["output_ids"] == b["output_ids"], (a["text"], b["text"])
     assert_engine_idle(torch_ops_engine)
     assert_engine_idle(engine)
+
+
+def poison_next_pages(engine, count: int = 256) -> int:
+    """Fill the pages the allocator hands out next with NaN, in every layer (stale memory)."""
+    import torch
+
+    def fill(s):
+        pages = torch.tensor(s.runner.allocator.free_pages[-count:], dtype=torch.int64)
+        for buf in s.runner.kv_pool.kv_buffer:
+            buf.index_fill_(2, pages, float("nan"))
+        return len(pages)
+
+    return engine.run_in_scheduler(fill)
+
+
+@pytest.mark.parametrize("which", ["cpu-kernels", "torch-ops"])
+def test_stale_nan_in_fresh_pages_changes_nothing(which, engine, torch_ops_engine, assert_engine_idle):
+    """The torch path reads whole pages and has the runner zero each fresh one; the kernel
+    path reads only each sequence's own slots and skips the zeroing. Either way, NaN left
+    in reused pages must not reach the output."""
+    e = engine if which == "cpu-kernels" else torch_ops_engine
+    if which == "cpu-kernels" and not cadence.kernels.cpu_kernels_available():
+        pytest.skip("Cadence's CPU kernels could not be built on this machine")
+    clean = [r["output_ids"] for r in e.generate(PROMPTS, GREEDY_32)]
+    assert poison_next_pages(e) >= 64
+    poisoned = [r["output_ids"] for r in e.generate(PROMPTS, GREEDY_32)]
+    assert poisoned == clean
+    assert_engine_idle(e)
