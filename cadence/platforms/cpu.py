@@ -36,26 +36,30 @@ def _meminfo_bytes(key: str) -> int | None:
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
 
-@functools.lru_cache(maxsize=1)
-def _keep_freed_memory() -> bool:
-    """Keep the memory of freed tensors in the process for the next step.
+def _settle_heap() -> bool:
+    """Give back what loading left in the heap, then keep the memory of freed tensors in the
+    process for the next step.
 
-    By default glibc serves every allocation above 128 KiB (a decode step's logits,
-    a batch's MLP activations) with a fresh mmap and unmaps it on free, and trims the
-    heap top back to the OS: each step then faults its activations in again, page by page
-    (~430 page faults a step at batch 32, ~5% of the step). Raising the mmap threshold to
-    its 32 MiB maximum and the trim threshold to 128 MiB keeps that memory mapped; what a
-    step frees the next one reuses, and a process holds at most ~128 MiB per allocation
-    arena beyond what it uses. Returns False where the C library is not glibc.
+    Loading (GGUF dequantization, packing) frees a few hundred MiB of temporaries that the
+    heap would otherwise hold on to: `malloc_trim` returns them (~240 MiB for the default
+    model). Then, by default glibc serves every allocation above 128 KiB (a decode step's
+    logits, a batch's MLP activations) with a fresh mmap and unmaps it on free, and trims
+    the heap top back to the OS: each step faults its activations in again, page by page
+    (up to ~1,500 page faults a step at batch 32, 5-20% of the step). Raising the mmap
+    threshold to its 32 MiB maximum and the trim threshold to 128 MiB keeps that memory
+    mapped; what a step frees the next one reuses, and a process holds at most ~128 MiB per
+    allocation arena beyond what it uses. Returns False where the C library is not glibc.
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
         libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim(0)
     ok = mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
     ok &= mallopt(_M_TRIM_THRESHOLD, 128 << 20) == 1
     ok &= mallopt(_M_TOP_PAD, 16 << 20) == 1
@@ -102,8 +106,10 @@ class CpuPlatform(TorchNativeFactories, Platform):
             return CpuPagedBackend(kv_pool, num_heads, num_kv_heads, head_dim)
         return super().make_attention_backend(kv_pool, num_heads, num_kv_heads, head_dim)
 
+    def weights_loaded(self) -> None:
+        _settle_heap()
+
     def init_backend(self) -> None:
-        _keep_freed_memory()
         num_threads = envs.num_threads()
         if num_threads is not None and torch.get_num_threads() != num_threads:
             torch.set_num_threads(num_threads)

@@ -29,6 +29,7 @@ class Platform:
     - `apply_server_args_defaults` runs in the front process (and the in-process Engine)
       before `cadence.hooks.server_args_finalized`. `init_backend` runs in every process
       that builds a model, before any tensor is placed on the device; it must be idempotent.
+      `weights_loaded` runs there after each load of the weights.
     - Sampling runs on the host today, so generators from `make_generator` are host
       generators and the model runner hands logits back on the host.
     """
@@ -165,6 +166,11 @@ class Platform:
 
     def init_backend(self) -> None:
         """Prepares the device for this process (threads, current device). Idempotent."""
+
+    def weights_loaded(self) -> None:
+        """Runs in a model process each time the weights are in place (after the load, after a
+        weight update): the moment to release what loading left behind and to settle the
+        memory behaviour of the serving loop."""
 
 
 class TorchNativeFactories:

@@ -41,6 +41,7 @@ class ModelRunner:
         self.attn = self.platform.make_attention_backend(self.kv_pool, cfg.num_attention_heads,
                                                          cfg.num_key_value_heads, cfg.head_dim)
         self.model.setup(self.attn, self.context_len + 1, self.platform.make_linear, self.platform.make_layer_ops())
+        self.platform.weights_loaded()
         self._fresh_pages: list[int] = []  # allocated since the last forward, not yet zeroed
         self._last_decode: tuple[list[Req], list[int]] = ([], [])  # requests and lengths of the last decode step
         logger.info("KV pool: %d tokens in %d pages of %d", num_pages * self.page_size, num_pages, self.page_size)
@@ -60,6 +61,7 @@ class ModelRunner:
             for dst, src in zip(self.model.parameters(), model.parameters(), strict=True):
                 dst.data = src.data
         self.model.build_linears(self.platform.make_linear)
+        self.platform.weights_loaded()
 
     def _kv_budget_tokens(self) -> int:
         if self.args.max_total_tokens is not None:

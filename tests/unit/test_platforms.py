@@ -203,9 +203,9 @@ def test_cpu_platform_decisions():
 HEAP_PROBE = """
 import sys, torch
 if sys.argv[1] == "tuned":
-    from cadence.platforms.cpu import CpuPlatform, _keep_freed_memory
-    CpuPlatform().init_backend()
-    assert _keep_freed_memory()
+    from cadence.platforms.cpu import CpuPlatform, _settle_heap
+    CpuPlatform().weights_loaded()
+    assert _settle_heap()
 t = torch.empty(20 << 20, dtype=torch.uint8)
 for line in open("/proc/self/maps"):
     if line.rstrip().endswith("[heap]"):
@@ -219,9 +219,9 @@ else:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc tuning is Linux-only")
 def test_cpu_backend_serves_step_sized_tensors_from_the_heap_not_fresh_mmaps():
-    """A 20 MiB activation comes from the heap once the CPU backend is set up (freed, it
-    stays mapped for the next step), and from a fresh mmap, faulted in page by page on
-    every step, in a process without that tuning. Fresh processes: the default threshold
+    """A 20 MiB activation comes from the heap once the CPU platform has settled it after a
+    load (freed, it stays mapped for the next step), and from a fresh mmap, faulted in page
+    by page on every step, in a process without that tuning. Fresh processes: the default threshold
     moves as a process frees large blocks."""
     import platform
     import subprocess
