@@ -75,7 +75,8 @@ def cpu_kernels_available() -> bool:
         _load()
         return True
     except Exception as e:  # no compiler, no ninja, a failed build: torch's ops serve instead
-        logger.warning("Cadence's CPU kernels are unavailable, decode falls back to torch ops (slower): %s",
+        logger.warning("Cadence's CPU kernels are unavailable, decode falls back to torch ops (slower); "
+                       "install a C++ compiler (g++) and run `python -m cadence.kernels -v` to build them: %s",
                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return False
 
@@ -88,7 +89,8 @@ def main() -> int:
     try:
         _load(verbose="-v" in sys.argv)
     except Exception as e:
-        print(f"could not build Cadence's CPU kernels (the engine will use torch ops instead): {e}")
+        print(f"could not build Cadence's CPU kernels (the engine will use torch ops instead; a C++ compiler "
+              f"such as g++ builds them, `python -m cadence.kernels -v` shows the build): {e}")
         return 0  # not fatal: the install goes on
     print(f"Cadence's CPU kernels are ready ({_build_dir()})")
     return 0

@@ -18,13 +18,13 @@
 #include <immintrin.h>
 #endif
 #include <cmath>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-// Dispatch on the three model dtypes; `scalar_t` names the element type inside.
+// Dispatch on the three model dtypes; `scalar_t` names the element type inside. (ATen's
+// AT_DISPATCH_FLOATING_TYPES_AND2 would also instantiate double, which no model uses.)
 #define CADENCE_DISPATCH(dtype, name, ...)                                             \
   [&] {                                                                                \
     switch (dtype) {                                                                   \
@@ -227,7 +227,7 @@ struct DecodeTask {
     // Page by page: no division per token (a 64-bit divide costs more than a token's dot products).
     for (int64_t start = 0, p = 0; start < len; start += page_size, ++p) {
       score_rows(kplane + pages[p] * page_size * D, std::min(page_size, len - start), qf, groups,
-                 scores.data() + start, len);
+                 scores.data() + start, len, row);
     }
     for (int64_t g = 0; g < groups; ++g) {
       float* s = scores.data() + g * len;
@@ -249,8 +249,10 @@ struct DecodeTask {
     for (int64_t g = 0; g < groups; ++g) store_row(acc + g * D, out + b * heads * D + (h * groups + g) * D, D);
   }
 
-  // scores[g * stride + t] = q_g . k_t for the n rows of k (one page, contiguous).
-  void score_rows(const T* k, int64_t n, const float* qf, int64_t groups, float* scores, int64_t stride) const {
+  // scores[g * stride + t] = q_g . k_t for the n rows of k (one page, contiguous); `row` is
+  // scratch of D floats.
+  void score_rows(const T* k, int64_t n, const float* qf, int64_t groups, float* scores, int64_t stride,
+                  float* row) const {
     const int64_t D = kD > 0 ? kD : d;
 #if defined(__AVX512F__)
     if constexpr (kD > 0 && kD % 32 == 0) {
@@ -292,9 +294,8 @@ struct DecodeTask {
       return;
     }
 #endif
-    std::vector<float> row(D);
     for (int64_t t = 0; t < n; ++t) {
-      load_row(k + t * D, row.data(), D);
+      load_row(k + t * D, row, D);
       for (int64_t g = 0; g < groups; ++g) {
         float dot = 0.f;
         for (int64_t i = 0; i < D; ++i) dot += qf[g * D + i] * row[i];

@@ -54,7 +54,8 @@ class AttentionBackend(ABC):
 
 
 class TorchNativeBackend(AttentionBackend):
-    """Portable backend on torch matmuls and scaled_dot_product_attention (the CPU default).
+    """Portable backend on torch matmuls and scaled_dot_product_attention (CUDA's, and the CPU's
+    where Cadence's CPU kernels cannot be built).
 
     Decode keeps, per layer, the batch's pages gathered into one [2, KVH, B, W, D] block (the
     "decode block", W = the padded page table's width in tokens) and, while the next step runs

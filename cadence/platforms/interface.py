@@ -148,7 +148,7 @@ class Platform:
         return Linear(weight, bias)
 
     def make_layer_ops(self) -> "LayerOps":
-        """The element-wise ops of a decoder layer (RMSNorm, SiLU, rotary). Portable default:
+        """The element-wise ops of a decoder layer (RMSNorm, SiLU, rotary, low-precision logits). Portable default:
         torch's ops; a platform with fused kernels returns its own `LayerOps`."""
         from cadence.layers.layer_ops import LayerOps
 
