@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = docs[f.name] + ("" if default in (None, ()) else f" (default: {default})")
         if f.type == "tuple[str, ...]":
             parser.add_argument(flag, nargs="+", metavar="URL", default=None, help=help_text)
+        elif f.type == "bool":
+            # A switch that only turns things on; absent, the field keeps its default.
+            parser.add_argument(flag, action="store_true", default=None, help=docs[f.name])
         elif f.type in _TYPES:
             parser.add_argument(flag, type=_TYPES[f.type], default=None, help=help_text)
         else:

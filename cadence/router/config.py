@@ -36,6 +36,12 @@ CAPABILITIES = frozenset(
 _METADATA_HOSTS = frozenset({"metadata", "metadata.google.internal", "metadata.goog"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
+# Bounds on what a worker entry may hold: whatever the source (flags, file, admin API),
+# a worker URL or model name is echoed in state, metrics labels and logs.
+MAX_URL_LENGTH = 2048
+MAX_MODEL_NAME_LENGTH = 256
+MAX_NUM_CAPABILITIES = len(CAPABILITIES)
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -114,7 +120,13 @@ class RouterConfig:
     """File that gets one JSON line per routed request (best effort)."""
 
     api_key: str | None = None
-    """Key clients must send as 'Authorization: Bearer KEY' (all routes but /live, /ready, /health); also sent on probes."""
+    """Key clients must send as 'Authorization: Bearer KEY' (all routes but /live, /ready, /health and the admin routes); also sent on probes."""
+
+    admin_api_key: str | None = None
+    """Key the admin routes (GET/POST /workers, GET/PUT/DELETE /workers/{id}) require as 'Authorization: Bearer KEY'; must differ from api_key."""
+
+    enable_admin_api: bool = False
+    """Serve the admin routes without an admin key (open, or behind api_key when set); without this flag or an admin key they answer 403."""
 
     log_level: str = "info"
     """Logging level: debug, info, warning or error."""
@@ -149,7 +161,14 @@ class RouterConfig:
         _check(self.balance_abs_threshold >= 0, "balance_abs_threshold", "must be >= 0")
         _check(self.balance_rel_threshold >= 1, "balance_rel_threshold", "must be >= 1")
         _check(self.max_tree_size > 0, "max_tree_size", "must be > 0")
-        _check(self.api_key is None or bool(self.api_key), "api_key", "must not be empty")
+        _check_key(self.api_key, "api_key")
+        _check_key(self.admin_api_key, "admin_api_key")
+        _check(
+            self.admin_api_key is None or self.admin_api_key != self.api_key,
+            "admin_api_key",
+            "must differ from api_key, so that a client key never opens worker management",
+        )
+        _check(isinstance(self.enable_admin_api, bool), "enable_admin_api", "must be true or false")
         _check(
             self.log_level in ("debug", "info", "warning", "error"),
             "log_level",
@@ -160,6 +179,11 @@ class RouterConfig:
             normalized = normalize_worker_url(url, field="worker_urls")
             _check(normalized not in seen, "worker_urls", f"duplicate worker {normalized}")
             seen.add(normalized)
+
+    @property
+    def is_admin_api_enabled(self) -> bool:
+        """Whether the admin routes answer at all: an admin key is set, or --enable-admin-api."""
+        return self.admin_api_key is not None or self.enable_admin_api
 
     @property
     def retry_initial_backoff_secs(self) -> float:
@@ -200,7 +224,9 @@ def normalize_worker_url(url: str, field: str = "url") -> str:
     schemes, credentials, query strings, fragments and link-local/metadata hosts.
     """
     if not isinstance(url, str) or not url.strip():
-        raise ValueError(f"{field}: worker URL must be a non-empty string, got {url!r}")
+        raise ValueError(f"{field}: worker URL must be a non-empty string, got {short_repr(url)}")
+    if len(url) > MAX_URL_LENGTH:
+        raise ValueError(f"{field}: worker URL is {len(url)} characters long; the limit is {MAX_URL_LENGTH}")
     try:
         parts = urlsplit(url.strip())
         port = parts.port
@@ -291,15 +317,17 @@ def worker_spec_from_dict(entry: object, field: str = "worker") -> WorkerSpec:
     if isinstance(entry, str):
         return WorkerSpec(url=normalize_worker_url(entry, field))
     if not isinstance(entry, dict):
-        raise ValueError(f"{field}: each worker must be a URL or a mapping, got {entry!r}")
+        raise ValueError(f"{field}: each worker must be a URL or a mapping, got {short_repr(entry)}")
     unknown = set(entry) - {"url", "model", "capabilities"}
     if unknown:
-        raise ValueError(f"{field}: unknown worker keys {sorted(unknown)} (url, model, capabilities)")
+        raise ValueError(f"{field}: unknown worker keys {short_repr(sorted(map(str, unknown)))} (url, model, capabilities)")
     if "url" not in entry:
-        raise ValueError(f"{field}: worker entry {entry!r} has no url")
+        raise ValueError(f"{field}: worker entry {short_repr(entry)} has no url")
     model = entry.get("model")
     if model is not None and (not isinstance(model, str) or not model):
-        raise ValueError(f"{field}.model: must be a non-empty string or null, got {model!r}")
+        raise ValueError(f"{field}.model: must be a non-empty string or null, got {short_repr(model)}")
+    if model is not None and len(model) > MAX_MODEL_NAME_LENGTH:
+        raise ValueError(f"{field}.model: {len(model)} characters long; the limit is {MAX_MODEL_NAME_LENGTH}")
     return WorkerSpec(
         url=normalize_worker_url(entry["url"], f"{field}.url"),
         model=model,
@@ -312,11 +340,13 @@ def parse_capabilities(value: object, field: str = "capabilities") -> frozenset[
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"{field}: must be a list of names, got {value!r}")
+        raise ValueError(f"{field}: must be a list of names, got {short_repr(value)}")
+    if len(value) > MAX_NUM_CAPABILITIES:
+        raise ValueError(f"{field}: {len(value)} entries; at most {MAX_NUM_CAPABILITIES}, one per capability")
     unknown = set(value) - CAPABILITIES
     if unknown:
         raise ValueError(
-            f"{field}: unknown capabilities {sorted(unknown)}; known: {sorted(CAPABILITIES)}"
+            f"{field}: unknown capabilities {short_repr(sorted(unknown))}; known: {sorted(CAPABILITIES)}"
         )
     return frozenset(value)
 
@@ -324,6 +354,32 @@ def parse_capabilities(value: object, field: str = "capabilities") -> frozenset[
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{field}: {message}")
+
+
+def _check_key(key: str | None, field: str) -> None:
+    """A key travels in an HTTP header: Latin-1 text, no control characters, no outer blanks.
+
+    The messages never echo the key itself.
+    """
+    if key is None:
+        return
+    _check(isinstance(key, str) and bool(key), field, "must be a non-empty string")
+    try:
+        key.encode("latin-1")
+    except UnicodeEncodeError:
+        raise ValueError(f"{field}: must be Latin-1 text (it is sent in an HTTP header); use ASCII") from None
+    _check(
+        not any(ord(c) < 0x20 or ord(c) == 0x7F for c in key),
+        field,
+        "must not contain control characters (it is sent in an HTTP header)",
+    )
+    _check(key == key.strip(" \t"), field, "must not start or end with blanks (HTTP strips them)")
+
+
+def short_repr(value: object, limit: int = 100) -> str:
+    """repr() cut to `limit` characters, for error messages that echo user input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 @functools.cache

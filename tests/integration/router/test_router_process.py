@@ -105,6 +105,8 @@ async def test_cli_router_serves_without_torch_and_exits_on_sigterm(make_worker,
         (["--policy", "fastest"], "policy"),
         (["--health-failure-threshold", "0"], "health_failure_threshold"),
         (["--worker-config", "/nonexistent/workers.yaml"], "worker_config"),
+        (["--api-key", "k", "--admin-api-key", "k"], "admin_api_key"),
+        (["--admin-api-key", "\u20ac"], "admin_api_key"),
     ],
 )
 def test_cli_rejects_bad_config_with_the_field_named(spawn, args, field):
@@ -121,7 +123,8 @@ def test_cadence_router_help_lists_every_flag():
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     for flag in ("--worker-urls", "--worker-config", "--policy", "--max-payload-size", "--route-log",
-                 "--api-key", "--health-check-endpoint", "--retry-max-retries"):  # fmt: skip
+                 "--api-key", "--admin-api-key", "--enable-admin-api", "--health-check-endpoint",
+                 "--retry-max-retries"):  # fmt: skip
         assert flag in out.stdout
 
 

@@ -9,11 +9,14 @@ import pytest
 
 from cadence.router.cli import build_parser, parse_config
 from cadence.router.config import (
+    MAX_MODEL_NAME_LENGTH,
+    MAX_URL_LENGTH,
     RouterConfig,
     field_docs,
     load_worker_specs,
     normalize_worker_url,
     worker_id,
+    worker_spec_from_dict,
 )
 
 
@@ -51,6 +54,7 @@ def test_worker_urls_are_normalized(raw, normalized):
         ("http://[fd00:ec2::254]", "link-local"),
         ("http://metadata.google.internal", "link-local"),
         ("", "non-empty"),
+        ("http://example.com/" + "p" * MAX_URL_LENGTH, "the limit is 2048"),
     ],
 )
 def test_bad_worker_urls_are_refused_with_a_reason(raw, reason):
@@ -88,12 +92,52 @@ def test_worker_id_is_stable_and_url_encoded():
         ("balance_rel_threshold", 0.5),
         ("max_tree_size", 0),
         ("api_key", ""),
+        ("api_key", "cl\u00e9\u2713"),  # not Latin-1: no client could send it in a header
+        ("api_key", "a\nb"),
+        ("api_key", " padded"),
+        ("admin_api_key", ""),
+        ("admin_api_key", "\u20ac100"),
+        ("admin_api_key", "tab\tinside"),
+        ("enable_admin_api", "yes"),
         ("log_level", "loud"),
     ],
 )
 def test_bad_values_raise_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}: "):
         RouterConfig(**{field: value})
+
+
+def test_admin_key_must_differ_from_the_client_key_and_is_never_echoed():
+    with pytest.raises(ValueError, match="^admin_api_key: must differ from api_key") as info:
+        RouterConfig(api_key="same-secret", admin_api_key="same-secret")
+    assert "same-secret" not in str(info.value)
+    with pytest.raises(ValueError) as info:
+        RouterConfig(admin_api_key="s\u00e9cret\u2713")
+    assert "cret" not in str(info.value)
+    latin1 = RouterConfig(api_key="client", admin_api_key="cl\u00e9")  # Latin-1 beyond ASCII is fine
+    assert latin1.is_admin_api_enabled
+
+
+def test_admin_api_is_off_unless_a_key_or_the_switch_turns_it_on():
+    assert not RouterConfig().is_admin_api_enabled
+    assert not RouterConfig(api_key="k").is_admin_api_enabled  # the client key alone does not open it
+    assert RouterConfig(enable_admin_api=True).is_admin_api_enabled
+    assert RouterConfig(admin_api_key="a").is_admin_api_enabled
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"url": "http://a:1", "model": "m" * (MAX_MODEL_NAME_LENGTH + 1)}, "model: 257 characters long"),
+        ({"url": "http://a:1", "capabilities": ["chat"] * 10}, "capabilities: 10 entries; at most 9"),
+        ({"url": "http://a:1", "capabilities": "chat" * 1000}, "got 'chatchat"),
+        ({"url": "http://a:1", 1: 2, "gpu": 3}, r"unknown worker keys \['1', 'gpu'\]"),
+    ],
+)
+def test_worker_entries_are_bounded(entry, message):
+    with pytest.raises(ValueError, match=message) as info:
+        worker_spec_from_dict(entry)
+    assert len(str(info.value)) < 300  # long input is cut, not echoed whole
 
 
 def test_config_is_frozen_and_spec_defaults_hold():
@@ -153,3 +197,6 @@ def test_cli_flags_map_onto_the_config():
     assert config.worker_urls == ("http://a:1", "http://b:2")
     assert (config.port, config.policy, config.cache_threshold, config.api_key) == (0, "cache_aware", 0.25, "k")
     assert parse_config([]) == RouterConfig()
+    admin = parse_config(["--admin-api-key", "a", "--enable-admin-api"])
+    assert admin.admin_api_key == "a" and admin.enable_admin_api is True
+    assert parse_config([]).enable_admin_api is False
