@@ -1,4 +1,10 @@
-"""The router's own routes: liveness, readiness, workers management, models, metrics."""
+"""The router's own routes: liveness, readiness, workers management, models, metrics.
+
+The worker management routes are the admin API (see `access.py` for who may call
+them). Their bodies are small JSON documents: at most MAX_ADMIN_BODY_BYTES, refused
+with 413 from the Content-Length, or once that many bytes of a chunked body have
+arrived, so an oversized body is never read whole.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +15,17 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
-from cadence.router.config import worker_spec_from_dict
+from cadence.router.access import Handler, admin_only
+from cadence.router.config import short_repr, worker_spec_from_dict
 from cadence.router.metrics import CONTENT_TYPE
-from cadence.router.proxy import error_response, request_id
+from cadence.router.proxy import error_response, payload_too_large, read_body, request_id
 from cadence.router.workers import HealthState, Worker
 
 if TYPE_CHECKING:
     from cadence.router.server import Router
+
+
+MAX_ADMIN_BODY_BYTES = 64 * 1024
 
 
 def add_routes(app: web.Application, router: Router) -> None:
@@ -23,11 +33,17 @@ def add_routes(app: web.Application, router: Router) -> None:
     app.router.add_get("/live", handlers.live)
     app.router.add_get("/ready", handlers.ready)
     app.router.add_get("/health", handlers.health)
-    app.router.add_get("/workers", handlers.list_workers)
-    app.router.add_post("/workers", handlers.add_worker)
-    app.router.add_get("/workers/{worker_id}", handlers.get_worker)
-    app.router.add_put("/workers/{worker_id}", handlers.update_worker)
-    app.router.add_delete("/workers/{worker_id}", handlers.delete_worker)
+
+    def admin(handler: Handler) -> Handler:
+        return admin_only(router.access, _capped(handler))
+
+    app.router.add_get("/workers", admin(handlers.list_workers))
+    app.router.add_post("/workers", admin(handlers.add_worker))
+    # `.+`: the id may be the worker URL itself, slashes and all (/workers/http://host:port).
+    worker_path = "/workers/{worker_id:.+}"
+    app.router.add_get(worker_path, admin(handlers.get_worker))
+    app.router.add_put(worker_path, admin(handlers.update_worker))
+    app.router.add_delete(worker_path, admin(handlers.delete_worker))
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/metrics", handlers.metrics)
 
@@ -149,15 +165,43 @@ class _AdminHandlers:
         return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)], None
 
     def _find(self, request: web.Request) -> Worker | None:
+        """The worker named by its id or its URL (aiohttp has already percent-decoded the path)."""
         return self.registry.get(request.match_info["worker_id"])
 
 
+def _capped(handler: Handler) -> Handler:
+    """Refuse an admin request whose declared body is over the cap before anything else."""
+
+    async def capped(request: web.Request) -> web.StreamResponse:
+        length = request.content_length
+        if length is not None and length > MAX_ADMIN_BODY_BYTES:
+            return _too_large(request)
+        return await handler(request)
+
+    return capped
+
+
 async def _json_body(request: web.Request) -> object:
-    """The parsed JSON body, or a 400 response explaining what is wrong with it."""
+    """The parsed JSON body, or the 413/400 response explaining what is wrong with it."""
+    data = await read_body(request, MAX_ADMIN_BODY_BYTES)
+    if data is None:
+        return _too_large(request)
     try:
-        return json.loads(await request.read())
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return _bad_request(request, f"body is not UTF-8 text: invalid byte at offset {exc.start}")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        return _bad_request(request, "body is not usable JSON: nested too deeply")
     except ValueError as exc:
         return _bad_request(request, f"body is not valid JSON: {exc}")
+
+
+def _too_large(request: web.Request) -> web.Response:
+    return payload_too_large(
+        f"admin request body is larger than {MAX_ADMIN_BODY_BYTES} bytes", request_id(request)
+    )
 
 
 def _error(request: web.Request, status: int, message: str, kind: str, **extra) -> web.Response:
@@ -172,6 +216,6 @@ def _not_found(request: web.Request) -> web.Response:
     return _error(
         request,
         404,
-        f"no worker {request.match_info['worker_id']!r}; GET /workers lists them",
+        f"no worker {short_repr(request.match_info['worker_id'])}; GET /workers lists them",
         "not_found",
     )

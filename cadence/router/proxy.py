@@ -49,6 +49,7 @@ _BUFFER_LIMIT = 1 << 20
 REQUEST_ID_HEADER = "x-cadence-request-id"
 WORKER_HEADER = "x-cadence-worker"
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; metrics and log only
+_RID_KEY = web.RequestKey("cadence_rid", str)
 
 _encoder = msgspec.json.Encoder()
 
@@ -80,12 +81,41 @@ def error_response(status: int, message: str, rid: str, kind: str, **extra) -> w
     )
 
 
+def payload_too_large(message: str, rid: str) -> web.Response:
+    """413 for a body that was refused before being read whole."""
+    response = error_response(413, message, rid, "payload_too_large")
+    response.force_close()  # the unread rest of the body must not be parsed as a request
+    return response
+
+
+async def read_body(request: web.Request, limit: int) -> bytes | None:
+    """The whole body, or None when it is longer than `limit` bytes.
+
+    A declared Content-Length over the limit is refused before reading; a body without
+    one (chunked) is read at most `limit + 1` bytes far.
+    """
+    length = request.content_length
+    if length is not None:
+        return None if length > limit else await request.read()
+    chunks: list[bytes] = []
+    size = 0
+    while size <= limit:
+        chunk = await request.content.read(limit + 1 - size)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        chunks.append(chunk)
+    return None
+
+
 def request_id(request: web.Request) -> str:
-    """The client's x-request-id when it is reasonable, else a fresh one."""
-    given = request.headers.get("x-request-id")
-    if given and len(given) <= 128 and given.isprintable():
-        return given
-    return os.urandom(16).hex()
+    """The client's x-request-id when it is reasonable, else a fresh one; the same all request long."""
+    rid = request.get(_RID_KEY)
+    if rid is None:
+        given = request.headers.get("x-request-id")
+        rid = given if given and len(given) <= 128 and given.isprintable() else os.urandom(16).hex()
+        request[_RID_KEY] = rid
+    return rid
 
 
 def forward_headers(headers: CIMultiDictProxy[str], rid: str) -> CIMultiDict[str]:

@@ -8,7 +8,6 @@ where an ASGI framework with httpx costs several times more.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -17,19 +16,25 @@ import aiohttp
 from aiohttp import web
 
 from cadence.router import admin
+from cadence.router.access import AccessControl, Handler, client_key_middleware
 from cadence.router.config import RouterConfig, WorkerSpec
 from cadence.router.health import HealthChecker
 from cadence.router.metrics import RouterMetrics
 from cadence.router.policies import make_policy
-from cadence.router.proxy import CLIENT_CLOSED, Exchange, Forwarder, error_response, request_id
+from cadence.router.proxy import (
+    CLIENT_CLOSED,
+    Exchange,
+    Forwarder,
+    error_response,
+    payload_too_large,
+    read_body,
+    request_id,
+)
 from cadence.router.request_meta import ROUTE_CAPABILITIES, parse_route_meta
 from cadence.router.route_log import RouteLog
 from cadence.router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger("cadence.router")
-
-# Routes that answer without a key even when --api-key is set (probes from orchestrators).
-_OPEN_PATHS = frozenset({"/live", "/ready", "/health"})
 
 
 class Router:
@@ -38,6 +43,7 @@ class Router:
     def __init__(self, config: RouterConfig, specs: list[WorkerSpec]) -> None:
         self.config = config
         self.num_in_flight = 0  # requests being routed now (for 429 and metrics)
+        self.access = AccessControl(config)
         self._init_observability()
         self._init_workers(specs)
         self.policy = make_policy(config)
@@ -118,29 +124,15 @@ class Router:
     # -- HTTP --------------------------------------------------------------------------
 
     def build_app(self) -> web.Application:
-        middlewares = [self._auth_middleware] if self.config.api_key else []
+        middlewares = []
+        if self.access.has_client_key:  # no per-request cost when there is no key to check
+            middlewares.append(client_key_middleware(self.access))
         # +1: aiohttp refuses a body whose size equals client_max_size.
         app = web.Application(client_max_size=self.config.max_payload_size + 1, middlewares=middlewares)
         for path in ROUTE_CAPABILITIES:
             app.router.add_post(path, self._proxy_handler(path))
         admin.add_routes(app, self)
         return app
-
-    @web.middleware
-    async def _auth_middleware(
-        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        if request.path not in _OPEN_PATHS:
-            expected = f"Bearer {self.config.api_key}".encode()
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return error_response(
-                    401,
-                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                    request_id(request),
-                    "authentication_error",
-                )
-        return await handler(request)
 
     def _proxy_handler(self, route: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handle(request: web.Request) -> web.StreamResponse:
@@ -189,31 +181,10 @@ class Router:
             self.num_in_flight -= 1
 
 
-async def read_body(request: web.Request, limit: int) -> bytes | None:
-    """The whole body, or None once more than `limit` bytes arrive (chunked uploads)."""
-    if request.content_length is not None:
-        return await request.read()
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        chunk = await request.content.readany()
-        if not chunk:
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-
-
 def _too_large(limit: int, rid: str) -> web.Response:
-    response = error_response(
-        413,
-        f"request body is larger than the router's limit of {limit} bytes (--max-payload-size)",
-        rid,
-        "payload_too_large",
+    return payload_too_large(
+        f"request body is larger than the router's limit of {limit} bytes (--max-payload-size)", rid
     )
-    response.force_close()  # the unread rest of the body must not be parsed as a request
-    return response
 
 
 def make_client_session() -> aiohttp.ClientSession:

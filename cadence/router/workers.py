@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from cadence.router.config import WorkerSpec, worker_spec_from_dict
+from cadence.router.config import WorkerSpec, normalize_worker_url, short_repr, worker_id, worker_spec_from_dict
 
 logger = logging.getLogger("cadence.router")
 
@@ -108,13 +108,15 @@ class WorkerRegistry:
         return self._routable
 
     def get(self, key: str) -> Worker | None:
-        """Find a worker by id or by (normalized) URL."""
+        """Find a worker by id, or by its URL in any spelling `normalize_worker_url` accepts."""
         worker = self._workers.get(key)
-        if worker is None:
-            for candidate in self._workers.values():
-                if candidate.url == key or candidate.url == key.rstrip("/"):
-                    return candidate
-        return worker
+        if worker is not None:
+            return worker
+        try:
+            url = normalize_worker_url(key)
+        except ValueError:  # not a URL we would ever have admitted
+            return None
+        return self._workers.get(worker_id(url))
 
     def add(self, spec: WorkerSpec) -> Worker:
         if spec.id in self._workers:
@@ -163,7 +165,9 @@ class WorkerRegistry:
         """Apply a management update: disabled, dead, recover, model, capabilities."""
         unknown = set(changes) - {"disabled", "dead", "recover", "model", "capabilities"}
         if unknown:
-            raise ValueError(f"unknown fields {sorted(unknown)} (disabled, dead, recover, model, capabilities)")
+            raise ValueError(
+                f"unknown fields {short_repr(sorted(map(str, unknown)))} (disabled, dead, recover, model, capabilities)"
+            )
         for key in ("disabled", "dead", "recover"):
             if key in changes and not isinstance(changes[key], bool):
                 raise ValueError(f"{key}: must be true or false")

@@ -146,9 +146,10 @@ def fleet(tmp_path_factory):
         fleet.has_openai_routes = _get(replicas["replica_a"] + "/v1/models")[0] != 404
         for policy in ("round_robin", "cache_aware"):
             port = _free_port_pair()
+            # --enable-admin-api: the tests read GET /workers, an admin route (loopback only here).
             fleet.spawn(
                 policy,
-                ["-m", "cadence.router", "--port", str(port), "--policy", policy,
+                ["-m", "cadence.router", "--port", str(port), "--policy", policy, "--enable-admin-api",
                  "--worker-urls", *replicas.values(), "--health-check-interval-secs", "1",
                  "--health-check-startup-interval-secs", "0.2", "--request-timeout-secs", "300"],
                 port,

@@ -112,6 +112,47 @@ class FakeWorker:
         return response
 
 
+async def raw_exchange(url: str, data: bytes, timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
+    """Send `data` as it is on a fresh connection to `url`'s host; the answer's status, headers, body.
+
+    For requests an HTTP client library would not send (raw header bytes, a body cut
+    short). Returns once the answer's Content-Length is in, without waiting for the server
+    to close (it may linger, reading the rest of a body we never send).
+    """
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    received = bytearray()
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(timeout):
+            while not _is_complete(received):
+                try:
+                    chunk = await reader.read(65536)
+                except ConnectionResetError:  # closed with our unread bytes pending
+                    break
+                if not chunk:
+                    break
+                received += chunk
+    finally:
+        writer.close()
+    head, _, body = bytes(received).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split()[1]), headers, body
+
+
+def _is_complete(received: bytearray) -> bool:
+    head, sep, body = bytes(received).partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return False  # no length: read until the server closes
+
+
 def closed_port_url() -> str:
     """A loopback URL on which nothing listens: connecting is refused."""
     with socket.socket() as sock:

@@ -13,7 +13,7 @@ CHAT = "/v1/chat/completions"
 
 
 async def test_live_ready_health_follow_routable_workers(make_worker, make_router, client):
-    router = await make_router([], wait_healthy=False)
+    router = await make_router([], wait_healthy=False, enable_admin_api=True)
     async with client.get(router.url + "/live") as resp:
         assert resp.status == 200
     async with client.get(router.url + "/ready") as resp:
@@ -36,7 +36,7 @@ async def test_live_ready_health_follow_routable_workers(make_worker, make_route
 
 async def test_workers_crud_by_id_and_validation(make_worker, make_router, client):
     worker = await make_worker()
-    router = await make_router([worker.url])
+    router = await make_router([worker.url], enable_admin_api=True)
     wid = router.registry.get(worker.url).id
     async with client.get(router.url + "/workers") as resp:
         assert [w["url"] for w in (await resp.json())["workers"]] == [worker.url]
@@ -65,7 +65,7 @@ async def test_workers_crud_by_id_and_validation(make_worker, make_router, clien
 
 async def test_disable_takes_worker_out_while_probes_continue(make_worker, make_router, client):
     a, b = await make_worker(body=b"a"), await make_worker(body=b"b")
-    router = await make_router([a.url, b.url])
+    router = await make_router([a.url, b.url], enable_admin_api=True)
     wid = router.registry.get(a.url).id
     async with client.put(router.url + "/workers/" + wid, json={"disabled": True}) as resp:
         body = await resp.json()
@@ -82,7 +82,7 @@ async def test_disable_takes_worker_out_while_probes_continue(make_worker, make_
 
 async def test_dead_is_a_quarantine_until_recovered(make_worker, make_router, client):
     worker = await make_worker()
-    router = await make_router([worker.url])
+    router = await make_router([worker.url], enable_admin_api=True)
     wid = router.registry.get(worker.url).id
     async with client.put(router.url + "/workers/" + wid, json={"dead": True}) as resp:
         assert (await resp.json())["health"] == "dead"
@@ -142,7 +142,8 @@ async def test_metrics_report_requests_selections_health_retries_active(make_wor
 
 async def test_api_key_guards_everything_but_liveness(make_worker, make_router, client):
     worker = await make_worker()
-    router = await make_router([worker.url], api_key="s3cret")
+    # The admin API served behind the client key (no admin key of its own).
+    router = await make_router([worker.url], api_key="s3cret", enable_admin_api=True)
     for path in ("/live", "/ready", "/health"):
         async with client.get(router.url + path) as resp:
             assert resp.status == 200, path
@@ -152,6 +153,8 @@ async def test_api_key_guards_everything_but_liveness(make_worker, make_router, 
         async with client.request(method, router.url + path, headers={"Authorization": "Bearer nope"}) as resp:
             assert resp.status == 401, path
     async with client.post(router.url + CHAT, data=b"{}", headers={"Authorization": "Bearer s3cret"}) as resp:
+        assert resp.status == 200
+    async with client.get(router.url + "/workers", headers={"Authorization": "Bearer s3cret"}) as resp:
         assert resp.status == 200
     assert worker.received[0].headers["Authorization"] == "Bearer s3cret"  # passed on to the worker
     assert worker.num_requests == 1

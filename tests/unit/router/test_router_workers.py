@@ -109,6 +109,10 @@ def test_update_validates_fields_and_values():
 def test_lookup_by_id_or_url_and_removal():
     registry, worker = make()
     assert registry.get(worker.id) is worker and registry.get("http://w:1") is worker
+    for spelling in ("http://w:1/", "HTTP://W:1", " http://w:1 "):
+        assert registry.get(spelling) is worker, spelling
+    for other in ("http://w:2", "http://169.254.169.254", "not a url", ""):
+        assert registry.get(other) is None, other
     with pytest.raises(KeyError):
         registry.add(WorkerSpec(url="http://w:1"))
     assert registry.remove(worker.id) is worker
