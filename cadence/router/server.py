@@ -17,7 +17,7 @@ from aiohttp import web
 
 from cadence.router import admin
 from cadence.router.access import AccessControl, Handler, client_key_middleware
-from cadence.router.config import RouterConfig, WorkerSpec
+from cadence.router.config import RouterConfig, WorkerSpec, short_repr
 from cadence.router.health import HealthChecker
 from cadence.router.metrics import RouterMetrics
 from cadence.router.policies import make_policy
@@ -124,7 +124,7 @@ class Router:
     # -- HTTP --------------------------------------------------------------------------
 
     def build_app(self) -> web.Application:
-        middlewares = []
+        middlewares = [json_errors]
         if self.access.has_client_key:  # no per-request cost when there is no key to check
             middlewares.append(client_key_middleware(self.access))
         # +1: aiohttp refuses a body whose size equals client_max_size.
@@ -179,6 +179,53 @@ class Router:
             return await self.forwarder.forward(request, body, ex)
         finally:
             self.num_in_flight -= 1
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error the router answers itself is a JSON error body, never aiohttp's plain text.
+
+    aiohttp's own errors (404 for an unknown path, 405, 413 over client_max_size) keep
+    their status and headers; an unexpected exception is logged with its traceback and
+    answered 500. Once part of an answer has been sent nothing else can be: the
+    exception goes on to aiohttp, which closes the connection.
+    """
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _http_error(request, exc)
+    except Exception:
+        rid = request_id(request)
+        if request.writer.output_size > 0:
+            raise
+        logger.exception("unexpected error answering %s %s (request %s)", request.method, request.path, rid)
+        response = error_response(
+            500, f"internal router error; the router's log has the details (request {rid})", rid, "internal_error"
+        )
+        response.force_close()  # the request may not have been read to its end
+        return response
+
+
+_HTTP_ERROR_KINDS = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
+    path = short_repr(request.path)
+    if exc.status == 404:
+        message = f"no route {request.method} {path}; see docs/router.md for the routes"
+    elif exc.status == 405:
+        message = f"{request.method} is not allowed on {path}; allowed: {exc.headers.get('Allow', '')}"
+    else:
+        message = exc.text or exc.reason
+    response = error_response(exc.status, message, request_id(request), _HTTP_ERROR_KINDS.get(exc.status, "http_error"))
+    for name in ("Allow", "Retry-After"):
+        if name in exc.headers:
+            response.headers[name] = exc.headers[name]
+    if exc.status == 413:
+        response.force_close()
+    return response
 
 
 def _too_large(limit: int, rid: str) -> web.Response:
