@@ -2,8 +2,10 @@
 
 A request may be retried on another worker only while nothing of the answer has reached
 the client: after a connection error, or an answer of 408/429/500/502/503/504 that is
-then discarded. Once a streamed answer's headers are sent it is relayed to the end or
-cut, never replayed. Every attempt counts itself on its worker and releases the count in
+then discarded. Never after any other 4xx, nor after a 5xx the replica marks
+`X-Cadence-Fault: request` (the request itself made it fail: another worker would fail
+the same way); such an answer is relayed as it is. Once a streamed answer's headers are
+sent it is relayed to the end or cut, never replayed. Every attempt counts itself on its worker and releases the count in
 a `finally`, so success, upstream failure, client disconnect and cancellation all give
 it back.
 """
@@ -44,6 +46,8 @@ HOP_BY_HOP = frozenset(
 _REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# A replica marks a 5xx caused by the request itself (not by its own state) this way.
+FAULT_HEADER = "X-Cadence-Fault"
 # Answers without a length, event streams, or longer than this are relayed chunk by chunk.
 _BUFFER_LIMIT = 1 << 20
 REQUEST_ID_HEADER = "x-cadence-request-id"
@@ -146,6 +150,11 @@ def _drop(headers: CIMultiDict[str], names: frozenset[str]) -> None:
             del headers[name]
 
 
+def is_request_fault(status: int, headers: CIMultiDictProxy[str]) -> bool:
+    """A 5xx the replica blames on the request (X-Cadence-Fault: request): never retried."""
+    return status >= 500 and headers.get(FAULT_HEADER, "").strip().lower() == "request"
+
+
 def _is_streamed(upstream: aiohttp.ClientResponse) -> bool:
     length = upstream.content_length
     if length is None or length > _BUFFER_LIMIT:
@@ -246,9 +255,11 @@ class Forwarder:
                     timeout=self._timeout,
                     allow_redirects=False,
                 )
-                self.registry.record_request(worker, upstream.status)
-                if may_retry and upstream.status in RETRY_STATUSES:
-                    raise _AttemptFailed(f"{worker.url} answered {upstream.status}")
+                status = upstream.status
+                is_fault = is_request_fault(status, upstream.headers)
+                self.registry.record_request(worker, status, is_request_fault=is_fault)
+                if may_retry and status in RETRY_STATUSES and not is_fault:
+                    raise _AttemptFailed(f"{worker.url} answered {status}")
                 if _is_streamed(upstream):
                     return await self._relay_stream(request, upstream, worker, ex)
                 return await self._relay_buffered(upstream, worker, ex)

@@ -87,7 +87,8 @@ class WorkerRegistry:
     any state --mark dead--> dead (probes skip it) --recover--> unknown (probed at once)
     where S and F are the success and failure thresholds. Failed probes and failed
     requests both count towards F; only probes count towards S; a successful request
-    resets the failure streak. `disabled` is independent of the state.
+    (any answer but 408, 429 or a 5xx the worker does not blame on the request) resets
+    the failure streak. `disabled` is independent of the state.
     """
 
     def __init__(self, success_threshold: int, failure_threshold: int) -> None:
@@ -151,9 +152,15 @@ class WorkerRegistry:
             worker.last_error = error or f"probe answered {status}"
             self._count_failure(worker)
 
-    def record_request(self, worker: Worker, status: int | None, error: str | None = None) -> None:
-        """Account one routed request: connection errors and 408/429/5xx are failures."""
-        if status is not None and not is_failure_status(status):
+    def record_request(
+        self, worker: Worker, status: int | None, error: str | None = None, *, is_request_fault: bool = False
+    ) -> None:
+        """Account one routed request: connection errors and 408/429/5xx are failures.
+
+        A 5xx the replica blamed on the request (`is_request_fault`) is not: like a 4xx,
+        it shows a worker that answers, so it breaks the failure streak instead.
+        """
+        if status is not None and (is_request_fault or not is_failure_status(status)):
             worker.consecutive_failures = 0
             return
         worker.last_status = status

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 from router_fakes import assert_idle, wait_for
 
 from cadence.router.workers import HealthState
@@ -65,6 +66,68 @@ async def test_5xx_is_retried_elsewhere_and_final_5xx_is_relayed(make_worker, ma
     assert failing.num_requests == 3
     await assert_idle(router)
     await assert_idle(solo)
+
+
+async def test_a_5xx_the_replica_blames_on_the_request_is_relayed_not_retried(make_worker, make_router, client):
+    answer = b'{"error": {"message": "prompt breaks the tokenizer", "code": 500}}'
+    fault = {"X-Cadence-Fault": "request", "X-Upstream": "kept"}
+    a = await make_worker(status=500, body=answer, extra_headers=fault)
+    b = await make_worker(status=500, body=answer, extra_headers=fault)
+    router = await make_router([a.url, b.url], health_failure_threshold=1, retry_max_retries=3)
+    for i in range(4):
+        async with client.post(router.url + CHAT, data=b'{"n": %d}' % i) as resp:
+            assert resp.status == 500
+            assert await resp.read() == answer
+            assert resp.headers["Content-Type"] == "application/json"
+            assert resp.headers["X-Cadence-Fault"] == "request" and resp.headers["X-Upstream"] == "kept"
+        assert a.num_requests + b.num_requests == i + 1  # exactly one worker per request
+    assert a.num_requests == b.num_requests == 2  # round robin, no retries in between
+    for worker in (a, b):
+        state = router.registry.get(worker.url)
+        assert state.health is HealthState.HEALTHY and state.is_routable
+        assert state.num_failures == 0 and state.consecutive_failures == 0
+    async with client.get(router.url + "/metrics") as resp:
+        assert f'cadence_router_retries_total{{route="{CHAT}"}}' not in await resp.text()
+    await assert_idle(router)
+
+
+async def test_a_plain_500_is_still_retried_on_another_worker(make_worker, make_router, client):
+    failing = await make_worker(status=500, body=b'{"error": "engine crashed"}')
+    good = await make_worker(body=b"good")
+    router = await make_router([failing.url, good.url], health_failure_threshold=2)
+    async with client.post(router.url + CHAT, data=b"{}") as resp:
+        assert resp.status == 200 and await resp.read() == b"good"
+    assert failing.num_requests == 1 and good.num_requests == 1
+    assert router.registry.get(failing.url).consecutive_failures == 1  # counted against it
+    await assert_idle(router)
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "is_retried"),
+    [
+        (408, {}, True),
+        (429, {}, True),
+        (500, {}, True),
+        (502, {}, True),
+        (503, {}, True),
+        (504, {}, True),
+        (500, {"X-Cadence-Fault": "other"}, True),  # only "request" says the request is at fault
+        (400, {}, False),
+        (404, {}, False),
+        (413, {}, False),
+        (422, {}, False),
+        (500, {"X-Cadence-Fault": "request"}, False),
+        (503, {"x-cadence-fault": " Request "}, False),
+    ],
+)
+async def test_which_answers_are_retried(make_worker, make_router, client, status, headers, is_retried):
+    first = await make_worker(status=status, body=b"first", extra_headers=headers)
+    second = await make_worker(body=b"second")
+    router = await make_router([first.url, second.url])
+    async with client.post(router.url + CHAT, data=b"{}") as resp:
+        assert (resp.status, await resp.read()) == ((200, b"second") if is_retried else (status, b"first"))
+    assert (first.num_requests, second.num_requests) == (1, int(is_retried))
+    await assert_idle(router)
 
 
 async def test_started_stream_is_never_replayed_and_cut_is_visible(make_worker, make_router, client):

@@ -53,6 +53,15 @@ def test_4xx_never_counts_as_failure(status):
     assert worker.health is HealthState.HEALTHY and worker.num_failures == 0
 
 
+def test_a_5xx_blamed_on_the_request_is_not_a_failure_and_breaks_the_streak():
+    registry, worker = make(success=1, failure=2)
+    registry.record_probe(worker, 200, None)
+    registry.record_request(worker, 503)
+    for _ in range(5):
+        registry.record_request(worker, 500, is_request_fault=True)
+    assert worker.health is HealthState.HEALTHY and worker.consecutive_failures == 0 and worker.num_failures == 1
+
+
 @pytest.mark.parametrize(("status", "is_failure"), [(408, True), (429, True), (500, True), (503, True),
                                                      (599, True), (200, False), (404, False), (302, False)])  # fmt: skip
 def test_failure_statuses(status, is_failure):
