@@ -23,7 +23,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from cadence.router.config import RouterConfig
+from cadence.router.config import RouterConfig, short_repr
 from cadence.router.metrics import RouterMetrics
 from cadence.router.policies import RoutingPolicy
 from cadence.router.request_meta import RouteMeta
@@ -228,7 +228,7 @@ class Forwarder:
 
     def _no_worker(self, ex: Exchange) -> web.Response:
         meta = ex.meta
-        wanted = f"model {meta.model!r}" if meta.model else "any model"
+        wanted = f"model {short_repr(meta.model)}" if meta.model else "any model"
         if meta.capabilities:
             wanted += f" with capabilities {sorted(meta.capabilities)}"
         return error_response(

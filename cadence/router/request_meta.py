@@ -3,7 +3,8 @@
 The body is forwarded untouched; this module decodes a lean view of it (model, stream,
 modalities, the kinds of content parts, the prompt prefix) with msgspec, which skips
 every other field without building Python objects for it. A body that does not fit
-the view is routed on its path alone and the worker gives the real error.
+the view (not JSON, not UTF-8, nested too deeply, fields of the wrong type) is routed
+on its path alone and forwarded unchanged: the worker gives the real error.
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ def parse_route_meta(path: str, body: bytes) -> RouteMeta:
         return RouteMeta(capabilities=base)
     try:
         parsed = _decoder.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        # Not JSON, not UTF-8 (msgspec raises UnicodeDecodeError for invalid bytes
+        # inside strings), or nested past msgspec's depth limit: the worker judges it.
         return RouteMeta(capabilities=base)
     caps = set(base)
     is_stream = parsed.stream is True

@@ -30,7 +30,7 @@ class Received:
 class FakeWorker:
     """Behaviour knobs (set by tests) and what was received."""
 
-    mode: str = "json"  # json | status | sse | hang | break | slow
+    mode: str = "json"  # json | status | echo | sse | hang | break | slow
     status: int = 200
     body: bytes = b'{"ok": true}'
     content_type: str = "application/json"
@@ -88,6 +88,8 @@ class FakeWorker:
             await asyncio.sleep(self.delay_secs)
         if self.mode in ("sse", "break"):
             return await self._stream(request)
+        if self.mode == "echo":  # answer with the very bytes received
+            return web.Response(status=self.status, body=body, headers={"Content-Type": "application/octet-stream"})
         headers = {"Content-Type": self.content_type, **self.extra_headers}
         return web.Response(status=self.status, body=self.body, headers=headers)
 

@@ -148,6 +148,9 @@ async def test_503_when_no_worker_fits_model_or_capabilities(make_worker, make_r
     async with client.post(router.url + CHAT, json={"model": "other"}) as resp:
         assert resp.status == 503
         assert "'other'" in (await resp.json())["error"]["message"]
+    async with client.post(router.url + CHAT, json={"model": "x" * 100000}) as resp:
+        assert resp.status == 503
+        assert len((await resp.json())["error"]["message"]) < 400  # the name is cut, not echoed whole
     async with client.post(router.url + "/v1/embeddings", json={"model": "small"}) as resp:
         assert resp.status == 503  # right model, missing capability
     image_chat = {"model": "small", "messages": [{"role": "user", "content": [
@@ -230,4 +233,27 @@ async def test_large_bodies_both_ways_are_exact(make_worker, make_router, client
         assert resp.headers["Content-Length"] == str(len(answer))
         assert await resp.read() == answer
     assert worker.received[0].body == upload
+    await assert_idle(router)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m\xff\xfe", "messages": [{"role": "user", "content": "hi"}]}',  # invalid UTF-8
+        b"\xff\xfe{\x00}\x00",  # UTF-16
+        b'{"model": "m", "messages": [',  # cut short
+        b'{"model": "m", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",  # nested past the parser's limit
+    ],
+    ids=["invalid-utf8", "utf16", "truncated", "deep"],
+)
+async def test_bodies_the_router_cannot_read_are_forwarded_unchanged(make_worker, make_router, client, body):
+    worker = await make_worker(mode="echo", status=400)  # the worker judges the body and answers 400
+    router = await make_router([worker.url])
+    async with client.post(router.url + CHAT, data=body, headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == 400
+        assert await resp.read() == body  # what the worker received, echoed back
+        assert resp.headers["x-cadence-worker"] == worker.url
+    assert worker.num_requests == 1 and worker.received[0].body == body
+    state = router.registry.get(worker.url)
+    assert state.num_failures == 0 and state.is_routable
     await assert_idle(router)

@@ -63,7 +63,13 @@ def test_prompt_forms_give_a_prefix():
 @pytest.mark.parametrize(
     "body",
     [b"", b"not json", b"[1, 2]", b'{"messages": "oops"}', b'{"messages": [{"content": 5}]}',
-     b'{"model": 7, "stream": "yes"}'],
+     b'{"model": 7, "stream": "yes"}',
+     b'{"model": "m\xff", "messages": []}',  # invalid UTF-8 inside a string
+     b'{"messages": [{"content": "caf\xc3"}]}',  # truncated UTF-8 sequence
+     b'\xff\xfe{\x00}\x00',  # UTF-16 with a byte order mark
+     b'{"model": "\\ud800"}',  # an escaped lone surrogate
+     b'{"model": "m", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",  # past msgspec's depth limit
+     b'{"stream": true, "model": "m", "messages": [{"content": "a"}]'],  # cut short
 )
 def test_unreadable_bodies_route_on_the_path_alone(body):
     m = parse_route_meta(CHAT, body)
