@@ -118,7 +118,8 @@ async def test_429_when_concurrency_limit_is_reached(make_worker, make_router, c
     await asyncio.wait_for(_until(lambda: worker.num_requests == 2), 5)
     async with client.post(router.url + CHAT, data=b"{}") as resp:
         assert resp.status == 429
-        assert resp.headers["Retry-After"] == "1"
+        assert resp.headers["Retry-After"] == "1"  # whole seconds, at least 1
+        assert (await resp.json())["error"]["type"] == "overloaded"
     for task in first:
         resp = await task
         assert resp.status == 200
