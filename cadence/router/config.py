@@ -120,13 +120,16 @@ class RouterConfig:
     """File that gets one JSON line per routed request (best effort)."""
 
     api_key: str | None = None
-    """Key clients must send as 'Authorization: Bearer KEY' (all routes but /live, /ready, /health and the admin routes); also sent on probes."""
+    """Key clients must send as 'Authorization: Bearer KEY' (all routes but /live, /ready,
+    /health and the admin routes); also sent on probes."""
 
     admin_api_key: str | None = None
-    """Key the admin routes (GET/POST /workers, GET/PUT/DELETE /workers/{id}) require as 'Authorization: Bearer KEY'; must differ from api_key."""
+    """Key the admin routes (GET/POST /workers, GET/PUT/DELETE /workers/{id}) require as
+    'Authorization: Bearer KEY'; must differ from api_key."""
 
     enable_admin_api: bool = False
-    """Serve the admin routes without an admin key (open, or behind api_key when set); without this flag or an admin key they answer 403."""
+    """Serve the admin routes without an admin key (open, or behind api_key when set);
+    without this flag or an admin key they answer 403."""
 
     log_level: str = "info"
     """Logging level: debug, info, warning or error."""
@@ -320,7 +323,8 @@ def worker_spec_from_dict(entry: object, field: str = "worker") -> WorkerSpec:
         raise ValueError(f"{field}: each worker must be a URL or a mapping, got {short_repr(entry)}")
     unknown = set(entry) - {"url", "model", "capabilities"}
     if unknown:
-        raise ValueError(f"{field}: unknown worker keys {short_repr(sorted(map(str, unknown)))} (url, model, capabilities)")
+        names = short_repr(sorted(map(str, unknown)))
+        raise ValueError(f"{field}: unknown worker keys {names} (url, model, capabilities)")
     if "url" not in entry:
         raise ValueError(f"{field}: worker entry {short_repr(entry)} has no url")
     model = entry.get("model")

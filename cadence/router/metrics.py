@@ -104,7 +104,8 @@ class RouterMetrics:
         )
         failures = CounterMetricFamily(
             "cadence_router_worker_failures",
-            "Failed probes and failed requests (connection errors, 408, 429, 5xx not blamed on the request) of each worker.",
+            "Failed probes and failed requests (connection errors, 408, 429, 5xx not blamed on the request)"
+            " of each worker.",
             labels=["worker"],
         )
         active = GaugeMetricFamily(

@@ -5,9 +5,9 @@ the client: after a connection error, or an answer of 408/429/500/502/503/504 th
 then discarded. Never after any other 4xx, nor after a 5xx the replica marks
 `X-Cadence-Fault: request` (the request itself made it fail: another worker would fail
 the same way); such an answer is relayed as it is. Once a streamed answer's headers are
-sent it is relayed to the end or cut, never replayed. Every attempt counts itself on its worker and releases the count in
-a `finally`, so success, upstream failure, client disconnect and cancellation all give
-it back.
+sent it is relayed to the end or cut, never replayed. Every attempt counts itself on
+its worker and releases the count in a `finally`, so success, upstream failure, client
+disconnect and cancellation all give it back.
 """
 
 from __future__ import annotations
