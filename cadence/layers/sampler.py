@@ -2,6 +2,14 @@
 
 Everything here is vectorized over the batch; per-request work is limited to building
 small index tensors. Rows whose parameters are all defaults take the argmax fast path.
+
+Numerical safety: every parameter the edge accepts keeps the math finite. Penalties and
+biases can push a logit past float32's range (a repetition penalty of 0 divides by zero,
+a bias of 1e300 is +inf in float32), so adjusted logits are clamped to +-LOGIT_LIMIT
+(-inf stays: it is how tokens are masked). A temperature is applied in float32 no larger
+than MAX_TEMPERATURE, and top-p/min-p always keep the most likely token, so every sampled
+row is a distribution with at least one token of positive probability. The caller's
+logits are never changed: adjustments work on a copy.
 """
 
 from __future__ import annotations
@@ -36,6 +44,12 @@ class SampleOutput:
 
 
 ARGMAX_BLOCK = 64
+# Adjusted logits are clamped here: divided by the smallest sampling temperature (1e-6)
+# they stay far below float32's maximum (3.4e38).
+LOGIT_LIMIT = 1e30
+# Hotter than this is the uniform distribution over the unmasked tokens to float32
+# precision; larger values (up to 1e308 as JSON allows) would be +inf in float32.
+MAX_TEMPERATURE = 1e30
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -76,9 +90,25 @@ def _apply_bias_and_masks(logits: torch.Tensor, rows: list[SamplingInput]) -> No
     for i, r in enumerate(rows):
         if r.params.logit_bias:
             ids = torch.tensor(list(r.params.logit_bias.keys()), dtype=torch.int64)
-            logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype)
+            bias = torch.tensor(list(r.params.logit_bias.values()), dtype=torch.float64)
+            logits[i, ids] += bias.clamp(-LOGIT_LIMIT, LOGIT_LIMIT).to(logits.dtype)
         if r.suppress_ids:
             logits[i, r.suppress_ids] = float("-inf")
+
+
+def _needs_adjusting(r: SamplingInput) -> bool:
+    p = r.params
+    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 or p.logit_bias
+                or r.suppress_ids)
+
+
+def adjust_logits(logits: torch.Tensor, rows: list[SamplingInput]) -> torch.Tensor:
+    """Penalties, bias and masks applied to a copy of `logits`, clamped to +-LOGIT_LIMIT
+    (NaN, which only an overflowing penalty can make, counts as masked)."""
+    logits = logits.clone()
+    _apply_penalties(logits, rows)
+    _apply_bias_and_masks(logits, rows)
+    return torch.nan_to_num_(logits, nan=float("-inf"), posinf=LOGIT_LIMIT, neginf=float("-inf")).clamp_(max=LOGIT_LIMIT)
 
 
 def _filter_probs(probs: torch.Tensor, rows: list[SamplingInput]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -94,8 +124,10 @@ def _filter_probs(probs: torch.Tensor, rows: list[SamplingInput]) -> tuple[torch
     k = torch.tensor([kk if kk >= 1 else vocab for kk in top_k]).unsqueeze(1)
     drop = ranks >= k
     cum_before = sorted_probs.cumsum(-1) - sorted_probs
-    drop |= cum_before >= torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)  # keeps at least the best
+    drop |= cum_before >= torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
     drop |= sorted_probs < torch.tensor(min_p, dtype=probs.dtype).unsqueeze(1) * sorted_probs[:, :1]
+    # The best token always stays (a top_p that rounds to 0 in float32 would drop it too).
+    drop[:, 0] = False
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return sorted_probs / sorted_probs.sum(-1, keepdim=True), idx
 
@@ -132,20 +164,19 @@ def _logprob_info(logits: torch.Tensor, next_ids: torch.Tensor, rows: list[Sampl
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingInput]) -> SampleOutput:
-    """logits: [batch, vocab] float32, modified in place. Log-probabilities are reported from the
+    """logits: [batch, vocab] float32, left unchanged. Log-probabilities are reported from the
     distribution after penalties, bias and masks but before temperature and filtering.
 
     Runs in inference mode: the forward pass hands over inference tensors, which refuse
     in-place updates (bias, masks, penalties) outside it."""
-    if any(r.params.frequency_penalty or r.params.presence_penalty or r.params.repetition_penalty != 1.0
-           for r in rows):
-        _apply_penalties(logits, rows)
-    _apply_bias_and_masks(logits, rows)
+    if any(_needs_adjusting(r) for r in rows):
+        logits = adjust_logits(logits, rows)
     next_ids = argmax(logits)
     sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if sampled:
         sub_rows = [rows[i] for i in sampled]
-        temps = torch.tensor([r.params.temperature for r in sub_rows], dtype=logits.dtype).unsqueeze(1)
+        temps = torch.tensor([min(r.params.temperature, MAX_TEMPERATURE) for r in sub_rows],
+                             dtype=logits.dtype).unsqueeze(1)
         probs = torch.softmax(logits[sampled] / temps, dim=-1)
         probs, sort_idx = _filter_probs(probs, sub_rows)
         picked = _sample(probs, sub_rows)

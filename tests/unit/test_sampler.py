@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from cadence.layers.sampler import SamplingInput, argmax, sample
+from cadence.layers.sampler import LOGIT_LIMIT, SamplingInput, adjust_logits, argmax, sample
 from cadence.sampling_params import SamplingParams
 
 VOCAB = 8
@@ -128,16 +128,14 @@ def test_suppress_ids_are_never_picked():
 
 
 def test_frequency_penalty_lowers_repeated_tokens_by_count():
-    logits = torch.zeros(1, VOCAB)
-    sample(logits, [row(temperature=0.0, output=[2, 2, 3], frequency_penalty=0.5)])
+    logits = adjust_logits(torch.zeros(1, VOCAB), [row(temperature=0.0, output=[2, 2, 3], frequency_penalty=0.5)])
     assert logits[0, 2].item() == pytest.approx(-1.0)
     assert logits[0, 3].item() == pytest.approx(-0.5)
     assert logits[0, 0].item() == 0.0
 
 
 def test_presence_penalty_is_flat_per_present_token():
-    logits = torch.zeros(1, VOCAB)
-    sample(logits, [row(temperature=0.0, output=[2, 2, 3], presence_penalty=0.7)])
+    logits = adjust_logits(torch.zeros(1, VOCAB), [row(temperature=0.0, output=[2, 2, 3], presence_penalty=0.7)])
     assert logits[0, 2].item() == pytest.approx(-0.7)
     assert logits[0, 3].item() == pytest.approx(-0.7)
     assert logits[0, 4].item() == 0.0
@@ -159,7 +157,7 @@ def test_penalties_change_the_greedy_choice():
 
 def test_repetition_penalty_pushes_seen_tokens_toward_less_likely():
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 0, 0, 0, 0]])
-    sample(logits, [row(prompt=[0], output=[1], temperature=0.0, repetition_penalty=2.0)])
+    logits = adjust_logits(logits, [row(prompt=[0], output=[1], temperature=0.0, repetition_penalty=2.0)])
     # Seen tokens (0 in the prompt, 1 in the output) move toward -inf: positive divided,
     # negative multiplied; unseen ones (2, 3) are untouched.
     assert logits[0].tolist()[:4] == [1.0, -4.0, 2.0, -2.0]
@@ -172,8 +170,8 @@ def test_repetition_penalty_below_one_encourages_seen_tokens():
 
 
 def test_penalties_apply_only_to_rows_that_ask():
-    logits = torch.zeros(2, VOCAB)
-    sample(logits, [row(temperature=0.0, output=[1]), row(temperature=0.0, output=[1], presence_penalty=1.0)])
+    rows = [row(temperature=0.0, output=[1]), row(temperature=0.0, output=[1], presence_penalty=1.0)]
+    logits = adjust_logits(torch.zeros(2, VOCAB), rows)
     assert logits[0, 1].item() == 0.0
     assert logits[1, 1].item() == pytest.approx(-1.0)
 
@@ -244,3 +242,49 @@ def test_blocked_argmax_answers_exactly_like_torch_argmax(vocab):
     for dtype in (torch.float32, torch.bfloat16):
         x = logits.to(dtype)
         assert torch.equal(argmax(x), x.argmax(-1)), dtype
+
+
+def test_sample_leaves_the_callers_logits_unchanged():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 0, 0, 0, 0]])
+    before = logits.clone()
+    sample(logits, [row(prompt=[0], output=[1], temperature=1.0, seed=0, repetition_penalty=2.0,
+                        logit_bias={"3": 5.0}, frequency_penalty=1.0)])
+    assert torch.equal(logits, before)
+
+
+# Parameters in range by every check whose naive math overflows float32 or divides by zero;
+# each must still give a token of the vocabulary and finite log-probabilities.
+EXTREMES = [
+    {"repetition_penalty": 0.0, "temperature": 1.0},
+    {"repetition_penalty": 5e-324, "temperature": 0.7},
+    {"repetition_penalty": 0.0, "frequency_penalty": 2.0, "presence_penalty": 2.0, "temperature": 0.5},
+    {"logit_bias": {"1": 1e300, "2": 1e300}, "temperature": 1.0},
+    {"logit_bias": {"1": -1e300, "2": 1e308}, "temperature": 1e-5},
+    {"logit_bias": {"1": 1e300}, "temperature": 1e300},
+    {"temperature": 1e308},
+    {"temperature": 5e-324},
+    {"top_p": 5e-324, "temperature": 1.0},
+    {"top_p": 1e-300, "min_p": 1.0, "top_k": 1, "temperature": 3.0},
+    {"min_p": 1.0, "temperature": 1.0},
+    {"repetition_penalty": 0.0, "temperature": 1.0, "logit_bias": {"0": -1e300}},
+]
+
+
+@pytest.mark.parametrize("params", EXTREMES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_extreme_parameters_keep_the_math_finite(params):
+    rows = [row(prompt=[0, 1, 2], output=[1, 2], seed=s, return_logprob=True, top_logprobs_num=3, **params)
+            for s in range(4)]
+    logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(0)) * 4
+    out = sample(logits, rows)
+    assert all(0 <= t < VOCAB for t in out.next_ids)
+    assert all(math.isfinite(lp) for lp in out.logprobs)
+    assert all(math.isfinite(v) or v == -math.inf for top in out.top_logprobs for v, _ in top)
+
+
+def test_adjusted_logits_are_clamped_and_masks_stay_minus_infinity():
+    rows = [row(prompt=[1], repetition_penalty=0.0, logit_bias={"2": 1e300}, suppress=[3])]
+    logits = adjust_logits(torch.tensor([[0.0, 5.0, 1.0, 1.0, 0, 0, 0, 0]]), rows)
+    assert logits[0, 1].item() == pytest.approx(LOGIT_LIMIT)  # 5 / 0
+    assert logits[0, 2].item() == pytest.approx(LOGIT_LIMIT)  # 1 + 1e300
+    assert logits[0, 3].item() == -math.inf
+    assert torch.isfinite(logits[0, [0, 4, 5, 6, 7]]).all()
