@@ -8,9 +8,12 @@ The same `Detokenizer` runs inside the detokenizer process and inside the in-pro
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from cadence.io_struct import BatchStrOutput, BatchTokenIDOutput
+
+logger = logging.getLogger(__name__)
 
 # Context tokens decoded before the unread ones, so merges and byte sequences decode right.
 _CONTEXT_TOKENS = 5
@@ -39,6 +42,7 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.states: dict[str, _State] = {}
+        self.failed: set[str] = set()  # rids that failed here and still run in the scheduler
 
     def _decode(self, ids: list[int], skip: bool, spaces: bool) -> str:
         # Fast tokenizers have no spaces_between_special_tokens switch; `spaces` is accepted
@@ -66,34 +70,54 @@ class Detokenizer:
         return cut if cut != -1 else text.find(stop)
 
     def process(self, batch: BatchTokenIDOutput) -> BatchStrOutput:
-        texts = []
+        """Text deltas for one step's token ids. A request whose text cannot be made fails
+        alone: its entry becomes a final error (`origin` "detokenizer", so the front aborts
+        it in the scheduler) and its later outputs are dropped until its own final one."""
+        texts, reasons = [], list(batch.finished_reasons)
         for i, rid in enumerate(batch.rids):
-            st = self.states.setdefault(rid, _State())
-            reason = batch.finished_reasons[i]
-            new_ids = batch.output_ids[i]
-            trim_token = (reason is not None and reason.get("type") == "stop"
-                          and isinstance(reason.get("matched"), int) and not batch.no_stop_trim[i]
-                          and new_ids)
-            st.ids.extend(new_ids[:-1] if trim_token else new_ids)
-            st.unsent += self._step(st, batch.skip_special_tokens[i], batch.spaces_between_special_tokens[i],
-                                    final=reason is not None)
-            stops = batch.stop_strs[i] or []
-            if reason is None:
-                keep = _held_back(st.unsent, stops) if stops else 0
-                out, st.unsent = st.unsent[: len(st.unsent) - keep], st.unsent[len(st.unsent) - keep :]
-            else:
-                out = st.unsent
-                matched = reason.get("matched")
-                if isinstance(matched, str) and not batch.no_stop_trim[i]:
-                    cut = self._stop_start(st, out, matched, batch.skip_special_tokens[i],
-                                           batch.spaces_between_special_tokens[i])
-                    if cut != -1:
-                        out = out[:cut]
-                del self.states[rid]
-            texts.append(out)
+            if rid in self.failed:
+                if reasons[i] is not None:  # its end in the scheduler; the front has moved on
+                    self.failed.discard(rid)
+                texts.append("")
+                continue
+            try:
+                texts.append(self._process_one(batch, i, rid))
+            except Exception as e:
+                logger.exception("detokenizing request %s failed; it ends with an error", rid)
+                self.states.pop(rid, None)
+                if reasons[i] is None:
+                    self.failed.add(rid)
+                reasons[i] = {"type": "abort", "status_code": 500, "request_fault": True, "origin": "detokenizer",
+                              "message": f"internal error while detokenizing: {type(e).__name__}: {e}"}
+                texts.append("")
         return BatchStrOutput(
             rids=batch.rids, http_worker_ipcs=batch.http_worker_ipcs,
-            finished_reasons=batch.finished_reasons, output_strs=texts, output_ids=batch.output_ids,
+            finished_reasons=reasons, output_strs=texts, output_ids=batch.output_ids,
             prompt_tokens=batch.prompt_tokens, completion_tokens=batch.completion_tokens,
             cached_tokens=batch.cached_tokens, logprobs=batch.logprobs,
         )
+
+    def _process_one(self, batch: BatchTokenIDOutput, i: int, rid: str) -> str:
+        st = self.states.setdefault(rid, _State())
+        reason = batch.finished_reasons[i]
+        new_ids = batch.output_ids[i]
+        trim_token = (reason is not None and reason.get("type") == "stop"
+                      and isinstance(reason.get("matched"), int) and not batch.no_stop_trim[i]
+                      and new_ids)
+        st.ids.extend(new_ids[:-1] if trim_token else new_ids)
+        st.unsent += self._step(st, batch.skip_special_tokens[i], batch.spaces_between_special_tokens[i],
+                                final=reason is not None)
+        stops = batch.stop_strs[i] or []
+        if reason is None:
+            keep = _held_back(st.unsent, stops) if stops else 0
+            out, st.unsent = st.unsent[: len(st.unsent) - keep], st.unsent[len(st.unsent) - keep :]
+            return out
+        out = st.unsent
+        matched = reason.get("matched")
+        if isinstance(matched, str) and not batch.no_stop_trim[i]:
+            cut = self._stop_start(st, out, matched, batch.skip_special_tokens[i],
+                                   batch.spaces_between_special_tokens[i])
+            if cut != -1:
+                out = out[:cut]
+        del self.states[rid]
+        return out

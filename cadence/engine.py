@@ -23,19 +23,12 @@ from cadence.io_struct import AbortReq, GenerateReqInput, TokenizedGenerateReqIn
 from cadence.model_loader.loader import load_tokenizer
 from cadence.model_loader.locate import model_name, resolve_model_path
 from cadence.plugins import load_plugins
-from cadence.scheduler.req import Req, to_batch_output
+from cadence.scheduler.req import req_from_tokenized, to_batch_output
 from cadence.scheduler.scheduler import Scheduler
 from cadence.server_args import ServerArgs
 from cadence.tokenizer_manager import ModelInfo, TokenizerManager
 
 logger = logging.getLogger(__name__)
-
-
-def req_from_tokenized(t: TokenizedGenerateReqInput) -> Req:
-    return Req(rid=t.rid, input_ids=list(t.input_ids), params=t.sampling_params,
-               http_worker_ipc=t.http_worker_ipc, return_logprob=t.return_logprob,
-               logprob_start_len=t.logprob_start_len, top_logprobs_num=t.top_logprobs_num,
-               token_ids_logprob=t.token_ids_logprob, stream=t.stream)
 
 
 class _SchedulerThread:
@@ -69,7 +62,10 @@ class _SchedulerThread:
         if msg is None:
             return False
         if isinstance(msg, TokenizedGenerateReqInput):
-            self.scheduler.add_request(req_from_tokenized(msg))
+            try:
+                self.scheduler.add_request(req_from_tokenized(msg))
+            except Exception as e:  # this request fails; the engine goes on
+                self.scheduler.fail(req_from_tokenized(msg), e, "being admitted")
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid, msg.abort_all, msg.message or "aborted")
         elif callable(msg):
@@ -130,7 +126,8 @@ class Engine:
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="cadence-engine-loop", daemon=True)
         self._loop_thread.start()
         self.tokenizer_manager = TokenizerManager(self.tokenizer, self.info, self._send,
-                                                  max_pending=self.args.max_queued_requests + self.args.max_running_requests)
+                                                  max_pending=self.args.max_queued_requests + self.args.max_running_requests,
+                                                  request_timeout_s=self.args.request_timeout_s)
         self._worker.deliver = lambda out: self.loop.call_soon_threadsafe(self.tokenizer_manager.handle_output, out)
         self._closed = False
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -28,7 +29,10 @@ class IpcPaths:
 
     @classmethod
     def create(cls) -> "IpcPaths":
-        directory = tempfile.mkdtemp(prefix="cadence-ipc-")
+        """A fresh private directory, named after this process (`cadence-ipc-<pid>-...`) so
+        that the next server can sweep it if this one is killed without cleaning up."""
+        sweep_dead()
+        directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
         os.chmod(directory, 0o700)
         return cls(directory, f"ipc://{directory}/scheduler", f"ipc://{directory}/detokenizer")
 
@@ -38,6 +42,68 @@ class IpcPaths:
 
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_PREFIX = "cadence-ipc-"
+
+
+def sweep_dead(root: str | None = None) -> list[str]:
+    """Removes the socket directories (ours: same owner) of servers whose process is gone,
+    e.g. after a SIGKILL; returns what it removed."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(_PREFIX):].split("-", 1)[0]
+        if not name.startswith(_PREFIX) or not pid.isdigit():
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid() or _is_alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process with that pid: not ours to judge
+    return True
+
+
+class Heartbeat:
+    """When a child process last made progress, in shared memory the front process reads.
+
+    One float per child (CLOCK_MONOTONIC seconds, the same clock in every process): the
+    child's loop calls `beat()` every iteration (at least once a second, idle or not), and
+    `busy(seconds)` before a long operation that legitimately stops the loop (loading new
+    weights). The front's watchdog declares the child stuck when the time is older than
+    --watchdog-timeout."""
+
+    def __init__(self, shared, index: int):
+        self.shared = shared  # a multiprocessing RawArray("d") made by the front process
+        self.index = index
+
+    def beat(self) -> None:
+        self.shared[self.index] = time.monotonic()
+
+    def busy(self, seconds: float) -> None:
+        self.shared[self.index] = time.monotonic() + seconds
+
+    def age(self) -> float:
+        """Seconds since the last beat (negative while declared busy; 0 before the first)."""
+        last = self.shared[self.index]
+        return time.monotonic() - last if last else 0.0
 
 
 def bind(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:

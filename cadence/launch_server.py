@@ -36,18 +36,18 @@ def _child_start(parent_pid: int) -> None:
         os._exit(0)
 
 
-def _scheduler_entry(args, paths, model_path, ready_pipe, parent_pid):
+def _scheduler_entry(args, paths, model_path, ready_pipe, parent_pid, heartbeat):
     _child_start(parent_pid)
     from cadence.managers.scheduler_process import run_scheduler_process
 
-    run_scheduler_process(args, paths, model_path, ready_pipe)
+    run_scheduler_process(args, paths, model_path, ready_pipe, heartbeat)
 
 
-def _detokenizer_entry(args, paths, tokenizer_source, parent_pid):
+def _detokenizer_entry(args, paths, tokenizer_source, parent_pid, heartbeat):
     _child_start(parent_pid)
     from cadence.managers.detokenizer_process import run_detokenizer_process
 
-    run_detokenizer_process(args, paths, tokenizer_source)
+    run_detokenizer_process(args, paths, tokenizer_source, heartbeat)
 
 
 class ChildDied(RuntimeError):
@@ -75,7 +75,7 @@ def _wait_ready(reader, children, stopping, timeout: float = 1800.0) -> dict:
     raise ChildDied("the scheduler did not report ready in time")
 
 
-async def _serve(args: ServerArgs, paths, children, reader, model_path: str, stopping) -> int:
+async def _serve(args: ServerArgs, paths, children, reader, model_path: str, stopping, heartbeats) -> int:
     import asyncio
     import multiprocessing.connection
     import signal
@@ -144,7 +144,8 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
                          context_len=ready["context_len"], vocab_size=ready["vocab_size"],
                          max_total_tokens=ready["max_total_tokens"])
         state.runtime = {k: v for k, v in ready.items() if k != "status"}
-        client = EngineClient(paths, info, tokenizer, args.max_queued_requests + args.max_running_requests)
+        client = EngineClient(paths, info, tokenizer, args.max_queued_requests + args.max_running_requests,
+                              request_timeout_s=args.request_timeout_s)
         client.start()
         state.client = client
 
@@ -167,6 +168,21 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
                 stop(1, f"the {' and '.join(p.name for p in dead)} process died; the server is shutting down")
 
         watch_task = asyncio.create_task(watchdog())
+
+        async def progress_watchdog():
+            """A child that stops making progress (hung, stopped, deadlocked) is as bad as a
+            dead one: report unhealthy, fail what waits with 503, exit non-zero."""
+            period = min(1.0, args.watchdog_timeout / 4)
+            while not state.is_shutting_down:
+                await asyncio.sleep(period)
+                for proc, heartbeat in zip(children, heartbeats):
+                    if heartbeat.age() > args.watchdog_timeout and not state.is_shutting_down:
+                        logger.error("the %s process made no progress for %.1f s (--watchdog-timeout %g); "
+                                     "shutting down", proc.name, heartbeat.age(), args.watchdog_timeout)
+                        stop(1, f"the {proc.name} process stopped making progress; the server is shutting down")
+                        return
+
+        progress_task = asyncio.create_task(progress_watchdog())
         if not args.skip_warmup:
             from cadence.entrypoints.native_api import last_result
             from cadence.io_struct import GenerateReqInput
@@ -187,6 +203,7 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
             logger.info("Cadence is ready: http://%s:%d", args.host, args.port)
         await serve_task
         watch_task.cancel()
+        progress_task.cancel()
     except (ChildDied, StartupFailed) as e:
         logger.error("%s", e)
         stop(1)
@@ -234,7 +251,7 @@ def launch(args: ServerArgs) -> int:
         signal.signal(sig, lambda *_: stopping.set())
 
     from cadence import envs
-    from cadence.ipc import IpcPaths
+    from cadence.ipc import Heartbeat, IpcPaths
     from cadence.model_loader.locate import resolve_model_path
 
     try:
@@ -246,15 +263,19 @@ def launch(args: ServerArgs) -> int:
     envs.set_openmp_defaults()  # the children read it when they start (see envs.py)
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
+    shared = ctx.RawArray("d", 2)
+    heartbeats = [Heartbeat(shared, 0), Heartbeat(shared, 1)]  # scheduler, detokenizer
     children = [
-        ctx.Process(target=_scheduler_entry, args=(args, paths, model_path, writer, os.getpid()), name="scheduler"),
-        ctx.Process(target=_detokenizer_entry, args=(args, paths, args.tokenizer_path or model_path, os.getpid()),
+        ctx.Process(target=_scheduler_entry, args=(args, paths, model_path, writer, os.getpid(), heartbeats[0]),
+                    name="scheduler"),
+        ctx.Process(target=_detokenizer_entry,
+                    args=(args, paths, args.tokenizer_path or model_path, os.getpid(), heartbeats[1]),
                     name="detokenizer"),
     ]
     try:
         for proc in children:
             proc.start()
-        return uvloop.run(_serve(args, paths, children, reader, model_path, stopping))
+        return uvloop.run(_serve(args, paths, children, reader, model_path, stopping, heartbeats))
     finally:
         _stop_children(children)
         paths.remove()

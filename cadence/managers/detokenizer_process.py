@@ -11,7 +11,7 @@ import zmq
 from cadence import io_struct
 from cadence.detokenizer import Detokenizer
 from cadence.io_struct import BatchEmbeddingOutput, BatchStrOutput, BatchTokenIDOutput
-from cadence.ipc import FrontRouter, IpcPaths, bind, die_with_parent
+from cadence.ipc import FrontRouter, Heartbeat, IpcPaths, bind, die_with_parent
 from cadence.server_args import ServerArgs
 
 logger = logging.getLogger("cadence.detokenizer")
@@ -37,7 +37,8 @@ def _split_by_front(out: BatchStrOutput) -> dict[str | None, BatchStrOutput]:
     return parts
 
 
-def run_detokenizer_process(args: ServerArgs, paths: IpcPaths, tokenizer_source: str) -> None:
+def run_detokenizer_process(args: ServerArgs, paths: IpcPaths, tokenizer_source: str,
+                            heartbeat: Heartbeat | None = None) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front process decides when we stop
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -51,11 +52,18 @@ def run_detokenizer_process(args: ServerArgs, paths: IpcPaths, tokenizer_source:
     fronts = FrontRouter(ctx)
     parent = os.getppid()
     while True:
+        if heartbeat is not None:
+            heartbeat.beat()
         if not inbox.poll(1000):
             if os.getppid() != parent:
                 return
             continue
-        msg = io_struct.decode(inbox.recv(copy=False).bytes)
+        data = inbox.recv(copy=False).bytes
+        try:
+            msg = io_struct.decode(data)
+        except Exception:
+            logger.exception("dropped a message the detokenizer cannot decode (%d bytes)", len(data))
+            continue
         if isinstance(msg, BatchTokenIDOutput):
             for front, part in _split_by_front(detokenizer.process(msg)).items():
                 fronts.send(front, part)

@@ -32,7 +32,8 @@ _REPLY_TYPES = {
 
 
 class EngineClient:
-    def __init__(self, paths: IpcPaths, info: ModelInfo, tokenizer, max_pending: int, index: int = 0):
+    def __init__(self, paths: IpcPaths, info: ModelInfo, tokenizer, max_pending: int, index: int = 0,
+                 request_timeout_s: float | None = None):
         self.address = paths.front_address(index)
         self.ctx = zmq.asyncio.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -43,7 +44,8 @@ class EngineClient:
         self.to_scheduler = self._sync_ctx.socket(zmq.PUSH)
         self.to_scheduler.setsockopt(zmq.LINGER, 0)
         self.to_scheduler.connect(paths.scheduler_input)
-        self.tm = TokenizerManager(tokenizer, info, self.send, max_pending=max_pending, worker_ipc=self.address)
+        self.tm = TokenizerManager(tokenizer, info, self.send, max_pending=max_pending, worker_ipc=self.address,
+                                   request_timeout_s=request_timeout_s)
         self._waiters: dict[type, deque[asyncio.Future]] = defaultdict(deque)
         self._control_lock: dict[type, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._task: asyncio.Task | None = None

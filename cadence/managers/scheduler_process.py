@@ -22,17 +22,28 @@ from cadence.io_struct import (AbortReq, ContinueGenerationReqInput, FlushCacheR
                                GetLoadReqInput, GetLoadReqOutput, PauseGenerationReqInput, ProfileReq,
                                ProfileReqOutput, TokenizedGenerateReqInput, UpdateWeightFromDiskReqInput,
                                UpdateWeightFromDiskReqOutput)
-from cadence.ipc import FrontRouter, IpcPaths, bind, connect, die_with_parent
-from cadence.scheduler.req import to_batch_output
+from cadence.ipc import FrontRouter, Heartbeat, IpcPaths, bind, connect, die_with_parent
+from cadence.scheduler.req import req_from_tokenized, to_batch_output
 from cadence.scheduler.scheduler import Scheduler
 from cadence.server_args import ServerArgs
 
 logger = logging.getLogger("cadence.scheduler")
 
+# How long loading new weights may stop the loop before the watchdog calls it stuck.
+WEIGHT_LOAD_GRACE_S = 900.0
+
+# Control requests the asking front waits on, and the type of their answer.
+_REPLIES = {
+    FlushCacheReqInput: FlushCacheReqOutput,
+    ProfileReq: ProfileReqOutput,
+    UpdateWeightFromDiskReqInput: UpdateWeightFromDiskReqOutput,
+}
+
 
 class SchedulerProcess:
-    def __init__(self, args: ServerArgs, paths: IpcPaths, model_path: str, tokenizer):
+    def __init__(self, args: ServerArgs, paths: IpcPaths, model_path: str, tokenizer, heartbeat: Heartbeat | None = None):
         self.args = args
+        self.heartbeat = heartbeat
         self.scheduler = Scheduler(args, model_path, tokenizer)
         self.ctx = zmq.Context(1)
         self.inbox = bind(self.ctx, zmq.PULL, paths.scheduler_input)
@@ -56,6 +67,8 @@ class SchedulerProcess:
     def run(self) -> None:
         parent = os.getppid()
         while True:
+            if self.heartbeat is not None:
+                self.heartbeat.beat()
             timeout = 0 if self.scheduler.has_work else 1000
             if self.inbox.poll(timeout):
                 while True:
@@ -63,25 +76,59 @@ class SchedulerProcess:
                         data = self.inbox.recv(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    msg = io_struct.decode(data.bytes)
-                    self.handlers[type(msg)](msg)
+                    self._dispatch(data.bytes)
             elif os.getppid() != parent:
                 return  # the server is gone
-            outputs = self.scheduler.step()
-            if outputs:
-                self.to_detokenizer.send(io_struct.encode(to_batch_output(outputs)), copy=False)
+            self._send_outputs(self.scheduler.step())
+
+    def _dispatch(self, data: bytes) -> None:
+        """Handles one message; a message that cannot be decoded or handled is logged and
+        answered where it can be, never allowed to stop the loop."""
+        try:
+            msg = io_struct.decode(data)
+        except Exception:
+            logger.exception("dropped a message the scheduler cannot decode (%d bytes)", len(data))
+            return
+        try:
+            self.handlers[type(msg)](msg)
+        except Exception as e:
+            logger.exception("handling %s failed", type(msg).__name__)
+            if isinstance(msg, TokenizedGenerateReqInput):
+                self.scheduler.fail(req_from_tokenized(msg), e, "being admitted")
+            elif type(msg) in _REPLIES:
+                reply = _REPLIES[type(msg)](success=False, message=f"internal error: {type(e).__name__}: {e}")
+                reply.http_worker_ipc = msg.http_worker_ipc
+                self.fronts.send(msg.http_worker_ipc, reply)
+        self._flush_outputs()
+
+    def _send_outputs(self, outputs) -> None:
+        if not outputs:
+            return
+        try:
+            data = io_struct.encode(to_batch_output(outputs))
+        except Exception as e:
+            # One request's output cannot be encoded: find it, fail it, send the others.
+            logger.exception("encoding a step's outputs failed; checking them one by one")
+            good = []
+            for out in outputs:
+                try:
+                    io_struct.encode(to_batch_output([out]))
+                    good.append(out)
+                except Exception:
+                    self.scheduler.fail_rid(out.rid, e, "encoding its output")
+            good += self.scheduler.outputs
+            self.scheduler.outputs = []
+            data = io_struct.encode(to_batch_output(good)) if good else None
+        if data is not None:
+            self.to_detokenizer.send(data, copy=False)
 
     def _flush_outputs(self) -> None:
-        outputs = self.scheduler.outputs
-        if outputs:
-            self.scheduler.outputs = []
-            self.to_detokenizer.send(io_struct.encode(to_batch_output(outputs)), copy=False)
+        outputs, self.scheduler.outputs = self.scheduler.outputs, []
+        self._send_outputs(outputs)
 
     # ---- handlers ------------------------------------------------------------------------
 
     def _on_generate(self, msg: TokenizedGenerateReqInput) -> None:
-        from cadence.engine import req_from_tokenized
-
         self.scheduler.add_request(req_from_tokenized(msg))
 
     def _on_abort(self, msg: AbortReq) -> None:
@@ -122,8 +169,8 @@ class SchedulerProcess:
             if self.profiler is not None:
                 reply = ProfileReqOutput(success=False, message="a profile is already running")
             else:
-                self.profile_dir = msg.output_dir or os.path.join(os.getcwd(), "cadence-profiles")
-                os.makedirs(self.profile_dir, exist_ok=True)
+                self.profile_dir = _profile_dir(self.args.effective_profile_dir, msg.output_dir)
+                os.makedirs(self.profile_dir, mode=0o700, exist_ok=True)
                 self.profiler = torch.profiler.profile(activities=self.scheduler.runner.platform.profiler_activities())
                 self.profiler.__enter__()
                 reply = ProfileReqOutput(success=True, message=f"profiling into {self.profile_dir}")
@@ -143,6 +190,8 @@ class SchedulerProcess:
         from cadence.model_loader.locate import resolve_model_path
 
         runner = self.scheduler.runner
+        if self.heartbeat is not None:
+            self.heartbeat.busy(WEIGHT_LOAD_GRACE_S)  # loading stops the loop, by design
         try:
             path = resolve_model_path(msg.model_path)
             config, model = load_model(path, runner.dtype, runner.device, progress=False)
@@ -156,7 +205,17 @@ class SchedulerProcess:
         self.fronts.send(msg.http_worker_ipc, reply)
 
 
-def run_scheduler_process(args: ServerArgs, paths: IpcPaths, model_path: str, ready_pipe) -> None:
+def _profile_dir(root: str, name: str | None) -> str:
+    """Where a trace goes: `root` (the operator's --profile-dir) or one plain subdirectory of
+    it. The front checked `name` already; a path that leaves `root` is refused here too."""
+    path = os.path.realpath(os.path.join(root, name)) if name else os.path.realpath(root)
+    if os.path.commonpath([path, os.path.realpath(root)]) != os.path.realpath(root):
+        raise ValueError(f"output_dir {name!r} is not a subdirectory of --profile-dir")
+    return path
+
+
+def run_scheduler_process(args: ServerArgs, paths: IpcPaths, model_path: str, ready_pipe,
+                          heartbeat: Heartbeat | None = None) -> None:
     """Entry of the scheduler process. Reports the loaded model's facts (or the load error)
     through `ready_pipe` as msgpack bytes, then serves until the server goes away."""
     die_with_parent()
@@ -168,13 +227,15 @@ def run_scheduler_process(args: ServerArgs, paths: IpcPaths, model_path: str, re
 
         load_plugins()
         tokenizer = load_tokenizer(model_path, args.tokenizer_path)
-        proc = SchedulerProcess(args, paths, model_path, tokenizer)
+        proc = SchedulerProcess(args, paths, model_path, tokenizer, heartbeat)
         runner = proc.scheduler.runner
         ready_pipe.send_bytes(msgspec.msgpack.encode({
             "status": "ready", "context_len": runner.context_len, "vocab_size": runner.config.vocab_size,
             "max_total_tokens": runner.max_total_tokens, "dtype": str(runner.dtype).replace("torch.", ""),
             "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""), "platform": runner.platform.name,
         }))
+        if heartbeat is not None:
+            heartbeat.beat()
     except Exception as e:
         ready_pipe.send_bytes(msgspec.msgpack.encode({"status": "error", "error": f"{e}",
                                                       "traceback": traceback.format_exc()}))

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from cadence.io_struct import BatchTokenIDOutput, Logprobs
+from cadence.io_struct import BatchTokenIDOutput, Logprobs, TokenizedGenerateReqInput
 from cadence.sampling_params import SamplingParams
 
 
@@ -84,6 +84,14 @@ class Req:
     def total_tokens_needed(self, context_len: int) -> int:
         """Tokens this request can ever hold: the prompt plus every token it may generate."""
         return min(len(self.input_ids) + self.params.max_new_tokens, context_len)
+
+
+def req_from_tokenized(t: TokenizedGenerateReqInput) -> Req:
+    """The scheduler's request for a tokenized request from the front."""
+    return Req(rid=t.rid, input_ids=list(t.input_ids), params=t.sampling_params,
+               http_worker_ipc=t.http_worker_ipc, return_logprob=t.return_logprob,
+               logprob_start_len=t.logprob_start_len, top_logprobs_num=t.top_logprobs_num,
+               token_ids_logprob=t.token_ids_logprob, stream=t.stream)
 
 
 def _split(pairs):

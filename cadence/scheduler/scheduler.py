@@ -4,6 +4,11 @@ Single-threaded by design: only the thread that calls `step()` touches requests,
 or queues. Admission reserves every page a request can ever need (prompt plus
 max_new_tokens), so a running request never runs out of KV memory mid-generation; a request
 that does not fit yet waits, and one that can never fit is refused at once.
+
+Failures are isolated per request: an exception while preparing, sampling, computing
+logprobs or checking the stop conditions of one request fails that request alone (a 500
+marked as caused by the request, its KV pages freed) and the batch goes on. Only the model
+forward itself, which every request in the batch shares, may raise out of `step()`.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Scheduler:
         self.is_paused = False
         self.outputs: list[ReqOutput] = []
         self.num_generated_tokens = 0
+        self.num_failed_requests = 0  # requests ended by an error of their own (see `fail`)
         self.gen_throughput = 0.0
         self._throughput_window: deque[tuple[float, int]] = deque(maxlen=64)
         if args.random_seed is not None:
@@ -46,8 +52,11 @@ class Scheduler:
     # ---- requests in -----------------------------------------------------------------
 
     def add_request(self, req: Req) -> None:
-        if req.params.seed is not None:
-            req.generator = self.runner.platform.make_generator(req.params.seed)
+        try:
+            if req.params.seed is not None:
+                req.generator = self.runner.platform.make_generator(req.params.seed)
+        except Exception as e:
+            return self.fail(req, e, "seeding its random generator")
         if len(req.input_ids) + req.params.max_new_tokens > self.context_len and req.params.max_new_tokens:
             return self._refuse(req, f"the prompt ({len(req.input_ids)} tokens) plus max_new_tokens "
                                      f"({req.params.max_new_tokens}) exceeds the context length ({self.context_len})")
@@ -60,6 +69,25 @@ class Scheduler:
     def _refuse(self, req: Req, message: str) -> None:
         req.finished_reason = {"type": "abort", "message": message, "status_code": 400}
         self.outputs.append(self._output(req))
+
+    def fail(self, req: Req, error: BaseException, stage: str) -> None:
+        """Ends `req` with an internal error caused by the request itself (a 500 that a router
+        must not retry elsewhere), frees what it holds, and leaves every other request alone."""
+        logger.error("request %s failed while %s; it ends with an error, the batch goes on", req.rid, stage,
+                     exc_info=error)
+        self.num_failed_requests += 1
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self._finish(req, {"type": "abort", "status_code": 500, "request_fault": True,
+                           "message": f"internal error while {stage}: {type(error).__name__}: {error}"})
+
+    def fail_rid(self, rid: str, error: BaseException, stage: str) -> None:
+        """`fail` for the live request `rid`, if there is one."""
+        for req in [*self.waiting, *([self.chunked] if self.chunked else []), *self.running]:
+            if req.rid == rid:
+                return self.fail(req, error, stage)
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> None:
         """Ends the request(s) now, releasing their KV pages; unknown rids are ignored."""
@@ -160,10 +188,16 @@ class Scheduler:
         to_sample, sample_rows = [], []
         for req, n, rows, done in zip(reqs, lens, logit_rows, completes):
             num_lp = len(rows) - (1 if done else 0)
-            if num_lp:
-                self._record_input_logprobs(req, logits[offset : offset + num_lp], req.num_computed + rows[0])
+            first = offset
             req.num_computed += n
             offset += len(rows)
+            if num_lp:
+                try:
+                    self._record_input_logprobs(req, logits[first : first + num_lp],
+                                                req.num_computed - n + rows[0])
+                except Exception as e:
+                    self.fail(req, e, "computing its prompt logprobs")
+                    continue
             if not done:
                 continue
             if self.chunked is req:
@@ -195,22 +229,57 @@ class Scheduler:
                              req.top_logprobs_num, req.token_ids_logprob, req.return_logprob)
 
     def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        out = sample(logits, [self._sampling_input(r) for r in reqs])
-        now = time.monotonic()
-        self._throughput_window.append((now, len(reqs)))
-        self.num_generated_tokens += len(reqs)
+        """Samples one token for each of `reqs` (row i of `logits` is request i's) and applies
+        it: logprobs, stop conditions, streamed output. A request that fails here ends alone."""
+        rows, keep = [], []
         for i, req in enumerate(reqs):
-            token = out.next_ids[i]
-            req.output_ids.append(token)
-            if req.return_logprob:
-                req.pending_logprobs.append((out.logprobs[i], token))
-                req.pending_top.append(out.top_logprobs[i])
-                req.pending_given.append(out.token_ids_logprobs[i])
-            reason = self._check_finished(req, token)
-            if reason is not None:
-                self._finish(req, reason)
-            elif req.stream:
-                self.outputs.append(self._output(req))
+            try:
+                rows.append(self._sampling_input(req))
+                keep.append(i)
+            except Exception as e:
+                self.fail(req, e, "preparing its sampling")
+        if len(keep) < len(reqs):
+            reqs, logits = [reqs[i] for i in keep], logits[keep]
+        sampled = self._sample(reqs, logits, rows)
+        self._throughput_window.append((time.monotonic(), len(sampled)))
+        self.num_generated_tokens += len(sampled)
+        for req, token, logprob, top, given in sampled:
+            try:
+                self._advance(req, token, logprob, top, given)
+            except Exception as e:
+                self.fail(req, e, "checking its stop conditions")
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor, rows: list[SamplingInput]) -> list[tuple]:
+        """(req, token, logprob, top logprobs, given-id logprobs) per request. When the batch
+        fails, each row is sampled alone, so only the rows that fail by themselves fail."""
+        try:
+            outs = [(sample(logits, rows), range(len(reqs)))]
+        except Exception:
+            outs = []
+            for i, row in enumerate(rows):
+                try:
+                    outs.append((sample(logits[i : i + 1], [row]), [i]))
+                except Exception as e:
+                    self.fail(reqs[i], e, "sampling its next token")
+        sampled = []
+        for out, indices in outs:
+            for j, i in enumerate(indices):
+                sampled.append((reqs[i], out.next_ids[j], out.logprobs and out.logprobs[j],
+                                out.top_logprobs and out.top_logprobs[j],
+                                out.token_ids_logprobs and out.token_ids_logprobs[j]))
+        return sampled
+
+    def _advance(self, req: Req, token: int, logprob, top, given) -> None:
+        req.output_ids.append(token)
+        if req.return_logprob:
+            req.pending_logprobs.append((logprob, token))
+            req.pending_top.append(top)
+            req.pending_given.append(given)
+        reason = self._check_finished(req, token)
+        if reason is not None:
+            self._finish(req, reason)
+        elif req.stream:
+            self.outputs.append(self._output(req))
 
     def _check_finished(self, req: Req, token: int) -> dict | None:
         p = req.params
