@@ -15,6 +15,12 @@ def cache_dir() -> str:
     return os.path.expanduser(_get("CADENCE_CACHE_DIR", "~/.cache/cadence"))
 
 
+def state_dir() -> str:
+    """CADENCE_STATE_DIR: where a server keeps what it writes for the operator, such as
+    profiler traces (default ~/.local/state/cadence)."""
+    return os.path.expanduser(_get("CADENCE_STATE_DIR", "~/.local/state/cadence"))
+
+
 def platform_name() -> str | None:
     """CADENCE_PLATFORM: the platform plugin to activate; unset picks one automatically."""
     return _get("CADENCE_PLATFORM")

@@ -28,6 +28,12 @@ import msgspec
 # only overflow.
 GREEDY_TEMPERATURE = 1e-6
 
+# Stop conditions are checked on every step of a request (the detokenizer compares each
+# stop string's prefixes with the text's tail), so their number and size are bounded.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+
 # Every integer crosses ZMQ as msgpack, which cannot carry more than 64 bits; a larger
 # value must be refused here rather than crash the encoder in the front process.
 _INT64_MIN = -(2**63)
@@ -206,11 +212,24 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _fail("repetition_penalty", "in [0, 2] (1 disables it)", self.repetition_penalty)
 
     def _check_stops(self, vocab_size: int | None) -> None:
+        if len(self.stop or ()) > MAX_STOP_STRINGS:
+            raise InvalidParameter(
+                "stop", f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
+            )
         for i, s in enumerate(self.stop or ()):
             if not s:
                 raise InvalidParameter(
                     "stop", f"stop[{i}] must not be empty: an empty string matches anywhere"
                 )
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidParameter(
+                    "stop", f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_STRING_CHARS} are allowed"
+                )
+        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParameter(
+                "stop_token_ids",
+                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
+            )
         valid = ">= 0" if vocab_size is None else f"in [0, {vocab_size})"
         for i, token_id in enumerate(self.stop_token_ids or ()):
             if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):

@@ -56,6 +56,14 @@ class ServerArgs:
     """Logging level: debug, info, warning, error."""
     skip_warmup: bool = False
     """Report healthy without running the warm-up generation first."""
+    max_request_body_mb: float = 32.0
+    """Largest HTTP request body, in MiB; a larger one gets 413 before it is read whole."""
+    watchdog_timeout: float = 30.0
+    """Seconds the scheduler or detokenizer may go without making progress before the server reports itself unhealthy, fails waiting requests with 503 and exits non-zero (so an orchestrator restarts it)."""
+    request_timeout_s: float | None = None
+    """Server-side deadline of every generation request, in seconds: past it the request is aborted (finish reason abort) and what it generated so far is returned. Default: none."""
+    profile_dir: str | None = None
+    """Directory the torch profiler writes traces under (a request may only name a subdirectory); default: profiles/ under the server's state directory (CADENCE_STATE_DIR, default ~/.local/state/cadence)."""
     grpc_port: int | None = None
     """gRPC port (the native sglang.runtime.v1.SglangService); default: --port + 10000."""
     disable_grpc: bool = False
@@ -94,6 +102,20 @@ class ServerArgs:
             raise ValueError(f"max_total_tokens must be ≥ page_size ({self.page_size}), got {self.max_total_tokens}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        if not 0 < self.max_request_body_mb <= 4096:
+            raise ValueError(f"max_request_body_mb must be in (0, 4096], got {self.max_request_body_mb}")
+        if self.watchdog_timeout <= 0:
+            raise ValueError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0 seconds, got {self.request_timeout_s}")
+        if self.api_key is not None:
+            if not self.api_key:
+                raise ValueError("api_key must not be empty")
+            try:
+                self.api_key.encode("latin-1")
+            except UnicodeEncodeError:
+                raise ValueError("api_key must be Latin-1 text (HTTP headers carry nothing else); "
+                                 "choose a key of ASCII characters") from None
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"chat_template: no such file {self.chat_template!r}; give a Jinja template file")
         self._check_grpc()
@@ -120,6 +142,18 @@ class ServerArgs:
             raise ValueError(f"grpc_max_concurrent_requests must be ≥ 1, got {self.grpc_max_concurrent_requests}")
         if self.grpc_stream_buffer < 1:
             raise ValueError(f"grpc_stream_buffer must be ≥ 1, got {self.grpc_stream_buffer}")
+
+    @property
+    def effective_profile_dir(self) -> str:
+        if self.profile_dir is not None:
+            return os.path.abspath(self.profile_dir)
+        from cadence import envs
+
+        return os.path.join(envs.state_dir(), "profiles")
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        return int(self.max_request_body_mb * 1024 * 1024)
 
     @property
     def effective_grpc_port(self) -> int:

@@ -5,24 +5,20 @@ from __future__ import annotations
 import msgspec
 from starlette.responses import Response
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "internal_error",
-    503: "service_unavailable",
-}
+from cadence.serving.errors import FAULT_HEADER, error_body
+
+# Seconds a client told 429 (overloaded) should wait before trying again.
+RETRY_AFTER_S = 1
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param, "code": status}}
-
-
-def error_response(status: int, message: str, param: str | None = None) -> Response:
+def error_response(status: int, message: str, param: str | None = None, is_request_fault: bool = False) -> Response:
+    headers = {}
+    if status == 429:
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    if is_request_fault:
+        headers[FAULT_HEADER] = "request"
     return Response(msgspec.json.encode(error_body(status, message, param)), status_code=status,
-                    media_type="application/json")
+                    media_type="application/json", headers=headers)
 
 
 def json_response(obj, status: int = 200) -> Response:

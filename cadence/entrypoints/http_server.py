@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import logging
 import time
 from typing import Any, AsyncIterator
@@ -19,10 +20,12 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
 from cadence import __version__
 from cadence.entrypoints import native_api
-from cadence.entrypoints.http_errors import error_body, error_response, json_response
+from cadence.entrypoints.http_errors import error_response, json_response
 from cadence.entrypoints.openai_routes import register_openai_routes
 from cadence.io_struct import GenerateReqInput
 from cadence.sampling_params import InvalidParameter
+from cadence.serving import control
+from cadence.serving.errors import decode_json, error_body
 from cadence.server_args import ServerArgs
 from cadence.tokenizer_manager import RequestError
 
@@ -43,14 +46,15 @@ class ServerState:
     started: float = dataclasses.field(default_factory=time.time)
 
 
+class BodyTooLarge(Exception):
+    """A request body grew past --max-request-body-mb while it was read (413)."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"the request body is larger than {limit} bytes (--max-request-body-mb); send less")
+
+
 async def read_json(request: Request) -> Any:
-    body = await request.body()
-    if not body:
-        return {}
-    try:
-        return msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
-        raise InvalidParameter(None, f"the request body is not valid JSON: {e}")
+    return decode_json(await request.body())
 
 
 def sse(obj) -> bytes:
@@ -82,18 +86,22 @@ async def until_disconnected(request: Request, coro):
 
 
 class Gate:
-    """API key and readiness checks in front of every route, as a plain ASGI middleware.
+    """API key, readiness and body-size checks in front of every route, as a plain ASGI
+    middleware.
 
     Starlette's `@app.middleware("http")` runs each request through extra tasks and memory
     streams: several times the cost of a small route such as /tokenize. This passes the
     request straight through (and leaves the receive channel, which carries disconnects,
-    untouched)."""
+    untouched, except that a body without a Content-Length is counted as it arrives)."""
 
     OPEN_WHILE_LOADING = frozenset({"/health", "/metrics", "/server_info", "/get_server_info"})
 
     def __init__(self, app, state: ServerState):
         self.app = app
         self.state = state
+        key = state.args.api_key
+        self._expected_auth = f"Bearer {key}".encode("latin-1") if key else None
+        self.max_body = state.args.max_request_body_bytes
 
     # Small front-process routes answered here without the framework's routing and request
     # objects, which cost more than the work itself (the tokenizer takes microseconds).
@@ -105,28 +113,43 @@ class Gate:
             rejection = self._check(scope)
             if rejection is not None:
                 return await rejection(scope, receive, send)
+            length = _content_length(scope)
+            if length is None:
+                receive = self._counted(receive)
             handler = self.FAST_ROUTES.get(scope["path"])
             if handler is not None and scope["method"] == "POST":
                 return await self._answer(handler, receive, send)
         await self.app(scope, receive, send)
 
+    def _counted(self, receive):
+        """`receive` for a body of unknown length: raises BodyTooLarge once it is too long."""
+        received = 0
+        limit = self.max_body
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise BodyTooLarge(limit)
+            return message
+
+        return counted
+
     async def _answer(self, handler, receive, send) -> None:
         chunks = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
         status = 200
         try:
-            try:
-                obj = msgspec.json.decode(body) if body else {}
-            except msgspec.DecodeError as e:
-                raise InvalidParameter(None, f"the request body is not valid JSON: {e}")
-            out = msgspec.json.encode(handler(self.state.client.tm, obj))
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    break
+            out = msgspec.json.encode(await handler(self.state.client.tm, decode_json(b"".join(chunks))))
+        except BodyTooLarge as e:
+            status, out = 413, msgspec.json.encode(error_body(413, str(e)))
         except InvalidParameter as e:
             status, out = 400, msgspec.json.encode(error_body(400, str(e), e.param))
         except Exception as e:  # same contract as the routes: a JSON 500, logged
@@ -139,15 +162,29 @@ class Gate:
 
     def _check(self, scope) -> Response | None:
         path, state = scope["path"], self.state
-        key = state.args.api_key
-        if key and path not in OPEN_ROUTES:
-            auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-            if auth != f"Bearer {key}".encode("latin-1"):
+        if self._expected_auth is not None and path not in OPEN_ROUTES:
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(auth, self._expected_auth):
                 return error_response(401, "missing or wrong API key: send `Authorization: Bearer <key>`")
+        if state.is_shutting_down and path != "/metrics":
+            return error_response(503, "the server is shutting down")
         if path not in self.OPEN_WHILE_LOADING and not state.is_ready:
-            status_text = "shutting down" if state.is_shutting_down else "starting: the model is loading"
-            return error_response(503, f"the server is {status_text}")
+            return error_response(503, "the server is starting: the model is loading")
+        length = _content_length(scope)
+        if length is not None and length > self.max_body:
+            return error_response(413, f"the request body has {length} bytes; this server takes at most "
+                                       f"{self.max_body} (--max-request-body-mb)")
+        if length == -1:
+            return error_response(400, "the Content-Length header is not a number")
         return None
+
+
+def _content_length(scope) -> int | None:
+    """The request's Content-Length; None when absent, -1 when it is not a number."""
+    for key, value in scope["headers"]:
+        if key == b"content-length":
+            return int(value) if value.isdigit() else -1
+    return None
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -160,7 +197,17 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def _request_error(request, e: RequestError):
-        return error_response(e.status, str(e), e.param)
+        return error_response(e.status, str(e), e.param, e.is_request_fault)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request, e: BodyTooLarge):
+        return error_response(413, str(e))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):
+        # Every error a client sees is the JSON body, never plain text. Logged with its
+        # traceback by the server (Starlette re-raises after answering).
+        return error_response(500, f"internal error: {type(e).__name__}; see the server log")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
@@ -234,21 +281,22 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(request: Request):
-        return json_response(native_api.tokenize_body(client().tm, await read_json(request)))
+        return json_response(await native_api.tokenize_body(client().tm, await read_json(request)))
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     async def detokenize(request: Request):
-        return json_response(native_api.detokenize_body(client().tm, await read_json(request)))
+        return json_response(await native_api.detokenize_body(client().tm, await read_json(request)))
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = await read_json(request)
-        native_api.abort(client().tm, body.get("rid"), bool(body.get("abort_all")), "aborted by /abort_request")
+        body = control.parse(control.AbortBody, await read_json(request))
+        native_api.abort(client().tm, body.rid, body.abort_all, "aborted by /abort_request")
         return Response(status_code=200)
 
     @app.post("/flush_cache")
-    async def flush_cache():
+    async def flush_cache(request: Request):
+        decode_json(await request.body())  # any JSON body is accepted and ignored
         out = await client().flush_cache()
         if not out.success:
             return error_response(400, f"cannot flush the cache: {out.message}")
@@ -256,33 +304,32 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
-        body = await read_json(request)
-        mode = native_api.check_pause_mode(body.get("mode", "abort"))
-        client().pause(mode)
-        return json_response({"success": True, "mode": mode})
+        body = control.parse(control.PauseBody, await read_json(request))
+        client().pause(body.mode)
+        return json_response({"success": True, "mode": body.mode})
 
     @app.post("/continue_generation")
-    async def continue_generation():
+    async def continue_generation(request: Request):
+        decode_json(await request.body())  # any JSON body is accepted and ignored
         client().resume()
         return json_response({"success": True})
 
     @app.post("/start_profile")
     async def start_profile(request: Request):
-        body = await read_json(request)
-        out = await client().profile("start", body.get("output_dir"), body.get("num_steps"))
+        body = control.parse(control.ProfileBody, await read_json(request))
+        out = await client().profile("start", body.output_dir, body.num_steps)
         return json_response({"success": out.success, "message": out.message}, 200 if out.success else 400)
 
     @app.post("/stop_profile")
-    async def stop_profile():
+    async def stop_profile(request: Request):
+        decode_json(await request.body())  # any JSON body is accepted and ignored
         out = await client().profile("stop", None)
         return json_response({"success": out.success, "message": out.message}, 200 if out.success else 400)
 
     @app.post("/update_weights_from_disk")
     async def update_weights(request: Request):
-        body = await read_json(request)
-        if not isinstance(body.get("model_path"), str):
-            raise InvalidParameter("model_path", "model_path (a .gguf file or model directory) is required")
-        out = await client().update_weights(body["model_path"], body.get("load_format"))
+        body = control.parse(control.UpdateWeightsBody, await read_json(request))
+        out = await client().update_weights(body.model_path, body.load_format)
         return json_response({"success": out.success, "message": out.message}, 200 if out.success else 400)
 
 
@@ -301,7 +348,7 @@ async def stream_response(gen: AsyncIterator) -> StreamingResponse:
                 yield sse(chunk)
         except (InvalidParameter, RequestError) as e:
             status = getattr(e, "status", 400)
-            yield sse({"error": {"message": str(e), "code": status}})
+            yield sse(error_body(status, str(e), getattr(e, "param", None)))
         finally:
             await gen.aclose()  # aborts the request if the client left mid-stream
         yield b"data: [DONE]\n\n"

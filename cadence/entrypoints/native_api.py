@@ -16,8 +16,6 @@ from typing import Any, AsyncIterator
 from cadence import __version__
 from cadence.sampling_params import InvalidParameter
 
-PAUSE_MODES = ("abort", "retract", "in_place")
-
 LOAD_FIELDS = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_cached_tokens",
                "max_total_num_tokens", "token_usage", "gen_throughput", "cache_hit_rate")
 
@@ -54,11 +52,11 @@ def load_entries(load, dp_rank: int | None = None) -> list[dict[str, Any]]:
     return entries
 
 
-def tokenize(tm, text: str, add_special_tokens: bool = True) -> list[int]:
-    return tm.encode(text, add_special_tokens)
+async def tokenize(tm, text: str, add_special_tokens: bool = True) -> list[int]:
+    return await tm.encode_async(text, add_special_tokens)
 
 
-def tokenize_body(tm, body: Any) -> dict[str, Any]:
+async def tokenize_body(tm, body: Any) -> dict[str, Any]:
     """POST /tokenize: {"prompt": str | [str], "add_special_tokens"?, "model"?} -> the answer."""
     if not isinstance(body, dict):
         raise InvalidParameter(None, "the request body must be a JSON object")
@@ -71,26 +69,28 @@ def tokenize_body(tm, body: Any) -> dict[str, Any]:
         raise InvalidParameter("add_special_tokens", "add_special_tokens must be a boolean")
     max_len = tm.info.context_len
     if isinstance(prompt, str):
-        tokens = tokenize(tm, prompt, add_special)
+        tokens = await tokenize(tm, prompt, add_special)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": max_len}
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        tokens = [tokenize(tm, p, add_special) for p in prompt]
+        tokens = [await tokenize(tm, p, add_special) for p in prompt]
         return {"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": max_len}
     raise InvalidParameter("prompt", "prompt must be a string or a non-empty list of strings")
 
 
-def detokenize_body(tm, body: Any) -> dict[str, Any]:
+async def detokenize_body(tm, body: Any) -> dict[str, Any]:
     """POST /detokenize: {"tokens": [int] | [[int]], "skip_special_tokens"?} -> {"text": ...}."""
     if not isinstance(body, dict):
         raise InvalidParameter(None, "the request body must be a JSON object")
     tokens = body.get("tokens")
     skip = body.get("skip_special_tokens", True)
+    if not isinstance(skip, bool):
+        raise InvalidParameter("skip_special_tokens", f"skip_special_tokens must be true or false, got {skip!r}")
     if isinstance(tokens, list) and tokens and all(isinstance(t, list) for t in tokens):
-        return {"text": [detokenize(tm, t, skip) for t in tokens]}
-    return {"text": detokenize(tm, tokens, skip)}
+        return {"text": [await detokenize(tm, t, skip) for t in tokens]}
+    return {"text": await detokenize(tm, tokens, skip)}
 
 
-def detokenize(tm, ids: Any, skip_special_tokens: bool = True) -> str:
+async def detokenize(tm, ids: Any, skip_special_tokens: bool = True) -> str:
     """The text of one list of token ids; ids must be ints inside the vocabulary."""
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise InvalidParameter("tokens", "tokens must be a list of token ids or a list of such lists")
@@ -98,13 +98,7 @@ def detokenize(tm, ids: Any, skip_special_tokens: bool = True) -> str:
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise InvalidParameter("tokens", f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab})")
-    return tm.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
-def check_pause_mode(mode: Any) -> str:
-    if mode not in PAUSE_MODES:
-        raise InvalidParameter("mode", f"mode must be abort, retract or in_place, got {mode!r}")
-    return mode
+    return await tm.decode_async(ids, skip_special_tokens)
 
 
 def abort(tm, rid: str | None, abort_all: bool, message: str) -> bool:

@@ -13,12 +13,12 @@ those errors (`max_new_tokens` becomes `max_tokens`, ...).
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import msgspec
 
 from cadence.sampling_params import InvalidParameter
+from cadence.serving.errors import decode_json, readable
 
 MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
@@ -108,10 +108,7 @@ class CompletionRequest(_Request, kw_only=True):
 def parse_request(cls: type, body: bytes | str | dict) -> Any:
     """Decode and type-check a request body; `InvalidParameter` names the field at fault."""
     if isinstance(body, (bytes, bytearray, memoryview, str)):
-        try:
-            body = msgspec.json.decode(body) if len(body) else {}
-        except msgspec.DecodeError as e:
-            raise InvalidParameter(None, f"the request body is not valid JSON: {e}") from None
+        body = decode_json(body)
     if not isinstance(body, dict):
         raise InvalidParameter(None, f"the request body must be a JSON object, got {type(body).__name__}")
     known = cls.__struct_fields__
@@ -124,24 +121,13 @@ def parse_request(cls: type, body: bytes | str | dict) -> Any:
     try:
         req = msgspec.convert(body, cls)
     except msgspec.ValidationError as e:
-        raise _readable(e) from None
+        raise readable(e) from None
     _check_common(req)
     if isinstance(req, ChatCompletionRequest):
         _check_chat(req)
     else:
         _check_completion(req)
     return req
-
-
-def _readable(error: msgspec.ValidationError) -> InvalidParameter:
-    # msgspec says "Expected `float | null`, got `str` - at `$.temperature`".
-    text = str(error)
-    match = re.search(r" - at `\$\.([A-Za-z_]\w*)(.*)`$", text)
-    if match is None:
-        return InvalidParameter(None, text)
-    name, rest = match.group(1), match.group(2)
-    problem = text[: match.start()].replace("`", "")
-    return InvalidParameter(name, f"{name}{rest} has the wrong type: {problem[:1].lower()}{problem[1:]}")
 
 
 def _check_common(req: _Request) -> None:

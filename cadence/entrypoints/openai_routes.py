@@ -11,7 +11,9 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
+from cadence.entrypoints.http_errors import RETRY_AFTER_S
 from cadence.entrypoints.openai_serving import OpenAIResponse, OpenAIServing
+from cadence.serving.errors import FAULT_HEADER
 
 
 def register_openai_routes(app: FastAPI, state) -> OpenAIServing:
@@ -43,7 +45,10 @@ def register_openai_routes(app: FastAPI, state) -> OpenAIServing:
 
 def _to_http(result) -> Response:
     if isinstance(result, OpenAIResponse):
-        return Response(result.body, status_code=result.status, media_type="application/json")
+        headers = {FAULT_HEADER: "request"} if result.is_request_fault else {}
+        if result.status == 429:
+            headers["Retry-After"] = str(RETRY_AFTER_S)
+        return Response(result.body, status_code=result.status, media_type="application/json", headers=headers)
     return StreamingResponse(result.sse(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

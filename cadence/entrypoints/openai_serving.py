@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator
 import msgspec
 
 from cadence.entrypoints import openai_protocol as proto
-from cadence.entrypoints.http_errors import error_body
+from cadence.serving.errors import error_body
 from cadence.io_struct import GenerateReqInput
 from cadence.sampling_params import InvalidParameter
 from cadence.tokenizer_manager import RequestError
@@ -43,15 +43,17 @@ class OpenAIResponse:
 
     status: int
     body: bytes
+    is_request_fault: bool = False  # a 5xx caused by the request itself (see serving.errors)
 
 
 class StreamFailed(Exception):
     """A stream ended by an error after it had started; `body` is the JSON error body."""
 
-    def __init__(self, status: int, body: bytes):
+    def __init__(self, status: int, body: bytes, is_request_fault: bool = False):
         super().__init__(body.decode())
         self.status = status
         self.body = body
+        self.is_request_fault = is_request_fault
 
 
 class OpenAIStream:
@@ -70,8 +72,7 @@ class OpenAIStream:
             async for chunk in self._chunks:
                 yield msgspec.json.encode(chunk)
         except (InvalidParameter, RequestError) as e:
-            status, body = _error(e)
-            raise StreamFailed(status, body) from None
+            raise StreamFailed(*_error(e)) from None
         finally:
             await self._chunks.aclose()
 
@@ -164,7 +165,7 @@ class OpenAIServing:
             req = proto.parse_request(cls, body)
             names = proto.native_names(req)
             self._check_model(req.model)
-            job = self._chat_job(req) if cls is proto.ChatCompletionRequest else self._completion_job(req)
+            job = await self._chat_job(req) if cls is proto.ChatCompletionRequest else self._completion_job(req)
             gen = self.tm.generate_request(job.obj)
             if req.is_stream:
                 # The first chunk comes after admission and prefill: errors up to there
@@ -194,7 +195,7 @@ class OpenAIServing:
         return {"id": info.served_model_name, "object": "model", "created": int(getattr(self.state, "started", 0)),
                 "owned_by": "cadence", "root": info.model_path, "parent": None, "max_model_len": info.context_len}
 
-    def _chat_job(self, req: proto.ChatCompletionRequest) -> _Job:
+    async def _chat_job(self, req: proto.ChatCompletionRequest) -> _Job:
         messages = proto.chat_messages(req.messages)
         try:
             prompt = self.tm.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.chat_template,
@@ -202,7 +203,8 @@ class OpenAIServing:
         except Exception as e:  # a template's raise_exception, or a malformed conversation
             raise InvalidParameter("messages", f"the chat template rejected the messages: {e}") from None
         # The template writes the special tokens itself.
-        input_ids = self.tm.encode(prompt, add_special_tokens=False)
+        self.tm.check_text_length("messages", prompt)
+        input_ids = await self.tm.encode_async(prompt, add_special_tokens=False)
         _, max_tokens = proto.requested_max_tokens(req)
         if max_tokens is None:  # OpenAI's default: whatever the context leaves
             max_tokens = max(self.tm.info.context_len - len(input_ids), 1)
@@ -354,9 +356,9 @@ def _ok(obj: dict) -> OpenAIResponse:
     return OpenAIResponse(200, msgspec.json.encode(obj))
 
 
-def _error(e: Exception, names: dict[str, str] | None = None) -> tuple[int, bytes]:
-    """(status, JSON error body) for an InvalidParameter or RequestError, with native field
-    names (max_new_tokens, ...) renamed to the OpenAI fields the client sent."""
+def _error(e: Exception, names: dict[str, str] | None = None) -> tuple[int, bytes, bool]:
+    """(status, JSON error body, is_request_fault) for an InvalidParameter or RequestError,
+    with native field names (max_new_tokens, ...) renamed to the OpenAI fields the client sent."""
     status = getattr(e, "status", 400)
     param, message = getattr(e, "param", None), str(e)
     if names:
@@ -366,7 +368,7 @@ def _error(e: Exception, names: dict[str, str] | None = None) -> tuple[int, byte
             # Only whole-word names; text/input_ids only where they name the field at fault.
             pattern = rf"\b{native}\b" if "_" in native else rf"^{native}(?=[:\[ ])"
             message = re.sub(pattern, name, message)
-    return status, msgspec.json.encode(error_body(status, message, param))
+    return status, msgspec.json.encode(error_body(status, message, param)), getattr(e, "is_request_fault", False)
 
 
 def _read_chat_template(path: str) -> str:

@@ -14,6 +14,7 @@ import logging
 import grpc
 
 from cadence.sampling_params import InvalidParameter
+from cadence.serving.errors import FAULT_HEADER
 from cadence.tokenizer_manager import RequestError
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def _status_of(e: Exception) -> tuple[grpc.StatusCode, str, tuple] | None:
     if isinstance(e, InvalidParameter):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e), ()
     if isinstance(e, RequestError):
-        return code_for_http_status(e.status), str(e), ()
+        return code_for_http_status(e.status), str(e), ((FAULT_HEADER, "request"),) if e.is_request_fault else ()
     return None
 
 

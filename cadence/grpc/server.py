@@ -25,7 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from cadence.grpc import SERVICE_NAME, sglang_pb2_grpc
+from google.protobuf.message import DecodeError
+
+from cadence.grpc import SERVICE_NAME, sglang_pb2
 from cadence.grpc.servicer import SglangServicer
 from cadence.server_args import ServerArgs
 
@@ -100,6 +102,48 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
 
 
+def add_service(server: grpc.aio.Server, servicer, service, messages) -> None:
+    """Serves every method of `service` (a protobuf ServiceDescriptor) from `servicer`'s
+    method of the same name, with `messages` the generated module holding its types.
+
+    Requests arrive as bytes and are parsed here, so a message that cannot be decoded
+    (corrupt wire format, a string of bad UTF-8) ends with INVALID_ARGUMENT naming the
+    problem, instead of grpcio's UNKNOWN for a failing deserializer."""
+    handlers = {}
+    for method in service.methods:
+        request_type = getattr(messages, method.input_type.name)
+        response_type = getattr(messages, method.output_type.name)
+        impl = getattr(servicer, method.name)
+        make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = make(_parsing(impl, request_type, method.server_streaming),
+                                     response_serializer=response_type.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def _parsing(impl, request_type, is_streaming: bool):
+    async def parse(raw: bytes, context):
+        try:
+            return request_type.FromString(raw)
+        except DecodeError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request is not a valid {request_type.DESCRIPTOR.full_name} message: {e}")
+
+    if is_streaming:
+        async def stream(raw: bytes, context):
+            messages = impl(await parse(raw, context), context)
+            try:
+                async for message in messages:
+                    yield message
+            finally:
+                await messages.aclose()  # now, not at garbage collection: it may hold a request
+        return stream
+
+    async def unary(raw: bytes, context):
+        return await impl(await parse(raw, context), context)
+    return unary
+
+
 class GrpcServer:
     """Owns the grpc.aio server; `start()` binds at once, `set_serving()` flips health."""
 
@@ -109,7 +153,7 @@ class GrpcServer:
         interceptors = [ApiKeyInterceptor(args.api_key)] if args.api_key else []
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(args))
         self.servicer = SglangServicer(state)
-        sglang_pb2_grpc.add_SglangServiceServicer_to_server(self.servicer, self.server)
+        add_service(self.server, self.servicer, sglang_pb2.DESCRIPTOR.services_by_name["SglangService"], sglang_pb2)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

@@ -26,6 +26,8 @@ from cadence.grpc.errors import RpcError, code_for_http_status, rpc
 from cadence.grpc.streams import BacklogWatch, buffered
 from cadence.io_struct import GenerateReqInput
 from cadence.sampling_params import InvalidParameter
+from cadence.serving import control
+from cadence.serving.errors import FAULT_HEADER
 from cadence.tokenizer_manager import RequestError
 
 logger = logging.getLogger(__name__)
@@ -169,13 +171,13 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     async def Tokenize(self, request, context):
         tm = self._tm()
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        tokens = native_api.tokenize(tm, request.text, add_special)
+        tokens = await native_api.tokenize(tm, request.text, add_special)
         return pb.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=tm.info.context_len,
                                    input_text=request.text)
 
     @rpc
     async def Detokenize(self, request, context):
-        return pb.DetokenizeResponse(text=native_api.detokenize(self._tm(), list(request.tokens)))
+        return pb.DetokenizeResponse(text=await native_api.detokenize(self._tm(), list(request.tokens)))
 
     # ---- health and information --------------------------------------------------------
 
@@ -238,7 +240,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     @rpc
     async def PauseGeneration(self, request, context):
-        mode = native_api.check_pause_mode(request.mode or "abort")
+        mode = control.check_pause_mode(request.mode or "abort")
         self._tm()
         self.state.client.pause(mode)
         return pb.PauseGenerationResponse(message=f"generation paused (mode {mode})")
@@ -263,7 +265,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
         try:
             result = await getattr(self.openai, route)(request.json_body)
             if isinstance(result, OpenAIResponse):
-                _raise_if_error(result.status, result.body)
+                _raise_if_error(result.status, result.body, result.is_request_fault)
                 yield pb.OpenAIStreamChunk(json_chunk=result.body, finished=True)
                 return
             batches = buffered(result.__aiter__(), self.args.grpc_stream_buffer, _aborter(context))
@@ -276,7 +278,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
                         yield pb.OpenAIStreamChunk(json_chunk=item, finished=False)
                     held = items[-1]
             except StreamFailed as e:
-                _raise_if_error(e.status, e.body)
+                _raise_if_error(e.status, e.body, e.is_request_fault)
             finally:
                 await batches.aclose()  # aborts the request if the call ended early
                 await result.aclose()
@@ -305,7 +307,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
             result = await call(request.json_body)
         finally:
             self.num_active -= 1
-        _raise_if_error(result.status, result.body)
+        _raise_if_error(result.status, result.body, result.is_request_fault)
         return pb.OpenAIResponse(json_body=result.body, status_code=result.status)
 
     OpenAIEmbed = functools.partialmethod(_openai_unary, method="OpenAIEmbed")
@@ -319,6 +321,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     async def StartProfile(self, request, context):
         self._tm()
         output_dir = request.output_dir if request.HasField("output_dir") else None
+        control.check_profile_name(output_dir)
         out = await self.state.client.profile("start", output_dir)
         if not out.success:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot start the profiler: {out.message}")
@@ -387,7 +390,7 @@ def _messages(chunk: dict, make: Callable[[dict, bool], Any], final: bool) -> tu
     return [], reason
 
 
-def _raise_if_error(status: int, body: bytes) -> None:
+def _raise_if_error(status: int, body: bytes, is_request_fault: bool = False) -> None:
     """An OpenAI error answer as a status: the code of its HTTP status, the error message as
     details, and the HTTP status and JSON body in trailing metadata for clients that want them."""
     if status < 400:
@@ -396,8 +399,10 @@ def _raise_if_error(status: int, body: bytes) -> None:
         message = msgspec.json.decode(body)["error"]["message"]
     except (msgspec.DecodeError, KeyError, TypeError):
         message = body.decode(errors="replace")
-    raise RpcError(code_for_http_status(status), message,
-                   (("x-http-status", str(status)), ("error-json-bin", body)))
+    metadata = (("x-http-status", str(status)), ("error-json-bin", body))
+    if is_request_fault:
+        metadata += ((FAULT_HEADER, "request"),)
+    raise RpcError(code_for_http_status(status), message, metadata)
 
 
 def _require_text(text: str) -> None:

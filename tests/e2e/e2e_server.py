@@ -109,6 +109,7 @@ class Server:
         self.tag = f"{SESSION_TAG}-{name}-{uuid.uuid4().hex[:8]}"
         self.tmpdir = tempfile.mkdtemp(prefix=f"cdt-{name[:10]}-", dir="/tmp")  # short: socket paths
         self.log_path = os.path.join(self.tmpdir, "server.log")
+        self.profile_dir = os.path.join(self.tmpdir, "profiles")  # the server's --profile-dir
         self.proc: subprocess.Popen | None = None
         self.health_history: list[tuple[float, int | str]] = []  # (seconds since start, status)
         self.early_responses: dict[str, tuple[int, str]] = {}  # route -> (status, body) seen while loading
@@ -125,6 +126,8 @@ class Server:
                *self.args]
         if "grpc_port" in _server_arg_names() and "--disable-grpc" not in self.args:
             cmd += ["--grpc-port", str(free_port())]
+        if "profile_dir" in _server_arg_names() and "--profile-dir" not in self.args:
+            cmd += ["--profile-dir", self.profile_dir]
         env = dict(os.environ, TMPDIR=self.tmpdir, CADENCE_E2E_TAG=self.tag, PYTHONUNBUFFERED="1")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -6,6 +6,7 @@ Every test leaves the server idle and unpaused (checked through /v1/loads)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import re
 
 import grpc
@@ -226,12 +227,15 @@ def test_update_weights_from_disk_same_model_then_bad_path(rpc):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "model_path" in e.value.details()
 
 
-def test_profile_start_stop_writes_a_trace(rpc, tmp_path):
-    out_dir = tmp_path / "grpc-traces"
+def test_profile_start_stop_writes_a_trace(rpc, server):
+    out_dir = Path(server.profile_dir) / "grpc-traces"  # a name under the server's --profile-dir
     with pytest.raises(grpc.RpcError) as e:
         rpc.StopProfile(pb.StopProfileRequest())  # nothing to stop yet
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    rpc.StartProfile(pb.StartProfileRequest(output_dir=str(out_dir)))
+    with pytest.raises(grpc.RpcError) as e:
+        rpc.StartProfile(pb.StartProfileRequest(output_dir=str(out_dir)))  # a client never names a path
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "output_dir" in e.value.details()
+    rpc.StartProfile(pb.StartProfileRequest(output_dir="grpc-traces"))
     list(rpc.TextGenerate(short_request(max_new_tokens=2)))
     msg = rpc.StopProfile(pb.StopProfileRequest(), timeout=300).message
     traces = [p for p in out_dir.iterdir() if p.is_file()]

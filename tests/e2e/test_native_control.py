@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+from pathlib import Path
 import os
 
 import httpx
@@ -180,12 +181,15 @@ def test_update_weights_from_disk_same_model_then_bad_path(client):
     assert still == before, "a failed reload keeps the old weights"
 
 
-def test_profile_writes_a_trace_into_the_given_directory(client, tmp_path):
-    out_dir = tmp_path / "traces"
+def test_profile_writes_a_trace_into_the_given_directory(client, server, tmp_path):
+    out_dir = Path(server.profile_dir) / "traces"  # a subdirectory of the server's --profile-dir
     assert client.post("/stop_profile").status_code == 400  # nothing to stop yet
-    r = client.post("/start_profile", json={"output_dir": str(out_dir)})
+    for path in (str(tmp_path / "traces"), "../traces", "a/b"):  # a client never names a path
+        r = client.post("/start_profile", json={"output_dir": path})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "output_dir", r.text
+    r = client.post("/start_profile", json={"output_dir": "traces"})
     assert r.status_code == 200 and r.json()["success"] is True
-    assert client.post("/start_profile", json={"output_dir": str(out_dir)}).status_code == 400  # one at a time
+    assert client.post("/start_profile", json={"output_dir": "traces"}).status_code == 400  # one at a time
     client.post("/generate", json={"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 3}})
     r = client.post("/stop_profile", timeout=300)
     assert r.status_code == 200 and r.json()["success"] is True

@@ -1,0 +1,1 @@
+"""Protocol-free serving code that both adapters (HTTP and gRPC) share."""

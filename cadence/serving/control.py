@@ -1,0 +1,92 @@
+"""The bodies of the control routes (abort, pause, profile, weight update), checked at the edge.
+
+Each is a typed struct: a wrong type, a wrong JSON shape (an array or a string where an
+object belongs), an unknown enum value or a non-boolean boolean is an `InvalidParameter`
+naming the field, so nothing malformed reaches the scheduler. Fields that SGLang's routes
+take and this server does not use are accepted and ignored, like any unknown field.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from typing import Any, Literal
+
+import msgspec
+
+from cadence.sampling_params import InvalidParameter
+from cadence.serving.errors import readable
+
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES = typing.get_args(PauseMode)
+
+
+class _Body(msgspec.Struct, kw_only=True):
+    pass
+
+
+class AbortBody(_Body, kw_only=True):
+    rid: str | None = None  # the request (and its n > 1 samples) to abort
+    abort_all: bool = False  # abort every live request
+
+
+class PauseBody(_Body, kw_only=True):
+    mode: PauseMode = "abort"
+
+
+class ProfileBody(_Body, kw_only=True):
+    # A name for the trace's subdirectory under the server's --profile-dir (never a path).
+    output_dir: str | None = None
+    num_steps: int | None = None  # stop by itself after this many forward steps (>= 1)
+
+
+class UpdateWeightsBody(_Body, kw_only=True):
+    model_path: str  # a .gguf file or a Hugging Face directory on the server's disk
+    load_format: str | None = None
+
+
+def parse(cls: type, body: Any):
+    """`body` (decoded JSON) as a `cls`; raises InvalidParameter naming the field at fault."""
+    if not isinstance(body, dict):
+        raise InvalidParameter(None, f"the request body must be a JSON object, got {_kind(body)}")
+    known = {k: v for k, v in body.items() if k in cls.__struct_fields__}
+    if cls is UpdateWeightsBody and not isinstance(known.get("model_path"), str):
+        raise InvalidParameter("model_path", "model_path (a .gguf file or model directory) is required")
+    try:
+        obj = msgspec.convert(known, cls)
+    except msgspec.ValidationError as e:
+        if cls is PauseBody and "mode" in known:
+            raise InvalidParameter("mode", f"mode must be one of {', '.join(PAUSE_MODES)}, "
+                                           f"got {known['mode']!r}") from None
+        raise readable(e) from None
+    if isinstance(obj, AbortBody) and (obj.rid is None) == (not obj.abort_all):
+        raise InvalidParameter("rid", "give either a rid (string) or abort_all: true")
+    if isinstance(obj, AbortBody) and obj.rid is not None and not obj.rid:
+        raise InvalidParameter("rid", "rid must not be empty")
+    if isinstance(obj, ProfileBody):
+        check_profile_name(obj.output_dir)
+        if obj.num_steps is not None and obj.num_steps < 1:
+            raise InvalidParameter("num_steps", f"num_steps must be >= 1, got {obj.num_steps}")
+    return obj
+
+
+def check_pause_mode(mode: Any) -> str:
+    if mode not in PAUSE_MODES:
+        raise InvalidParameter("mode", f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+    return mode
+
+
+def check_profile_name(name: str | None) -> None:
+    """A trace subdirectory name: one plain path component. Profiles are written only under
+    the directory the operator chose (--profile-dir); a client never names a path."""
+    if name is None:
+        return
+    if (not name or len(name) > 128 or name in (".", "..") or os.sep in name or "/" in name or "\\" in name
+            or "\0" in name or not name.isprintable()):
+        raise InvalidParameter("output_dir", "output_dir must be a plain name (no path) for a subdirectory of "
+                                             f"the server's --profile-dir, got {name!r}")
+
+
+def _kind(value: Any) -> str:
+    return {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+            type(None): "null"}.get(type(value), type(value).__name__)
