@@ -98,6 +98,8 @@ class TokenizerManager:
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.max_token_chars = max((len(k) for k in vocab), default=64)
         self._token_texts: dict[int, str] = {}  # id -> decoded text, for logprobs with text
+        # Requests that ended in an internal error of their own, by where it happened.
+        self.num_request_faults: dict[str, int] = {"scheduler": 0, "detokenizer": 0, "front": 0}
 
     # ---- validation and tokenization (no scheduler involved) ------------------------------
 
@@ -409,6 +411,7 @@ class TokenizerManager:
                 self._fail(st, rid, f"internal error while taking its output: {type(e).__name__}: {e}")
 
     def _fail(self, st: _ReqState, rid: str, message: str) -> None:
+        self.num_request_faults["front"] += 1
         st.meta["finish_reason"] = {"type": "abort", "status_code": 500, "request_fault": True, "message": message}
         st.finished = True
         self.abort_request(rid, message)
@@ -417,8 +420,11 @@ class TokenizerManager:
 
     def _add_output(self, st: _ReqState, rid: str, out: BatchStrOutput, i: int) -> None:
         reason = out.finished_reasons[i]
-        if reason is not None and reason.get("origin") == "detokenizer":
-            self.abort_request(rid, reason.get("message", "failed"))  # it still runs in the scheduler
+        if reason is not None and reason.get("request_fault"):
+            origin = reason.get("origin", "scheduler")
+            self.num_request_faults[origin] = self.num_request_faults.get(origin, 0) + 1
+            if origin == "detokenizer":
+                self.abort_request(rid, reason.get("message", "failed"))  # it still runs in the scheduler
         st.text += out.output_strs[i]
         st.output_ids.extend(out.output_ids[i])
         st.chunks.append((out.output_strs[i], out.output_ids[i]))

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
 from cadence import __version__
-from cadence.entrypoints import native_api
+from cadence.entrypoints import native_api, openapi
 from cadence.entrypoints.http_errors import error_response, json_response
 from cadence.entrypoints.openai_routes import register_openai_routes
 from cadence.io_struct import GenerateReqInput
@@ -147,7 +147,8 @@ class Gate:
                 chunks.append(message.get("body", b""))
                 if not message.get("more_body"):
                     break
-            out = msgspec.json.encode(await handler(self.state.client.tm, decode_json(b"".join(chunks))))
+            body = decode_json(b"".join(chunks))
+            out = msgspec.json.encode(await handler(self.state.client.tm, body))
         except BodyTooLarge as e:
             status, out = 413, msgspec.json.encode(error_body(413, str(e)))
         except InvalidParameter as e:
@@ -217,6 +218,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(Gate, state=state)
     register_native_routes(app, state)
     register_openai_routes(app, state)
+    openapi.install(app)
     return app
 
 
@@ -235,6 +237,10 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
         obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
         await asyncio.wait_for(native_api.last_result(client().tm.generate_request(obj)), 30)
         return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(native_api.metrics_text(state), media_type="text/plain; version=0.0.4")
 
     @app.get("/model_info")
     @app.get("/get_model_info")

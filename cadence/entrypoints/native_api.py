@@ -44,6 +44,17 @@ def server_info(state) -> dict[str, Any]:
     return body
 
 
+def metrics_text(state) -> str:
+    """GET /metrics in Prometheus text format: what the front process counts."""
+    lines = ["# HELP cadence_request_faults_total Requests that ended in an internal error of their own "
+             "(isolated: the server went on), by where it happened.",
+             "# TYPE cadence_request_faults_total counter"]
+    faults = state.client.tm.num_request_faults if state.client is not None else {}
+    for origin, count in sorted(faults.items()):
+        lines.append(f'cadence_request_faults_total{{origin="{origin}"}} {count}')
+    return "\n".join(lines) + "\n"
+
+
 def load_entries(load, dp_rank: int | None = None) -> list[dict[str, Any]]:
     """The /v1/loads entries (one per data-parallel rank), only rank `dp_rank` when given."""
     entries = [{name: getattr(load, name) for name in LOAD_FIELDS}]

@@ -11,11 +11,15 @@ stopped, and no process started by any of them may be left.
 from __future__ import annotations
 
 import signal
+import sys
 
 import httpx
 import openai
 import pytest
-from e2e_server import API_KEY, SESSION_TAG, Server, is_idle, tagged_pids, wait_until
+from e2e_server import (API_KEY, PLUGINS_DIR, SESSION_TAG, Server, fault_plugin_env, is_idle, tagged_pids,
+                        wait_until)
+
+sys.path.append(PLUGINS_DIR)  # the tests read the fault-injection plugin's markers
 
 _SMALL = ["--max-total-tokens", "2048", "--skip-warmup"]
 SERVER_SPECS: dict[str, list[str]] = {
@@ -31,7 +35,13 @@ SERVER_SPECS: dict[str, list[str]] = {
     "kill_scheduler_server": _SMALL,
     "kill_detokenizer_server": _SMALL,
     "kill_front_server": _SMALL,
+    # The hardening tests: the fault-injection plugin (a marked request fails inside the
+    # server), a short server-side deadline so fuzzed requests stay short, small pools.
+    "fuzz_server": ["--max-total-tokens", "4096", "--request-timeout-s", "5", "--skip-warmup"],
+    # A short watchdog: SIGSTOP of a child must bring the server down within seconds.
+    "stall_server": ["--watchdog-timeout", "3", *_SMALL],
 }
+SERVER_ENVS = {"fuzz_server": fault_plugin_env}
 
 
 class Fleet:
@@ -53,7 +63,8 @@ class Fleet:
 
     @staticmethod
     def _launch(name: str) -> Server:
-        return Server(name.removesuffix("_server") or "shared", SERVER_SPECS[name]).start()
+        env = SERVER_ENVS[name]() if name in SERVER_ENVS else None
+        return Server(name.removesuffix("_server") or "shared", SERVER_SPECS[name], env).start()
 
     def shutdown(self) -> list[str]:
         """Stops every server; returns what went wrong (left processes, socket dirs, exit codes)."""

@@ -101,9 +101,10 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
 class Server:
     """One launched server. `start()` returns at once; `wait_ready()` waits for /health 200."""
 
-    def __init__(self, name: str, args: list[str]):
+    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None):
         self.name = name
         self.args = args
+        self.extra_env = env or {}
         self.port = 0
         self.url = ""
         self.tag = f"{SESSION_TAG}-{name}-{uuid.uuid4().hex[:8]}"
@@ -128,7 +129,7 @@ class Server:
             cmd += ["--grpc-port", str(free_port())]
         if "profile_dir" in _server_arg_names() and "--profile-dir" not in self.args:
             cmd += ["--profile-dir", self.profile_dir]
-        env = dict(os.environ, TMPDIR=self.tmpdir, CADENCE_E2E_TAG=self.tag, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **self.extra_env, TMPDIR=self.tmpdir, CADENCE_E2E_TAG=self.tag, PYTHONUNBUFFERED="1")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, env=env, preexec_fn=_stop_with_parent)
@@ -271,6 +272,23 @@ class Server:
 
         wait_until(idle, timeout, interval=0.05)
         return last
+
+
+PLUGINS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins")
+
+
+def fault_plugin_env() -> dict[str, str]:
+    """The environment of a server with the fault-injection test plugin installed: its
+    module on PYTHONPATH and a dist-info directory declaring its entry point."""
+    root = tempfile.mkdtemp(prefix="cdt-fault-plugin-")
+    info = os.path.join(root, "cadence_fault_injection-0.0.0.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: cadence-fault-injection\nVersion: 0.0.0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[cadence.plugins]\nfault_injection = cadence_fault_injection:register\n")
+    path = os.pathsep.join(p for p in (root, PLUGINS_DIR, os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "CADENCE_PLUGINS": "fault_injection"}
 
 
 def is_idle(load: dict) -> bool:

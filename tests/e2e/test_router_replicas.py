@@ -36,6 +36,9 @@ if importlib.util.find_spec("cadence.launch_server") is None:
 
 openai = pytest.importorskip("openai")
 
+from cadence_fault_injection import SAMPLE_MARKER  # noqa: E402 (tests/e2e/plugins, put on the path by conftest)
+from e2e_server import fault_plugin_env  # noqa: E402
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPLICA_START_DEADLINE_SECS = 600  # two replicas load in parallel on a small CPU machine
@@ -118,11 +121,12 @@ class Fleet:
         self.logs: dict[str, Path] = {}
         self.has_openai_routes = False  # set once the replicas are up
 
-    def spawn(self, name: str, args: list[str], port: int) -> None:
+    def spawn(self, name: str, args: list[str], port: int, env: dict[str, str] | None = None) -> None:
         self.logs[name] = self.tmp / f"{name}.log"
         with open(self.logs[name], "wb") as log:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **(env or {})},
             )
         self.urls[name] = f"http://127.0.0.1:{port}"
 
@@ -140,7 +144,9 @@ def fleet(tmp_path_factory):
     try:
         for name in ("replica_a", "replica_b"):
             port = _free_port_pair()
-            fleet.spawn(name, ["-m", "cadence.launch_server", *_default_model_args(), "--port", str(port)], port)
+            # With the fault-injection test plugin: a marked request fails inside the replica.
+            fleet.spawn(name, ["-m", "cadence.launch_server", *_default_model_args(), "--port", str(port)], port,
+                        env=fault_plugin_env())
         replicas = {n: fleet.urls[n] for n in ("replica_a", "replica_b")}
         _wait_ready(fleet.procs, replicas, "/health", REPLICA_START_DEADLINE_SECS, fleet.logs)
         fleet.has_openai_routes = _get(replicas["replica_a"] + "/v1/models")[0] != 404
@@ -246,6 +252,25 @@ def test_cache_aware_keeps_a_shared_long_prefix_on_one_replica(fleet):
         for question in ("Where is parcel 1?", "Where is parcel 2?", "What is a pallet?", "Hi.")
     ]
     assert len(set(answered_by)) == 1, answered_by
+
+
+def test_a_request_that_fails_by_its_own_fault_reaches_one_replica_and_kills_none(fleet):
+    """The replica marks the failure as the request's own (x-cadence-fault: request): the
+    router relays it instead of retrying it on the other replica, and both replicas live."""
+    before = {url: w["num_requests"] for url, w in _workers(fleet, "round_robin").items()}
+    body = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 8, "stop": [SAMPLE_MARKER]}}
+    status, headers, raw = _post(fleet.urls["round_robin"] + "/generate", body)
+    assert status == 500, raw[:300]
+    assert {k.lower(): v for k, v in headers.items()}.get("x-cadence-fault") == "request"
+    assert "injected" in json.loads(raw)["error"]["message"]
+    after = _workers(fleet, "round_robin")
+    assert sum(after[url]["num_requests"] - before[url] for url in before) == 1, "retried on another replica"
+    for name in ("replica_a", "replica_b"):
+        assert fleet.procs[name].poll() is None, f"{name} died"
+        assert _get(fleet.urls[name] + "/health")[0] == 200
+        assert after[fleet.urls[name]]["health"] == "healthy"
+    answered_by = {_ask(fleet, "round_robin", [{"role": "user", "content": f"Fine {i}?"}]) for i in range(4)}
+    assert answered_by == {fleet.urls["replica_a"], fleet.urls["replica_b"]}
 
 
 def test_killed_replica_leaves_rotation_and_router_keeps_answering(fleet):

@@ -141,6 +141,63 @@ def test_sigkill_of_the_front_leaves_no_orphans(kill_front_server):
     srv.send_signal(signal.SIGKILL)
     assert srv.wait_exit(5) == -signal.SIGKILL
     assert wait_until(lambda: not srv.leftover_pids(), 5), f"children outlived the front: {srv.leftover_pids()}"
+    # Nobody was left to remove the socket directory; the next server started here sweeps it.
+    (left,) = srv.socket_dirs()
+    srv.start()
+    try:
+        assert wait_until(lambda: not os.path.exists(left), 60), f"{left} was not swept"
+        assert wait_until(lambda: len(srv.socket_dirs()) == 1, 60)  # the new server's own
+    finally:
+        srv.stop(signal.SIGTERM, timeout=20)
+    assert srv.socket_dirs() == []
+
+
+def test_a_stopped_child_makes_the_server_unhealthy_fail_waiters_and_exit(stall_server):
+    """SIGSTOP of the scheduler: no crash, no exit status, just no progress. The watchdog
+    (--watchdog-timeout 3) notices: health turns unhealthy on both protocols, the waiting
+    request fails with 503, and the server exits non-zero so an orchestrator restarts it."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_support import target
+
+    srv = stall_server
+    plain = InFlight(srv, stream=False)
+    assert wait_until(lambda: srv.load()["num_running_reqs"] == 1, 30)
+    scheduler = srv.child_pid("scheduler")
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target(srv)))
+    assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == \
+        health_pb2.HealthCheckResponse.SERVING
+    os.kill(scheduler, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        statuses = []
+        while srv.proc.poll() is None and time.monotonic() - stopped < 15:
+            try:
+                statuses.append((time.monotonic() - stopped, httpx.get(srv.url + "/health", timeout=1).status_code))
+            except httpx.HTTPError:
+                break
+            time.sleep(0.1)
+        unhealthy = [t for t, status in statuses if status != 200]
+        assert unhealthy and unhealthy[0] < 3 + 2, (statuses, srv.log_tail())  # timeout + a check period + slack
+        code = srv.wait_exit(STOP_WITHIN_S + 10)
+        assert code not in (0, None), f"exit code {code}\n{srv.log_tail()}"
+        assert "made no progress" in srv.log_tail() and "scheduler" in srv.log_tail()
+        assert_ended_with_503(plain, "stopped making progress")
+    finally:
+        try:
+            os.kill(scheduler, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert_nothing_left(srv, within=5.0)
+
+
+def test_a_non_latin1_api_key_is_refused_at_start_up():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "cadence.launch_server", "--api-key", "ключ", "--disable-grpc"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "api_key" in proc.stderr and "Latin-1" in proc.stderr, proc.stderr
 
 
 # ---- API key --------------------------------------------------------------------------------
@@ -183,7 +240,9 @@ async def test_overload_beyond_the_queue_is_429(overload_server):
     statuses = sorted(r.status_code for r in responses)
     assert set(statuses) == {200, 429}, statuses
     assert 1 <= statuses.count(200) <= 4  # one running + one queued, plus any that came after one finished
-    refused = next(r for r in responses if r.status_code == 429).json()["error"]
+    refused = next(r for r in responses if r.status_code == 429)
+    assert refused.headers["Retry-After"] == "1"
+    refused = refused.json()["error"]
     assert refused["type"] == "rate_limit_error" and refused["code"] == 429
     for r in responses:
         if r.status_code == 200:
