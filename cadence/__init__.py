@@ -4,7 +4,7 @@ Heavy modules (torch, transformers) load only when `Engine` is first touched, so
 `--help` and the router stay light.
 """
 
-__version__ = "0.1.0"
+from cadence.version import __version__
 
 __all__ = ["Engine", "__version__"]
 

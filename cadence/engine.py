@@ -1,7 +1,10 @@
 """In-process engine: `Engine(model_path=None, **server_args)`.
 
-The scheduler and detokenizer run on one background thread; the `TokenizerManager` runs on
-a private event loop thread. Results are exactly what `/generate` answers.
+The same scheduler core as the server's scheduler process runs on one background thread,
+with the detokenizer; the same `EngineClient` as the server's front (a `FrontClient`) runs
+on a private event loop thread. Results are exactly what `/generate` answers, and every
+control message of the server works here too (flush, pause/continue, load, profile, weight
+update).
 
 The scheduler thread also loads the model. OpenMP keeps a worker team per calling thread;
 once two threads own teams on a small machine, libgomp stops spin-waiting and every parallel
@@ -15,28 +18,37 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
-from cadence.detokenizer import Detokenizer
+from cadence.detokenizer.detokenizer import Detokenizer
+from cadence.front.client import FrontClient
+from cadence.front.engine_client import ModelInfo
+from cadence.front.tokenizer import FrontTokenizer
 from cadence.hooks import finalize_server_args
-from cadence.io_struct import AbortReq, GenerateReqInput, TokenizedGenerateReqInput
+from cadence.io_struct import (ContinueGenerationReqInput, FlushCacheReqInput, GenerateReqInput, GetLoadReqInput,
+                               PauseGenerationReqInput, ProfileReq, UpdateWeightFromDiskReqInput)
 from cadence.model_loader.loader import load_tokenizer
 from cadence.model_loader.locate import model_name, resolve_model_path
 from cadence.plugins import load_plugins
-from cadence.scheduler.req import req_from_tokenized, to_batch_output
+from cadence.scheduler.process import build_scheduler
+from cadence.scheduler.req import to_batch_output
 from cadence.scheduler.scheduler import Scheduler
 from cadence.server_args import ServerArgs
-from cadence.tokenizer_manager import ModelInfo, TokenizerManager
 
 logger = logging.getLogger(__name__)
 
+_STOP = object()
+
 
 class _SchedulerThread:
-    """Runs the scheduler loop and the detokenizer on one thread, fed through a queue."""
+    """Runs the scheduler core and the detokenizer on one thread, fed through a queue.
 
-    def __init__(self, make_scheduler, detokenizer: Detokenizer):
+    A message is handled by `Scheduler.handle` (its answer, and every text output, goes to
+    `deliver`); a callable is run on the scheduler (tests, admin)."""
+
+    def __init__(self, make_scheduler: Callable[[], Scheduler], detokenizer: Detokenizer):
         self.detokenizer = detokenizer
-        self.deliver = None  # set before the first request arrives
+        self.deliver: Callable[[Any], None] = lambda msg: None  # set before the first request arrives
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.alive = True
         self.scheduler: Scheduler | None = None
@@ -56,54 +68,46 @@ class _SchedulerThread:
             ready.put(e)
             return
         ready.put(None)
-        self._loop()
-
-    def _handle(self, msg) -> bool:
-        if msg is None:
-            return False
-        if isinstance(msg, TokenizedGenerateReqInput):
-            try:
-                self.scheduler.add_request(req_from_tokenized(msg))
-            except Exception as e:  # this request fails; the engine goes on
-                self.scheduler.fail(req_from_tokenized(msg), e, "being admitted")
-        elif isinstance(msg, AbortReq):
-            self.scheduler.abort(msg.rid, msg.abort_all, msg.message or "aborted")
-        elif callable(msg):
-            msg(self.scheduler)
-        return True
+        try:
+            self._loop()
+        finally:
+            self.alive = False
 
     def _loop(self) -> None:
-        running = True
-        while running:
+        scheduler = self.scheduler
+        while True:
             try:
-                msg = self.inbox.get(timeout=None if not self.scheduler.has_work else 0) \
-                    if not self.scheduler.has_work else self.inbox.get_nowait()
-                running = self._handle(msg)
-                while running:
-                    running = self._handle(self.inbox.get_nowait())
+                msg = self.inbox.get() if not scheduler.has_work else self.inbox.get_nowait()
+                while True:
+                    if msg is _STOP:
+                        return
+                    if callable(msg):
+                        msg(scheduler)
+                    else:
+                        reply = scheduler.handle(msg)
+                        if reply is not None:
+                            self.deliver(reply)
+                    msg = self.inbox.get_nowait()
             except queue.Empty:
                 pass
-            if not running:
-                break
-            if not self.alive:
-                break
             try:
-                outputs = self.scheduler.step()
+                outputs = scheduler.step()
             except Exception as e:
-                # A broken step would leave every caller waiting forever: fail them all instead.
+                # The forward pass failed: every request would wait forever. Fail them all.
                 logger.exception("scheduler step failed; the engine stops")
-                self.scheduler.abort(abort_all=True, message=f"the engine failed: {e}")
-                for req in self.scheduler.outputs:
-                    if req.finished_reason is not None:
-                        req.finished_reason["status_code"] = 500
-                outputs, self.scheduler.outputs = self.scheduler.outputs, []
-                running = False
-            if outputs:
-                self.deliver(self.detokenizer.process(to_batch_output(outputs)))
-        self.alive = False
+                scheduler.abort(abort_all=True, message=f"the engine failed: {e}")
+                for out in scheduler.outputs:
+                    out.finished_reason["status_code"] = 500
+                self._emit(scheduler.outputs)
+                return
+            self._emit(outputs)
+
+    def _emit(self, outputs) -> None:
+        if outputs:
+            self.deliver(self.detokenizer.process(to_batch_output(outputs)))
 
     def stop(self) -> None:
-        self.inbox.put(None)
+        self.inbox.put(_STOP)
         self.thread.join(timeout=10)
 
 
@@ -113,7 +117,8 @@ class Engine:
         self.args = finalize_server_args(ServerArgs.from_kwargs(model_path=model_path, **kwargs))
         path = resolve_model_path(self.args.model_path)
         self.tokenizer = load_tokenizer(path, self.args.tokenizer_path)
-        self._worker = _SchedulerThread(lambda: Scheduler(self.args, path, self.tokenizer), Detokenizer(self.tokenizer))
+        self._worker = _SchedulerThread(lambda: build_scheduler(self.args, path, self.tokenizer),
+                                        Detokenizer(self.tokenizer))
         self.scheduler = self._worker.scheduler
         runner = self.scheduler.runner
         self.info = ModelInfo(
@@ -125,10 +130,10 @@ class Engine:
         self.loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="cadence-engine-loop", daemon=True)
         self._loop_thread.start()
-        self.tokenizer_manager = TokenizerManager(self.tokenizer, self.info, self._send,
-                                                  max_pending=self.args.max_queued_requests + self.args.max_running_requests,
-                                                  request_timeout_s=self.args.request_timeout_s)
-        self._worker.deliver = lambda out: self.loop.call_soon_threadsafe(self.tokenizer_manager.handle_output, out)
+        self.client = FrontClient(FrontTokenizer(self.tokenizer), self.info, self._send,
+                                  max_pending=self.args.max_queued_requests + self.args.max_running_requests,
+                                  request_timeout_s=self.args.request_timeout_s)
+        self._worker.deliver = lambda msg: self.loop.call_soon_threadsafe(self.client.on_message, msg)
         self._closed = False
 
     def _send(self, msg) -> None:
@@ -136,34 +141,37 @@ class Engine:
             raise RuntimeError("the engine has stopped (shut down, or a scheduler step failed; see the log)")
         self._worker.inbox.put(msg)
 
-    def _make_obj(self, prompt, sampling_params, input_ids=None, **kwargs) -> GenerateReqInput:
-        return GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, **kwargs)
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    # ---- generation ------------------------------------------------------------------------
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, **kwargs: Any) -> dict | list[dict]:
         """Blocking generation; answers what `/generate` answers (a list for a batch)."""
-        obj = self._make_obj(prompt, sampling_params, input_ids, **kwargs)
+        obj = GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, **kwargs)
 
         async def run():
             result = None
-            async for result in self.tokenizer_manager.generate_request(obj):
+            async for result in self.client.generate(obj):
                 pass
             return result
 
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result()
+        return self._call(run())
 
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | None = None,
                              input_ids: list[int] | None = None, stream: bool = False,
                              **kwargs: Any) -> AsyncIterator[dict]:
         """With stream=True yields incremental chunks (text and output_ids are deltas); otherwise
         yields the one final result. Leaving the iteration early aborts the request."""
-        obj = self._make_obj(prompt, sampling_params, input_ids, stream=stream, **kwargs)
+        obj = GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, stream=stream,
+                               **kwargs)
         caller = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
 
         async def produce():
             try:
-                async for chunk in self.tokenizer_manager.generate_request(obj):
+                async for chunk in self.client.generate(obj):
                     caller.call_soon_threadsafe(items.put_nowait, ("item", chunk))
                 caller.call_soon_threadsafe(items.put_nowait, ("done", None))
             except BaseException as e:  # hand every failure to the caller
@@ -185,7 +193,34 @@ class Engine:
         """Ends request `rid` (and its n > 1 samples), or every request with abort_all."""
         if (rid is None) == (not abort_all):
             raise ValueError("give either a rid or abort_all=True")
-        self.loop.call_soon_threadsafe(lambda: self.tokenizer_manager.abort_request(rid, abort_all=abort_all))
+        self.loop.call_soon_threadsafe(lambda: self.client.abort(rid, abort_all, "aborted"))
+
+    # ---- control: the server's control messages, in process ----------------------------
+
+    def control(self, msg, timeout: float = 600):
+        """Sends a control message to the scheduler core; returns its answer (or None)."""
+        return self._call(self.client.control(msg, timeout))
+
+    def flush_cache(self):
+        return self.control(FlushCacheReqInput())
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self.control(PauseGenerationReqInput(mode=mode))
+
+    def continue_generation(self) -> None:
+        self.control(ContinueGenerationReqInput())
+
+    def get_load(self):
+        return self.control(GetLoadReqInput())
+
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None):
+        return self.control(ProfileReq(action="start", output_dir=output_dir, num_steps=num_steps))
+
+    def stop_profile(self):
+        return self.control(ProfileReq(action="stop"))
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None):
+        return self.control(UpdateWeightFromDiskReqInput(model_path=model_path, load_format=load_format))
 
     def run_in_scheduler(self, fn, timeout: float = 60):
         """Runs fn(scheduler) on the scheduler thread and returns its result (tests, admin)."""

@@ -12,7 +12,7 @@ a plugin hooks it like any target, by its dotted path:
 - `batch_scheduled(batch_info)` — scheduler process, before each forward step.
 
 `server_args_finalized` and `request_received` let exceptions through: a hook can stop
-start-up, or refuse a request by raising `cadence.tokenizer_manager.RequestError`. The
+start-up, or refuse a request by raising `cadence.errors.RequestError`. The
 observers `request_finished` and `batch_scheduled` are called through `notify`, which logs
 a failing hook instead of letting it break serving.
 

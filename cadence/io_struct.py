@@ -12,27 +12,110 @@ Who sends what:
     scheduler ──BatchEmbeddingOutput (passed through by the detokenizer)──► front
     scheduler ──control outputs──► front
 
-The user-facing requests (`GenerateReqInput`, `EmbeddingReqInput`) live here too; their
-`normalize_batch_and_arguments()` is the one place where a request is checked and turned
-into per-item lists, below both the HTTP and the gRPC adapters.
+The user-facing requests (`GenerateReqInput`, `EmbeddingReqInput`) and the sampling
+parameters that travel inside a tokenized request live here too. Checking them is the
+front's job (`cadence.front.request_checks`, one stage below both adapters); this module
+holds the shapes only.
 
-Like sampling_params, this module is imported by the front process on its own: no torch,
-no transformers.
+Imported by the front process on its own: no torch, no transformers.
 """
 
-import re
 import typing
-import uuid
 from typing import Any, Literal, Union
 
 import msgspec
 
-from cadence.sampling_params import InvalidParameter, SamplingParams, coerce_field
+from cadence.errors import InvalidParameter
 
 
 class _Message(msgspec.Struct, kw_only=True, tag=True, forbid_unknown_fields=True):
     """Base of every message: keyword-only fields, tagged with the class name, and unknown
     fields rejected so that a mismatch between two processes fails loudly."""
+
+
+# Below this temperature sampling is greedy; dividing logits by a smaller number would
+# only overflow.
+GREEDY_TEMPERATURE = 1e-6
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How to sample one request's continuation. Defaults follow `specs/http.md`."""
+
+    max_new_tokens: int = 128
+    """Most tokens to generate (>= 0). The prompt plus this must fit the context length."""
+
+    min_new_tokens: int = 0
+    """Stop conditions (EOS, stop ids, stop strings) are ignored until this many tokens
+    have been generated (0 <= min_new_tokens <= max_new_tokens)."""
+
+    temperature: float = 1.0
+    """Divides the logits (>= 0). Below 1e-6 sampling is greedy (argmax)."""
+
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to at least
+    top_p, in (0, 1]. 1 keeps the whole vocabulary."""
+
+    top_k: int = -1
+    """Keep only the k most likely tokens; -1 keeps the whole vocabulary, 1 is greedy."""
+
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's, in
+    [0, 1]. 0 disables it."""
+
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per earlier occurrence in the output, in
+    [-2, 2] (OpenAI semantics)."""
+
+    presence_penalty: float = 0.0
+    """Subtracted from a token's logit if it occurred in the output at all, in [-2, 2]
+    (OpenAI semantics)."""
+
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens already in the prompt or
+    output, in [0, 2]. 1 disables it."""
+
+    n: int = 1
+    """Number of samples of the same prompt (>= 1); the request becomes a batch of n."""
+
+    stop: list[str] | None = None
+    """Strings that end generation; the matched string is trimmed from the text unless
+    `no_stop_trim`. A single string is accepted on input."""
+
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation, each in [0, vocab_size)."""
+
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of the given token ids (keys in [0, vocab_size)). JSON object
+    keys are strings; they are converted to ints."""
+
+    regex: str | None = None
+    """Constrain the output to match this regular expression."""
+
+    json_schema: str | None = None
+    """Constrain the output to JSON valid under this schema (the schema as a JSON string)."""
+
+    ebnf: str | None = None
+    """Constrain the output to this EBNF grammar."""
+
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token (until max_new_tokens or a stop)."""
+
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the returned text."""
+
+    spaces_between_special_tokens: bool = True
+    """Put a space between adjacent special tokens in the returned text."""
+
+    no_stop_trim: bool = False
+    """Keep the matched stop string or stop token in the returned text."""
+
+    seed: int | None = None
+    """Seed of this request's random generator, for reproducible sampling."""
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether sampling reduces to argmax (then seeds and n > 1 make no difference)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 # -- user-facing requests ------------------------------------------------------------------
@@ -41,7 +124,8 @@ class _Message(msgspec.Struct, kw_only=True, tag=True, forbid_unknown_fields=Tru
 class GenerateReqInput(_Message, kw_only=True):
     """The native /generate body, single or batch; what both adapters build.
 
-    Call `normalize_batch_and_arguments()` before use. Afterwards a single request keeps
+    `cadence.front.normalize.normalize_batch_and_arguments` checks it and brings it to its
+    normalized form before use. Afterwards a single request keeps
     scalar fields (`text` a str, `rid` a str, `sampling_params` a dict, ...) and a batch
     has one list entry per item for every per-item field; `item(i)` cuts item i out.
 
@@ -87,91 +171,6 @@ class GenerateReqInput(_Message, kw_only=True):
     parallel_sample_num: int = 1  # the n of sampling_params (same for every prompt)
     is_normalized: bool = False  # normalize_batch_and_arguments() has run
 
-    @classmethod
-    def from_json_dict(cls, d: Any) -> "GenerateReqInput":
-        """Build from a decoded JSON body; `InvalidParameter` names an unknown field or a
-        field of the wrong type. Call `normalize_batch_and_arguments()` next."""
-        return _from_json_dict(cls, d)
-
-    def normalize_batch_and_arguments(self) -> None:
-        """Check the request and bring every per-item field to its normalized form (see the
-        class docstring). Raises `InvalidParameter` naming the field. Idempotent."""
-        if self.is_normalized:
-            return
-        is_batch, num_prompts = _check_prompts(self.text, self.input_ids)
-        sampling_params = _per_item_sampling_params(self.sampling_params, num_prompts)
-        n = _parallel_sample_num(sampling_params)
-        per_item = {
-            name: _per_item(name, getattr(self, name), num_prompts, default, check)
-            for name, default, check in (
-                ("return_logprob", False, _check_bool),
-                ("logprob_start_len", -1, _check_start_len),
-                ("top_logprobs_num", 0, _check_top_num),
-                ("lora_path", None, _check_str),
-            )
-        }
-        per_item["token_ids_logprob"] = _per_item_token_ids(self.token_ids_logprob, num_prompts)
-        modalities = {
-            name: _per_item_data(name, getattr(self, name), num_prompts, is_batch)
-            for name in ("image_data", "audio_data", "video_data")
-        }
-        rids = _check_rids(self.rid, num_prompts, is_batch)
-        if not is_batch and n == 1:
-            # A single request keeps scalar fields.
-            self.sampling_params = sampling_params[0]
-            self.rid = rids[0]
-            for name, values in per_item.items():
-                setattr(self, name, values[0])
-            self.is_single, self.batch_size = True, 1
-        else:
-            if n > 1:
-                sampling_params = [dict(sp, n=1) for sp in sampling_params]
-                rids = [f"{rid}-{j}" for rid in rids for j in range(n)]
-            self.text = _expand(self.text, n, is_batch)
-            self.input_ids = _expand(self.input_ids, n, is_batch)
-            self.sampling_params = _repeat(sampling_params, n)
-            self.rid = rids
-            for name, values in per_item.items():
-                setattr(self, name, _repeat(values, n))
-            for name, values in modalities.items():
-                setattr(self, name, None if values is None else _repeat(values, n))
-            self.is_single, self.batch_size = False, num_prompts * n
-        # n expansion could only clash if user rids did; checked again to be sure.
-        _check_unique(rids)
-        self.parallel_sample_num = n
-        self.is_normalized = True
-
-    def item(self, i: int) -> "GenerateReqInput":
-        """Batch item i as a normalized single request (a copy when already single)."""
-        _require_normalized(self)
-        if self.is_single:
-            if i not in (0, -1):
-                raise IndexError(f"a single request has only item 0, not {i}")
-            return msgspec.structs.replace(self)
-        return GenerateReqInput(
-            text=None if self.text is None else self.text[i],
-            input_ids=None if self.input_ids is None else self.input_ids[i],
-            sampling_params=self.sampling_params[i],
-            rid=self.rid[i],
-            return_logprob=self.return_logprob[i],
-            logprob_start_len=self.logprob_start_len[i],
-            top_logprobs_num=self.top_logprobs_num[i],
-            token_ids_logprob=self.token_ids_logprob[i],
-            return_text_in_logprobs=self.return_text_in_logprobs,
-            stream=self.stream,
-            image_data=None if self.image_data is None else self.image_data[i],
-            audio_data=None if self.audio_data is None else self.audio_data[i],
-            video_data=None if self.video_data is None else self.video_data[i],
-            lora_path=self.lora_path[i],
-            routing_key=self.routing_key,
-            is_single=True,
-            batch_size=1,
-            parallel_sample_num=1,
-            is_normalized=True,
-        )
-
-    __getitem__ = item
-
 
 class EmbeddingReqInput(_Message, kw_only=True):
     """The /encode (and /classify) body, single or batch. Normalization as for
@@ -188,44 +187,6 @@ class EmbeddingReqInput(_Message, kw_only=True):
     is_single: bool = True  # derived: answer with one object, not a list
     batch_size: int = 1  # derived: number of inputs
     is_normalized: bool = False  # derived: normalize_batch_and_arguments() has run
-
-    @classmethod
-    def from_json_dict(cls, d: Any) -> "EmbeddingReqInput":
-        """Build from a decoded JSON body; `InvalidParameter` names an unknown field or a
-        field of the wrong type."""
-        return _from_json_dict(cls, d)
-
-    def normalize_batch_and_arguments(self) -> None:
-        """Check the inputs, generate missing rids, check their uniqueness. Idempotent."""
-        if self.is_normalized:
-            return
-        is_batch, num_inputs = _check_prompts(self.text, self.input_ids)
-        rids = _check_rids(self.rid, num_inputs, is_batch)
-        image_data = _per_item_data("image_data", self.image_data, num_inputs, is_batch)
-        if is_batch:
-            self.image_data = image_data
-        self.rid = rids if is_batch else rids[0]
-        self.is_single, self.batch_size = not is_batch, num_inputs
-        self.is_normalized = True
-
-    def item(self, i: int) -> "EmbeddingReqInput":
-        """Batch item i as a normalized single request (a copy when already single)."""
-        _require_normalized(self)
-        if self.is_single:
-            if i not in (0, -1):
-                raise IndexError(f"a single request has only item 0, not {i}")
-            return msgspec.structs.replace(self)
-        return EmbeddingReqInput(
-            text=None if self.text is None else self.text[i],
-            input_ids=None if self.input_ids is None else self.input_ids[i],
-            rid=self.rid[i],
-            image_data=None if self.image_data is None else self.image_data[i],
-            is_single=True,
-            batch_size=1,
-            is_normalized=True,
-        )
-
-    __getitem__ = item
 
 
 # -- front → scheduler ---------------------------------------------------------------------
@@ -379,6 +340,7 @@ class FlushCacheReqOutput(_ControlMessage, kw_only=True):
 
 
 PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = typing.get_args(PauseMode)
 
 
 class PauseGenerationReqInput(_ControlMessage, kw_only=True):
@@ -389,7 +351,7 @@ class PauseGenerationReqInput(_ControlMessage, kw_only=True):
     mode: PauseMode = "abort"
 
     def __post_init__(self) -> None:
-        if self.mode not in typing.get_args(PauseMode):
+        if self.mode not in PAUSE_MODES:
             raise InvalidParameter(
                 "mode", f"mode must be one of abort, retract, in_place, got {self.mode!r}"
             )
@@ -470,6 +432,14 @@ Message = Union[
 ]
 MESSAGE_TYPES: tuple[type, ...] = typing.get_args(Message)
 
+# Control requests whose sender waits for an answer, and the type of that answer.
+REPLY_TYPES: dict[type, type] = {
+    FlushCacheReqInput: FlushCacheReqOutput,
+    GetLoadReqInput: GetLoadReqOutput,
+    ProfileReq: ProfileReqOutput,
+    UpdateWeightFromDiskReqInput: UpdateWeightFromDiskReqOutput,
+}
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -486,272 +456,3 @@ def decode(data: bytes) -> Message:
     """Deserialize a message; raises msgspec.DecodeError (a ValidationError for a
     well-formed but wrong message) on anything that is not one."""
     return _decoder.decode(data)
-
-
-# -- normalization helpers -----------------------------------------------------------------
-
-
-def _from_json_dict(cls: type, d: Any) -> Any:
-    if not isinstance(d, dict):
-        raise InvalidParameter(
-            None, f"the request body must be a JSON object, got {type(d).__name__}"
-        )
-    known = [f for f in cls.__struct_fields__ if f not in cls._DERIVED]
-    for key in d:
-        if key not in known:
-            raise InvalidParameter(
-                str(key), f"unknown field {key!r}; valid fields are: {', '.join(known)}"
-            )
-    try:
-        return msgspec.convert(d, cls)
-    except msgspec.ValidationError as e:
-        raise _readable(e) from None
-
-
-def _readable(error: msgspec.ValidationError) -> InvalidParameter:
-    # msgspec says "Expected `int`, got `str` - at `$.top_logprobs_num[1]`".
-    text = str(error)
-    match = re.search(r" - at `\$\.([A-Za-z_]\w*)(.*)`$", text)
-    if match is None:
-        return InvalidParameter(None, text)
-    field, rest = match.group(1), match.group(2)
-    problem = text[: match.start()].replace("`", "")
-    problem = problem[:1].lower() + problem[1:]
-    return InvalidParameter(field, f"{field}{rest} has the wrong type: {problem}")
-
-
-def _check_prompts(text: Any, input_ids: Any) -> tuple[bool, int]:
-    """Check that exactly one of text/input_ids is given; return (is_batch, num_prompts)."""
-    if text is None and input_ids is None:
-        raise InvalidParameter("text", "text or input_ids is required: give exactly one of them")
-    if text is not None and input_ids is not None:
-        raise InvalidParameter(
-            "text", "text and input_ids are mutually exclusive: give exactly one of them"
-        )
-    if text is not None:
-        return _check_text(text)
-    return _check_input_ids(input_ids)
-
-
-def _check_text(text: Any) -> tuple[bool, int]:
-    if isinstance(text, str):
-        if not text:
-            raise InvalidParameter("text", "text must not be empty")
-        return False, 1
-    if not isinstance(text, list):
-        raise InvalidParameter(
-            "text", f"text must be a string or a list of strings, got {type(text).__name__}"
-        )
-    if not text:
-        raise InvalidParameter("text", "text must not be empty: a batch needs at least one prompt")
-    for i, prompt in enumerate(text):
-        if not isinstance(prompt, str):
-            raise InvalidParameter(
-                "text", f"text[{i}] must be a string, got {type(prompt).__name__}"
-            )
-        if not prompt:
-            raise InvalidParameter("text", f"text[{i}] must not be empty")
-    return True, len(text)
-
-
-def _check_input_ids(input_ids: Any) -> tuple[bool, int]:
-    if not isinstance(input_ids, list):
-        raise InvalidParameter(
-            "input_ids",
-            "input_ids must be a list of token ids or a list of such lists, "
-            f"got {type(input_ids).__name__}",
-        )
-    if not input_ids:
-        raise InvalidParameter("input_ids", "input_ids must not be empty")
-    if all(isinstance(ids, list) for ids in input_ids):
-        for i, ids in enumerate(input_ids):
-            _check_token_ids("input_ids", f"input_ids[{i}]", ids)
-        return True, len(input_ids)
-    if any(isinstance(ids, list) for ids in input_ids):
-        raise InvalidParameter(
-            "input_ids", "input_ids must be a list of token ids or a list of such lists, not a mix"
-        )
-    _check_token_ids("input_ids", "input_ids", input_ids)
-    return False, 1
-
-
-def _check_token_ids(param: str, label: str, ids: list) -> None:
-    if not ids:
-        raise InvalidParameter(param, f"{label} must not be empty")
-    # Fast path first: prompts can be long. The vocabulary bound is the front's check.
-    if all(type(t) is int for t in ids) and min(ids) >= 0:
-        return
-    for j, t in enumerate(ids):
-        if type(t) is not int or t < 0:
-            raise InvalidParameter(
-                param, f"{label}[{j}] must be a token id (an integer >= 0), got {t!r}"
-            )
-
-
-def _per_item_sampling_params(value: Any, num: int) -> list[dict[str, Any]]:
-    items = _per_item("sampling_params", value, num, None, _check_dict)
-    # Copies: one item's later changes (n=1, defaults filled in) must not leak into others.
-    return [{} if sp is None else dict(sp) for sp in items]
-
-
-def _parallel_sample_num(sampling_params: list[dict[str, Any]]) -> int:
-    values = set()
-    for sp in sampling_params:
-        n = coerce_field("n", sp.get("n"))
-        n = 1 if n is None else n
-        if n < 1:
-            raise InvalidParameter("n", f"n must be >= 1, got {n}")
-        values.add(n)
-    if len(values) > 1:
-        raise InvalidParameter(
-            "n", f"n must be the same for every item of a batch, got {sorted(values)}"
-        )
-    return values.pop()
-
-
-def _per_item(param: str, value: Any, num: int, default: Any, check) -> list:
-    """A scalar (or None) applies to every item; a list must have one entry per item."""
-    if value is None:
-        return [default] * num
-    if isinstance(value, list):
-        if len(value) != num:
-            raise InvalidParameter(
-                param,
-                f"{param} has {len(value)} entries but the request has {num} prompt(s): "
-                "give one per prompt, or a single value for all",
-            )
-        return [
-            default if v is None else check(param, f"{param}[{i}]", v)
-            for i, v in enumerate(value)
-        ]
-    return [check(param, param, value)] * num
-
-
-def _per_item_token_ids(value: Any, num: int) -> list[list[int] | None]:
-    # A flat list of ids applies to every item; a list of lists (or None) is per item.
-    if value is None:
-        return [None] * num
-    if not isinstance(value, list):
-        raise InvalidParameter(
-            "token_ids_logprob",
-            f"token_ids_logprob must be a list of token ids, got {type(value).__name__}",
-        )
-    if not value:
-        return [None] * num
-    if all(v is None or isinstance(v, list) for v in value):
-        items = _per_item("token_ids_logprob", value, num, None, lambda p, label, v: v)
-        for i, ids in enumerate(items):
-            if ids:
-                _check_token_ids("token_ids_logprob", f"token_ids_logprob[{i}]", ids)
-        return [ids or None for ids in items]
-    _check_token_ids("token_ids_logprob", "token_ids_logprob", value)
-    return [list(value) for _ in range(num)]
-
-
-def _per_item_data(param: str, value: Any, num: int, is_batch: bool) -> list | None:
-    if value is None:
-        return None
-    if not is_batch:
-        return [value]
-    if not isinstance(value, list) or len(value) != num:
-        raise InvalidParameter(
-            param, f"{param} must be a list with one entry per prompt ({num}) for a batch"
-        )
-    return value
-
-
-def _check_rids(rid: Any, num: int, is_batch: bool) -> list[str]:
-    if rid is None:
-        return [uuid.uuid4().hex for _ in range(num)]
-    if isinstance(rid, str):
-        if is_batch:
-            raise InvalidParameter(
-                "rid", f"rid must be a list of {num} strings for a batch of {num} prompts, "
-                "got one string",
-            )
-        rids = [rid]
-    elif isinstance(rid, list):
-        if len(rid) != num:
-            raise InvalidParameter(
-                "rid", f"rid has {len(rid)} entries but the request has {num} prompt(s): "
-                "give one per prompt",
-            )
-        rids = rid
-    else:
-        raise InvalidParameter(
-            "rid", f"rid must be a string or a list of strings, got {type(rid).__name__}"
-        )
-    for i, r in enumerate(rids):
-        if not isinstance(r, str) or not r:
-            raise InvalidParameter("rid", f"rid[{i}] must be a non-empty string, got {r!r}")
-    _check_unique(rids)
-    return list(rids)
-
-
-def _check_unique(rids: list[str]) -> None:
-    seen = set()
-    for r in rids:
-        if r in seen:
-            raise InvalidParameter(
-                "rid", f"rid {r!r} is duplicated: every request in a batch needs its own rid"
-            )
-        seen.add(r)
-
-
-def _check_bool(param: str, label: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidParameter(param, f"{label} must be true or false, got {value!r}")
-    return value
-
-
-def _check_int(param: str, label: str, value: Any, minimum: int, meaning: str) -> int:
-    if type(value) is not int or value < minimum:
-        raise InvalidParameter(
-            param, f"{label} must be an integer >= {minimum}{meaning}, got {value!r}"
-        )
-    return value
-
-
-def _check_start_len(param: str, label: str, value: Any) -> int:
-    return _check_int(param, label, value, -1, " (-1: output logprobs only)")
-
-
-def _check_top_num(param: str, label: str, value: Any) -> int:
-    return _check_int(param, label, value, 0, "")
-
-
-def _check_str(param: str, label: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise InvalidParameter(param, f"{label} must be a string, got {value!r}")
-    return value
-
-
-def _check_dict(param: str, label: str, value: Any) -> dict:
-    if not isinstance(value, dict):
-        raise InvalidParameter(param, f"{label} must be an object, got {type(value).__name__}")
-    return value
-
-
-def _expand(prompts: Any, n: int, is_batch: bool) -> list | None:
-    """Prompts (text or ids) as a list with n copies of each, item-major."""
-    if prompts is None:
-        return None
-    return _repeat(prompts if is_batch else [prompts], n)
-
-
-def _repeat(values: list, n: int) -> list:
-    """Each value n times, item-major. Lists and dicts are copied: the samples of a prompt
-    are separate requests, and changing one (e.g. filling in defaults) must not touch the
-    others."""
-    if n == 1:
-        return values
-    return [
-        list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
-        for v in values
-        for _ in range(n)
-    ]
-
-
-def _require_normalized(req: Any) -> None:
-    if not req.is_normalized:
-        raise RuntimeError("call normalize_batch_and_arguments() before item()")

@@ -38,14 +38,14 @@ def _child_start(parent_pid: int) -> None:
 
 def _scheduler_entry(args, paths, model_path, ready_pipe, parent_pid, heartbeat):
     _child_start(parent_pid)
-    from cadence.managers.scheduler_process import run_scheduler_process
+    from cadence.scheduler.process import run_scheduler_process
 
     run_scheduler_process(args, paths, model_path, ready_pipe, heartbeat)
 
 
 def _detokenizer_entry(args, paths, tokenizer_source, parent_pid, heartbeat):
     _child_start(parent_pid)
-    from cadence.managers.detokenizer_process import run_detokenizer_process
+    from cadence.detokenizer.process import run_detokenizer_process
 
     run_detokenizer_process(args, paths, tokenizer_source, heartbeat)
 
@@ -82,11 +82,13 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
 
     import uvicorn
 
-    from cadence.entrypoints.http_server import ServerState, build_app
-    from cadence.managers.engine_client import EngineClient
+    from cadence.entrypoints.http_server import build_app
+    from cadence.front.engine_client import ModelInfo
+    from cadence.front.ipc_client import IpcEngineClient
+    from cadence.front.tokenizer import FrontTokenizer
     from cadence.model_loader.loader import load_tokenizer
     from cadence.model_loader.locate import model_name
-    from cadence.tokenizer_manager import ModelInfo
+    from cadence.serving.state import ServerState
 
     class Server(uvicorn.Server):
         def capture_signals(self):  # we install our own handlers below
@@ -144,8 +146,9 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
                          context_len=ready["context_len"], vocab_size=ready["vocab_size"],
                          max_total_tokens=ready["max_total_tokens"])
         state.runtime = {k: v for k, v in ready.items() if k != "status"}
-        client = EngineClient(paths, info, tokenizer, args.max_queued_requests + args.max_running_requests,
-                              request_timeout_s=args.request_timeout_s)
+        client = IpcEngineClient(paths, info, FrontTokenizer(tokenizer),
+                                 args.max_queued_requests + args.max_running_requests,
+                                 request_timeout_s=args.request_timeout_s)
         client.start()
         state.client = client
 
@@ -184,11 +187,9 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
 
         progress_task = asyncio.create_task(progress_watchdog())
         if not args.skip_warmup:
-            from cadence.entrypoints.native_api import last_result
-            from cadence.io_struct import GenerateReqInput
+            from cadence.serving.native_api import last_result, probe_request
 
-            warm = GenerateReqInput(text="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0})
-            warmup = asyncio.ensure_future(last_result(client.tm.generate_request(warm)))
+            warmup = asyncio.ensure_future(last_result(client.generate(probe_request("Hello"))))
             await asyncio.wait({warmup, serve_task}, timeout=300, return_when=asyncio.FIRST_COMPLETED)
             if not warmup.done():
                 warmup.cancel()

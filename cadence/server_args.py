@@ -6,12 +6,11 @@ Imports nothing heavy, so `cadence serve --help` answers at once.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
 import os
 from dataclasses import dataclass, fields
-from functools import lru_cache
+
+from cadence.config_docs import field_docs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -176,19 +175,6 @@ class ServerArgs:
         if unknown:
             raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
-
-
-@lru_cache(maxsize=None)
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass, read from its source."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
 
 
 def add_cli_args(parser: argparse.ArgumentParser, cls: type = ServerArgs) -> None:

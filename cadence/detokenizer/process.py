@@ -9,7 +9,7 @@ import signal
 import zmq
 
 from cadence import io_struct
-from cadence.detokenizer import Detokenizer
+from cadence.detokenizer.detokenizer import Detokenizer
 from cadence.io_struct import BatchEmbeddingOutput, BatchStrOutput, BatchTokenIDOutput
 from cadence.ipc import FrontRouter, Heartbeat, IpcPaths, bind, die_with_parent
 from cadence.server_args import ServerArgs

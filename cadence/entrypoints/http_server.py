@@ -1,88 +1,36 @@
 """The HTTP adapter: SGLang's native routes over one `EngineClient`.
 
-Thin by design: parse the body, build the request struct, call the TokenizerManager, turn
-its results (or its errors) into responses. Validation lives below, shared with gRPC.
+Thin by design: parse the body, build the request struct, call the engine client, turn its
+results (or its errors) into responses. Validation lives below, shared with gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import logging
 import time
-from typing import Any, AsyncIterator
 
 import msgspec
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response
 
-from cadence import __version__
-from cadence.entrypoints import native_api, openapi
-from cadence.entrypoints.http_errors import error_response, json_response
+from cadence.version import __version__
+from cadence.entrypoints import openapi
+from cadence.entrypoints.http_io import (BodyTooLarge, error_of, error_response, json_response, read_json,
+                                         stream_response, until_disconnected)
 from cadence.entrypoints.openai_routes import register_openai_routes
-from cadence.io_struct import GenerateReqInput
-from cadence.sampling_params import InvalidParameter
-from cadence.serving import control
+from cadence.errors import CadenceError, InvalidParameter
+from cadence.io_struct import (ContinueGenerationReqInput, FlushCacheReqInput, GetLoadReqInput,
+                               PauseGenerationReqInput, ProfileReq, UpdateWeightFromDiskReqInput)
+from cadence.serving import control, native_api
 from cadence.serving.errors import decode_json, error_body
-from cadence.server_args import ServerArgs
-from cadence.tokenizer_manager import RequestError
+from cadence.serving.state import ServerState
 
 logger = logging.getLogger(__name__)
 
 OPEN_ROUTES = {"/health", "/health_generate"}
-
-
-@dataclasses.dataclass
-class ServerState:
-    """What the routes share. `client` is None until the model is loaded."""
-
-    args: ServerArgs
-    client: Any = None  # EngineClient
-    runtime: dict = dataclasses.field(default_factory=dict)  # facts the scheduler reported
-    is_ready: bool = False  # loaded and warmed up
-    is_shutting_down: bool = False
-    started: float = dataclasses.field(default_factory=time.time)
-
-
-class BodyTooLarge(Exception):
-    """A request body grew past --max-request-body-mb while it was read (413)."""
-
-    def __init__(self, limit: int):
-        super().__init__(f"the request body is larger than {limit} bytes (--max-request-body-mb); send less")
-
-
-async def read_json(request: Request) -> Any:
-    return decode_json(await request.body())
-
-
-def sse(obj) -> bytes:
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone away. Call only after the body has been read."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_disconnected(request: Request, coro):
-    """Runs `coro`, cancelling it if the client goes away first (its request is then aborted).
-
-    Waits on the ASGI receive channel itself: `request.is_disconnected()` polls it under an
-    already-cancelled scope, which never reports the disconnect through the HTTP middleware."""
-    task = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.done() and not task.cancelled():
-        return task.result()
-    raise asyncio.CancelledError("client disconnected")
 
 
 class Gate:
@@ -148,7 +96,7 @@ class Gate:
                 if not message.get("more_body"):
                     break
             body = decode_json(b"".join(chunks))
-            out = msgspec.json.encode(await handler(self.state.client.tm, body))
+            out = msgspec.json.encode(await handler(self.state.client, body))
         except BodyTooLarge as e:
             status, out = 413, msgspec.json.encode(error_body(413, str(e)))
         except InvalidParameter as e:
@@ -192,13 +140,9 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Cadence", version=__version__, docs_url=None, redoc_url=None)
     app.state.cadence = state
 
-    @app.exception_handler(InvalidParameter)
-    async def _invalid(request, e: InvalidParameter):
-        return error_response(400, str(e), e.param)
-
-    @app.exception_handler(RequestError)
-    async def _request_error(request, e: RequestError):
-        return error_response(e.status, str(e), e.param, e.is_request_fault)
+    @app.exception_handler(CadenceError)
+    async def _cadence_error(request, e: CadenceError):
+        return error_of(e)
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(request, e: BodyTooLarge):
@@ -234,8 +178,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health_generate")
     async def health_generate():
-        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
-        await asyncio.wait_for(native_api.last_result(client().tm.generate_request(obj)), 30)
+        await asyncio.wait_for(native_api.last_result(client().generate(native_api.probe_request())), 30)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -245,7 +188,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info():
-        return json_response(native_api.model_info(client().tm.info))
+        return json_response(native_api.model_info(client().info))
 
     @app.get("/server_info")
     @app.get("/get_server_info")
@@ -254,13 +197,13 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/get_load")
     async def get_load():
-        load = await client().get_load()
+        load = await client().control(GetLoadReqInput())
         return json_response([{"dp_rank": load.dp_rank, "num_reqs": load.num_running_reqs,
                                "num_waiting_reqs": load.num_waiting_reqs, "num_tokens": load.num_used_tokens}])
 
     @app.get("/v1/loads")
     async def loads(request: Request):
-        load = await client().get_load()
+        load = await client().control(GetLoadReqInput())
         rank = request.query_params.get("dp_rank")
         if rank is not None and not rank.lstrip("-").isdigit():
             raise InvalidParameter("dp_rank", f"dp_rank must be an integer, got {rank!r}")
@@ -276,8 +219,8 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/generate")
     async def generate(request: Request):
-        obj = GenerateReqInput.from_json_dict(await read_json(request))
-        gen = client().tm.generate_request(obj)
+        obj = native_api.generate_input(await read_json(request))
+        gen = client().generate(obj)
         if obj.stream:
             return await stream_response(gen)
         return json_response(await until_disconnected(request, native_api.last_result(gen)))
@@ -287,23 +230,23 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(request: Request):
-        return json_response(await native_api.tokenize_body(client().tm, await read_json(request)))
+        return json_response(await native_api.tokenize_body(client(), await read_json(request)))
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     async def detokenize(request: Request):
-        return json_response(await native_api.detokenize_body(client().tm, await read_json(request)))
+        return json_response(await native_api.detokenize_body(client(), await read_json(request)))
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
         body = control.parse(control.AbortBody, await read_json(request))
-        native_api.abort(client().tm, body.rid, body.abort_all, "aborted by /abort_request")
+        client().abort(body.rid, body.abort_all, "aborted by /abort_request")
         return Response(status_code=200)
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request):
         decode_json(await request.body())  # any JSON body is accepted and ignored
-        out = await client().flush_cache()
+        out = await client().control(FlushCacheReqInput())
         if not out.success:
             return error_response(400, f"cannot flush the cache: {out.message}")
         return PlainTextResponse("Cache flushed.\n")
@@ -311,52 +254,30 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         body = control.parse(control.PauseBody, await read_json(request))
-        client().pause(body.mode)
+        await client().control(PauseGenerationReqInput(mode=body.mode))
         return json_response({"success": True, "mode": body.mode})
 
     @app.post("/continue_generation")
     async def continue_generation(request: Request):
         decode_json(await request.body())  # any JSON body is accepted and ignored
-        client().resume()
+        await client().control(ContinueGenerationReqInput())
         return json_response({"success": True})
 
     @app.post("/start_profile")
     async def start_profile(request: Request):
         body = control.parse(control.ProfileBody, await read_json(request))
-        out = await client().profile("start", body.output_dir, body.num_steps)
+        out = await client().control(ProfileReq(action="start", output_dir=body.output_dir, num_steps=body.num_steps))
         return json_response({"success": out.success, "message": out.message}, 200 if out.success else 400)
 
     @app.post("/stop_profile")
     async def stop_profile(request: Request):
         decode_json(await request.body())  # any JSON body is accepted and ignored
-        out = await client().profile("stop", None)
+        out = await client().control(ProfileReq(action="stop"))
         return json_response({"success": out.success, "message": out.message}, 200 if out.success else 400)
 
     @app.post("/update_weights_from_disk")
     async def update_weights(request: Request):
         body = control.parse(control.UpdateWeightsBody, await read_json(request))
-        out = await client().update_weights(body.model_path, body.load_format)
+        out = await client().control(UpdateWeightFromDiskReqInput(model_path=body.model_path,
+                                                                  load_format=body.load_format), timeout=900)
         return json_response({"success": out.success, "message": out.message}, 200 if out.success else 400)
-
-
-async def stream_response(gen: AsyncIterator) -> StreamingResponse:
-    """SSE of the chunks of `gen`; errors before the first chunk are ordinary error responses."""
-    try:
-        first = await gen.__anext__()
-    except StopAsyncIteration:
-        first = None
-
-    async def body():
-        try:
-            if first is not None:
-                yield sse(first)
-            async for chunk in gen:
-                yield sse(chunk)
-        except (InvalidParameter, RequestError) as e:
-            status = getattr(e, "status", 400)
-            yield sse(error_body(status, str(e), getattr(e, "param", None)))
-        finally:
-            await gen.aclose()  # aborts the request if the client left mid-stream
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream")

@@ -11,15 +11,12 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
-from cadence.entrypoints.http_errors import RETRY_AFTER_S
-from cadence.entrypoints.openai_serving import OpenAIResponse, OpenAIServing
-from cadence.serving.errors import FAULT_HEADER
+from cadence.entrypoints.http_io import error_headers, until_disconnected
+from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing
+from cadence.serving.state import ServerState
 
 
-def register_openai_routes(app: FastAPI, state) -> OpenAIServing:
-    # Imported here: http_server imports this module to call this function.
-    from cadence.entrypoints.http_server import until_disconnected
-
+def register_openai_routes(app: FastAPI, state: ServerState) -> OpenAIServing:
     serving = OpenAIServing(state)
 
     @app.get("/v1/models")
@@ -45,10 +42,8 @@ def register_openai_routes(app: FastAPI, state) -> OpenAIServing:
 
 def _to_http(result) -> Response:
     if isinstance(result, OpenAIResponse):
-        headers = {FAULT_HEADER: "request"} if result.is_request_fault else {}
-        if result.status == 429:
-            headers["Retry-After"] = str(RETRY_AFTER_S)
-        return Response(result.body, status_code=result.status, media_type="application/json", headers=headers)
+        return Response(result.body, status_code=result.status, media_type="application/json",
+                        headers=error_headers(result.status, result.is_request_fault))
     return StreamingResponse(result.sse(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

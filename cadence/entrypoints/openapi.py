@@ -15,16 +15,15 @@ import msgspec
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from cadence.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
-from cadence.io_struct import GenerateReqInput
-from cadence.sampling_params import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                                     SamplingParams)
-from cadence.server_args import field_docs
+from cadence.front.sampling_checks import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from cadence.io_struct import GenerateReqInput, SamplingParams
+from cadence.config_docs import field_docs
 from cadence.serving import control
+from cadence.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{name}"
 
-# The valid values of each sampling parameter, as `SamplingParams.verify` enforces them
+# The valid values of each sampling parameter, as `check_sampling_params` enforces them
 # (a unit test holds the two together).
 SAMPLING_RANGES: dict[str, dict[str, Any]] = {
     "max_new_tokens": {"minimum": 0},

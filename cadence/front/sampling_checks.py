@@ -1,17 +1,16 @@
-"""Sampling parameters of one request: fields, defaults and checks of `specs/http.md`.
+"""Checks of one request's sampling parameters: names, types and the ranges of `specs/http.md`.
 
-The HTTP front process and the CLI import this module on their own, so it must stay free
-of torch and transformers. `SamplingParams` is a msgspec Struct so that it can travel
-inside `TokenizedGenerateReqInput` over ZMQ without a conversion step.
+Part of the front's one checking stage (`cadence.front.request_checks`). Two steps turn
+user input into a trusted `SamplingParams` (the struct lives in `cadence.io_struct`), and
+both raise `InvalidParameter` whose message starts with the offending field's name:
 
-Two steps turn user input into trusted parameters, and both raise `InvalidParameter` (a
-`ValueError`) whose message starts with the offending field's name:
-
-- `SamplingParams.from_dict(d)` checks names and types (JSON gives us strings, floats and
+- `parse_sampling_params(d)` checks names and types (JSON gives us strings, floats and
   booleans where numbers are expected) and normalizes representations;
-- `SamplingParams.verify(vocab_size)` checks every range of the spec table. It needs the
+- `check_sampling_params(p, vocab_size)` checks every range of the spec table. It needs the
   vocabulary size, which only the front knows after loading the tokenizer, hence a
   separate step.
+
+Imports nothing heavy: the front process and the CLI import it on their own.
 """
 
 import difflib
@@ -22,11 +21,8 @@ import operator
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-import msgspec
-
-# Below this temperature sampling is greedy; dividing logits by a smaller number would
-# only overflow.
-GREEDY_TEMPERATURE = 1e-6
+from cadence.errors import InvalidParameter
+from cadence.io_struct import SamplingParams
 
 # Stop conditions are checked on every step of a request (the detokenizer compares each
 # stop string's prefixes with the text's tail), so their number and size are bounded.
@@ -40,225 +36,132 @@ _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 
 
-class InvalidParameter(ValueError):
-    """A value given by the user is wrong.
+def parse_sampling_params(d: dict[str, Any] | None) -> SamplingParams:
+    """Build from a user's dict (e.g. the `sampling_params` object of /generate).
 
-    `param` names the field at fault (the top-level name, e.g. "stop" for a bad
-    `stop[2]`), so the HTTP adapter can fill OpenAI's `error.param`. It is None when no
-    single field is to blame (e.g. the body is not a JSON object).
+    Unknown names and wrong types raise `InvalidParameter`; a None value means the
+    default. Ranges are not checked here: call `check_sampling_params()` next.
     """
+    if d is None:
+        return SamplingParams()
+    if not isinstance(d, dict):
+        raise InvalidParameter(
+            "sampling_params",
+            f"sampling_params must be an object, got {_describe(d)}",
+        )
+    kwargs = {}
+    for name, value in d.items():
+        value = coerce_field(name, value)
+        if value is not None:
+            kwargs[name] = value
+    return SamplingParams(**kwargs)
 
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+
+def check_sampling_params(p: SamplingParams, vocab_size: int | None = None) -> None:
+    """Check every range of the spec table; raise `InvalidParameter` on the first fault.
+
+    Types are re-checked too, so parameters built directly in Python (not through
+    `parse_sampling_params`) get the same errors; representations are normalized on the
+    way (a single stop string becomes a list, string logit_bias keys become ints).
+    With `vocab_size`, token ids must lie in [0, vocab_size).
+    """
+    _normalize_types(p)
+    _check_lengths(p)
+    _check_distributions(p)
+    _check_penalties(p)
+    _check_stops(p, vocab_size)
+    _check_constraints(p)
 
 
-class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """How to sample one request's continuation. Defaults follow `specs/http.md`."""
+def _normalize_types(p: SamplingParams) -> None:
+    for name in p.__struct_fields__:
+        value = getattr(p, name)
+        if value is None and name in _OPTIONAL_FIELDS:
+            continue
+        if value is None:
+            raise InvalidParameter(name, f"{name} must not be null")
+        setattr(p, name, coerce_field(name, value))
 
-    max_new_tokens: int = 128
-    """Most tokens to generate (>= 0). The prompt plus this must fit the context length."""
+def _check_lengths(p: SamplingParams) -> None:
+    if p.max_new_tokens < 0:
+        _fail("max_new_tokens", ">= 0", p.max_new_tokens)
+    if p.min_new_tokens < 0:
+        _fail("min_new_tokens", ">= 0", p.min_new_tokens)
+    if p.min_new_tokens > p.max_new_tokens:
+        raise InvalidParameter(
+            "min_new_tokens",
+            f"min_new_tokens must be <= max_new_tokens ({p.max_new_tokens}), "
+            f"got {p.min_new_tokens}; lower min_new_tokens or raise max_new_tokens",
+        )
+    if p.n < 1:
+        _fail("n", ">= 1", p.n)
 
-    min_new_tokens: int = 0
-    """Stop conditions (EOS, stop ids, stop strings) are ignored until this many tokens
-    have been generated (0 <= min_new_tokens <= max_new_tokens)."""
+def _check_distributions(p: SamplingParams) -> None:
+    if p.temperature < 0:
+        _fail("temperature", ">= 0 (0 means greedy)", p.temperature)
+    if not 0 < p.top_p <= 1:
+        _fail("top_p", "in (0, 1]", p.top_p)
+    if p.top_k != -1 and p.top_k < 1:
+        _fail("top_k", "-1 (whole vocabulary) or >= 1", p.top_k)
+    if not 0 <= p.min_p <= 1:
+        _fail("min_p", "in [0, 1]", p.min_p)
 
-    temperature: float = 1.0
-    """Divides the logits (>= 0). Below 1e-6 sampling is greedy (argmax)."""
+def _check_penalties(p: SamplingParams) -> None:
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(p, name)
+        if not -2 <= value <= 2:
+            _fail(name, "in [-2, 2]", value)
+    if not 0 <= p.repetition_penalty <= 2:
+        _fail("repetition_penalty", "in [0, 2] (1 disables it)", p.repetition_penalty)
 
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability sums to at least
-    top_p, in (0, 1]. 1 keeps the whole vocabulary."""
-
-    top_k: int = -1
-    """Keep only the k most likely tokens; -1 keeps the whole vocabulary, 1 is greedy."""
-
-    min_p: float = 0.0
-    """Drop tokens whose probability is below min_p times the most likely token's, in
-    [0, 1]. 0 disables it."""
-
-    frequency_penalty: float = 0.0
-    """Subtracted from a token's logit once per earlier occurrence in the output, in
-    [-2, 2] (OpenAI semantics)."""
-
-    presence_penalty: float = 0.0
-    """Subtracted from a token's logit if it occurred in the output at all, in [-2, 2]
-    (OpenAI semantics)."""
-
-    repetition_penalty: float = 1.0
-    """Divides positive (multiplies negative) logits of tokens already in the prompt or
-    output, in [0, 2]. 1 disables it."""
-
-    n: int = 1
-    """Number of samples of the same prompt (>= 1); the request becomes a batch of n."""
-
-    stop: list[str] | None = None
-    """Strings that end generation; the matched string is trimmed from the text unless
-    `no_stop_trim`. A single string is accepted on input."""
-
-    stop_token_ids: list[int] | None = None
-    """Token ids that end generation, each in [0, vocab_size)."""
-
-    logit_bias: dict[int, float] | None = None
-    """Added to the logits of the given token ids (keys in [0, vocab_size)). JSON object
-    keys are strings; they are converted to ints."""
-
-    regex: str | None = None
-    """Constrain the output to match this regular expression."""
-
-    json_schema: str | None = None
-    """Constrain the output to JSON valid under this schema (the schema as a JSON string)."""
-
-    ebnf: str | None = None
-    """Constrain the output to this EBNF grammar."""
-
-    ignore_eos: bool = False
-    """Keep generating past the end-of-sequence token (until max_new_tokens or a stop)."""
-
-    skip_special_tokens: bool = True
-    """Leave special tokens out of the returned text."""
-
-    spaces_between_special_tokens: bool = True
-    """Put a space between adjacent special tokens in the returned text."""
-
-    no_stop_trim: bool = False
-    """Keep the matched stop string or stop token in the returned text."""
-
-    seed: int | None = None
-    """Seed of this request's random generator, for reproducible sampling."""
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
-        """Build from a user's dict (e.g. the `sampling_params` object of /generate).
-
-        Unknown names and wrong types raise `InvalidParameter`; a None value means the
-        default. Ranges are not checked here: call `verify()` next.
-        """
-        if d is None:
-            return cls()
-        if not isinstance(d, dict):
+def _check_stops(p: SamplingParams, vocab_size: int | None) -> None:
+    if len(p.stop or ()) > MAX_STOP_STRINGS:
+        raise InvalidParameter(
+            "stop", f"stop has {len(p.stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
+        )
+    for i, s in enumerate(p.stop or ()):
+        if not s:
             raise InvalidParameter(
-                "sampling_params",
-                f"sampling_params must be an object, got {_describe(d)}",
+                "stop", f"stop[{i}] must not be empty: an empty string matches anywhere"
             )
-        kwargs = {}
-        for name, value in d.items():
-            value = coerce_field(name, value)
-            if value is not None:
-                kwargs[name] = value
-        return cls(**kwargs)
-
-    def verify(self, vocab_size: int | None = None) -> None:
-        """Check every range of the spec table; raise `InvalidParameter` on the first fault.
-
-        Types are re-checked too, so parameters built directly in Python (not through
-        `from_dict`) get the same errors; representations are normalized on the way (a
-        single stop string becomes a list, string logit_bias keys become ints).
-        With `vocab_size`, token ids must lie in [0, vocab_size).
-        """
-        self._normalize_types()
-        self._check_lengths()
-        self._check_distributions()
-        self._check_penalties()
-        self._check_stops(vocab_size)
-        self._check_constraints()
-
-    @property
-    def is_greedy(self) -> bool:
-        """Whether sampling reduces to argmax (then seeds and n > 1 make no difference)."""
-        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
-
-    # -- checks, one concern each --------------------------------------------------------
-
-    def _normalize_types(self) -> None:
-        for name in self.__struct_fields__:
-            value = getattr(self, name)
-            if value is None and name in _OPTIONAL_FIELDS:
-                continue
-            if value is None:
-                raise InvalidParameter(name, f"{name} must not be null")
-            setattr(self, name, coerce_field(name, value))
-
-    def _check_lengths(self) -> None:
-        if self.max_new_tokens < 0:
-            _fail("max_new_tokens", ">= 0", self.max_new_tokens)
-        if self.min_new_tokens < 0:
-            _fail("min_new_tokens", ">= 0", self.min_new_tokens)
-        if self.min_new_tokens > self.max_new_tokens:
+        if len(s) > MAX_STOP_STRING_CHARS:
             raise InvalidParameter(
-                "min_new_tokens",
-                f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
-                f"got {self.min_new_tokens}; lower min_new_tokens or raise max_new_tokens",
+                "stop", f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_STRING_CHARS} are allowed"
             )
-        if self.n < 1:
-            _fail("n", ">= 1", self.n)
-
-    def _check_distributions(self) -> None:
-        if self.temperature < 0:
-            _fail("temperature", ">= 0 (0 means greedy)", self.temperature)
-        if not 0 < self.top_p <= 1:
-            _fail("top_p", "in (0, 1]", self.top_p)
-        if self.top_k != -1 and self.top_k < 1:
-            _fail("top_k", "-1 (whole vocabulary) or >= 1", self.top_k)
-        if not 0 <= self.min_p <= 1:
-            _fail("min_p", "in [0, 1]", self.min_p)
-
-    def _check_penalties(self) -> None:
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if not -2 <= value <= 2:
-                _fail(name, "in [-2, 2]", value)
-        if not 0 <= self.repetition_penalty <= 2:
-            _fail("repetition_penalty", "in [0, 2] (1 disables it)", self.repetition_penalty)
-
-    def _check_stops(self, vocab_size: int | None) -> None:
-        if len(self.stop or ()) > MAX_STOP_STRINGS:
-            raise InvalidParameter(
-                "stop", f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
-            )
-        for i, s in enumerate(self.stop or ()):
-            if not s:
-                raise InvalidParameter(
-                    "stop", f"stop[{i}] must not be empty: an empty string matches anywhere"
-                )
-            if len(s) > MAX_STOP_STRING_CHARS:
-                raise InvalidParameter(
-                    "stop", f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_STRING_CHARS} are allowed"
-                )
-        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+    if len(p.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+        raise InvalidParameter(
+            "stop_token_ids",
+            f"stop_token_ids has {len(p.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
+        )
+    valid = ">= 0" if vocab_size is None else f"in [0, {vocab_size})"
+    for i, token_id in enumerate(p.stop_token_ids or ()):
+        if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
             raise InvalidParameter(
                 "stop_token_ids",
-                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
+                f"stop_token_ids[{i}] must be a token id {valid}, got {token_id}",
             )
-        valid = ">= 0" if vocab_size is None else f"in [0, {vocab_size})"
-        for i, token_id in enumerate(self.stop_token_ids or ()):
-            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-                raise InvalidParameter(
-                    "stop_token_ids",
-                    f"stop_token_ids[{i}] must be a token id {valid}, got {token_id}",
-                )
-        for token_id in self.logit_bias or ():
-            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-                raise InvalidParameter(
-                    "logit_bias",
-                    f"logit_bias keys must be token ids {valid}, got {token_id}",
-                )
-
-    def _check_constraints(self) -> None:
-        given = [name for name in ("regex", "json_schema", "ebnf") if getattr(self, name)]
-        if len(given) > 1:
+    for token_id in p.logit_bias or ():
+        if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
             raise InvalidParameter(
-                given[1],
-                f"{given[1]} cannot be combined with {given[0]}: give at most one of "
-                "regex, json_schema and ebnf",
+                "logit_bias",
+                f"logit_bias keys must be token ids {valid}, got {token_id}",
             )
-        if self.json_schema is not None:
-            try:
-                json.loads(self.json_schema)
-            except ValueError as e:
-                raise InvalidParameter(
-                    "json_schema", f"json_schema must be a schema encoded as a JSON string: {e}"
-                ) from None
+
+def _check_constraints(p: SamplingParams) -> None:
+    given = [name for name in ("regex", "json_schema", "ebnf") if getattr(p, name)]
+    if len(given) > 1:
+        raise InvalidParameter(
+            given[1],
+            f"{given[1]} cannot be combined with {given[0]}: give at most one of "
+            "regex, json_schema and ebnf",
+        )
+    if p.json_schema is not None:
+        try:
+            json.loads(p.json_schema)
+        except ValueError as e:
+            raise InvalidParameter(
+                "json_schema", f"json_schema must be a schema encoded as a JSON string: {e}"
+            ) from None
 
 
 # -- field coercion ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import msgspec
 
 from cadence.grpc import sglang_pb2 as pb
 from cadence.io_struct import GenerateReqInput
-from cadence.sampling_params import InvalidParameter
+from cadence.errors import InvalidParameter
 
 _SAMPLING_SCALARS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty", "max_new_tokens", "min_new_tokens", "ignore_eos", "n", "json_schema",

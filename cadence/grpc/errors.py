@@ -1,8 +1,9 @@
 """How failures become gRPC status codes (never messages inside a response).
 
-The request logic below the adapters speaks HTTP statuses (`RequestError.status`) and
-`InvalidParameter`; this module is the one table that turns them into gRPC codes, so the
-two protocols fail alike: 400 -> INVALID_ARGUMENT, 429 -> RESOURCE_EXHAUSTED, and so on.
+Every error is one of `cadence.errors` (the servicer's own checks raise them too) and carries
+an HTTP status; `cadence.serving.errors` maps that status to a gRPC code, the same table the
+HTTP adapter's error types come from, so the two protocols fail alike: 400 ->
+INVALID_ARGUMENT, 429 -> RESOURCE_EXHAUSTED, 503 -> UNAVAILABLE, and so on.
 """
 
 from __future__ import annotations
@@ -13,54 +14,37 @@ import logging
 
 import grpc
 
-from cadence.sampling_params import InvalidParameter
-from cadence.serving.errors import FAULT_HEADER
-from cadence.tokenizer_manager import RequestError
+from cadence.errors import CadenceError, RequestError
+from cadence.serving.errors import FAULT_HEADER, grpc_code_name
 
 logger = logging.getLogger(__name__)
-
-_CODES = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    403: grpc.StatusCode.PERMISSION_DENIED,
-    404: grpc.StatusCode.NOT_FOUND,
-    408: grpc.StatusCode.DEADLINE_EXCEEDED,
-    409: grpc.StatusCode.FAILED_PRECONDITION,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    422: grpc.StatusCode.INVALID_ARGUMENT,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    499: grpc.StatusCode.CANCELLED,
-    500: grpc.StatusCode.INTERNAL,
-    501: grpc.StatusCode.UNIMPLEMENTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
 
 
 def code_for_http_status(status: int) -> grpc.StatusCode:
     """The gRPC code of an HTTP error status (another 4xx: INVALID_ARGUMENT; 5xx: INTERNAL)."""
-    if status in _CODES:
-        return _CODES[status]
-    return grpc.StatusCode.INVALID_ARGUMENT if 400 <= status < 500 else grpc.StatusCode.INTERNAL
+    return grpc.StatusCode[grpc_code_name(status)]
 
 
-class RpcError(Exception):
-    """Ends the current call with `code` and `message` (raised by the servicer's own checks)."""
+class RpcError(RequestError):
+    """A `RequestError` with trailing metadata for the client (e.g. the HTTP status and JSON
+    error body of an OpenAI pass-through call)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, trailing_metadata: tuple = ()):
-        super().__init__(message)
-        self.code = code
+    def __init__(self, status: int, message: str, trailing_metadata: tuple = ()):
+        super().__init__(status, message)
         self.trailing_metadata = trailing_metadata
+
+    @property
+    def code(self) -> grpc.StatusCode:
+        return code_for_http_status(self.status)
 
 
 def _status_of(e: Exception) -> tuple[grpc.StatusCode, str, tuple] | None:
-    if isinstance(e, RpcError):
-        return e.code, str(e), e.trailing_metadata
-    if isinstance(e, InvalidParameter):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e), ()
-    if isinstance(e, RequestError):
-        return code_for_http_status(e.status), str(e), ((FAULT_HEADER, "request"),) if e.is_request_fault else ()
-    return None
+    if not isinstance(e, CadenceError):
+        return None
+    metadata = tuple(getattr(e, "trailing_metadata", ()))
+    if getattr(e, "is_request_fault", False):
+        metadata += ((FAULT_HEADER, "request"),)
+    return code_for_http_status(e.status), str(e), metadata
 
 
 async def _abort(context, e: Exception, method: str):

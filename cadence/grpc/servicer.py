@@ -17,18 +17,19 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 import msgspec
 
-from cadence.entrypoints import native_api
-from cadence.entrypoints.openai_serving import OpenAIResponse, OpenAIServing, StreamFailed
+from cadence.errors import CadenceError, InvalidParameter
+from cadence.front.engine_client import EngineClient
 from cadence.grpc import convert
 from cadence.grpc import sglang_pb2 as pb
 from cadence.grpc import sglang_pb2_grpc
-from cadence.grpc.errors import RpcError, code_for_http_status, rpc
+from cadence.grpc.errors import RpcError, rpc
 from cadence.grpc.streams import BacklogWatch, buffered
-from cadence.io_struct import GenerateReqInput
-from cadence.sampling_params import InvalidParameter
-from cadence.serving import control
+from cadence.io_struct import (ContinueGenerationReqInput, FlushCacheReqInput, GenerateReqInput, GetLoadReqInput,
+                               PauseGenerationReqInput, ProfileReq, UpdateWeightFromDiskReqInput)
+from cadence.serving import control, native_api
 from cadence.serving.errors import FAULT_HEADER
-from cadence.tokenizer_manager import RequestError
+from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing, StreamFailed
+from cadence.serving.state import ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ _OPENAI_UNARY = {"OpenAIEmbed": "embeddings", "OpenAIClassify": "classify", "Sco
 class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     """`state` is the front's ServerState (shared with HTTP): `client` is None until loaded."""
 
-    def __init__(self, state, openai: OpenAIServing | None = None):
+    def __init__(self, state: ServerState, openai: OpenAIServing | None = None):
         self.state = state
         self.args = state.args
         self.openai = openai or OpenAIServing(state)
@@ -50,26 +51,24 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     # ---- gates -------------------------------------------------------------------------
 
-    def _tm(self):
-        """The TokenizerManager, or UNAVAILABLE while the server starts or stops."""
+    def _client(self) -> EngineClient:
+        """The engine client, or UNAVAILABLE while the server starts or stops."""
         state = self.state
         if state.is_shutting_down:
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            raise RpcError(503, "the server is shutting down")
         if not state.is_ready or state.client is None:
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "the server is starting: the model is loading; retry "
-                                                        "once grpc.health.v1 reports SERVING")
-        return state.client.tm
+            raise RpcError(503, "the server is starting: the model is loading; retry once grpc.health.v1 "
+                                "reports SERVING")
+        return state.client
 
     def _admit(self) -> None:
         if self.num_active >= self.max_active:
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"the server is overloaded: {self.max_active} gRPC generation calls are in flight "
+            raise RpcError(429, f"the server is overloaded: {self.max_active} gRPC generation calls are in flight "
                            "(--grpc-max-concurrent-requests); retry later")
 
     def _check_not_paused(self) -> None:
-        if getattr(self.state.client, "is_paused", False):
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                           "generation is paused (PauseGeneration); call ContinueGeneration first")
+        if self.state.client is not None and self.state.client.is_paused:
+            raise RpcError(409, "generation is paused (PauseGeneration); call ContinueGeneration first")
 
     # ---- generation --------------------------------------------------------------------
 
@@ -77,20 +76,20 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     async def _generate(self, request, context, make: Callable[[dict, bool], Any]) -> AsyncIterator:
         """TextGenerate and Generate: one request, its results as messages built by `make`."""
         obj = convert.generate_input(request)
-        tm = self._tm()
+        client = self._client()
         self._check_not_paused()
         self._admit()
         self.num_active += 1
         try:
             if obj.stream:
-                messages = self._stream(tm, obj, context, make)
+                messages = self._stream(client, obj, context, make)
                 try:
                     async for msg in messages:
                         yield msg
                 finally:
                     await messages.aclose()
                 return
-            result = await native_api.last_result(tm.generate_request(obj))
+            result = await native_api.last_result(client.generate(obj))
             samples = result if isinstance(result, list) else [result]
             outcomes = []
             for index, chunk in enumerate(samples):
@@ -99,7 +98,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
                 outcomes.append(_messages(chunk, make, final=True))
             for msgs, cancelled in outcomes:
                 if cancelled:
-                    raise RpcError(grpc.StatusCode.CANCELLED, cancelled)
+                    raise RpcError(499, cancelled)
             for msgs, _ in outcomes:
                 for msg in msgs:
                     yield msg
@@ -109,17 +108,15 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     TextGenerate = functools.partialmethod(_generate, make=convert.text_response)
     Generate = functools.partialmethod(_generate, make=convert.ids_response)
 
-    async def _stream(self, tm, obj: GenerateReqInput, context, make) -> AsyncIterator:
+    async def _stream(self, client: EngineClient, obj: GenerateReqInput, context, make) -> AsyncIterator:
         """One message per result chunk, sent as it comes; the backlog watch ends the call
         if the client stops reading (what the request produced minus what was sent)."""
-        obj.normalize_batch_and_arguments()  # the rids, before the first result
-        rids = [obj.rid] if obj.is_single else list(obj.rid)
-        results = tm.generate_request(obj)
-        sent = _Sent(tm, rids)
+        results = client.generate(obj)
+        sent = _Sent(client, obj)
 
         async def overflow(error: RpcError):
-            for rid in rids:  # the engine stops at once, whatever becomes of this handler
-                tm.abort_request(rid, "the gRPC client stopped reading its stream")
+            for rid in sent.rids():  # the engine stops at once, whatever becomes of this handler
+                client.abort(rid, message="the gRPC client stopped reading its stream")
             await context.abort(error.code, str(error))
 
         watch = self.backlogs.watch(sent.backlog, overflow)
@@ -130,7 +127,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
                     yield msg
                 sent.num_tokens += len(chunk["output_ids"])
                 if cancelled:
-                    raise RpcError(grpc.StatusCode.CANCELLED, cancelled)
+                    raise RpcError(499, cancelled)
         finally:
             self.backlogs.unwatch(watch)
             await results.aclose()  # aborts the request unless it finished
@@ -158,26 +155,25 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
         self._unimplemented("Classify", "classification")
 
     def _unimplemented(self, method: str, what: str) -> None:
-        info = self._tm().info
+        info = self._client().info
         kind = "a generation model" if info.is_generation else "an embedding model"
-        raise RpcError(grpc.StatusCode.UNIMPLEMENTED,
-                       f"{method}: this server does not serve {what} yet; the loaded model "
-                       f"{info.served_model_name!r} is {kind}. Use TextGenerate/Generate, or a server "
-                       "release with embedding support")
+        raise RpcError(501, f"{method}: this server does not serve {what} yet; the loaded model "
+                            f"{info.served_model_name!r} is {kind}. Use TextGenerate/Generate, or a server "
+                            "release with embedding support")
 
     # ---- tokenizer (front process only) ---------------------------------------------------
 
     @rpc
     async def Tokenize(self, request, context):
-        tm = self._tm()
+        client = self._client()
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        tokens = await native_api.tokenize(tm, request.text, add_special)
-        return pb.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=tm.info.context_len,
+        tokens = await client.tokenize(request.text, add_special)
+        return pb.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=client.info.context_len,
                                    input_text=request.text)
 
     @rpc
     async def Detokenize(self, request, context):
-        return pb.DetokenizeResponse(text=await native_api.detokenize(self._tm(), list(request.tokens)))
+        return pb.DetokenizeResponse(text=await native_api.detokenize(self._client(), list(request.tokens)))
 
     # ---- health and information --------------------------------------------------------
 
@@ -188,20 +184,19 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
         state = self.state
         if not state.is_ready or state.is_shutting_down or state.client is None:
             return pb.HealthCheckResponse(healthy=False)
-        if getattr(state.client, "is_paused", False):
+        if state.client.is_paused:
             return pb.HealthCheckResponse(healthy=True)
-        probe = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
         try:
-            await asyncio.wait_for(native_api.last_result(state.client.tm.generate_request(probe)),
+            await asyncio.wait_for(native_api.last_result(state.client.generate(native_api.probe_request())),
                                    HEALTH_CHECK_TIMEOUT_S)
-        except (asyncio.TimeoutError, InvalidParameter, RequestError) as e:
+        except (asyncio.TimeoutError, CadenceError) as e:
             logger.warning("gRPC HealthCheck: the probe generation failed: %s", e or type(e).__name__)
             return pb.HealthCheckResponse(healthy=False)
         return pb.HealthCheckResponse(healthy=True)
 
     @rpc
     async def GetModelInfo(self, request, context):
-        info = self._tm().info
+        info = self._client().info
         return pb.GetModelInfoResponse(model_path=info.model_path, json_info=_json(native_api.model_info(info)))
 
     @rpc
@@ -210,7 +205,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     @rpc
     async def ListModels(self, request, context):
-        self._tm()
+        self._client()
         body = msgspec.json.decode(self.openai.list_models().body)
         cards = [pb.ModelCard(id=m["id"], root=m.get("root") or "", parent=m.get("parent"),
                               max_model_len=m.get("max_model_len")) for m in body["data"]]
@@ -218,8 +213,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     @rpc
     async def GetLoad(self, request, context):
-        self._tm()
-        load = await self.state.client.get_load()
+        load = await self._client().control(GetLoadReqInput())
         dp_rank = request.dp_rank if request.HasField("dp_rank") else None
         return pb.GetLoadResponse(json_info=_json(native_api.load_entries(load, dp_rank)))
 
@@ -227,28 +221,25 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     @rpc
     async def Abort(self, request, context):
-        is_live = native_api.abort(self._tm(), request.rid or None, request.abort_all, "aborted by the Abort RPC")
+        is_live = self._client().abort(request.rid or None, request.abort_all, "aborted by the Abort RPC")
         return pb.AbortResponse(success=is_live)
 
     @rpc
     async def FlushCache(self, request, context):
-        self._tm()
-        out = await self.state.client.flush_cache()
+        out = await self._client().control(FlushCacheReqInput())
         if not out.success:
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot flush the cache: {out.message}")
+            raise RpcError(409, f"cannot flush the cache: {out.message}")
         return pb.FlushCacheResponse(success=True, message="Cache flushed.")
 
     @rpc
     async def PauseGeneration(self, request, context):
         mode = control.check_pause_mode(request.mode or "abort")
-        self._tm()
-        self.state.client.pause(mode)
+        await self._client().control(PauseGenerationReqInput(mode=mode))
         return pb.PauseGenerationResponse(message=f"generation paused (mode {mode})")
 
     @rpc
     async def ContinueGeneration(self, request, context):
-        self._tm()
-        self.state.client.resume()
+        await self._client().control(ContinueGenerationReqInput())
         return pb.ContinueGenerationResponse(message="generation continued")
 
     # ---- OpenAI JSON pass-through (the HTTP OpenAI routes' own code) ------------------------
@@ -258,7 +249,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
         """ChatComplete and Complete: one message per SSE event of the HTTP route `route`
         (a method of OpenAIServing); the last has finished = true, so each event is sent once
         the next one exists (or the stream has ended)."""
-        self._tm()
+        self._client()
         self._check_not_paused()
         self._admit()
         self.num_active += 1
@@ -293,12 +284,12 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     @rpc
     async def _openai_unary(self, request, context, method: str) -> pb.OpenAIResponse:
         """OpenAIEmbed, OpenAIClassify, Score, Rerank: the HTTP route's answer as one message."""
-        self._tm()
+        self._client()
         call = getattr(self.openai, _OPENAI_UNARY[method], None)
         if call is None:
             route = {"OpenAIEmbed": "/v1/embeddings", "OpenAIClassify": "/v1/classify", "Score": "/v1/score",
                      "Rerank": "/v1/rerank"}[method]
-            raise RpcError(grpc.StatusCode.UNIMPLEMENTED,
+            raise RpcError(501,
                            f"{method}: this server does not serve {route} yet (it comes with the embeddings "
                            "support); the loaded model serves ChatComplete and Complete")
         self._admit()
@@ -319,31 +310,29 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     @rpc
     async def StartProfile(self, request, context):
-        self._tm()
         output_dir = request.output_dir if request.HasField("output_dir") else None
         control.check_profile_name(output_dir)
-        out = await self.state.client.profile("start", output_dir)
+        out = await self._client().control(ProfileReq(action="start", output_dir=output_dir))
         if not out.success:
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot start the profiler: {out.message}")
+            raise RpcError(409, f"cannot start the profiler: {out.message}")
         return pb.StartProfileResponse(message=out.message or "profiling started")
 
     @rpc
     async def StopProfile(self, request, context):
-        self._tm()
-        out = await self.state.client.profile("stop", None)
+        out = await self._client().control(ProfileReq(action="stop"))
         if not out.success:
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot stop the profiler: {out.message}")
+            raise RpcError(409, f"cannot stop the profiler: {out.message}")
         return pb.StopProfileResponse(message=out.message or "profiling stopped")
 
     @rpc
     async def UpdateWeightsFromDisk(self, request, context):
         if not request.model_path:
             raise InvalidParameter("model_path", "model_path (a .gguf file or model directory) is required")
-        self._tm()
         load_format = request.load_format if request.HasField("load_format") else None
-        out = await self.state.client.update_weights(request.model_path, load_format)
+        out = await self._client().control(UpdateWeightFromDiskReqInput(model_path=request.model_path,
+                                                                        load_format=load_format), timeout=900)
         if not out.success:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot update the weights: {out.message}")
+            raise RpcError(400, f"cannot update the weights: {out.message}")
         return pb.UpdateWeightsResponse(success=True, message=out.message or "weights updated")
 
 
@@ -364,17 +353,21 @@ def _aborter(context):
 class _Sent:
     """What a native stream has sent, against what its requests produced (its backlog)."""
 
-    __slots__ = ("tm", "rids", "num_tokens")
+    __slots__ = ("client", "obj", "num_tokens")
 
-    def __init__(self, tm, rids: list[str]):
-        self.tm = tm
-        self.rids = rids
+    def __init__(self, client: EngineClient, obj: GenerateReqInput):
+        self.client = client
+        self.obj = obj  # normalized by the client once its first result is due: its rids are known
         self.num_tokens = 0
 
+    def rids(self) -> list[str]:
+        obj = self.obj
+        if not obj.is_normalized:
+            return []
+        return [obj.rid] if obj.is_single else list(obj.rid)
+
     def backlog(self) -> int:
-        states = self.tm.states
-        produced = sum(len(states[rid].output_ids) for rid in self.rids if rid in states)
-        return produced - self.num_tokens if produced else 0
+        return self.client.backlog(self.rids(), self.num_tokens)
 
 
 def _messages(chunk: dict, make: Callable[[dict, bool], Any], final: bool) -> tuple[list, str | None]:
@@ -402,7 +395,7 @@ def _raise_if_error(status: int, body: bytes, is_request_fault: bool = False) ->
     metadata = (("x-http-status", str(status)), ("error-json-bin", body))
     if is_request_fault:
         metadata += ((FAULT_HEADER, "request"),)
-    raise RpcError(code_for_http_status(status), message, metadata)
+    raise RpcError(status, message, metadata)
 
 
 def _require_text(text: str) -> None:

@@ -47,7 +47,7 @@ async def buffered(results: AsyncIterator, limit: int,
         try:
             async for item in results:
                 if len(pending) >= limit:
-                    raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    raise RpcError(429,
                                    f"the client is not reading its stream: {limit} messages are waiting "
                                    "(--grpc-stream-buffer); the request was aborted")
                 pending.append(item)
@@ -123,7 +123,7 @@ class BacklogWatch:
                     held = backlog()
                     if held > self.limit:
                         self._watched.pop(key, None)
-                        error = RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        error = RpcError(429,
                                          f"the client is not reading its stream: {held} {self.what} are waiting "
                                          f"(--grpc-stream-buffer {self.limit}); the request was aborted")
                         asyncio.ensure_future(_end(on_overflow, error))

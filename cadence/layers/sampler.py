@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cadence.sampling_params import SamplingParams
+from cadence.io_struct import SamplingParams
 
 
 @dataclass

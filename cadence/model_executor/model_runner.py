@@ -1,23 +1,25 @@
-"""Owns the model and its KV memory, and turns scheduled requests into forward passes."""
+"""Owns the model and its KV memory, and runs the batches the scheduler hands it: forward,
+then sampling and logprobs."""
 
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
 from cadence.layers.forward_batch import ForwardBatch
-from cadence.mem_cache.kv_pool import KVPool, ReqToTokenPool
+from cadence.layers.sampler import SamplingInput, sample
+from cadence.mem_cache.allocator import KVAllocator
+from cadence.mem_cache.kv_pool import KVPool
+from cadence.model_executor.runner import BatchItem, ItemResult, Runner, ScheduleBatch
 from cadence.model_loader.loader import load_model
 from cadence.platforms import get_current_platform
-from cadence.scheduler.req import Req
 from cadence.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner:
+class ModelRunner(Runner):
     def __init__(self, args: ServerArgs, model_path: str):
         self.args = args
         # Every device decision (device, dtypes, kernels, memory) is the platform's.
@@ -28,6 +30,7 @@ class ModelRunner:
         self.kv_dtype = self.platform.resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.config, self.model = load_model(model_path, self.dtype, self.device)
         cfg = self.config
+        self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.context_len = args.context_length or cfg.max_position_embeddings
         if self.context_len > cfg.max_position_embeddings:
             logger.warning("context_length %d exceeds the model's %d", self.context_len, cfg.max_position_embeddings)
@@ -36,18 +39,29 @@ class ModelRunner:
         num_pages = self.max_total_tokens // self.page_size
         self.kv_pool = self.platform.make_kv_pool(num_pages, self.page_size, cfg.num_hidden_layers,
                                                   cfg.num_key_value_heads, cfg.head_dim, self.kv_dtype)
-        self.allocator = self.platform.make_allocator(num_pages)
-        self.req_to_token = ReqToTokenPool(args.max_running_requests + 1, self.context_len + 1, self.device)
+        # The scheduler borrows this; the runner only reads the page lists it is handed.
+        self.kv_allocator: KVAllocator = self.platform.make_allocator(num_pages, self.page_size)
         self.attn = self.platform.make_attention_backend(self.kv_pool, cfg.num_attention_heads,
                                                          cfg.num_key_value_heads, cfg.head_dim)
         self.model.setup(self.attn, self.context_len + 1, self.platform.make_linear, self.platform.make_layer_ops())
         self.platform.weights_loaded()
-        self._fresh_pages: list[int] = []  # allocated since the last forward, not yet zeroed
-        self._last_decode: tuple[list[Req], list[int]] = ([], [])  # requests and lengths of the last decode step
+        self._last_decode: tuple[list[int], list[int]] = ([], [])  # uids and lengths of the last decode step
+        if args.random_seed is not None:
+            self.platform.seed(args.random_seed)
         logger.info("KV pool: %d tokens in %d pages of %d", num_pages * self.page_size, num_pages, self.page_size)
 
     SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "head_dim", "attention_bias", "tie_word_embeddings")
+
+    def load_weights(self, model_path: str, load_format: str | None) -> str:
+        from cadence.model_loader.locate import resolve_model_path
+
+        path = resolve_model_path(model_path)
+        config, model = load_model(path, self.dtype, self.device, progress=False)
+        self.adopt_weights(config, model)
+        del model  # its tensors now belong to this runner; anything left over goes back
+        self.platform.empty_cache()
+        return path
 
     def adopt_weights(self, config, model) -> None:
         """Serve the weights of `model`, freshly loaded in this runner's dtype and device. Its
@@ -63,6 +77,12 @@ class ModelRunner:
         self.model.build_linears(self.platform.make_linear)
         self.platform.weights_loaded()
 
+    def make_generator(self, seed: int):
+        return self.platform.make_generator(seed)
+
+    def profiler_activities(self) -> list:
+        return self.platform.profiler_activities()
+
     def _kv_budget_tokens(self) -> int:
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens // self.page_size * self.page_size
@@ -71,51 +91,43 @@ class ModelRunner:
         tokens = int(self.platform.available_memory_bytes() * self.args.kv_cache_memory_fraction) // per_token
         return max(tokens // self.page_size, 1) * self.page_size
 
-    # ---- KV slots ----------------------------------------------------------------------
+    # ---- a step -----------------------------------------------------------------------
 
-    def pages_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.page_size)
+    def run(self, batch: ScheduleBatch) -> list[ItemResult]:
+        self._zero_fresh_pages(batch.new_pages)
+        logits = self._forward_decode(batch.items) if batch.is_decode else self._forward_extend(batch.items)
+        return self._postprocess(batch.items, logits)
 
-    def assign_slots(self, req: Req, start: int, end: int) -> torch.Tensor:
-        """Give positions [start, end) of `req` KV slots (allocating pages from its reservation)."""
-        missing = self.pages_for(end) - len(req.pages)
-        if missing > 0:
-            pages = self.allocator.alloc(missing)
-            if pages is None:  # admission reserved these pages, so this is a bookkeeping bug
-                raise RuntimeError(f"KV pool exhausted while extending reserved request {req.rid}")
-            req.pages.extend(pages)
-            self._fresh_pages.extend(pages)
+    def _slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
-        page_t = torch.tensor(req.pages, dtype=torch.int64)
-        slots = page_t[pos // self.page_size] * self.page_size + pos % self.page_size
-        self.req_to_token.table[req.row, start:end] = slots
-        return slots
+        page_t = torch.tensor(pages, dtype=torch.int64)
+        return page_t[pos // self.page_size] * self.page_size + pos % self.page_size
 
-    # ---- forward -----------------------------------------------------------------------
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
 
     @torch.inference_mode()
-    def forward_extend(self, reqs: list[Req], chunk_lens: list[int], logit_rows: list[list[int]]):
-        """Prefill `chunk_lens[i]` tokens of each request after its computed prefix.
-
-        `logit_rows[i]` are offsets within request i's chunk whose logits are wanted.
-        Returns logits [sum(len(rows)), vocab] float32, rows in request order.
-        """
+    def _forward_extend(self, items: list[BatchItem]) -> torch.Tensor | None:
+        """Prefill each item's tokens after its computed prefix. Returns the logits of each
+        item's logprob rows then its sampling row (when it samples), item by item:
+        [num_rows, vocab] float32 on the host."""
         ids, positions, locs, seq_pages, prefix_lens, seq_lens, logits_idx = [], [], [], [], [], [], []
         offset = 0
-        for req, n, rows in zip(reqs, chunk_lens, logit_rows):
-            start = req.num_computed
-            fill = req.fill_ids
-            ids.extend(fill[start : start + n])
+        for item in items:
+            start, n = item.start, len(item.token_ids)
+            ids.extend(item.token_ids)
             positions.append(torch.arange(start, start + n))
-            locs.append(self.assign_slots(req, start, start + n))
+            locs.append(self._slots(item.pages, start, start + n))
             if start:
-                pages = torch.tensor(req.pages[: self.pages_for(start + n)], dtype=torch.int64, device=self.device)
+                pages = torch.tensor(item.pages[: self._pages_for(start + n)], dtype=torch.int64, device=self.device)
                 seq_pages.append(self.kv_pool.page_rows(pages))
             else:
                 seq_pages.append(None)  # no prefix: attention reads the new K/V directly
             prefix_lens.append(start)
             seq_lens.append(start + n)
-            logits_idx.extend(offset + r for r in rows)
+            logits_idx.extend(offset + r for r in item.logprob_rows)
+            if item.sampling is not None:
+                logits_idx.append(offset + n - 1)
             offset += n
         dev = self.device
         out_loc = torch.cat(locs).to(dev)
@@ -126,36 +138,30 @@ class ModelRunner:
             out_cache_loc=out_loc,
             kv_write_rows=self.kv_pool.write_rows(out_loc),
             seq_lens=seq_lens,
-            extend_lens=list(chunk_lens),
+            extend_lens=[len(item.token_ids) for item in items],
             prefix_lens=prefix_lens,
             seq_page_rows=seq_pages,
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
         )
-        self._zero_fresh_pages()
         hidden = self.model(batch)
         return self._to_host(self.model.compute_logits(hidden)) if logits_idx else None
 
     @torch.inference_mode()
-    def forward_decode(self, reqs: list[Req]) -> torch.Tensor:
-        """One new token per request (its last output token). Returns logits [batch, vocab]."""
-        seq_lens = [r.seq_len for r in reqs]
-        last_reqs, last_lens = self._last_decode
-        continues = (len(reqs) == len(last_reqs) and all(a is b for a, b in zip(reqs, last_reqs))
-                     and all(n == m + 1 for n, m in zip(seq_lens, last_lens)))
-        self._last_decode = (list(reqs), seq_lens)
-        locs = []
-        for req, n in zip(reqs, seq_lens):
-            if self.pages_for(n) > len(req.pages):
-                self.assign_slots(req, n - 1, n)
-            page = req.pages[(n - 1) // self.page_size]
-            locs.append(page * self.page_size + (n - 1) % self.page_size)
+    def _forward_decode(self, items: list[BatchItem]) -> torch.Tensor:
+        """One new token per item. Returns logits [batch, vocab] float32 on the host."""
+        seq_lens = [item.start + 1 for item in items]
+        uids = [item.uid for item in items]
+        last_uids, last_lens = self._last_decode
+        continues = uids == last_uids and all(n == m + 1 for n, m in zip(seq_lens, last_lens))
+        self._last_decode = (uids, seq_lens)
+        locs = [item.pages[(n - 1) // self.page_size] * self.page_size + (n - 1) % self.page_size
+                for item, n in zip(items, seq_lens)]
         dev = self.device
         lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
         out_loc = torch.tensor(locs, dtype=torch.int64, device=dev)
-        self.req_to_token.table[torch.tensor([r.row for r in reqs], device=dev), lens_t - 1] = out_loc
-        max_pages = self.pages_for(max(seq_lens))
+        max_pages = self._pages_for(max(seq_lens))
         # Rows shorter than the longest repeat their first page as padding (masked out below).
-        table = [r.pages[: self.pages_for(n)] for r, n in zip(reqs, seq_lens)]
+        table = [item.pages[: self._pages_for(n)] for item, n in zip(items, seq_lens)]
         page_table = torch.tensor([p + [p[0]] * (max_pages - len(p)) for p in table], dtype=torch.int64, device=dev)
         width = max_pages * self.page_size
         kv_mask = page_rows = None
@@ -163,15 +169,15 @@ class ModelRunner:
             page_rows = self.kv_pool.page_rows(page_table)
             if min(seq_lens) != width:
                 # True past each row's length, broadcast over [KVH, B, G, width] scores.
-                kv_mask = (torch.arange(width, device=dev).unsqueeze(0) >= lens_t.unsqueeze(1)).view(1, len(reqs), 1, -1)
+                kv_mask = (torch.arange(width, device=dev).unsqueeze(0) >= lens_t.unsqueeze(1)).view(1, len(items), 1, -1)
         batch = ForwardBatch(
             is_decode=True,
-            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev),
+            input_ids=torch.tensor([item.token_ids[0] for item in items], dtype=torch.int64, device=dev),
             positions=lens_t - 1,
             out_cache_loc=out_loc,
             kv_write_rows=self.kv_pool.write_rows(out_loc),
             seq_lens=seq_lens,
-            extend_lens=[1] * len(reqs),
+            extend_lens=[1] * len(items),
             prefix_lens=[n - 1 for n in seq_lens],
             page_table=page_table,
             kv_lens=lens_t,
@@ -179,7 +185,6 @@ class ModelRunner:
             kv_mask=kv_mask,
             decode_continues=continues,
         )
-        self._zero_fresh_pages()
         return self._to_host(self.model.compute_logits(self.model(batch)))
 
     def release_decode_state(self) -> None:
@@ -189,18 +194,76 @@ class ModelRunner:
             self._last_decode = ([], [])
             self.attn.release_decode_state()
 
-    def _zero_fresh_pages(self) -> None:
+    def _zero_fresh_pages(self, pages: list[int]) -> None:
         """Zero the pages handed out for this step, where the attention backend's decode reads
         whole pages (`AttentionBackend.decode_reads_whole_pages`): a masked slot still
         multiplies its V by 0, and stale memory there could hold NaN (0 * NaN = NaN). The pool
         itself is never zeroed up front, so untouched pages cost no memory."""
-        if self._fresh_pages and self.attn.decode_reads_whole_pages:
-            pages = torch.tensor(self._fresh_pages, dtype=torch.int64, device=self.device)
+        if pages and self.attn.decode_reads_whole_pages:
+            index = torch.tensor(pages, dtype=torch.int64, device=self.device)
             for buf in self.kv_pool.kv_buffer:
-                buf.index_fill_(2, pages, 0)
-        self._fresh_pages.clear()
+                buf.index_fill_(2, index, 0)
 
     @staticmethod
     def _to_host(logits: torch.Tensor) -> torch.Tensor:
         # The sampler runs on the host (see Platform); on the CPU platform this is a no-op.
         return logits.cpu()
+
+    # ---- logits -> tokens and logprobs ----------------------------------------------------
+
+    def _postprocess(self, items: list[BatchItem], logits: torch.Tensor | None) -> list[ItemResult]:
+        results = [ItemResult() for _ in items]
+        offset = 0
+        sampled, rows = [], []
+        for i, item in enumerate(items):
+            num_rows = len(item.logprob_rows)
+            if num_rows:
+                try:
+                    _input_logprobs(results[i], item, logits[offset : offset + num_rows])
+                except Exception as e:
+                    results[i].error, results[i].error_stage = e, "computing its prompt logprobs"
+            offset += num_rows
+            if item.sampling is not None:
+                if results[i].error is None:
+                    sampled.append(i)
+                    rows.append(offset)
+                offset += 1
+        if sampled:
+            _sample_into(results, sampled, [items[i].sampling for i in sampled],
+                         logits if rows == list(range(len(logits))) else logits[rows])
+        return results
+
+
+def _sample_into(results: list[ItemResult], indices: list[int], inputs: list[SamplingInput],
+                 logits: torch.Tensor) -> None:
+    """Samples row j of `logits` for result indices[j]. When the batch fails, each row is
+    sampled alone, so only the rows that fail by themselves fail."""
+    try:
+        outs = [(sample(logits, inputs), indices)]
+    except Exception:
+        outs = []
+        for j, (i, row) in enumerate(zip(indices, inputs)):
+            try:
+                outs.append((sample(logits[j : j + 1], [row]), [i]))
+            except Exception as e:
+                results[i].error, results[i].error_stage = e, "sampling its next token"
+    for out, where in outs:
+        for j, i in enumerate(where):
+            r = results[i]
+            r.next_id = out.next_ids[j]
+            if out.logprobs is not None:
+                r.logprob = out.logprobs[j]
+                r.top_logprobs = out.top_logprobs[j]
+                r.token_ids_logprobs = out.token_ids_logprobs[j]
+
+
+def _input_logprobs(result: ItemResult, item: BatchItem, logits: torch.Tensor) -> None:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(item.logprob_targets)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    result.input_logprobs = list(zip(chosen, item.logprob_targets))
+    ids = item.token_ids_logprob
+    for row in logprobs:
+        top = row.topk(item.top_logprobs_num) if item.top_logprobs_num else None
+        result.input_top.append(list(zip(top.values.tolist(), top.indices.tolist())) if top else [])
+        result.input_given.append(list(zip(row[ids].tolist(), ids)) if ids else [])

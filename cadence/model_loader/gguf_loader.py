@@ -16,7 +16,7 @@ from typing import Iterator
 import numpy as np
 
 from cadence import envs
-from cadence.model_loader.config import ModelConfig
+from cadence.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

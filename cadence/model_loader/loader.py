@@ -10,7 +10,7 @@ import time
 import torch
 
 from cadence.model_loader import gguf_loader
-from cadence.model_loader.config import ModelConfig
+from cadence.models.config import ModelConfig
 from cadence.model_loader.locate import is_gguf
 
 logger = logging.getLogger(__name__)

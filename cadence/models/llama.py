@@ -14,7 +14,7 @@ from cadence.layers.attention import AttentionBackend
 from cadence.layers.forward_batch import ForwardBatch
 from cadence.layers.layer_ops import LayerOps
 from cadence.layers.linear import Linear
-from cadence.model_loader.config import ModelConfig
+from cadence.models.config import ModelConfig
 
 
 class RotaryEmbedding:

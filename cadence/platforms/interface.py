@@ -10,7 +10,8 @@ if TYPE_CHECKING:
     from cadence.layers.attention import AttentionBackend
     from cadence.layers.layer_ops import LayerOps
     from cadence.layers.linear import Linear
-    from cadence.mem_cache.kv_pool import KVPool, PageAllocator
+    from cadence.mem_cache.allocator import KVAllocator
+    from cadence.mem_cache.kv_pool import KVPool
     from cadence.server_args import ServerArgs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -136,7 +137,7 @@ class Platform:
                      dtype: torch.dtype) -> "KVPool":
         raise NotImplementedError(f"platform {self.name!r} provides no KV pool")
 
-    def make_allocator(self, num_pages: int) -> "PageAllocator":
+    def make_allocator(self, num_pages: int, page_size: int = 1) -> "KVAllocator":
         raise NotImplementedError(f"platform {self.name!r} provides no KV page allocator")
 
     def make_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear":
@@ -188,7 +189,7 @@ class TorchNativeFactories:
 
         return KVPool(num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, self.device)
 
-    def make_allocator(self, num_pages):
-        from cadence.mem_cache.kv_pool import PageAllocator
+    def make_allocator(self, num_pages, page_size=1):
+        from cadence.mem_cache.allocator import PageAllocator
 
-        return PageAllocator(num_pages)
+        return PageAllocator(num_pages, page_size)

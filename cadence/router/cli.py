@@ -9,7 +9,8 @@ import signal
 import sys
 from dataclasses import MISSING, fields
 
-from cadence.router.config import RouterConfig, field_docs, load_worker_specs
+from cadence.config_docs import field_docs
+from cadence.router.config import RouterConfig, load_worker_specs
 
 _TYPES = {"str": str, "str | None": str, "int": int, "float": float}
 

@@ -1,19 +1,17 @@
 """Router configuration: one frozen dataclass, worker URL validation, the worker file.
 
-Each `RouterConfig` field's docstring is also its `--help` text (see `field_docs`).
+Each `RouterConfig` field's docstring is also its `--help` text (see `cadence.config_docs.field_docs`).
 """
 
 from __future__ import annotations
 
-import ast
-import functools
-import inspect
 import ipaddress
 import json
 import socket
 from dataclasses import dataclass, fields
 from pathlib import Path
 from urllib.parse import quote, urlsplit
+
 
 POLICIES = ("round_robin", "least_request", "random", "power_of_two", "cache_aware")
 
@@ -384,24 +382,3 @@ def short_repr(value: object, limit: int = 100) -> str:
     """repr() cut to `limit` characters, for error messages that echo user input."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
-
-
-@functools.cache
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each dataclass field, by field name (the CLI's help texts)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, after in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    missing = {f.name for f in fields(cls)} - set(docs)
-    if missing:
-        raise RuntimeError(f"{cls.__name__} fields without a docstring: {sorted(missing)}")
-    return docs

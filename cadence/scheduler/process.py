@@ -1,8 +1,9 @@
-"""The scheduler process: owns the model and KV memory; one loop of receive → dispatch → step.
+"""The scheduler process: owns the model and KV memory; one loop of receive -> handle -> step.
 
 It never blocks on a client: requests and control messages arrive on a ZMQ PULL socket and
 are drained between steps; token outputs go to the detokenizer, control answers straight
-back to the asking front process.
+back to the asking front process. All request logic is the scheduler core's
+(`Scheduler.handle` / `Scheduler.step`), shared with the in-process `Engine`.
 """
 
 from __future__ import annotations
@@ -10,20 +11,15 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 import traceback
 
 import msgspec
-import torch
 import zmq
 
 from cadence import io_struct
-from cadence.io_struct import (AbortReq, ContinueGenerationReqInput, FlushCacheReqInput, FlushCacheReqOutput,
-                               GetLoadReqInput, GetLoadReqOutput, PauseGenerationReqInput, ProfileReq,
-                               ProfileReqOutput, TokenizedGenerateReqInput, UpdateWeightFromDiskReqInput,
-                               UpdateWeightFromDiskReqOutput)
+from cadence.io_struct import UpdateWeightFromDiskReqInput
 from cadence.ipc import FrontRouter, Heartbeat, IpcPaths, bind, connect, die_with_parent
-from cadence.scheduler.req import req_from_tokenized, to_batch_output
+from cadence.scheduler.req import ReqOutput, to_batch_output
 from cadence.scheduler.scheduler import Scheduler
 from cadence.server_args import ServerArgs
 
@@ -32,37 +28,15 @@ logger = logging.getLogger("cadence.scheduler")
 # How long loading new weights may stop the loop before the watchdog calls it stuck.
 WEIGHT_LOAD_GRACE_S = 900.0
 
-# Control requests the asking front waits on, and the type of their answer.
-_REPLIES = {
-    FlushCacheReqInput: FlushCacheReqOutput,
-    ProfileReq: ProfileReqOutput,
-    UpdateWeightFromDiskReqInput: UpdateWeightFromDiskReqOutput,
-}
-
 
 class SchedulerProcess:
-    def __init__(self, args: ServerArgs, paths: IpcPaths, model_path: str, tokenizer, heartbeat: Heartbeat | None = None):
-        self.args = args
+    def __init__(self, scheduler: Scheduler, paths: IpcPaths, heartbeat: Heartbeat | None = None):
+        self.scheduler = scheduler
         self.heartbeat = heartbeat
-        self.scheduler = Scheduler(args, model_path, tokenizer)
         self.ctx = zmq.Context(1)
         self.inbox = bind(self.ctx, zmq.PULL, paths.scheduler_input)
         self.to_detokenizer = connect(self.ctx, zmq.PUSH, paths.detokenizer_input)
         self.fronts = FrontRouter(self.ctx)
-        self.profiler: torch.profiler.profile | None = None
-        self.profile_dir: str | None = None
-        self.handlers = {
-            TokenizedGenerateReqInput: self._on_generate,
-            AbortReq: self._on_abort,
-            FlushCacheReqInput: self._on_flush,
-            PauseGenerationReqInput: self._on_pause,
-            ContinueGenerationReqInput: self._on_continue,
-            GetLoadReqInput: self._on_get_load,
-            ProfileReq: self._on_profile,
-            UpdateWeightFromDiskReqInput: self._on_update_weights,
-        }
-
-    # ---- the loop ----------------------------------------------------------------------
 
     def run(self) -> None:
         parent = os.getppid()
@@ -79,29 +53,24 @@ class SchedulerProcess:
                     self._dispatch(data.bytes)
             elif os.getppid() != parent:
                 return  # the server is gone
-            self._send_outputs(self.scheduler.step())
+            self._send(self.scheduler.step())
 
     def _dispatch(self, data: bytes) -> None:
-        """Handles one message; a message that cannot be decoded or handled is logged and
-        answered where it can be, never allowed to stop the loop."""
         try:
             msg = io_struct.decode(data)
         except Exception:
             logger.exception("dropped a message the scheduler cannot decode (%d bytes)", len(data))
             return
-        try:
-            self.handlers[type(msg)](msg)
-        except Exception as e:
-            logger.exception("handling %s failed", type(msg).__name__)
-            if isinstance(msg, TokenizedGenerateReqInput):
-                self.scheduler.fail(req_from_tokenized(msg), e, "being admitted")
-            elif type(msg) in _REPLIES:
-                reply = _REPLIES[type(msg)](success=False, message=f"internal error: {type(e).__name__}: {e}")
-                reply.http_worker_ipc = msg.http_worker_ipc
-                self.fronts.send(msg.http_worker_ipc, reply)
-        self._flush_outputs()
+        if isinstance(msg, UpdateWeightFromDiskReqInput) and self.heartbeat is not None:
+            self.heartbeat.busy(WEIGHT_LOAD_GRACE_S)  # loading stops the loop, by design
+        reply = self.scheduler.handle(msg)
+        if reply is not None:
+            self.fronts.send(reply.http_worker_ipc, reply)
+        # What the message ended (aborts, pause) is reported now, not after the next step.
+        outputs, self.scheduler.outputs = self.scheduler.outputs, []
+        self._send(outputs)
 
-    def _send_outputs(self, outputs) -> None:
+    def _send(self, outputs: list[ReqOutput]) -> None:
         if not outputs:
             return
         try:
@@ -122,96 +91,18 @@ class SchedulerProcess:
         if data is not None:
             self.to_detokenizer.send(data, copy=False)
 
-    def _flush_outputs(self) -> None:
-        outputs, self.scheduler.outputs = self.scheduler.outputs, []
-        self._send_outputs(outputs)
 
-    # ---- handlers ------------------------------------------------------------------------
+def build_scheduler(args: ServerArgs, model_path: str, tokenizer) -> Scheduler:
+    """The scheduler core with its collaborators: the model runner (which loads the weights),
+    the KV allocator it borrows from the runner's pool, the stop checker."""
+    from cadence.model_executor.model_runner import ModelRunner
+    from cadence.scheduler.stop_checker import StopChecker
 
-    def _on_generate(self, msg: TokenizedGenerateReqInput) -> None:
-        self.scheduler.add_request(req_from_tokenized(msg))
-
-    def _on_abort(self, msg: AbortReq) -> None:
-        self.scheduler.abort(msg.rid, msg.abort_all, msg.message or "aborted")
-        self._flush_outputs()
-
-    def _on_flush(self, msg: FlushCacheReqInput) -> None:
-        s = self.scheduler
-        busy = bool(s.running or s.waiting or s.chunked)
-        reply = FlushCacheReqOutput(success=not busy, http_worker_ipc=msg.http_worker_ipc,
-                                    message="requests are running; retry when idle" if busy else "")
-        self.fronts.send(msg.http_worker_ipc, reply)
-
-    def _on_pause(self, msg: PauseGenerationReqInput) -> None:
-        s = self.scheduler
-        if msg.mode == "abort":
-            s.abort(abort_all=True, message="generation paused")
-        elif msg.mode == "retract":
-            s.retract_all()
-        s.is_paused = True
-        self._flush_outputs()
-
-    def _on_continue(self, msg: ContinueGenerationReqInput) -> None:
-        self.scheduler.is_paused = False
-
-    def _on_get_load(self, msg: GetLoadReqInput) -> None:
-        s = self.scheduler
-        used = s.num_used_tokens()
-        total = s.runner.max_total_tokens
-        self.fronts.send(msg.http_worker_ipc, GetLoadReqOutput(
-            dp_rank=0, num_running_reqs=len(s.running) + (1 if s.chunked else 0),
-            num_waiting_reqs=len(s.waiting), num_used_tokens=used, num_cached_tokens=0,
-            max_total_num_tokens=total, token_usage=used / total if total else 0.0,
-            gen_throughput=s.throughput(), cache_hit_rate=0.0, http_worker_ipc=msg.http_worker_ipc))
-
-    def _on_profile(self, msg: ProfileReq) -> None:
-        if msg.action == "start":
-            if self.profiler is not None:
-                reply = ProfileReqOutput(success=False, message="a profile is already running")
-            else:
-                self.profile_dir = _profile_dir(self.args.effective_profile_dir, msg.output_dir)
-                os.makedirs(self.profile_dir, mode=0o700, exist_ok=True)
-                self.profiler = torch.profiler.profile(activities=self.scheduler.runner.platform.profiler_activities())
-                self.profiler.__enter__()
-                reply = ProfileReqOutput(success=True, message=f"profiling into {self.profile_dir}")
-        elif self.profiler is None:
-            reply = ProfileReqOutput(success=False, message="no profile is running; start one first")
-        else:
-            self.profiler.__exit__(None, None, None)
-            path = os.path.join(self.profile_dir, f"trace-{int(time.time())}-{os.getpid()}.json")
-            self.profiler.export_chrome_trace(path)
-            self.profiler = None
-            reply = ProfileReqOutput(success=True, message=path)
-        reply.http_worker_ipc = msg.http_worker_ipc
-        self.fronts.send(msg.http_worker_ipc, reply)
-
-    def _on_update_weights(self, msg: UpdateWeightFromDiskReqInput) -> None:
-        from cadence.model_loader.loader import load_model
-        from cadence.model_loader.locate import resolve_model_path
-
-        runner = self.scheduler.runner
-        if self.heartbeat is not None:
-            self.heartbeat.busy(WEIGHT_LOAD_GRACE_S)  # loading stops the loop, by design
-        try:
-            path = resolve_model_path(msg.model_path)
-            config, model = load_model(path, runner.dtype, runner.device, progress=False)
-            runner.adopt_weights(config, model)
-            del model  # its tensors now belong to the runner; anything left over goes back
-            runner.platform.empty_cache()
-            reply = UpdateWeightFromDiskReqOutput(success=True, message=f"loaded weights from {path}")
-        except Exception as e:  # the server keeps its old weights and says why
-            reply = UpdateWeightFromDiskReqOutput(success=False, message=str(e))
-        reply.http_worker_ipc = msg.http_worker_ipc
-        self.fronts.send(msg.http_worker_ipc, reply)
-
-
-def _profile_dir(root: str, name: str | None) -> str:
-    """Where a trace goes: `root` (the operator's --profile-dir) or one plain subdirectory of
-    it. The front checked `name` already; a path that leaves `root` is refused here too."""
-    path = os.path.realpath(os.path.join(root, name)) if name else os.path.realpath(root)
-    if os.path.commonpath([path, os.path.realpath(root)]) != os.path.realpath(root):
-        raise ValueError(f"output_dir {name!r} is not a subdirectory of --profile-dir")
-    return path
+    runner = ModelRunner(args, model_path)
+    eos_ids = set(runner.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    return Scheduler(args, runner, runner.kv_allocator, StopChecker(tokenizer, eos_ids, runner.context_len))
 
 
 def run_scheduler_process(args: ServerArgs, paths: IpcPaths, model_path: str, ready_pipe,
@@ -226,14 +117,9 @@ def run_scheduler_process(args: ServerArgs, paths: IpcPaths, model_path: str, re
         from cadence.plugins import load_plugins
 
         load_plugins()
-        tokenizer = load_tokenizer(model_path, args.tokenizer_path)
-        proc = SchedulerProcess(args, paths, model_path, tokenizer, heartbeat)
-        runner = proc.scheduler.runner
-        ready_pipe.send_bytes(msgspec.msgpack.encode({
-            "status": "ready", "context_len": runner.context_len, "vocab_size": runner.config.vocab_size,
-            "max_total_tokens": runner.max_total_tokens, "dtype": str(runner.dtype).replace("torch.", ""),
-            "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""), "platform": runner.platform.name,
-        }))
+        scheduler = build_scheduler(args, model_path, load_tokenizer(model_path, args.tokenizer_path))
+        proc = SchedulerProcess(scheduler, paths, heartbeat)
+        ready_pipe.send_bytes(msgspec.msgpack.encode({"status": "ready", **runtime_facts(scheduler)}))
         if heartbeat is not None:
             heartbeat.beat()
     except Exception as e:
@@ -241,3 +127,11 @@ def run_scheduler_process(args: ServerArgs, paths: IpcPaths, model_path: str, re
                                                       "traceback": traceback.format_exc()}))
         raise SystemExit(1)
     proc.run()
+
+
+def runtime_facts(scheduler: Scheduler) -> dict:
+    """What the front learns about the loaded model once the scheduler is up."""
+    runner = scheduler.runner
+    return {"context_len": runner.context_len, "vocab_size": runner.config.vocab_size,
+            "max_total_tokens": runner.max_total_tokens, "dtype": str(runner.dtype).replace("torch.", ""),
+            "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""), "platform": runner.platform.name}

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from cadence.io_struct import BatchTokenIDOutput, Logprobs, SamplingParams, TokenizedGenerateReqInput
 
-from cadence.io_struct import BatchTokenIDOutput, Logprobs, TokenizedGenerateReqInput
-from cadence.sampling_params import SamplingParams
+_uids = itertools.count()
 
 
 @dataclass
@@ -35,6 +35,9 @@ class ReqOutput:
 
 @dataclass
 class Req:
+    """One request's life inside the scheduler: what it asked for, where its KV lives, what
+    it produced and has yet to report."""
+
     rid: str
     input_ids: list[int]
     params: SamplingParams
@@ -47,13 +50,14 @@ class Req:
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict[str, Any] | None = None
-    row: int = -1  # row in ReqToTokenPool, -1 when not admitted
+    uid: int = field(default_factory=_uids.__next__)  # unique per object, unlike a rid
+    is_admitted: bool = False  # took its KV reservation (chunked or running)
     pages: list[int] = field(default_factory=list)  # KV pages held, in position order
     num_reserved_pages: int = 0  # pages promised at admission (held + still to allocate)
     num_computed: int = 0  # tokens of fill_ids whose K/V are in the pool
     num_sent: int = 0  # output tokens already reported
     cached_tokens: int = 0
-    generator: torch.Generator | None = None
+    generator: Any = None  # the runner's random generator for a request with a seed
     created: float = field(default_factory=time.monotonic)
     # Logprobs gathered since the last output (cleared when sent).
     pending_logprobs: list[tuple[float, int]] = field(default_factory=list)

@@ -1,14 +1,20 @@
-"""The engine loop: admit requests, run one prefill or decode step, sample, emit outputs.
+"""The scheduler core: `handle(msg)` for every message, `step()` for the loop.
 
-Single-threaded by design: only the thread that calls `step()` touches requests, KV pages
-or queues. Admission reserves every page a request can ever need (prompt plus
-max_new_tokens), so a running request never runs out of KV memory mid-generation; a request
-that does not fit yet waits, and one that can never fit is refused at once.
+One core serves both the scheduler process (`scheduler/process.py`, over ZMQ) and the
+in-process `Engine` (on a thread): every request and control message goes through one
+dispatch table, and a step is schedule -> run -> postprocess.
 
-Failures are isolated per request: an exception while preparing, sampling, computing
-logprobs or checking the stop conditions of one request fails that request alone (a 500
-marked as caused by the request, its KV pages freed) and the batch goes on. Only the model
-forward itself, which every request in the batch shares, may raise out of `step()`.
+Single-threaded by design: only the thread that calls `handle` and `step` touches requests,
+KV pages or queues. The scheduler borrows the KV allocator (it decides who holds which
+page) and asks the runner to run a batch; it never touches model internals. Admission
+reserves every page a request can ever need (prompt plus max_new_tokens), so a running
+request never runs out of KV memory mid-generation; a request that does not fit yet waits.
+Requests arrive checked by the front and are trusted.
+
+Failures are isolated per request: an exception while admitting, preparing, sampling,
+computing logprobs or checking the stop conditions of one request fails that request alone
+(a 500 marked as caused by the request, its KV pages freed) and the batch goes on. Only the
+model forward itself, which every request in the batch shares, may raise out of `step()`.
 """
 
 from __future__ import annotations
@@ -17,58 +23,134 @@ import logging
 import time
 from collections import deque
 
-import torch
-
 from cadence import hooks
-from cadence.layers.sampler import SamplingInput, sample
-from cadence.scheduler.model_runner import ModelRunner
-from cadence.scheduler.req import Req, ReqOutput
+from cadence.io_struct import (REPLY_TYPES, AbortReq, ContinueGenerationReqInput, FlushCacheReqInput, FlushCacheReqOutput,
+                               GetLoadReqInput, GetLoadReqOutput, PauseGenerationReqInput, ProfileReq,
+                               ProfileReqOutput, TokenizedGenerateReqInput, UpdateWeightFromDiskReqInput,
+                               UpdateWeightFromDiskReqOutput)
+from cadence.layers.sampler import SamplingInput
+from cadence.mem_cache.allocator import KVAllocator
+from cadence.model_executor.runner import BatchItem, ItemResult, Runner, ScheduleBatch
+from cadence.scheduler.profiler import Profiler
+from cadence.scheduler.req import Req, ReqOutput, req_from_tokenized
+from cadence.scheduler.stop_checker import StopChecker
 from cadence.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
+
 class Scheduler:
-    def __init__(self, args: ServerArgs, model_path: str, tokenizer):
+    def __init__(self, args: ServerArgs, runner: Runner, allocator: KVAllocator, stop_checker: StopChecker):
         self.args = args
-        self.runner = ModelRunner(args, model_path)
-        self.tokenizer = tokenizer
-        self.context_len = self.runner.context_len
-        self.eos_ids = set(self.runner.config.eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            self.eos_ids.add(tokenizer.eos_token_id)
+        self.runner = runner
+        self.allocator = allocator
+        self.stops = stop_checker
+        self.context_len = runner.context_len
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # prefill complete, decoding
         self.chunked: Req | None = None  # admitted, prefill in progress
         self.is_paused = False
         self.outputs: list[ReqOutput] = []
+        self.profiler = Profiler(args.effective_profile_dir, runner.profiler_activities)
         self.num_generated_tokens = 0
         self.num_failed_requests = 0  # requests ended by an error of their own (see `fail`)
-        self.gen_throughput = 0.0
         self._throughput_window: deque[tuple[float, int]] = deque(maxlen=64)
-        if args.random_seed is not None:
-            self.runner.platform.seed(args.random_seed)
+        self._handlers = {
+            TokenizedGenerateReqInput: self._on_generate,
+            AbortReq: self._on_abort,
+            FlushCacheReqInput: self._on_flush,
+            PauseGenerationReqInput: self._on_pause,
+            ContinueGenerationReqInput: self._on_continue,
+            GetLoadReqInput: self._on_get_load,
+            ProfileReq: self._on_profile,
+            UpdateWeightFromDiskReqInput: self._on_update_weights,
+        }
 
-    # ---- requests in -----------------------------------------------------------------
+    # ---- messages in ---------------------------------------------------------------------
+
+    def handle(self, msg):
+        """Handles one message; returns the answer its sender waits for, or None. A message
+        that fails is answered with a failure (a request: its own error), never raised."""
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            logger.error("the scheduler got an unexpected %s", type(msg).__name__)
+            return None
+        try:
+            reply = handler(msg)
+        except Exception as e:
+            logger.exception("handling %s failed", type(msg).__name__)
+            reply = None
+            if isinstance(msg, TokenizedGenerateReqInput):
+                self.fail(req_from_tokenized(msg), e, "being admitted")
+            elif type(msg) in REPLY_TYPES:
+                reply = REPLY_TYPES[type(msg)](success=False, message=f"internal error: {type(e).__name__}: {e}")
+        if reply is not None:
+            reply.http_worker_ipc = msg.http_worker_ipc
+        return reply
+
+    def _on_generate(self, msg: TokenizedGenerateReqInput) -> None:
+        self.add_request(req_from_tokenized(msg))
+
+    def _on_abort(self, msg: AbortReq) -> None:
+        self.abort(msg.rid, msg.abort_all, msg.message or "aborted")
+
+    def _on_flush(self, msg: FlushCacheReqInput) -> FlushCacheReqOutput:
+        busy = bool(self.running or self.waiting or self.chunked)
+        return FlushCacheReqOutput(success=not busy, message="requests are running; retry when idle" if busy else "")
+
+    def _on_pause(self, msg: PauseGenerationReqInput) -> None:
+        if msg.mode == "abort":
+            self.abort(abort_all=True, message="generation paused")
+        elif msg.mode == "retract":
+            self.retract_all()
+        self.is_paused = True
+
+    def _on_continue(self, msg: ContinueGenerationReqInput) -> None:
+        self.is_paused = False
+
+    def _on_get_load(self, msg: GetLoadReqInput) -> GetLoadReqOutput:
+        used = self.num_used_tokens()
+        total = self.allocator.num_pages * self.allocator.page_size
+        return GetLoadReqOutput(
+            dp_rank=0, num_running_reqs=len(self.running) + (1 if self.chunked else 0),
+            num_waiting_reqs=len(self.waiting), num_used_tokens=used, num_cached_tokens=0,
+            max_total_num_tokens=total, token_usage=used / total if total else 0.0,
+            gen_throughput=self.throughput(), cache_hit_rate=0.0)
+
+    def _on_profile(self, msg: ProfileReq) -> ProfileReqOutput:
+        if msg.action == "start":
+            ok, message = self.profiler.start(msg.output_dir, msg.num_steps)
+        else:
+            ok, message = self.profiler.stop()
+        return ProfileReqOutput(success=ok, message=message)
+
+    def _on_update_weights(self, msg: UpdateWeightFromDiskReqInput) -> UpdateWeightFromDiskReqOutput:
+        try:
+            path = self.runner.load_weights(msg.model_path, msg.load_format)
+        except Exception as e:  # the server keeps its old weights and says why
+            return UpdateWeightFromDiskReqOutput(success=False, message=str(e))
+        return UpdateWeightFromDiskReqOutput(success=True, message=f"loaded weights from {path}")
+
+    # ---- requests ------------------------------------------------------------------------
 
     def add_request(self, req: Req) -> None:
         try:
             if req.params.seed is not None:
-                req.generator = self.runner.platform.make_generator(req.params.seed)
+                req.generator = self.runner.make_generator(req.params.seed)
         except Exception as e:
             return self.fail(req, e, "seeding its random generator")
-        if len(req.input_ids) + req.params.max_new_tokens > self.context_len and req.params.max_new_tokens:
-            return self._refuse(req, f"the prompt ({len(req.input_ids)} tokens) plus max_new_tokens "
-                                     f"({req.params.max_new_tokens}) exceeds the context length ({self.context_len})")
-        need = self.runner.pages_for(req.total_tokens_needed(self.context_len))
-        if need > self.runner.allocator.num_pages:
-            return self._refuse(req, f"the request needs {need * self.runner.page_size} KV tokens but the "
-                                     f"whole pool holds {self.runner.max_total_tokens}; lower max_new_tokens")
+        need = self.allocator.pages_for(req.total_tokens_needed(self.context_len))
+        if need > self.allocator.num_pages:  # the front refuses these; never wait for ever
+            return self.fail(req, RuntimeError(f"it needs {need} KV pages, the pool has {self.allocator.num_pages}"),
+                             "being admitted")
         self.waiting.append(req)
 
-    def _refuse(self, req: Req, message: str) -> None:
-        req.finished_reason = {"type": "abort", "message": message, "status_code": 400}
-        self.outputs.append(self._output(req))
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> None:
+        """Ends the request(s) now, releasing their KV pages; unknown rids are ignored."""
+        for req in self._live():
+            if abort_all or req.rid == rid:
+                self._end(req, {"type": "abort", "message": message})
 
     def fail(self, req: Req, error: BaseException, stage: str) -> None:
         """Ends `req` with an internal error caused by the request itself (a 500 that a router
@@ -76,32 +158,14 @@ class Scheduler:
         logger.error("request %s failed while %s; it ends with an error, the batch goes on", req.rid, stage,
                      exc_info=error)
         self.num_failed_requests += 1
-        if req in self.waiting:
-            self.waiting.remove(req)
-        if self.chunked is req:
-            self.chunked = None
-        self._finish(req, {"type": "abort", "status_code": 500, "request_fault": True,
-                           "message": f"internal error while {stage}: {type(error).__name__}: {error}"})
+        self._end(req, {"type": "abort", "status_code": 500, "request_fault": True,
+                        "message": f"internal error while {stage}: {type(error).__name__}: {error}"})
 
     def fail_rid(self, rid: str, error: BaseException, stage: str) -> None:
         """`fail` for the live request `rid`, if there is one."""
-        for req in [*self.waiting, *([self.chunked] if self.chunked else []), *self.running]:
+        for req in self._live():
             if req.rid == rid:
                 return self.fail(req, error, stage)
-
-    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> None:
-        """Ends the request(s) now, releasing their KV pages; unknown rids are ignored."""
-        def hit(r: Req) -> bool:
-            return abort_all or r.rid == rid
-
-        for req in [r for r in self.waiting if hit(r)]:
-            self.waiting.remove(req)
-            self._finish(req, {"type": "abort", "message": message})
-        if self.chunked is not None and hit(self.chunked):
-            req, self.chunked = self.chunked, None
-            self._finish(req, {"type": "abort", "message": message})
-        for req in [r for r in self.running if hit(r)]:
-            self._finish(req, {"type": "abort", "message": message})
 
     def retract_all(self) -> None:
         """Moves every admitted request back to the front of the queue, freeing its KV."""
@@ -112,7 +176,10 @@ class Scheduler:
             req.num_computed = 0
             self.waiting.appendleft(req)
 
-    # ---- the loop body ---------------------------------------------------------------
+    def _live(self) -> list[Req]:
+        return [*self.waiting, *([self.chunked] if self.chunked else []), *self.running]
+
+    # ---- the loop body ---------------------------------------------------------------------
 
     @property
     def has_work(self) -> bool:
@@ -120,233 +187,180 @@ class Scheduler:
 
     def step(self) -> list[ReqOutput]:
         """One scheduling round. Returns the outputs produced since the last call."""
-        if not self.is_paused:
-            batch = self._schedule_extend()
-            if batch:
-                self._announce(True, batch[0], sum(batch[1]))
-                self._run_extend(*batch)
-            elif self.running:
-                self._announce(False, self.running, len(self.running))
-                self._run_decode()
+        batch, reqs = self._schedule()
+        if batch is not None:
+            self._postprocess(batch, reqs, self.runner.run(batch))
         if not self.running:
             self.runner.release_decode_state()
         outputs, self.outputs = self.outputs, []
         return outputs
 
-    @staticmethod
-    def _announce(is_prefill: bool, reqs: list[Req], num_tokens: int) -> None:
-        """The `batch_scheduled` hook point, for plugins."""
-        hooks.notify(hooks.batch_scheduled, hooks.BatchInfo(is_prefill, tuple(r.rid for r in reqs), num_tokens))
+    def _schedule(self) -> tuple[ScheduleBatch | None, list[Req]]:
+        """Prefill first (the unfinished chunk, then new requests while memory and the token
+        budget allow); otherwise one decode step of every running request. Returns the batch
+        and its requests, item for item."""
+        if self.is_paused:
+            return None, []
+        new_pages: list[int] = []
+        extend = self._schedule_extend()
+        if extend:
+            reqs = [req for req, _ in extend]
+            items = [self._extend_item(req, n, new_pages) for req, n in extend]
+        elif self.running:
+            reqs = list(self.running)
+            items = [self._decode_item(req, new_pages) for req in reqs]
+        else:
+            return None, []
+        batch = ScheduleBatch(is_decode=not extend, items=items, new_pages=new_pages)
+        self._prepare_sampling(batch, reqs)
+        if not batch.items:
+            return None, []
+        hooks.notify(hooks.batch_scheduled, hooks.BatchInfo(not batch.is_decode,
+                                                            tuple(i.rid for i in batch.items), batch.num_tokens))
+        return batch, reqs
 
     def _outstanding_pages(self) -> int:
         admitted = self.running + ([self.chunked] if self.chunked else [])
         return sum(r.num_reserved_pages - len(r.pages) for r in admitted)
 
-    def _schedule_extend(self):
+    def _schedule_extend(self) -> list[tuple[Req, int]]:
         budget = self.args.chunked_prefill_size
-        reqs, lens = [], []
+        chosen = []
         if self.chunked is not None:
             req = self.chunked
             n = min(len(req.fill_ids) - req.num_computed, budget)
-            reqs.append(req), lens.append(n)
+            chosen.append((req, n))
             budget -= n
-        available = self.runner.allocator.num_free_pages - self._outstanding_pages()
-        while self.waiting and budget > 0 and len(self.running) + len(reqs) < self.args.max_running_requests:
+        available = self.allocator.num_free_pages - self._outstanding_pages()
+        while self.waiting and budget > 0 and len(self.running) + len(chosen) < self.args.max_running_requests:
             req = self.waiting[0]
-            need = self.runner.pages_for(req.total_tokens_needed(self.context_len))
-            if need > available or self.runner.req_to_token.num_free_rows == 0:
+            need = self.allocator.pages_for(req.total_tokens_needed(self.context_len))
+            if need > available:
                 break  # waits for memory; FIFO, so nothing behind it jumps the queue
             self.waiting.popleft()
-            req.row = self.runner.req_to_token.alloc()
-            req.num_reserved_pages = need
+            req.is_admitted, req.num_reserved_pages = True, need
             available -= need
             n = min(len(req.fill_ids) - req.num_computed, budget)
-            reqs.append(req), lens.append(n)
+            chosen.append((req, n))
             budget -= n
             if req.num_computed + n < len(req.fill_ids):
                 self.chunked = req
-        return (reqs, lens) if reqs else None
+        return chosen
 
-    def _input_logprob_rows(self, req: Req, start: int, n: int) -> list[int]:
-        """Offsets in this chunk whose logits give the logprob of the following prompt token."""
-        if not req.wants_input_logprobs:
-            return []
-        first = max(req.logprob_start_len, 1) - 1
-        last = len(req.input_ids) - 2
-        return [p - start for p in range(max(start, first), min(start + n - 1, last) + 1)]
+    def _grow(self, req: Req, num_tokens: int, new_pages: list[int]) -> None:
+        """Give `req` the pages for its first `num_tokens` positions, from its reservation."""
+        missing = self.allocator.pages_for(num_tokens) - len(req.pages)
+        if missing > 0:
+            pages = self.allocator.alloc(missing)
+            if pages is None:  # admission reserved these pages, so this is a bookkeeping bug
+                raise RuntimeError(f"KV pool exhausted while extending reserved request {req.rid}")
+            req.pages.extend(pages)
+            new_pages.extend(pages)
 
-    def _run_extend(self, reqs: list[Req], lens: list[int]) -> None:
-        logit_rows, completes = [], []
-        for req, n in zip(reqs, lens):
-            rows = self._input_logprob_rows(req, req.num_computed, n)
-            done = req.num_computed + n == len(req.fill_ids)
-            if done:
-                rows.append(n - 1)
-            logit_rows.append(rows), completes.append(done)
-        logits = self.runner.forward_extend(reqs, lens, logit_rows)
-        offset = 0
-        to_sample, sample_rows = [], []
-        for req, n, rows, done in zip(reqs, lens, logit_rows, completes):
-            num_lp = len(rows) - (1 if done else 0)
-            first = offset
-            req.num_computed += n
-            offset += len(rows)
-            if num_lp:
-                try:
-                    self._record_input_logprobs(req, logits[first : first + num_lp],
-                                                req.num_computed - n + rows[0])
-                except Exception as e:
-                    self.fail(req, e, "computing its prompt logprobs")
-                    continue
-            if not done:
+    def _extend_item(self, req: Req, n: int, new_pages: list[int]) -> BatchItem:
+        start = req.num_computed
+        self._grow(req, start + n, new_pages)
+        item = BatchItem(req.rid, req.uid, req.fill_ids[start : start + n], start, req.pages,
+                         top_logprobs_num=req.top_logprobs_num, token_ids_logprob=req.token_ids_logprob)
+        if req.wants_input_logprobs:
+            # Rows whose logits give the logprob of the following prompt token.
+            first = max(req.logprob_start_len, 1) - 1
+            last = min(start + n - 1, len(req.input_ids) - 2)
+            item.logprob_rows = [p - start for p in range(max(start, first), last + 1)]
+            item.logprob_targets = req.input_ids[max(start, first) + 1 : last + 2]
+        return item
+
+    def _decode_item(self, req: Req, new_pages: list[int]) -> BatchItem:
+        self._grow(req, req.seq_len, new_pages)
+        return BatchItem(req.rid, req.uid, [req.output_ids[-1]], req.seq_len - 1, req.pages)
+
+    def _prepare_sampling(self, batch: ScheduleBatch, reqs: list[Req]) -> None:
+        """The sampling input of every item that samples this step: a decode, or the last
+        chunk of a prefill (unless the request wants no new token at all). A request that
+        fails here leaves the batch before it runs (its pages are free again)."""
+        for i in reversed(range(len(reqs))):
+            item, req = batch.items[i], reqs[i]
+            done = item.start + len(item.token_ids) == len(req.fill_ids)
+            if not (batch.is_decode or done) or req.params.max_new_tokens == 0:
                 continue
-            if self.chunked is req:
-                self.chunked = None
-            if req.params.max_new_tokens == 0 or req.is_finished:
-                self._finish(req, req.finished_reason or {"type": "length", "length": 0})
-                continue
-            self.running.append(req)
-            to_sample.append(req)
-            sample_rows.append(offset - 1)
-        if to_sample:
-            self._sample_and_advance(to_sample, logits[sample_rows])
-
-    def _run_decode(self) -> None:
-        reqs = list(self.running)
-        logits = self.runner.forward_decode(reqs)
-        for req in reqs:
-            req.num_computed = req.seq_len
-        self._sample_and_advance(reqs, logits)
-
-    # ---- sampling and stop conditions ------------------------------------------------
-
-    def _sampling_input(self, req: Req) -> SamplingInput:
-        p = req.params
-        suppress = None
-        if len(req.output_ids) < p.min_new_tokens:
-            suppress = list((set() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids or ()))
-        return SamplingInput(p, req.input_ids, req.output_ids, req.generator, suppress,
-                             req.top_logprobs_num, req.token_ids_logprob, req.return_logprob)
-
-    def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        """Samples one token for each of `reqs` (row i of `logits` is request i's) and applies
-        it: logprobs, stop conditions, streamed output. A request that fails here ends alone."""
-        rows, keep = [], []
-        for i, req in enumerate(reqs):
             try:
-                rows.append(self._sampling_input(req))
-                keep.append(i)
+                item.sampling = SamplingInput(req.params, req.input_ids, req.output_ids, req.generator,
+                                              self.stops.suppressed_ids(req), req.top_logprobs_num,
+                                              req.token_ids_logprob, req.return_logprob)
             except Exception as e:
                 self.fail(req, e, "preparing its sampling")
-        if len(keep) < len(reqs):
-            reqs, logits = [reqs[i] for i in keep], logits[keep]
-        sampled = self._sample(reqs, logits, rows)
-        self._throughput_window.append((time.monotonic(), len(sampled)))
-        self.num_generated_tokens += len(sampled)
-        for req, token, logprob, top, given in sampled:
+                del batch.items[i], reqs[i]
+
+    # ---- after the forward pass ---------------------------------------------------------------
+
+    def _postprocess(self, batch: ScheduleBatch, reqs: list[Req], results: list[ItemResult]) -> None:
+        for item, req, result in zip(batch.items, reqs, results):
             try:
-                self._advance(req, token, logprob, top, given)
+                self._apply(batch, item, req, result)
             except Exception as e:
                 self.fail(req, e, "checking its stop conditions")
+        self.profiler.on_step()
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor, rows: list[SamplingInput]) -> list[tuple]:
-        """(req, token, logprob, top logprobs, given-id logprobs) per request. When the batch
-        fails, each row is sampled alone, so only the rows that fail by themselves fail."""
-        try:
-            outs = [(sample(logits, rows), range(len(reqs)))]
-        except Exception:
-            outs = []
-            for i, row in enumerate(rows):
-                try:
-                    outs.append((sample(logits[i : i + 1], [row]), [i]))
-                except Exception as e:
-                    self.fail(reqs[i], e, "sampling its next token")
-        sampled = []
-        for out, indices in outs:
-            for j, i in enumerate(indices):
-                sampled.append((reqs[i], out.next_ids[j], out.logprobs and out.logprobs[j],
-                                out.top_logprobs and out.top_logprobs[j],
-                                out.token_ids_logprobs and out.token_ids_logprobs[j]))
-        return sampled
-
-    def _advance(self, req: Req, token: int, logprob, top, given) -> None:
-        req.output_ids.append(token)
+    def _apply(self, batch: ScheduleBatch, item: BatchItem, req: Req, result: ItemResult) -> None:
+        if result.error is not None:
+            return self.fail(req, result.error, result.error_stage)
+        if item.logprob_rows:
+            self._record_input_logprobs(req, result)
+        req.num_computed = item.start + len(item.token_ids)
+        if not batch.is_decode:
+            if req.num_computed < len(req.fill_ids):
+                return  # more chunks to come
+            if self.chunked is req:
+                self.chunked = None
+            if req.params.max_new_tokens == 0:
+                return self._end(req, {"type": "length", "length": 0})
+            self.running.append(req)
+        if result.next_id is None:
+            return
+        self._throughput_window.append((time.monotonic(), 1))
+        self.num_generated_tokens += 1
+        req.output_ids.append(result.next_id)
         if req.return_logprob:
-            req.pending_logprobs.append((logprob, token))
-            req.pending_top.append(top)
-            req.pending_given.append(given)
-        reason = self._check_finished(req, token)
+            req.pending_logprobs.append((result.logprob, result.next_id))
+            req.pending_top.append(result.top_logprobs)
+            req.pending_given.append(result.token_ids_logprobs)
+        reason = self.stops.check(req, result.next_id)
         if reason is not None:
-            self._finish(req, reason)
+            self._end(req, reason)
         elif req.stream:
             self.outputs.append(self._output(req))
 
-    def _check_finished(self, req: Req, token: int) -> dict | None:
-        p = req.params
-        num_out = len(req.output_ids)
-        if num_out >= p.min_new_tokens:
-            if not p.ignore_eos and token in self.eos_ids:
-                return {"type": "stop", "matched": token}
-            if p.stop_token_ids and token in p.stop_token_ids:
-                return {"type": "stop", "matched": token}
-            if p.stop:
-                matched = self._match_stop_string(req)
-                if matched is not None:
-                    return {"type": "stop", "matched": matched}
-        if num_out >= p.max_new_tokens:
-            return {"type": "length", "length": num_out}
-        if req.seq_len >= self.context_len:
-            return {"type": "length", "length": num_out}
-        return None
-
-    def _match_stop_string(self, req: Req) -> str | None:
-        # A byte-level token decodes to at least one byte, so this many tokens cover any stop
-        # string, even one of multi-byte characters.
-        longest = max(len(s.encode("utf-8")) for s in req.params.stop)
-        window = req.output_ids[-(longest + 1):]
-        tail = self.tokenizer.decode(window, skip_special_tokens=False)
-        before = self.tokenizer.decode(window[:-1], skip_special_tokens=False).rstrip("\ufffd")
-        for stop in req.params.stop:
-            # Only an occurrence reaching into the newest token counts: an earlier one was
-            # ignored under min_new_tokens and must not end the request now.
-            if tail.find(stop, max(len(before) - len(stop) + 1, 0)) != -1:
-                return stop
-        return None
-
-    # ---- endings ---------------------------------------------------------------------
-
-    def _release(self, req: Req) -> None:
-        if req.pages:
-            self.runner.allocator.decref(req.pages)
-            req.pages = []
-        if req.row >= 0:
-            self.runner.req_to_token.free(req.row)
-            req.row = -1
-        req.num_reserved_pages = 0
-
-    def _finish(self, req: Req, reason: dict) -> None:
-        req.finished_reason = reason
-        if req in self.running:
-            self.running.remove(req)
-        self._release(req)
-        self.outputs.append(self._output(req))
-
-    def _record_input_logprobs(self, req: Req, logits: torch.Tensor, first_pos: int) -> None:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+    def _record_input_logprobs(self, req: Req, result: ItemResult) -> None:
         if req.input_logprobs is None:
             req.input_logprobs, req.input_top, req.input_given = [], [], []
-            if req.logprob_start_len == 0:
+            if req.logprob_start_len == 0:  # the first prompt token: nothing predicts it
                 req.input_logprobs.append((None, req.input_ids[0]))
                 req.input_top.append([])
                 req.input_given.append([])
-        targets = torch.tensor(req.input_ids[first_pos + 1 : first_pos + 1 + logprobs.shape[0]])
-        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-        req.input_logprobs.extend(zip(chosen, targets.tolist()))
-        for row in logprobs:
-            top = row.topk(req.top_logprobs_num) if req.top_logprobs_num else None
-            req.input_top.append(list(zip(top.values.tolist(), top.indices.tolist())) if top else [])
-            ids = req.token_ids_logprob
-            req.input_given.append(list(zip(row[ids].tolist(), ids)) if ids else [])
+        req.input_logprobs.extend(result.input_logprobs)
+        req.input_top.extend(result.input_top)
+        req.input_given.extend(result.input_given)
+
+    # ---- endings ---------------------------------------------------------------------------------
+
+    def _release(self, req: Req) -> None:
+        if req.pages:
+            self.allocator.decref(req.pages)
+            req.pages = []
+        req.num_reserved_pages = 0
+        req.is_admitted = False
+
+    def _end(self, req: Req, reason: dict) -> None:
+        """Finishes `req` wherever it is (waiting, prefilling, running) and emits its last output."""
+        req.finished_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        self.outputs.append(self._output(req))
 
     def _output(self, req: Req) -> ReqOutput:
         new_ids = req.output_ids[req.num_sent:]
@@ -364,11 +378,10 @@ class Scheduler:
                 req.input_logprobs_sent = True
         return out
 
-    # ---- state for /get_load, /v1/loads and tests -----------------------------------------
+    # ---- state for /get_load, /v1/loads and tests --------------------------------------------
 
     def num_used_tokens(self) -> int:
-        alloc = self.runner.allocator
-        return (alloc.num_pages - alloc.num_free_pages) * self.runner.page_size
+        return (self.allocator.num_pages - self.allocator.num_free_pages) * self.allocator.page_size
 
     def throughput(self) -> float:
         window = self._throughput_window

@@ -9,16 +9,12 @@ take and this server does not use are accepted and ignored, like any unknown fie
 from __future__ import annotations
 
 import os
-import typing
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
-from cadence.sampling_params import InvalidParameter
-from cadence.serving.errors import readable
-
-PauseMode = Literal["abort", "retract", "in_place"]
-PAUSE_MODES = typing.get_args(PauseMode)
+from cadence.errors import InvalidParameter, readable
+from cadence.io_struct import PAUSE_MODES, PauseMode
 
 
 class _Body(msgspec.Struct, kw_only=True):

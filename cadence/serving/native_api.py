@@ -1,10 +1,10 @@
 """The native API's answers, computed once for both adapters (HTTP routes and gRPC RPCs).
 
-Each function takes what the front process already holds (the `ServerState`, the
-`TokenizerManager`, a load report) and returns plain Python values; the adapters only
-encode them. Tokenize and detokenize run here, in the front process: the scheduler is
-never involved. Bad input raises `InvalidParameter`, which each adapter maps to its own
-error (HTTP 400, gRPC INVALID_ARGUMENT).
+Each function takes what the front process already holds (the `ServerState`, its
+`EngineClient`, a load report) and returns plain Python values; the adapters only encode
+them. Tokenize and detokenize run here, in the front process: the scheduler is never
+involved. Bad input raises `InvalidParameter`, which each adapter maps to its own error
+(HTTP 400, gRPC INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ import dataclasses
 import time
 from typing import Any, AsyncIterator
 
-from cadence import __version__
-from cadence.sampling_params import InvalidParameter
+from cadence.version import __version__
+from cadence.errors import InvalidParameter
+from cadence.front.engine_client import EngineClient, ModelInfo
+from cadence.front.normalize import from_json_dict
+from cadence.io_struct import GenerateReqInput
 
 LOAD_FIELDS = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_cached_tokens",
                "max_total_num_tokens", "token_usage", "gen_throughput", "cache_hit_rate")
@@ -28,8 +31,22 @@ async def last_result(results: AsyncIterator):
     return result
 
 
-def model_info(info) -> dict[str, Any]:
-    """GET /model_info; GetModelInfo's json_info. `info` is the TokenizerManager's ModelInfo."""
+def generate_input(body: Any) -> GenerateReqInput:
+    """The /generate body as a request struct (not yet normalized); InvalidParameter names
+    an unknown field or a field of the wrong type."""
+    return from_json_dict(GenerateReqInput, body)
+
+
+def probe_request(text: str | None = None) -> GenerateReqInput:
+    """A one-token greedy generation through the whole pipeline: the warm-up, /health_generate
+    and gRPC HealthCheck all send this."""
+    if text is not None:
+        return GenerateReqInput(text=text, sampling_params={"max_new_tokens": 1, "temperature": 0})
+    return GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+
+
+def model_info(info: ModelInfo) -> dict[str, Any]:
+    """GET /model_info; GetModelInfo's json_info."""
     return {"model_path": info.model_path, "tokenizer_path": info.tokenizer_path,
             "served_model_name": info.served_model_name, "is_generation": info.is_generation,
             "max_context_length": info.context_len, "vocab_size": info.vocab_size}
@@ -49,7 +66,7 @@ def metrics_text(state) -> str:
     lines = ["# HELP cadence_request_faults_total Requests that ended in an internal error of their own "
              "(isolated: the server went on), by where it happened.",
              "# TYPE cadence_request_faults_total counter"]
-    faults = state.client.tm.num_request_faults if state.client is not None else {}
+    faults = state.client.stats()["request_faults"] if state.client is not None else {}
     for origin, count in sorted(faults.items()):
         lines.append(f'cadence_request_faults_total{{origin="{origin}"}} {count}')
     return "\n".join(lines) + "\n"
@@ -63,11 +80,7 @@ def load_entries(load, dp_rank: int | None = None) -> list[dict[str, Any]]:
     return entries
 
 
-async def tokenize(tm, text: str, add_special_tokens: bool = True) -> list[int]:
-    return await tm.encode_async(text, add_special_tokens)
-
-
-async def tokenize_body(tm, body: Any) -> dict[str, Any]:
+async def tokenize_body(client: EngineClient, body: Any) -> dict[str, Any]:
     """POST /tokenize: {"prompt": str | [str], "add_special_tokens"?, "model"?} -> the answer."""
     if not isinstance(body, dict):
         raise InvalidParameter(None, "the request body must be a JSON object")
@@ -78,17 +91,17 @@ async def tokenize_body(tm, body: Any) -> dict[str, Any]:
     add_special = body.get("add_special_tokens", True)
     if not isinstance(add_special, bool):
         raise InvalidParameter("add_special_tokens", "add_special_tokens must be a boolean")
-    max_len = tm.info.context_len
+    max_len = client.info.context_len
     if isinstance(prompt, str):
-        tokens = await tokenize(tm, prompt, add_special)
+        tokens = await client.tokenize(prompt, add_special)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": max_len}
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        tokens = [await tokenize(tm, p, add_special) for p in prompt]
+        tokens = [await client.tokenize(p, add_special) for p in prompt]
         return {"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": max_len}
     raise InvalidParameter("prompt", "prompt must be a string or a non-empty list of strings")
 
 
-async def detokenize_body(tm, body: Any) -> dict[str, Any]:
+async def detokenize_body(client: EngineClient, body: Any) -> dict[str, Any]:
     """POST /detokenize: {"tokens": [int] | [[int]], "skip_special_tokens"?} -> {"text": ...}."""
     if not isinstance(body, dict):
         raise InvalidParameter(None, "the request body must be a JSON object")
@@ -97,28 +110,12 @@ async def detokenize_body(tm, body: Any) -> dict[str, Any]:
     if not isinstance(skip, bool):
         raise InvalidParameter("skip_special_tokens", f"skip_special_tokens must be true or false, got {skip!r}")
     if isinstance(tokens, list) and tokens and all(isinstance(t, list) for t in tokens):
-        return {"text": [await detokenize(tm, t, skip) for t in tokens]}
-    return {"text": await detokenize(tm, tokens, skip)}
+        return {"text": [await detokenize(client, t, skip) for t in tokens]}
+    return {"text": await detokenize(client, tokens, skip)}
 
 
-async def detokenize(tm, ids: Any, skip_special_tokens: bool = True) -> str:
+async def detokenize(client: EngineClient, ids: Any, skip_special_tokens: bool = True) -> str:
     """The text of one list of token ids; ids must be ints inside the vocabulary."""
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise InvalidParameter("tokens", "tokens must be a list of token ids or a list of such lists")
-    vocab = tm.info.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise InvalidParameter("tokens", f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab})")
-    return await tm.decode_async(ids, skip_special_tokens)
-
-
-def abort(tm, rid: str | None, abort_all: bool, message: str) -> bool:
-    """Aborts one request (and its n > 1 samples) or all; True when something live was hit."""
-    if abort_all:
-        tm.abort_request(abort_all=True, message=message)
-        return True
-    if not isinstance(rid, str) or not rid:
-        raise InvalidParameter("rid", "give a rid (string) or abort_all: true")
-    is_live = any(r == rid or r.startswith(f"{rid}-") for r in tm.states)
-    tm.abort_request(rid, message=message)
-    return is_live
+    return await client.detokenize(ids, skip_special_tokens)

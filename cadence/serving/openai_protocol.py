@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-from cadence.sampling_params import InvalidParameter
-from cadence.serving.errors import decode_json, readable
+from cadence.errors import InvalidParameter, readable
+from cadence.serving.errors import decode_json
 
 MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0

@@ -28,11 +28,12 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
-from cadence.entrypoints import openai_protocol as proto
+from cadence.serving import openai_protocol as proto
 from cadence.serving.errors import error_body
 from cadence.io_struct import GenerateReqInput
-from cadence.sampling_params import InvalidParameter
-from cadence.tokenizer_manager import RequestError
+from cadence.errors import InvalidParameter
+from cadence.errors import RequestError
+from cadence.front.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +124,8 @@ class _Job:
 class OpenAIServing:
     """Serves the OpenAI API over the front process's TokenizerManager.
 
-    `state` is anything with `.args` (ServerArgs) and `.client.tm` (the TokenizerManager,
-    read per request: it exists only once the model is loaded). The --chat-template file,
+    `state` is anything with `.args` (ServerArgs) and `.client` (the EngineClient, read per
+    request: it exists only once the model is loaded). The --chat-template file,
     when given, is read here, so a bad one stops the server at start-up.
     """
 
@@ -136,8 +137,8 @@ class OpenAIServing:
             self.chat_template = _read_chat_template(path)
 
     @property
-    def tm(self):
-        return self.state.client.tm
+    def client(self) -> EngineClient:
+        return self.state.client
 
     # ---- routes ---------------------------------------------------------------------------
 
@@ -166,7 +167,7 @@ class OpenAIServing:
             names = proto.native_names(req)
             self._check_model(req.model)
             job = await self._chat_job(req) if cls is proto.ChatCompletionRequest else self._completion_job(req)
-            gen = self.tm.generate_request(job.obj)
+            gen = self.client.generate(job.obj)
             if req.is_stream:
                 # The first chunk comes after admission and prefill: errors up to there
                 # are still an ordinary error response.
@@ -186,34 +187,33 @@ class OpenAIServing:
             return OpenAIResponse(500, msgspec.json.encode(error_body(500, "internal error; see the server log")))
 
     def _check_model(self, model: str | None) -> None:
-        served = self.tm.info.served_model_name
+        served = self.client.info.served_model_name
         if model is not None and model != served:
             raise RequestError(404, f"The model {model!r} does not exist; this server serves {served!r}", "model")
 
     def _model_card(self) -> dict:
-        info = self.tm.info
+        info = self.client.info
         return {"id": info.served_model_name, "object": "model", "created": int(getattr(self.state, "started", 0)),
                 "owned_by": "cadence", "root": info.model_path, "parent": None, "max_model_len": info.context_len}
 
     async def _chat_job(self, req: proto.ChatCompletionRequest) -> _Job:
         messages = proto.chat_messages(req.messages)
         try:
-            prompt = self.tm.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.chat_template,
+            prompt = self.client.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.chat_template,
                                                            **proto.template_options(req))
         except Exception as e:  # a template's raise_exception, or a malformed conversation
             raise InvalidParameter("messages", f"the chat template rejected the messages: {e}") from None
         # The template writes the special tokens itself.
-        self.tm.check_text_length("messages", prompt)
-        input_ids = await self.tm.encode_async(prompt, add_special_tokens=False)
+        input_ids = await self.client.tokenize(prompt, add_special_tokens=False, prompt_field="messages")
         _, max_tokens = proto.requested_max_tokens(req)
         if max_tokens is None:  # OpenAI's default: whatever the context leaves
-            max_tokens = max(self.tm.info.context_len - len(input_ids), 1)
+            max_tokens = max(self.client.info.context_len - len(input_ids), 1)
         rid = uuid.uuid4().hex
         obj = GenerateReqInput(
             input_ids=input_ids, sampling_params=proto.sampling_params(req, max_tokens), rid=rid,
             return_logprob=bool(req.logprobs), top_logprobs_num=req.top_logprobs or 0,
             return_text_in_logprobs=True, stream=req.is_stream)
-        return _Job(req, obj, f"chatcmpl-{rid}", self.tm.info.served_model_name, proto.native_names(req),
+        return _Job(req, obj, f"chatcmpl-{rid}", self.client.info.served_model_name, proto.native_names(req),
                     num_choices=req.n or 1)
 
     def _completion_job(self, req: proto.CompletionRequest) -> _Job:
@@ -231,12 +231,12 @@ class OpenAIServing:
             return_logprob=wants_logprobs, top_logprobs_num=req.logprobs or 0,
             logprob_start_len=0 if wants_logprobs and req.echo else -1,
             return_text_in_logprobs=True, stream=req.is_stream)
-        job = _Job(req, obj, f"cmpl-{base}", self.tm.info.served_model_name, proto.native_names(req),
+        job = _Job(req, obj, f"cmpl-{base}", self.client.info.served_model_name, proto.native_names(req),
                    num_choices=num_prompts * (req.n or 1))
         if req.echo:
             prompts = prompt.get("text", prompt.get("input_ids"))
             prompts = prompts if is_batch else [prompts]
-            job.prompt_texts = [p if isinstance(p, str) else self.tm.tokenizer.decode(p) for p in prompts]
+            job.prompt_texts = [p if isinstance(p, str) else self.client.tokenizer.decode(p) for p in prompts]
         return job
 
     # ---- results → OpenAI shapes ------------------------------------------------------------

@@ -39,23 +39,22 @@ def engine_state(engine) -> dict:
     """Everything a finished request must have given back, read on the scheduler thread."""
 
     def read(s):
-        alloc, rows = s.runner.allocator, s.runner.req_to_token
+        alloc = s.allocator
         return {
             "free_pages": alloc.num_free_pages, "num_pages": alloc.num_pages,
-            "free_rows": rows.num_free_rows, "num_rows": rows.max_reqs,
             "waiting": len(s.waiting), "running": len(s.running), "chunked": s.chunked is not None,
             "detokenizer_states": len(engine._worker.detokenizer.states),
             "decode_state_bytes": s.runner.attn.decode_state_bytes(),  # K/V copies kept between decode steps
         }
 
     state = engine.run_in_scheduler(read)
-    state["front_states"] = len(engine.tokenizer_manager.states)
+    state["front_states"] = len(engine.client.tm.states)
     return state
 
 
 def idle_state(state: dict) -> dict:
-    """What `state` must read once nothing is live: every page and row free, no queues."""
-    return {**state, "free_pages": state["num_pages"], "free_rows": state["num_rows"], "waiting": 0,
+    """What `state` must read once nothing is live: every page free, no queues."""
+    return {**state, "free_pages": state["num_pages"], "waiting": 0,
             "running": 0, "chunked": False, "detokenizer_states": 0, "front_states": 0, "decode_state_bytes": 0}
 
 

@@ -48,7 +48,7 @@ def test_greedy_matches_transformers_token_for_token(engine, hf_model, prompt_id
     # min_new_tokens on both sides masks EOS for all 32 steps; the masked ids must agree.
     eos = hf_model.generation_config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos)
-    assert eos <= engine.scheduler.eos_ids
+    assert eos <= engine.scheduler.stops.eos_ids
     ours = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY_32)
     for ids, out in zip(prompt_ids, ours):
         with torch.inference_mode():
@@ -114,13 +114,14 @@ def test_chunked_prefill_gives_the_same_tokens(engine, small_engine, monkeypatch
     chunk = small_engine.args.chunked_prefill_size
     chunks = []
     runner = small_engine.scheduler.runner
-    original = runner.forward_extend
+    original = runner.run
 
-    def recording(reqs, chunk_lens, logit_rows):
-        chunks.append(list(chunk_lens))
-        return original(reqs, chunk_lens, logit_rows)
+    def recording(batch):
+        if not batch.is_decode:
+            chunks.append([len(item.token_ids) for item in batch.items])
+        return original(batch)
 
-    monkeypatch.setattr(runner, "forward_extend", recording)
+    monkeypatch.setattr(runner, "run", recording)
     params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
     kwargs = {"return_logprob": True, "logprob_start_len": 0}
     chunked = small_engine.generate(input_ids=ids, sampling_params=params, **kwargs)

@@ -1,5 +1,5 @@
 """Nothing leaks: after requests that finish, stop, get aborted or get refused, every KV page
-and req_to_token row is free again and no queue or per-rid state is left behind."""
+is free again and no queue or per-rid state is left behind."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 
-from cadence.sampling_params import InvalidParameter
+from cadence.errors import InvalidParameter
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -55,8 +55,8 @@ async def final(engine, *args, **kwargs) -> dict | list:
 
 
 async def test_no_leak_after_finished_stopped_aborted_and_refused(engine, assert_engine_idle):
-    before = engine.run_in_scheduler(lambda s: s.runner.allocator.num_free_pages)
-    assert before == engine.run_in_scheduler(lambda s: s.runner.allocator.num_pages)
+    before = engine.run_in_scheduler(lambda s: s.allocator.num_free_pages)
+    assert before == engine.run_in_scheduler(lambda s: s.allocator.num_pages)
 
     async def finished():
         outs = await final(engine, [PROMPT, "Once upon a time"], {"temperature": 0.0, "max_new_tokens": 6})
@@ -112,7 +112,7 @@ async def test_no_leak_after_finished_stopped_aborted_and_refused(engine, assert
 
 async def test_no_leak_after_aborts_while_waiting_and_during_chunked_prefill(small_engine, assert_engine_idle):
     engine = small_engine
-    pages = engine.run_in_scheduler(lambda s: s.runner.allocator.num_pages)
+    pages = engine.run_in_scheduler(lambda s: s.allocator.num_pages)
     page_size = engine.scheduler.runner.page_size
     # "hog" reserves 14 of the 16 pages; "waiter" needs 5 more, so it queues behind it.
     hog = asyncio.create_task(final(engine, input_ids=[100] * 120,
@@ -125,7 +125,7 @@ async def test_no_leak_after_aborts_while_waiting_and_during_chunked_prefill(sma
     out = await asyncio.wait_for(waiter, 30)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert out["output_ids"] == []
-    free = engine.run_in_scheduler(lambda s: s.runner.allocator.num_free_pages)
+    free = engine.run_in_scheduler(lambda s: s.allocator.num_free_pages)
     assert free <= pages - 120 // page_size  # the hog still holds its pages
     engine.abort(abort_all=True)
     out = await asyncio.wait_for(hog, 30)

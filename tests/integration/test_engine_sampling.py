@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cadence.sampling_params import InvalidParameter
+from cadence.errors import InvalidParameter
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -345,7 +345,7 @@ def test_request_that_does_not_fit_now_waits_then_completes(small_engine, monkey
     prompt = [100 + (i % 50) for i in range(120)]
     params = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
     need = -(-(len(prompt) + 24) // page)
-    assert need <= sched.runner.allocator.num_pages < 2 * need
+    assert need <= sched.allocator.num_pages < 2 * need
     snapshots = []
     original = sched.step
 

@@ -1,4 +1,4 @@
-"""The TokenizerManager encodes through the Rust backend; the ids must be the wrapper's."""
+"""The front's tokenizer encodes through the Rust backend; the ids must be the wrapper's."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ TEXTS = ["Hello world", "", "  leading and trailing spaces  ", "naïve café, �
 
 
 def test_backend_encode_matches_the_tokenizer(engine):
-    tm = engine.tokenizer_manager
-    assert tm._backend_encode is not None  # the default model has a fast tokenizer: the fast path runs
+    tok = engine.client.tokenizer
+    assert tok.backend is not None  # the default model has a fast tokenizer: the fast path runs
     for text in TEXTS:
         for special in (True, False):
-            assert tm.encode(text, special) == engine.tokenizer.encode(text, add_special_tokens=special), (text, special)
+            assert tok.encode(text, special) == engine.tokenizer.encode(text, add_special_tokens=special), (text, special)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cadence.detokenizer import Detokenizer
+from cadence.detokenizer.detokenizer import Detokenizer
 from cadence.io_struct import BatchTokenIDOutput
 from cadence.model_loader.loader import load_tokenizer
 from cadence.model_loader.locate import default_model_path

@@ -11,7 +11,10 @@ import pytest
 from cadence import hooks
 from cadence.io_struct import BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
 from cadence.plugins import HookRegistry, HookType
-from cadence.tokenizer_manager import ModelInfo, RequestError, TokenizerManager
+from cadence.errors import RequestError
+from cadence.front.engine_client import ModelInfo
+from cadence.front.tokenizer import FrontTokenizer
+from cadence.front.tokenizer_manager import TokenizerManager
 
 
 class _Tokenizer:
@@ -34,7 +37,7 @@ def manager():
     sent = []
     info = ModelInfo(model_path="m", tokenizer_path=None, served_model_name="m", context_len=64, vocab_size=100,
                      max_total_tokens=1024)
-    return TokenizerManager(_Tokenizer(), info, sent.append), sent
+    return TokenizerManager(FrontTokenizer(_Tokenizer()), info, sent.append), sent
 
 
 def _finish(tm: TokenizerManager, rid: str) -> None:

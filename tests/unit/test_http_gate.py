@@ -4,7 +4,9 @@ errors. Through Starlette's test client (ASGI in process, no sockets)."""
 import pytest
 from starlette.testclient import TestClient
 
-from cadence.entrypoints.http_server import ServerState, build_app
+from cadence.entrypoints.http_server import build_app
+from cadence.server_args import ServerArgs
+from cadence.serving.state import ServerState
 from cadence.server_args import ServerArgs
 
 

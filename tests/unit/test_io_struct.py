@@ -32,14 +32,17 @@ from cadence.io_struct import (
     decode,
     encode,
 )
-from cadence.sampling_params import InvalidParameter, SamplingParams
+from cadence.errors import InvalidParameter
+from cadence.front.normalize import from_json_dict, item, normalize_batch_and_arguments
+from cadence.front.sampling_checks import parse_sampling_params
+from cadence.io_struct import SamplingParams
 
 UUID_HEX = re.compile(r"^[0-9a-f]{32}$")
 
 
 def normalized(**kwargs) -> GenerateReqInput:
     req = GenerateReqInput(**kwargs)
-    req.normalize_batch_and_arguments()
+    normalize_batch_and_arguments(req)
     return req
 
 
@@ -107,7 +110,7 @@ def test_batch_of_one_is_still_a_batch():
 def test_normalize_is_idempotent():
     req = normalized(text="a", sampling_params={"n": 2}, rid="r")
     before = msgspec.structs.asdict(req)
-    req.normalize_batch_and_arguments()
+    normalize_batch_and_arguments(req)
     assert msgspec.structs.asdict(req) == before
 
 
@@ -181,7 +184,7 @@ def test_n_none_means_one():
 
 def test_item_major_item_access():
     req = normalized(text=["p0", "p1"], sampling_params={"n": 2}, rid=["a", "b"])
-    items = [req[i] for i in range(req.batch_size)]
+    items = [item(req, i) for i in range(req.batch_size)]
     assert [(it.text, it.rid) for it in items] == [
         ("p0", "a-0"),
         ("p0", "a-1"),
@@ -257,7 +260,7 @@ def test_multimodal_data_single_and_batch():
     batch = normalized(text=["a", "b"], audio_data=["x", "y"], sampling_params={"n": 2})
     assert batch.audio_data == ["x", "x", "y", "y"]
     assert batch.image_data is None
-    assert batch[2].audio_data == "y"
+    assert item(batch, 2).audio_data == "y"
     with raises_param("video_data", match="one entry per prompt"):
         normalized(text=["a", "b"], video_data=["only one"])
 
@@ -339,27 +342,27 @@ def test_item_of_batch_is_a_normalized_single():
         stream=True,
         routing_key="k",
     )
-    item = req.item(1)
-    assert item.is_single and item.is_normalized and item.batch_size == 1
-    assert (item.text, item.rid, item.sampling_params) == ("b", "r1", {"top_k": 3})
-    assert item.return_logprob is True and item.stream is True and item.routing_key == "k"
+    one = item(req, 1)
+    assert one.is_single and one.is_normalized and one.batch_size == 1
+    assert (one.text, one.rid, one.sampling_params) == ("b", "r1", {"top_k": 3})
+    assert one.return_logprob is True and one.stream is True and one.routing_key == "k"
     # Normalizing an item changes nothing.
-    before = msgspec.structs.asdict(item)
-    item.normalize_batch_and_arguments()
-    assert msgspec.structs.asdict(item) == before
+    before = msgspec.structs.asdict(one)
+    normalize_batch_and_arguments(one)
+    assert msgspec.structs.asdict(one) == before
 
 
 def test_item_of_single_is_a_copy():
     req = normalized(text="a", rid="r")
-    copy = req.item(0)
+    copy = item(req, 0)
     assert copy == req and copy is not req
     with pytest.raises(IndexError):
-        req.item(1)
+        item(req, 1)
 
 
 def test_item_requires_normalization():
     with pytest.raises(RuntimeError, match="normalize_batch_and_arguments"):
-        GenerateReqInput(text=["a"]).item(0)
+        item(GenerateReqInput(text=["a"]), 0)
 
 
 # -- from_json_dict ------------------------------------------------------------------------
@@ -380,17 +383,17 @@ def test_from_json_dict_accepts_the_contract():
         "lora_path": None,
         "routing_key": "user-7",
     }
-    req = GenerateReqInput.from_json_dict(body)
+    req = from_json_dict(GenerateReqInput, body)
     assert req.text == ["a", "b"] and req.routing_key == "user-7" and req.stream is True
     assert not req.is_normalized
-    req.normalize_batch_and_arguments()
+    normalize_batch_and_arguments(req)
     assert req.top_logprobs_num == [1, 2] and req.token_ids_logprob == [[3, 4], [3, 4]]
 
 
 @pytest.mark.parametrize("field", ["prompt", "type", "is_single", "batch_size", "is_normalized"])
 def test_from_json_dict_rejects_unknown_and_derived_fields(field):
     with raises_param(field, match=f"^unknown field '{field}'"):
-        GenerateReqInput.from_json_dict({"text": "a", field: 1})
+        from_json_dict(GenerateReqInput, {"text": "a", field: 1})
 
 
 @pytest.mark.parametrize(
@@ -409,12 +412,12 @@ def test_from_json_dict_rejects_unknown_and_derived_fields(field):
 )
 def test_from_json_dict_type_errors_name_field(body, param, message):
     with raises_param(param, match=message):
-        GenerateReqInput.from_json_dict(body)
+        from_json_dict(GenerateReqInput, body)
 
 
 def test_from_json_dict_rejects_non_object():
     with pytest.raises(ValueError, match="must be a JSON object"):
-        GenerateReqInput.from_json_dict([{"text": "a"}])
+        from_json_dict(GenerateReqInput, [{"text": "a"}])
 
 
 # -- embeddings ----------------------------------------------------------------------------
@@ -422,40 +425,40 @@ def test_from_json_dict_rejects_non_object():
 
 def test_embedding_single_and_batch():
     single = EmbeddingReqInput(text="hello")
-    single.normalize_batch_and_arguments()
+    normalize_batch_and_arguments(single)
     assert single.is_single and single.batch_size == 1 and UUID_HEX.match(single.rid)
     batch = EmbeddingReqInput(input_ids=[[1], [2]], rid=["a", "b"])
-    batch.normalize_batch_and_arguments()
+    normalize_batch_and_arguments(batch)
     assert not batch.is_single and batch.batch_size == 2
-    item = batch[1]
-    assert (item.input_ids, item.rid, item.is_single) == ([2], "b", True)
+    one = item(batch, 1)
+    assert (one.input_ids, one.rid, one.is_single) == ([2], "b", True)
 
 
 def test_embedding_image_data():
     single = EmbeddingReqInput(text="a", image_data="img")
-    single.normalize_batch_and_arguments()
+    normalize_batch_and_arguments(single)
     assert single.image_data == "img"
     batch = EmbeddingReqInput(text=["a", "b"], image_data=["i0", "i1"])
-    batch.normalize_batch_and_arguments()
-    assert batch[1].image_data == "i1"
+    normalize_batch_and_arguments(batch)
+    assert item(batch, 1).image_data == "i1"
     with raises_param("image_data", match="one entry per prompt"):
-        EmbeddingReqInput(text=["a", "b"], image_data="img").normalize_batch_and_arguments()
+        normalize_batch_and_arguments(EmbeddingReqInput(text=["a", "b"], image_data="img"))
 
 
 def test_embedding_errors():
     with raises_param("text", match="exactly one"):
-        EmbeddingReqInput().normalize_batch_and_arguments()
+        normalize_batch_and_arguments(EmbeddingReqInput())
     with raises_param("rid", match="duplicated"):
-        EmbeddingReqInput(text=["a", "b"], rid=["x", "x"]).normalize_batch_and_arguments()
+        normalize_batch_and_arguments(EmbeddingReqInput(text=["a", "b"], rid=["x", "x"]))
     with raises_param("sampling_params", match="unknown field"):
-        EmbeddingReqInput.from_json_dict({"text": "a", "sampling_params": {}})
+        from_json_dict(EmbeddingReqInput, {"text": "a", "sampling_params": {}})
 
 
 # -- tokenized requests --------------------------------------------------------------------
 
 
 def test_tokenized_request_carries_sampling_params_struct():
-    params = SamplingParams.from_dict({"temperature": 0.2, "stop": "x", "logit_bias": {"3": 1}})
+    params = parse_sampling_params({"temperature": 0.2, "stop": "x", "logit_bias": {"3": 1}})
     req = TokenizedGenerateReqInput(
         rid="r",
         input_text="hi",

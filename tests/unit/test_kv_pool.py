@@ -1,9 +1,11 @@
-"""PageAllocator and ReqToTokenPool invariants: no model, no torch compute beyond tiny tensors."""
+"""PageAllocator (the KVAllocator the scheduler borrows) and KVPool invariants: no model, no
+torch compute beyond tiny tensors."""
 
 import pytest
 import torch
 
-from cadence.mem_cache.kv_pool import KVPool, PageAllocator, ReqToTokenPool
+from cadence.mem_cache.allocator import KVAllocator, PageAllocator
+from cadence.mem_cache.kv_pool import KVPool
 
 
 def held(alloc: PageAllocator) -> set[int]:
@@ -138,16 +140,10 @@ def test_random_workload_keeps_invariants():
     assert alloc.num_free_pages == alloc.num_pages
 
 
-def test_req_to_token_rows_alloc_and_free():
-    pool = ReqToTokenPool(3, 10)
-    rows = [pool.alloc() for _ in range(3)]
-    assert sorted(rows) == [0, 1, 2]
-    assert pool.num_free_rows == 0
-    assert pool.alloc() is None
-    pool.free(rows[1])
-    assert pool.num_free_rows == 1
-    assert pool.alloc() == rows[1]
-    assert pool.table.shape == (3, 10) and pool.table.dtype == torch.int64
+def test_page_allocator_is_a_kv_allocator_that_counts_pages_for_tokens():
+    alloc = PageAllocator(8, page_size=16)
+    assert isinstance(alloc, KVAllocator)
+    assert [alloc.pages_for(n) for n in (0, 1, 16, 17, 32, 33)] == [0, 1, 1, 2, 2, 3]
 
 
 def test_kv_pool_budget_matches_its_buffers():

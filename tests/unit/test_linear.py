@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from cadence.layers.linear import Linear, MkldnnPackedLinear, pack_or_plain, refine_top_logits
-from cadence.model_loader.config import ModelConfig
+from cadence.models.config import ModelConfig
 from cadence.models.llama import LlamaForCausalLM
 from cadence.platforms.cpu import CpuPlatform
 from cadence.platforms.interface import Platform
@@ -86,7 +86,7 @@ def test_cpu_platform_packs_unless_told_not_to(monkeypatch):
 def test_packed_model_releases_weights_and_adopts_new_ones(tied):
     """Same logits as the plain model; released parameters; a weight swap through the runner's
     `adopt_weights` serves the new weights."""
-    from cadence.scheduler.model_runner import ModelRunner
+    from cadence.model_executor.model_runner import ModelRunner
 
     config = tiny_config(tie_word_embeddings=tied)
     hidden = torch.randn(3, config.hidden_size)

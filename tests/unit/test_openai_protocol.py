@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from cadence.entrypoints import openai_protocol as proto
-from cadence.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
-from cadence.sampling_params import InvalidParameter
+from cadence.serving import openai_protocol as proto
+from cadence.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from cadence.errors import InvalidParameter
 
 USER = [{"role": "user", "content": "Hi"}]
 

@@ -1,4 +1,4 @@
-"""OpenAIServing over a real TokenizerManager whose scheduler is a scripted stand-in: the
+"""OpenAIServing over a real FrontClient (and its TokenizerManager) whose scheduler is a scripted stand-in: the
 request each body turns into, the response and chunk shapes (role chunk, deltas,
 finish_reason last, usage, [DONE]), n > 1 indexes, echo and logprobs, the chat template
 override, errors with OpenAI field names, and aborts when a stream is left early."""
@@ -13,9 +13,12 @@ import jinja2
 import msgspec
 import pytest
 
-from cadence.entrypoints.openai_serving import OpenAIResponse, OpenAIServing, OpenAIStream, StreamFailed
+from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing, OpenAIStream, StreamFailed
 from cadence.io_struct import AbortReq, BatchStrOutput, Logprobs, TokenizedGenerateReqInput
-from cadence.tokenizer_manager import ModelInfo, TokenizerManager
+from cadence.front.client import FrontClient
+from cadence.front.engine_client import ModelInfo
+from cadence.front.tokenizer import FrontTokenizer
+from cadence.front.tokenizer_manager import TokenizerManager
 
 MODEL = "tiny-chat"
 EOS = 3  # the stand-in's end-of-sequence token: decodes to nothing
@@ -101,9 +104,9 @@ def make_serving(reply="Paris.", context_len=256, chat_template=None):
     engine = ScriptedEngine(reply)
     info = ModelInfo(model_path="/models/tiny", tokenizer_path=None, served_model_name=MODEL,
                      context_len=context_len, vocab_size=0x3000, max_total_tokens=4096)
-    engine.tm = TokenizerManager(CharTokenizer(), info, engine.send)
-    state = SimpleNamespace(args=SimpleNamespace(chat_template=chat_template), client=SimpleNamespace(tm=engine.tm),
-                            started=1000.0)
+    client = FrontClient(FrontTokenizer(CharTokenizer()), info, engine.send, max_pending=1088)
+    engine.tm = client.tm
+    state = SimpleNamespace(args=SimpleNamespace(chat_template=chat_template), client=client, started=1000.0)
     return OpenAIServing(state), engine
 
 

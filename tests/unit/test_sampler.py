@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cadence.layers.sampler import LOGIT_LIMIT, SamplingInput, adjust_logits, argmax, sample
-from cadence.sampling_params import SamplingParams
+from cadence.front.sampling_checks import check_sampling_params
+from cadence.io_struct import SamplingParams
 
 VOCAB = 8
 
@@ -15,7 +16,7 @@ VOCAB = 8
 def row(prompt=(0,), output=(), seed=None, suppress=None, top_logprobs_num=0, token_ids_logprob=None,
         return_logprob=False, **params) -> SamplingInput:
     p = SamplingParams(**params)
-    p.verify(VOCAB)
+    check_sampling_params(p, VOCAB)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     return SamplingInput(p, list(prompt), list(output), gen, suppress, top_logprobs_num,
                          token_ids_logprob, return_logprob)

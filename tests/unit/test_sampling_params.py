@@ -7,12 +7,14 @@ import sys
 import msgspec
 import pytest
 
-from cadence.sampling_params import InvalidParameter, SamplingParams, coerce_field
+from cadence.errors import InvalidParameter
+from cadence.front.sampling_checks import check_sampling_params, coerce_field, parse_sampling_params
+from cadence.io_struct import SamplingParams
 
 
 def check(d, vocab_size=None):
-    params = SamplingParams.from_dict(d)
-    params.verify(vocab_size)
+    params = parse_sampling_params(d)
+    check_sampling_params(params, vocab_size)
     return params
 
 
@@ -26,12 +28,12 @@ def test_defaults_match_spec_table():
     assert p.regex is p.json_schema is p.ebnf is p.seed is None
     assert (p.ignore_eos, p.skip_special_tokens) == (False, True)
     assert (p.spaces_between_special_tokens, p.no_stop_trim) == (True, False)
-    p.verify(vocab_size=10)  # the defaults themselves are valid
+    check_sampling_params(p, vocab_size=10)  # the defaults themselves are valid
 
 
 def test_from_dict_none_and_empty_give_defaults():
-    assert SamplingParams.from_dict(None) == SamplingParams()
-    assert SamplingParams.from_dict({}) == SamplingParams()
+    assert parse_sampling_params(None) == SamplingParams()
+    assert parse_sampling_params({}) == SamplingParams()
 
 
 def test_none_value_means_default():
@@ -203,26 +205,26 @@ INVALID_TYPE = [
 @pytest.mark.parametrize("field,value", INVALID_TYPE)
 def test_wrong_type_raises_naming_field(field, value):
     with pytest.raises(ValueError) as info:
-        SamplingParams.from_dict({field: value})
+        parse_sampling_params({field: value})
     assert str(info.value).startswith(field), str(info.value)
     assert info.value.param == field
 
 
 def test_integral_float_accepted_as_int():
-    p = SamplingParams.from_dict({"max_new_tokens": 16.0, "top_k": 5.0, "seed": 3.0})
+    p = parse_sampling_params({"max_new_tokens": 16.0, "top_k": 5.0, "seed": 3.0})
     assert p.max_new_tokens == 16 and type(p.max_new_tokens) is int
     assert p.top_k == 5 and type(p.top_k) is int
     assert p.seed == 3 and type(p.seed) is int
 
 
 def test_int_accepted_as_float():
-    p = SamplingParams.from_dict({"temperature": 1, "top_p": 1})
+    p = parse_sampling_params({"temperature": 1, "top_p": 1})
     assert type(p.temperature) is float and type(p.top_p) is float
 
 
 def test_unknown_field_named_with_suggestion():
     with pytest.raises(ValueError) as info:
-        SamplingParams.from_dict({"temprature": 0.5})
+        parse_sampling_params({"temprature": 0.5})
     assert str(info.value).startswith("unknown sampling parameter 'temprature'")
     assert "'temperature'" in str(info.value)
     assert info.value.param == "temprature"
@@ -230,18 +232,18 @@ def test_unknown_field_named_with_suggestion():
 
 def test_unknown_field_with_none_value_still_rejected():
     with pytest.raises(ValueError, match="unknown sampling parameter 'logprobs'"):
-        SamplingParams.from_dict({"logprobs": None})
+        parse_sampling_params({"logprobs": None})
 
 
 def test_non_dict_rejected():
     with pytest.raises(ValueError, match="^sampling_params must be an object") as info:
-        SamplingParams.from_dict([{"temperature": 0}])
+        parse_sampling_params([{"temperature": 0}])
     assert info.value.param == "sampling_params"
 
 
 def test_stop_string_normalized_to_list():
-    assert SamplingParams.from_dict({"stop": "\n"}).stop == ["\n"]
-    assert SamplingParams.from_dict({"stop": ("a", "b")}).stop == ["a", "b"]
+    assert parse_sampling_params({"stop": "\n"}).stop == ["\n"]
+    assert parse_sampling_params({"stop": ("a", "b")}).stop == ["a", "b"]
 
 
 def test_logit_bias_keys_normalized_to_int():
@@ -264,13 +266,13 @@ def test_constraints_mutually_exclusive(a, b):
 def test_verify_checks_directly_built_params():
     # The in-process API may build SamplingParams without from_dict.
     with pytest.raises(ValueError, match="^temperature must be a number"):
-        SamplingParams(temperature="hot").verify()
+        check_sampling_params(SamplingParams(temperature="hot"))
     with pytest.raises(ValueError, match="^top_k must be"):
-        SamplingParams(top_k=0).verify()
+        check_sampling_params(SamplingParams(top_k=0))
     with pytest.raises(ValueError, match="^max_new_tokens must not be null"):
-        SamplingParams(max_new_tokens=None).verify()
+        check_sampling_params(SamplingParams(max_new_tokens=None))
     p = SamplingParams(stop="END", logit_bias={"3": 1})
-    p.verify(vocab_size=4)
+    check_sampling_params(p, vocab_size=4)
     assert p.stop == ["END"] and p.logit_bias == {3: 1.0}
 
 
@@ -313,7 +315,7 @@ def test_every_field_has_a_docstring():
 
 def test_no_heavy_imports():
     code = (
-        "import sys, cadence.sampling_params; "
+        "import sys, cadence.front.sampling_checks; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

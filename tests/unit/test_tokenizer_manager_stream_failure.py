@@ -8,7 +8,10 @@ import asyncio
 import pytest
 
 from cadence.io_struct import AbortReq, BatchStrOutput, GenerateReqInput
-from cadence.tokenizer_manager import ModelInfo, RequestError, TokenizerManager
+from cadence.errors import RequestError
+from cadence.front.engine_client import ModelInfo
+from cadence.front.tokenizer import FrontTokenizer
+from cadence.front.tokenizer_manager import TokenizerManager
 
 
 class _Tokenizer:
@@ -30,7 +33,7 @@ async def test_failure_mid_stream_raises_in_the_consumer(n):
     sent = []
     info = ModelInfo(model_path="m", tokenizer_path=None, served_model_name="m", context_len=256, vocab_size=100,
                      max_total_tokens=1024)
-    tm = TokenizerManager(_Tokenizer(), info, sent.append)
+    tm = TokenizerManager(FrontTokenizer(_Tokenizer()), info, sent.append)
     gen = tm.generate_request(GenerateReqInput(text="hi", stream=True, sampling_params={"n": n}))
     first = asyncio.ensure_future(gen.__anext__())
     await asyncio.sleep(0)
@@ -52,7 +55,7 @@ async def test_outputs_after_the_finish_do_not_change_the_outcome():
     sent = []
     info = ModelInfo(model_path="m", tokenizer_path=None, served_model_name="m", context_len=256, vocab_size=100,
                      max_total_tokens=1024)
-    tm = TokenizerManager(_Tokenizer(), info, sent.append)
+    tm = TokenizerManager(FrontTokenizer(_Tokenizer()), info, sent.append)
     gen = tm.generate_request(GenerateReqInput(text="hi", stream=True))
     first = asyncio.ensure_future(gen.__anext__())
     await asyncio.sleep(0)

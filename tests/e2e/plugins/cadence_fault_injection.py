@@ -20,7 +20,7 @@ def register() -> None:
             raise RuntimeError("injected sampling fault")
         return original(logits, rows, *args, **kwargs)
 
-    @plugin_hook("cadence.detokenizer.Detokenizer._process_one", type=HookType.AROUND)
+    @plugin_hook("cadence.detokenizer.detokenizer.Detokenizer._process_one", type=HookType.AROUND)
     def failing_detokenize(original, self, batch, i, rid, *args, **kwargs):
         if DETOKENIZE_MARKER in (batch.stop_strs[i] or ()):
             raise RuntimeError("injected detokenizer fault")

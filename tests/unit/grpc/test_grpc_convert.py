@@ -10,7 +10,8 @@ import pytest
 from cadence.grpc import convert
 from cadence.grpc import sglang_pb2 as pb
 from cadence.grpc.errors import code_for_http_status
-from cadence.sampling_params import InvalidParameter
+from cadence.errors import InvalidParameter
+from cadence.front.normalize import normalize_batch_and_arguments
 
 
 def test_only_the_fields_the_client_set_reach_the_request():
@@ -34,7 +35,7 @@ def test_generate_request_fields_map_by_name():
     obj = convert.generate_input(req)
     assert (obj.input_ids, obj.stream, obj.return_logprob, obj.top_logprobs_num, obj.logprob_start_len, obj.rid,
             obj.routing_key, obj.sampling_params) == ([1, 2, 3], True, True, 2, 0, "r1", "k", {"max_new_tokens": 4})
-    obj.normalize_batch_and_arguments()  # the native checks accept what the adapter built
+    normalize_batch_and_arguments(obj)  # the native checks accept what the adapter built
 
 
 def test_unservable_fields_are_invalid_arguments():

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
+from cadence.config_docs import field_docs
 from cadence.router.cli import build_parser, parse_config
 from cadence.router.config import (
     MAX_MODEL_NAME_LENGTH,
     MAX_URL_LENGTH,
     RouterConfig,
-    field_docs,
     load_worker_specs,
     normalize_worker_url,
     worker_id,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cadence.sampling_params import InvalidParameter
+from cadence.errors import InvalidParameter
 from cadence.serving import control
 
 

@@ -1,14 +1,16 @@
 """The OpenAPI document declares every POST route's body, and its sampling ranges are the ones
-`SamplingParams.verify` enforces (checked at each bound, just inside and just outside)."""
+`check_sampling_params` enforces (checked at each bound, just inside and just outside)."""
 
 import math
 
 import pytest
 
-from cadence.entrypoints.http_server import ServerState, build_app
+from cadence.entrypoints.http_server import build_app
 from cadence.entrypoints.openapi import SAMPLING_RANGES
-from cadence.sampling_params import InvalidParameter, SamplingParams
+from cadence.errors import InvalidParameter
+from cadence.front.sampling_checks import check_sampling_params, parse_sampling_params
 from cadence.server_args import ServerArgs
+from cadence.serving.state import ServerState
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def test_every_post_route_has_a_request_body(document):
 def _valid(name, value) -> bool:
     params = {"max_new_tokens": 16} if name == "min_new_tokens" else {}
     try:
-        SamplingParams.from_dict({**params, name: value}).verify(100)
+        check_sampling_params(parse_sampling_params({**params, name: value}), 100)
         return True
     except InvalidParameter:
         return False

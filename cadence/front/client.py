@@ -1,0 +1,120 @@
+"""`FrontClient`: the `EngineClient` over the front's tokenizer manager.
+
+Messages to the scheduler go through a `send` callable; whatever comes back (text outputs,
+control answers) is handed to `on_message` on the client's event loop. The front process
+wires those to ZMQ sockets (`front/ipc_client.py`), the in-process `Engine` to its
+scheduler thread; everything else is the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict, deque
+from typing import Any, AsyncIterator, Callable
+
+from cadence.errors import InvalidParameter, RequestError
+from cadence.front.engine_client import EngineClient, ModelInfo
+from cadence.front.tokenizer import FrontTokenizer
+from cadence.front.tokenizer_manager import TokenizerManager
+from cadence.io_struct import (REPLY_TYPES, BatchStrOutput, ContinueGenerationReqInput, GenerateReqInput,
+                               PauseGenerationReqInput)
+
+logger = logging.getLogger(__name__)
+
+
+
+class FrontClient(EngineClient):
+    def __init__(self, tokenizer: FrontTokenizer, info: ModelInfo, send: Callable[[Any], None],
+                 max_pending: int, address: str | None = None, request_timeout_s: float | None = None):
+        self.info = info
+        self.address = address  # where answers for this client go (its `http_worker_ipc`)
+        self._send = send
+        self.tm = TokenizerManager(tokenizer, info, self.send, max_pending=max_pending, worker_ipc=address,
+                                   request_timeout_s=request_timeout_s)
+        self._waiters: dict[type, deque[asyncio.Future]] = defaultdict(deque)
+        self._control_lock: dict[type, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._is_paused = False
+        self.is_closed = False
+
+    @property
+    def tokenizer(self) -> FrontTokenizer:
+        return self.tm.tokenizer
+
+    def send(self, msg) -> None:
+        if self.is_closed:  # shutting down: a late abort from a request's cleanup has nowhere to go
+            return
+        self._send(msg)
+
+    def on_message(self, msg) -> None:
+        """Something from the scheduler side arrived (called on this client's event loop)."""
+        if isinstance(msg, BatchStrOutput):
+            self.tm.handle_output(msg)
+            return
+        waiters = self._waiters.get(type(msg))
+        if waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(msg)
+        else:
+            logger.warning("unexpected %s from the scheduler", type(msg).__name__)
+
+    # ---- EngineClient -------------------------------------------------------------------------
+
+    def generate(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
+        return self.tm.generate_request(obj)
+
+    async def embed(self, obj) -> Any:
+        raise RequestError(501, "this server does not serve embeddings yet")
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> bool:
+        if abort_all:
+            self.tm.abort_request(abort_all=True, message=message)
+            return True
+        if not isinstance(rid, str) or not rid:
+            raise InvalidParameter("rid", "give a rid (string) or abort_all: true")
+        is_live = bool(self.tm.matching(rid))
+        self.tm.abort_request(rid, message=message)
+        return is_live
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True, prompt_field: str | None = None) -> list[int]:
+        if prompt_field is not None:
+            self.tm.checker.check_text_length(prompt_field, text)
+        return await self.tm.tokenizer.encode_async(text, add_special_tokens)
+
+    async def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.tm.checker.check_token_ids("tokens", ids)
+        return await self.tm.tokenizer.decode_async(ids, skip_special_tokens)
+
+    async def control(self, msg, timeout: float = 60.0):
+        msg.http_worker_ipc = self.address
+        if isinstance(msg, PauseGenerationReqInput):
+            self._is_paused = True
+        elif isinstance(msg, ContinueGenerationReqInput):
+            self._is_paused = False
+        reply_type = REPLY_TYPES.get(type(msg))
+        if reply_type is None:
+            self.send(msg)
+            return None
+        async with self._control_lock[reply_type]:  # one at a time per kind: answers come in order
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters[reply_type].append(fut)
+            self.send(msg)
+            try:
+                return await asyncio.wait_for(fut, timeout)
+            except asyncio.TimeoutError:
+                self._waiters[reply_type].remove(fut)
+                raise RequestError(503, f"the scheduler did not answer {type(msg).__name__} in {timeout:.0f}s")
+
+    @property
+    def is_paused(self) -> bool:
+        return self._is_paused
+
+    def backlog(self, rids: list[str], consumed: int) -> int:
+        return self.tm.backlog(rids, consumed)
+
+    def stats(self) -> dict[str, Any]:
+        return {"request_faults": dict(self.tm.num_request_faults), "num_live_requests": len(self.tm.states)}
+
+    def end_all(self, message: str, status: int = 503) -> None:
+        self.tm.end_all(message, status)

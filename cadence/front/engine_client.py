@@ -1,0 +1,86 @@
+"""The one interface the adapters speak to the engine through.
+
+The HTTP adapter, the gRPC adapter and the in-process `Engine` hold an `EngineClient` and
+nothing else of the engine: they never reach into the tokenizer manager or its per-request
+state. `FrontClient` (front/client.py) implements it over the front's tokenizer manager; the
+server's front process and the in-process engine differ only in how messages travel.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from cadence.io_struct import GenerateReqInput
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the front knows about the loaded model (reported by the scheduler once loaded)."""
+
+    model_path: str
+    tokenizer_path: str | None
+    served_model_name: str
+    context_len: int
+    vocab_size: int
+    max_total_tokens: int
+    is_generation: bool = True
+
+
+class EngineClient(ABC):
+    """The engine as an adapter sees it. Errors are `cadence.errors` exceptions."""
+
+    info: ModelInfo
+
+    @property
+    @abstractmethod
+    def tokenizer(self):
+        """The model's tokenizer (`FrontTokenizer`), for chat templates and token texts."""
+
+    @abstractmethod
+    def generate(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
+        """Checks, tokenizes and runs `obj`. Yields one final result (a dict, or a list for a
+        batch), or with `obj.stream` the delta chunks (dicts; an `index` for batches).
+        Closing the iterator early aborts what still runs."""
+
+    @abstractmethod
+    async def embed(self, obj) -> Any:
+        """Embeddings of an `EmbeddingReqInput`."""
+
+    @abstractmethod
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> bool:
+        """Ends request `rid` (and its n > 1 samples `rid-j`), or every request; True when a
+        live request was hit."""
+
+    @abstractmethod
+    async def tokenize(self, text: str, add_special_tokens: bool = True, prompt_field: str | None = None) -> list[int]:
+        """The token ids of `text`. With `prompt_field` (the request field it came from) the
+        text is a prompt: one that cannot fit the context is refused before tokenizing."""
+
+    @abstractmethod
+    async def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of token ids; raises InvalidParameter for ids outside the vocabulary."""
+
+    @abstractmethod
+    async def control(self, msg, timeout: float = 60.0):
+        """Sends a control message (flush, pause, continue, load, profile, weight update) to
+        the scheduler; returns its answer when the message has one, else None."""
+
+    @property
+    @abstractmethod
+    def is_paused(self) -> bool:
+        """Generation was paused through this client and not continued yet."""
+
+    @abstractmethod
+    def backlog(self, rids: list[str], consumed: int) -> int:
+        """Tokens these requests produced beyond the `consumed` ones (0 once they ended)."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters for /metrics (requests that ended in an internal error of their own, ...)."""
+
+    @abstractmethod
+    def end_all(self, message: str, status: int = 503) -> None:
+        """Ends every live request at once with an error of `status` (stopping, or the engine
+        will never answer)."""

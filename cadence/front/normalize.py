@@ -1,0 +1,434 @@
+"""Normalization of a user's request: check its shape, count its items, expand n > 1, and
+turn every per-item field into one list entry per item. Part of the front's one checking
+stage (`cadence.front.request_checks`); the structs themselves are in `cadence.io_struct`.
+
+After `normalize_batch_and_arguments(obj)` a single request keeps scalar fields (`text` a
+str, `rid` a str, `sampling_params` a dict, ...) and a batch has one list entry per item
+for every per-item field; `item(obj, i)` cuts item i out as a normalized single request.
+
+Parallel sampling (`n` > 1 in sampling_params) expands every prompt into n items,
+item-major: prompt 0 sample 0..n-1, then prompt 1, and so on. A single request with n > 1
+becomes a batch (its answer is a list). Sample j of a prompt whose rid is R gets rid
+f"{R}-{j}" (R is generated when the user gave none), so every item has its own rid and the
+user's rid stays a prefix that aborts can match. The expanded items carry n=1 in their
+sampling_params; `parallel_sample_num` keeps the original n.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+
+from cadence.errors import InvalidParameter, readable
+from cadence.front.sampling_checks import coerce_field
+from cadence.io_struct import EmbeddingReqInput, GenerateReqInput
+
+Request = GenerateReqInput | EmbeddingReqInput
+
+
+def from_json_dict(cls: type, d: Any) -> Any:
+    """A `GenerateReqInput` or `EmbeddingReqInput` from a decoded JSON body;
+    `InvalidParameter` names an unknown field or a field of the wrong type. Call
+    `normalize_batch_and_arguments()` next."""
+    return _from_json_dict(cls, d)
+
+
+def normalize_batch_and_arguments(obj: Request, max_items: int | None = None) -> None:
+    """Check the request and bring every per-item field to its normalized form (see the
+    module docstring). A request of more than `max_items` items (prompts x n) is refused
+    before any item is built. Raises `InvalidParameter` naming the field. Idempotent."""
+    if isinstance(obj, GenerateReqInput):
+        _normalize_generate(obj, max_items)
+    else:
+        _normalize_embedding(obj, max_items)
+
+
+def item(obj: Request, i: int) -> Request:
+    """Batch item i as a normalized single request (a copy when already single)."""
+    if isinstance(obj, GenerateReqInput):
+        return _generate_item(obj, i)
+    return _embedding_item(obj, i)
+
+
+def items(obj: Request) -> list[Request]:
+    """Every item of a normalized request, as single requests (the request itself when single)."""
+    return [obj] if obj.is_single else [item(obj, i) for i in range(obj.batch_size)]
+
+
+def _normalize_generate(obj: GenerateReqInput, max_items: int | None) -> None:
+    if obj.is_normalized:
+        return
+    is_batch, num_prompts = _check_prompts(obj.text, obj.input_ids)
+    sampling_params = _per_item_sampling_params(obj.sampling_params, num_prompts)
+    n = _parallel_sample_num(sampling_params)
+    _check_num_items(num_prompts, n, max_items, "text" if obj.text is not None else "input_ids")
+    per_item = {
+        name: _per_item(name, getattr(obj, name), num_prompts, default, check)
+        for name, default, check in (
+            ("return_logprob", False, _check_bool),
+            ("logprob_start_len", -1, _check_start_len),
+            ("top_logprobs_num", 0, _check_top_num),
+            ("lora_path", None, _check_str),
+        )
+    }
+    per_item["token_ids_logprob"] = _per_item_token_ids(obj.token_ids_logprob, num_prompts)
+    modalities = {
+        name: _per_item_data(name, getattr(obj, name), num_prompts, is_batch)
+        for name in ("image_data", "audio_data", "video_data")
+    }
+    rids = _check_rids(obj.rid, num_prompts, is_batch)
+    if not is_batch and n == 1:
+        # A single request keeps scalar fields.
+        obj.sampling_params = sampling_params[0]
+        obj.rid = rids[0]
+        for name, values in per_item.items():
+            setattr(obj, name, values[0])
+        obj.is_single, obj.batch_size = True, 1
+    else:
+        if n > 1:
+            sampling_params = [dict(sp, n=1) for sp in sampling_params]
+            rids = [f"{rid}-{j}" for rid in rids for j in range(n)]
+        obj.text = _expand(obj.text, n, is_batch)
+        obj.input_ids = _expand(obj.input_ids, n, is_batch)
+        obj.sampling_params = _repeat(sampling_params, n)
+        obj.rid = rids
+        for name, values in per_item.items():
+            setattr(obj, name, _repeat(values, n))
+        for name, values in modalities.items():
+            setattr(obj, name, None if values is None else _repeat(values, n))
+        obj.is_single, obj.batch_size = False, num_prompts * n
+    # n expansion could only clash if user rids did; checked again to be sure.
+    _check_unique(rids)
+    obj.parallel_sample_num = n
+    obj.is_normalized = True
+
+
+def _generate_item(obj: GenerateReqInput, i: int) -> GenerateReqInput:
+    """Batch item i as a normalized single request (a copy when already single)."""
+    _require_normalized(obj)
+    if obj.is_single:
+        if i not in (0, -1):
+            raise IndexError(f"a single request has only item 0, not {i}")
+        return msgspec.structs.replace(obj)
+    return GenerateReqInput(
+        text=None if obj.text is None else obj.text[i],
+        input_ids=None if obj.input_ids is None else obj.input_ids[i],
+        sampling_params=obj.sampling_params[i],
+        rid=obj.rid[i],
+        return_logprob=obj.return_logprob[i],
+        logprob_start_len=obj.logprob_start_len[i],
+        top_logprobs_num=obj.top_logprobs_num[i],
+        token_ids_logprob=obj.token_ids_logprob[i],
+        return_text_in_logprobs=obj.return_text_in_logprobs,
+        stream=obj.stream,
+        image_data=None if obj.image_data is None else obj.image_data[i],
+        audio_data=None if obj.audio_data is None else obj.audio_data[i],
+        video_data=None if obj.video_data is None else obj.video_data[i],
+        lora_path=obj.lora_path[i],
+        routing_key=obj.routing_key,
+        is_single=True,
+        batch_size=1,
+        parallel_sample_num=1,
+        is_normalized=True,
+    )
+
+__getitem__ = item
+
+
+def _normalize_embedding(obj: EmbeddingReqInput, max_items: int | None) -> None:
+    if obj.is_normalized:
+        return
+    is_batch, num_inputs = _check_prompts(obj.text, obj.input_ids)
+    _check_num_items(num_inputs, 1, max_items, "text" if obj.text is not None else "input_ids")
+    rids = _check_rids(obj.rid, num_inputs, is_batch)
+    image_data = _per_item_data("image_data", obj.image_data, num_inputs, is_batch)
+    if is_batch:
+        obj.image_data = image_data
+    obj.rid = rids if is_batch else rids[0]
+    obj.is_single, obj.batch_size = not is_batch, num_inputs
+    obj.is_normalized = True
+
+
+def _embedding_item(obj: EmbeddingReqInput, i: int) -> EmbeddingReqInput:
+    """Batch item i as a normalized single request (a copy when already single)."""
+    _require_normalized(obj)
+    if obj.is_single:
+        if i not in (0, -1):
+            raise IndexError(f"a single request has only item 0, not {i}")
+        return msgspec.structs.replace(obj)
+    return EmbeddingReqInput(
+        text=None if obj.text is None else obj.text[i],
+        input_ids=None if obj.input_ids is None else obj.input_ids[i],
+        rid=obj.rid[i],
+        image_data=None if obj.image_data is None else obj.image_data[i],
+        is_single=True,
+        batch_size=1,
+        is_normalized=True,
+    )
+
+__getitem__ = item
+
+
+def _check_num_items(num_prompts: int, n: int, max_items: int | None, prompt_field: str) -> None:
+    if max_items is not None and num_prompts * n > max_items:
+        raise InvalidParameter("n" if n > 1 else prompt_field,
+                               f"the request has {num_prompts} prompt(s) x n={n} = {num_prompts * n} items; "
+                               f"this server takes at most {max_items} in flight")
+
+
+
+
+def _from_json_dict(cls: type, d: Any) -> Any:
+    if not isinstance(d, dict):
+        raise InvalidParameter(
+            None, f"the request body must be a JSON object, got {type(d).__name__}"
+        )
+    known = [f for f in cls.__struct_fields__ if f not in cls._DERIVED]
+    for key in d:
+        if key not in known:
+            raise InvalidParameter(
+                str(key), f"unknown field {key!r}; valid fields are: {', '.join(known)}"
+            )
+    try:
+        return msgspec.convert(d, cls)
+    except msgspec.ValidationError as e:
+        raise readable(e) from None
+
+
+def _check_prompts(text: Any, input_ids: Any) -> tuple[bool, int]:
+    """Check that exactly one of text/input_ids is given; return (is_batch, num_prompts)."""
+    if text is None and input_ids is None:
+        raise InvalidParameter("text", "text or input_ids is required: give exactly one of them")
+    if text is not None and input_ids is not None:
+        raise InvalidParameter(
+            "text", "text and input_ids are mutually exclusive: give exactly one of them"
+        )
+    if text is not None:
+        return _check_text(text)
+    return _check_input_ids(input_ids)
+
+
+def _check_text(text: Any) -> tuple[bool, int]:
+    if isinstance(text, str):
+        if not text:
+            raise InvalidParameter("text", "text must not be empty")
+        return False, 1
+    if not isinstance(text, list):
+        raise InvalidParameter(
+            "text", f"text must be a string or a list of strings, got {type(text).__name__}"
+        )
+    if not text:
+        raise InvalidParameter("text", "text must not be empty: a batch needs at least one prompt")
+    for i, prompt in enumerate(text):
+        if not isinstance(prompt, str):
+            raise InvalidParameter(
+                "text", f"text[{i}] must be a string, got {type(prompt).__name__}"
+            )
+        if not prompt:
+            raise InvalidParameter("text", f"text[{i}] must not be empty")
+    return True, len(text)
+
+
+def _check_input_ids(input_ids: Any) -> tuple[bool, int]:
+    if not isinstance(input_ids, list):
+        raise InvalidParameter(
+            "input_ids",
+            "input_ids must be a list of token ids or a list of such lists, "
+            f"got {type(input_ids).__name__}",
+        )
+    if not input_ids:
+        raise InvalidParameter("input_ids", "input_ids must not be empty")
+    if all(isinstance(ids, list) for ids in input_ids):
+        for i, ids in enumerate(input_ids):
+            _check_token_ids("input_ids", f"input_ids[{i}]", ids)
+        return True, len(input_ids)
+    if any(isinstance(ids, list) for ids in input_ids):
+        raise InvalidParameter(
+            "input_ids", "input_ids must be a list of token ids or a list of such lists, not a mix"
+        )
+    _check_token_ids("input_ids", "input_ids", input_ids)
+    return False, 1
+
+
+def _check_token_ids(param: str, label: str, ids: list) -> None:
+    if not ids:
+        raise InvalidParameter(param, f"{label} must not be empty")
+    # Fast path first: prompts can be long. The vocabulary bound is the front's check.
+    if all(type(t) is int for t in ids) and min(ids) >= 0:
+        return
+    for j, t in enumerate(ids):
+        if type(t) is not int or t < 0:
+            raise InvalidParameter(
+                param, f"{label}[{j}] must be a token id (an integer >= 0), got {t!r}"
+            )
+
+
+def _per_item_sampling_params(value: Any, num: int) -> list[dict[str, Any]]:
+    items = _per_item("sampling_params", value, num, None, _check_dict)
+    # Copies: one item's later changes (n=1, defaults filled in) must not leak into others.
+    return [{} if sp is None else dict(sp) for sp in items]
+
+
+def _parallel_sample_num(sampling_params: list[dict[str, Any]]) -> int:
+    values = set()
+    for sp in sampling_params:
+        n = coerce_field("n", sp.get("n"))
+        n = 1 if n is None else n
+        if n < 1:
+            raise InvalidParameter("n", f"n must be >= 1, got {n}")
+        values.add(n)
+    if len(values) > 1:
+        raise InvalidParameter(
+            "n", f"n must be the same for every item of a batch, got {sorted(values)}"
+        )
+    return values.pop()
+
+
+def _per_item(param: str, value: Any, num: int, default: Any, check) -> list:
+    """A scalar (or None) applies to every item; a list must have one entry per item."""
+    if value is None:
+        return [default] * num
+    if isinstance(value, list):
+        if len(value) != num:
+            raise InvalidParameter(
+                param,
+                f"{param} has {len(value)} entries but the request has {num} prompt(s): "
+                "give one per prompt, or a single value for all",
+            )
+        return [
+            default if v is None else check(param, f"{param}[{i}]", v)
+            for i, v in enumerate(value)
+        ]
+    return [check(param, param, value)] * num
+
+
+def _per_item_token_ids(value: Any, num: int) -> list[list[int] | None]:
+    # A flat list of ids applies to every item; a list of lists (or None) is per item.
+    if value is None:
+        return [None] * num
+    if not isinstance(value, list):
+        raise InvalidParameter(
+            "token_ids_logprob",
+            f"token_ids_logprob must be a list of token ids, got {type(value).__name__}",
+        )
+    if not value:
+        return [None] * num
+    if all(v is None or isinstance(v, list) for v in value):
+        items = _per_item("token_ids_logprob", value, num, None, lambda p, label, v: v)
+        for i, ids in enumerate(items):
+            if ids:
+                _check_token_ids("token_ids_logprob", f"token_ids_logprob[{i}]", ids)
+        return [ids or None for ids in items]
+    _check_token_ids("token_ids_logprob", "token_ids_logprob", value)
+    return [list(value) for _ in range(num)]
+
+
+def _per_item_data(param: str, value: Any, num: int, is_batch: bool) -> list | None:
+    if value is None:
+        return None
+    if not is_batch:
+        return [value]
+    if not isinstance(value, list) or len(value) != num:
+        raise InvalidParameter(
+            param, f"{param} must be a list with one entry per prompt ({num}) for a batch"
+        )
+    return value
+
+
+def _check_rids(rid: Any, num: int, is_batch: bool) -> list[str]:
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(num)]
+    if isinstance(rid, str):
+        if is_batch:
+            raise InvalidParameter(
+                "rid", f"rid must be a list of {num} strings for a batch of {num} prompts, "
+                "got one string",
+            )
+        rids = [rid]
+    elif isinstance(rid, list):
+        if len(rid) != num:
+            raise InvalidParameter(
+                "rid", f"rid has {len(rid)} entries but the request has {num} prompt(s): "
+                "give one per prompt",
+            )
+        rids = rid
+    else:
+        raise InvalidParameter(
+            "rid", f"rid must be a string or a list of strings, got {type(rid).__name__}"
+        )
+    for i, r in enumerate(rids):
+        if not isinstance(r, str) or not r:
+            raise InvalidParameter("rid", f"rid[{i}] must be a non-empty string, got {r!r}")
+    _check_unique(rids)
+    return list(rids)
+
+
+def _check_unique(rids: list[str]) -> None:
+    seen = set()
+    for r in rids:
+        if r in seen:
+            raise InvalidParameter(
+                "rid", f"rid {r!r} is duplicated: every request in a batch needs its own rid"
+            )
+        seen.add(r)
+
+
+def _check_bool(param: str, label: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidParameter(param, f"{label} must be true or false, got {value!r}")
+    return value
+
+
+def _check_int(param: str, label: str, value: Any, minimum: int, meaning: str) -> int:
+    if type(value) is not int or value < minimum:
+        raise InvalidParameter(
+            param, f"{label} must be an integer >= {minimum}{meaning}, got {value!r}"
+        )
+    return value
+
+
+def _check_start_len(param: str, label: str, value: Any) -> int:
+    return _check_int(param, label, value, -1, " (-1: output logprobs only)")
+
+
+def _check_top_num(param: str, label: str, value: Any) -> int:
+    return _check_int(param, label, value, 0, "")
+
+
+def _check_str(param: str, label: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidParameter(param, f"{label} must be a string, got {value!r}")
+    return value
+
+
+def _check_dict(param: str, label: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise InvalidParameter(param, f"{label} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _expand(prompts: Any, n: int, is_batch: bool) -> list | None:
+    """Prompts (text or ids) as a list with n copies of each, item-major."""
+    if prompts is None:
+        return None
+    return _repeat(prompts if is_batch else [prompts], n)
+
+
+def _repeat(values: list, n: int) -> list:
+    """Each value n times, item-major. Lists and dicts are copied: the samples of a prompt
+    are separate requests, and changing one (e.g. filling in defaults) must not touch the
+    others."""
+    if n == 1:
+        return values
+    return [
+        list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+        for v in values
+        for _ in range(n)
+    ]
+
+
+def _require_normalized(req: Any) -> None:
+    if not req.is_normalized:
+        raise RuntimeError("call normalize_batch_and_arguments() before item()")

@@ -1,0 +1,1 @@
+"""The model runner: one scheduled batch in, a forward pass, sampled tokens and logprobs out."""

@@ -1,0 +1,96 @@
+"""What the scheduler asks of a model runner: run one scheduled batch, get tokens back.
+
+The scheduler decides who runs, which tokens and which KV pages (it borrows the KV
+allocator); the runner turns a `ScheduleBatch` into one forward pass, samples, computes
+logprobs, and answers one `ItemResult` per request. It never schedules and never allocates.
+A test runner with no weights implements the same ABC (tests/unit/scheduler).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from cadence.layers.sampler import SamplingInput
+
+# (natural-log probability, token id) pairs, as every logprob list carries them.
+TokenLogprob = tuple[float | None, int]
+
+
+@dataclass
+class BatchItem:
+    """One request's share of a step."""
+
+    rid: str
+    uid: int  # unique per request object, never reused (a rid may be, after its request ended)
+    token_ids: list[int]  # tokens whose K/V this step computes, at positions start, start + 1, ...
+    start: int  # position of token_ids[0]; K/V of positions < start are already in `pages`
+    pages: list[int]  # the request's KV pages in position order, covering start + len(token_ids)
+    # Prompt logprobs: offsets in token_ids whose logits give the logprob of the token after
+    # them; `logprob_targets` are those following tokens.
+    logprob_rows: list[int] = field(default_factory=list)
+    logprob_targets: list[int] = field(default_factory=list)
+    top_logprobs_num: int = 0  # alternatives per prompt position
+    token_ids_logprob: list[int] | None = None  # ids whose logprobs are reported at each position
+    # Sample the next token from the last row (None: a prefill chunk that is not the last).
+    sampling: SamplingInput | None = None
+
+
+@dataclass
+class ScheduleBatch:
+    """One forward step: a prefill (extend) of chunks, or a decode of one token each."""
+
+    is_decode: bool
+    items: list[BatchItem]
+    new_pages: list[int] = field(default_factory=list)  # handed out for this step; never written yet
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(item.token_ids) for item in self.items)
+
+
+@dataclass
+class ItemResult:
+    """What a step produced for one request (aligned with the batch's items)."""
+
+    next_id: int | None = None  # the sampled token; None when not sampled or failed
+    logprob: float | None = None  # of next_id, when the request asked for logprobs
+    top_logprobs: list[TokenLogprob] | None = None
+    token_ids_logprobs: list[TokenLogprob] | None = None
+    # Prompt logprobs of `logprob_rows`, in order: (logprob, target id), and per row its
+    # top alternatives and the logprobs of token_ids_logprob.
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_top: list[list[TokenLogprob]] = field(default_factory=list)
+    input_given: list[list[TokenLogprob]] = field(default_factory=list)
+    error: BaseException | None = None  # this request failed alone; the others are valid
+    error_stage: str = ""  # what it was doing, for the error message
+
+
+class Runner(ABC):
+    """A model runner as the scheduler sees it."""
+
+    context_len: int  # longest sequence served (prompt + output)
+    eos_token_ids: tuple[int, ...]  # the model's end-of-sequence tokens
+
+    @abstractmethod
+    def run(self, batch: ScheduleBatch) -> list[ItemResult]:
+        """Run one step. A failure of the forward pass itself (shared by every request of the
+        batch) raises; a failure of one request's sampling or logprobs is reported in its
+        `ItemResult.error` and the other results stay valid."""
+
+    def release_decode_state(self) -> None:
+        """The running batch has emptied: drop whatever was kept for it between steps."""
+
+    def make_generator(self, seed: int) -> Any:
+        """A random generator for a request with a seed (opaque to the scheduler)."""
+        return None
+
+    def load_weights(self, model_path: str, load_format: str | None) -> str:
+        """Serve new weights of the same architecture in place; returns the path loaded.
+        Raises, changing nothing, when they cannot be served."""
+        raise NotImplementedError("this runner cannot load weights")
+
+    def profiler_activities(self) -> list:
+        """What the torch profiler records here (CPU, and the device's own activity)."""
+        return []

@@ -1,0 +1,272 @@
+"""The scheduler core with a scripted runner and no weights: admission and waiting for KV
+memory, chunked prefill, decode, finishing by length and by stop id, aborts while waiting,
+prefilling and decoding, per-request failures, every control message through `handle`, and
+the KV pool back to full after each."""
+
+from __future__ import annotations
+
+import pytest
+
+from cadence.io_struct import (AbortReq, ContinueGenerationReqInput, FlushCacheReqInput, FlushCacheReqOutput,
+                               GetLoadReqInput, GetLoadReqOutput, PauseGenerationReqInput, ProfileReq,
+                               ProfileReqOutput, SamplingParams, TokenizedGenerateReqInput,
+                               UpdateWeightFromDiskReqInput, UpdateWeightFromDiskReqOutput)
+from cadence.mem_cache.allocator import PageAllocator
+from cadence.model_executor.runner import ItemResult, Runner, ScheduleBatch
+from cadence.scheduler.scheduler import Scheduler
+from cadence.scheduler.stop_checker import StopChecker
+from cadence.server_args import ServerArgs
+
+EOS = 2
+PAGE = 4
+
+
+class ScriptedRunner(Runner):
+    """Samples token 10 + position (so outputs are predictable); EOS once a request's
+    sequence reaches `eos_at` tokens. Records every batch it runs."""
+
+    def __init__(self, context_len: int = 64, eos_at: int | None = None):
+        self.context_len = context_len
+        self.eos_token_ids = (EOS,)
+        self.eos_at = eos_at
+        self.batches: list[ScheduleBatch] = []
+        self.fail_rids: set[str] = set()  # rids whose sampling raises
+        self.weights_error: Exception | None = NotImplementedError("no weights here")
+
+    def run(self, batch: ScheduleBatch) -> list[ItemResult]:
+        self.batches.append(batch)
+        results = []
+        for item in batch.items:
+            result = ItemResult(input_logprobs=[(-1.0, t) for t in item.logprob_targets],
+                                input_top=[[] for _ in item.logprob_rows], input_given=[[] for _ in item.logprob_rows])
+            if item.sampling is not None:
+                if item.rid in self.fail_rids:
+                    result.error, result.error_stage = RuntimeError("boom"), "sampling its next token"
+                else:
+                    position = item.start + len(item.token_ids)
+                    result.next_id = EOS if self.eos_at is not None and position >= self.eos_at else 10 + position
+                    result.logprob = -0.5
+            results.append(result)
+        return results
+
+    def load_weights(self, model_path, load_format):
+        raise self.weights_error
+
+    def profiler_activities(self):
+        import torch
+
+        return [torch.profiler.ProfilerActivity.CPU]
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def make(num_pages=8, chunk=64, max_running=8, runner=None, tmp_path=None):
+    args = ServerArgs(chunked_prefill_size=chunk, max_running_requests=max_running, page_size=PAGE,
+                      profile_dir=str(tmp_path) if tmp_path else None)
+    runner = runner or ScriptedRunner()
+    alloc = PageAllocator(num_pages, PAGE)
+    return Scheduler(args, runner, alloc, StopChecker(CharTokenizer(), {EOS}, runner.context_len)), runner, alloc
+
+
+def request(rid, prompt_len=4, max_new=4, **params) -> TokenizedGenerateReqInput:
+    return TokenizedGenerateReqInput(rid=rid, input_text=None, input_ids=list(range(3, 3 + prompt_len)),
+                                     sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0, **params))
+
+
+def run_until_idle(s: Scheduler, max_steps=100) -> list:
+    outputs = []
+    for _ in range(max_steps):
+        outputs += s.step()
+        if not s.has_work:
+            return outputs
+    raise AssertionError("the scheduler never became idle")
+
+
+def final(outputs, rid):
+    (out,) = [o for o in outputs if o.rid == rid and o.finished_reason is not None]
+    return out
+
+
+def assert_pool_full(s: Scheduler, alloc: PageAllocator):
+    assert alloc.num_free_pages == alloc.num_pages
+    assert not s.waiting and not s.running and s.chunked is None
+
+
+def test_a_request_prefills_decodes_and_finishes_by_length():
+    s, runner, alloc = make()
+    assert s.handle(request("a", prompt_len=4, max_new=3)) is None
+    outputs = run_until_idle(s)
+    out = final(outputs, "a")
+    assert out.finished_reason == {"type": "length", "length": 3}
+    assert out.new_ids == [14, 15, 16] and out.completion_tokens == 3 and out.prompt_tokens == 4
+    assert [b.is_decode for b in runner.batches] == [False, True, True]
+    assert_pool_full(s, alloc)
+
+
+def test_eos_and_stop_token_ids_finish_with_the_matched_token():
+    s, runner, alloc = make(runner=ScriptedRunner(eos_at=6))
+    s.handle(request("eos", prompt_len=4, max_new=10))
+    s.handle(request("stop", prompt_len=2, max_new=10, stop_token_ids=[13]))
+    outputs = run_until_idle(s)
+    assert final(outputs, "eos").finished_reason == {"type": "stop", "matched": EOS}
+    assert final(outputs, "stop").finished_reason == {"type": "stop", "matched": 13}
+    assert_pool_full(s, alloc)
+
+
+def test_ignore_eos_and_min_new_tokens_keep_going():
+    s, runner, alloc = make(runner=ScriptedRunner(eos_at=5))
+    s.handle(request("a", prompt_len=4, max_new=3, ignore_eos=True))
+    outputs = run_until_idle(s)
+    assert final(outputs, "a").finished_reason == {"type": "length", "length": 3}
+    # The sampler is told to mask EOS while fewer than min_new_tokens were generated.
+    s.handle(request("b", prompt_len=4, max_new=5, min_new_tokens=2))
+    s.step()
+    assert runner.batches[-1].items[0].sampling.suppress_ids == [EOS]
+    run_until_idle(s)
+    assert_pool_full(s, alloc)
+
+
+def test_a_request_that_does_not_fit_waits_for_memory_then_runs():
+    s, runner, alloc = make(num_pages=4)  # 16 token slots
+    s.handle(request("a", prompt_len=4, max_new=8))  # 12 tokens: 3 pages
+    s.handle(request("b", prompt_len=4, max_new=4))  # 8 tokens: 2 pages, only 1 left
+    s.step()
+    assert [r.rid for r in s.running] == ["a"] and [r.rid for r in s.waiting] == ["b"]
+    assert s.handle(GetLoadReqInput()).num_waiting_reqs == 1
+    outputs = run_until_idle(s)
+    assert final(outputs, "a").completion_tokens == 8 and final(outputs, "b").completion_tokens == 4
+    first_b = next(i for i, b in enumerate(runner.batches) if any(it.rid == "b" for it in b.items))
+    last_a = max(i for i, b in enumerate(runner.batches) if any(it.rid == "a" for it in b.items))
+    assert first_b > last_a, "b was admitted only once a's pages came back"
+    assert_pool_full(s, alloc)
+
+
+def test_chunked_prefill_splits_a_long_prompt_over_steps():
+    s, runner, alloc = make(chunk=4)
+    s.handle(request("a", prompt_len=10, max_new=2))
+    outputs = run_until_idle(s)
+    extends = [[len(i.token_ids) for i in b.items] for b in runner.batches if not b.is_decode]
+    assert extends == [[4], [4], [2]]
+    starts = [b.items[0].start for b in runner.batches if not b.is_decode]
+    assert starts == [0, 4, 8]
+    # Only the last chunk samples.
+    assert [b.items[0].sampling is not None for b in runner.batches] == [False, False, True, True]
+    assert final(outputs, "a").new_ids == [20, 21]  # 10 + the position after the prompt
+    assert_pool_full(s, alloc)
+
+
+def test_prompt_logprobs_are_asked_for_the_right_rows_across_chunks():
+    s, runner, alloc = make(chunk=4)
+    msg = request("a", prompt_len=7, max_new=1)
+    msg.return_logprob, msg.logprob_start_len = True, 0
+    s.handle(msg)
+    outputs = run_until_idle(s)
+    extends = [b.items[0] for b in runner.batches if not b.is_decode]
+    assert [i.logprob_rows for i in extends] == [[0, 1, 2, 3], [0, 1]]
+    assert sum((i.logprob_targets for i in extends), []) == msg.input_ids[1:]
+    out = final(outputs, "a")
+    assert [t for _, t in out.input_logprobs] == msg.input_ids and out.input_logprobs[0][0] is None
+
+
+@pytest.mark.parametrize("where", ["waiting", "prefilling", "decoding"])
+def test_abort_anywhere_frees_everything(where):
+    s, runner, alloc = make(num_pages=6, chunk=4)
+    s.handle(request("big", prompt_len=12, max_new=8))  # 20 tokens: 5 pages
+    s.handle(request("victim", prompt_len=6, max_new=2))  # 8 tokens: 2 pages, must wait behind big
+    s.step()
+    if where == "waiting":
+        assert any(r.rid == "victim" for r in s.waiting)
+        target = "victim"
+    elif where == "prefilling":
+        assert s.chunked is not None and s.chunked.rid == "big"
+        target = "big"
+    else:
+        while not any(r.rid == "big" for r in s.running):
+            s.step()
+        target = "big"
+    s.handle(AbortReq(rid=target, message="client left"))
+    outs = s.step()
+    assert final(outs, target).finished_reason == {"type": "abort", "message": "client left"}
+    run_until_idle(s)
+    assert_pool_full(s, alloc)
+
+
+def test_a_failing_request_fails_alone():
+    runner = ScriptedRunner()
+    runner.fail_rids = {"bad"}
+    s, runner, alloc = make(runner=runner)
+    s.handle(request("good", max_new=3))
+    s.handle(request("bad", max_new=3))
+    outputs = run_until_idle(s)
+    reason = final(outputs, "bad").finished_reason
+    assert reason["status_code"] == 500 and reason["request_fault"] is True and "boom" in reason["message"]
+    assert final(outputs, "good").finished_reason == {"type": "length", "length": 3}
+    assert s.num_failed_requests == 1
+    assert_pool_full(s, alloc)
+
+
+def test_a_request_that_cannot_be_seeded_fails_alone():
+    class Unseedable(ScriptedRunner):
+        def make_generator(self, seed):
+            raise OverflowError("seed out of range")
+
+    s, runner, alloc = make(runner=Unseedable())
+    s.handle(request("seeded", seed=7))
+    s.handle(request("plain"))
+    outputs = run_until_idle(s)
+    assert final(outputs, "seeded").finished_reason["status_code"] == 500
+    assert final(outputs, "plain").finished_reason["type"] == "length"
+    assert_pool_full(s, alloc)
+
+
+def test_control_messages_through_one_table(tmp_path):
+    s, runner, alloc = make(num_pages=32, tmp_path=tmp_path)
+    reply = s.handle(FlushCacheReqInput(http_worker_ipc="front-0"))
+    assert isinstance(reply, FlushCacheReqOutput) and reply.success and reply.http_worker_ipc == "front-0"
+    s.handle(request("a", max_new=50))
+    s.step()
+    assert not s.handle(FlushCacheReqInput()).success  # refused while requests run
+    load = s.handle(GetLoadReqInput())
+    assert isinstance(load, GetLoadReqOutput) and load.num_running_reqs == 1 and load.num_used_tokens > 0
+    assert load.max_total_num_tokens == alloc.num_pages * PAGE
+    # pause in place: nothing runs, nothing is freed
+    s.handle(PauseGenerationReqInput(mode="in_place"))
+    before = len(runner.batches)
+    assert s.step() == [] and len(runner.batches) == before and not s.has_work
+    s.handle(ContinueGenerationReqInput())
+    s.step()
+    assert len(runner.batches) == before + 1
+    # pause retract: back to the queue, KV freed, then resumed to the end
+    s.handle(PauseGenerationReqInput(mode="retract"))
+    assert [r.rid for r in s.waiting] == ["a"] and alloc.num_free_pages == alloc.num_pages
+    s.handle(ContinueGenerationReqInput())
+    outputs = run_until_idle(s)
+    assert final(outputs, "a").completion_tokens == 50
+    # pause abort: running requests end
+    s.handle(request("b", max_new=50))
+    s.step()
+    s.handle(PauseGenerationReqInput(mode="abort"))
+    assert final(s.step(), "b").finished_reason["type"] == "abort"
+    s.handle(ContinueGenerationReqInput())
+    # weights: the runner's refusal is the answer, the server keeps serving
+    out = s.handle(UpdateWeightFromDiskReqInput(model_path="/nowhere"))
+    assert isinstance(out, UpdateWeightFromDiskReqOutput) and not out.success and "no weights" in out.message
+    # profile: start, stop after num_steps by itself, refuse a stop with nothing running
+    started = s.handle(ProfileReq(action="start", output_dir="run1", num_steps=1))
+    assert isinstance(started, ProfileReqOutput) and started.success
+    assert not s.handle(ProfileReq(action="start")).success  # one at a time
+    s.handle(request("c", max_new=2))
+    run_until_idle(s)
+    assert not s.profiler.is_running and list((tmp_path / "run1").iterdir())
+    assert not s.handle(ProfileReq(action="stop")).success
+    assert_pool_full(s, alloc)
+
+
+def test_a_control_message_that_fails_is_answered_not_raised(tmp_path):
+    s, runner, alloc = make(tmp_path=tmp_path)
+    out = s.handle(ProfileReq(action="start", output_dir="../escape"))
+    assert isinstance(out, ProfileReqOutput) and not out.success and "internal error" in out.message
+    assert s.handle(object()) is None  # not a message: logged and dropped
