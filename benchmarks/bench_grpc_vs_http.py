@@ -49,8 +49,12 @@ import tempfile
 import time
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest."
-STREAM_PROMPTS = ["Write a short poem about the sea.", "Explain how a bicycle gear system works.",
-                  "Tell me a story about a lighthouse keeper.", "List some tips for a healthy garden."]
+STREAM_PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain how a bicycle gear system works.",
+    "Tell me a story about a lighthouse keeper.",
+    "List some tips for a healthy garden.",
+]
 TOKENIZE_TARGET = 0.7
 STREAM_TARGET = 0.95
 
@@ -73,9 +77,14 @@ ECHO_STEP_S = 0.1  # the bare streams' pause between messages: about one engine 
 
 def echo_meta(completion_tokens: int) -> dict:
     """A meta_info of the size the server sends (gRPC carries it as a string map)."""
-    return {"id": "\"0123456789abcdef0123456789abcdef\"", "prompt_tokens": "12",
-            "completion_tokens": str(completion_tokens), "cached_tokens": "0", "finish_reason": "null",
-            "e2e_latency": "0.123"}
+    return {
+        "id": '"0123456789abcdef0123456789abcdef"',
+        "prompt_tokens": "12",
+        "completion_tokens": str(completion_tokens),
+        "cached_tokens": "0",
+        "finish_reason": "null",
+        "e2e_latency": "0.123",
+    }
 
 
 def serve_grpc_echo(port: int) -> None:
@@ -88,14 +97,18 @@ def serve_grpc_echo(port: int) -> None:
 
     class Echo(sglang_pb2_grpc.SglangServiceServicer):
         async def Tokenize(self, request, context):
-            return pb.TokenizeResponse(tokens=[1, 2, 3], count=3, max_model_len=8192, input_text=request.text)
+            return pb.TokenizeResponse(
+                tokens=[1, 2, 3], count=3, max_model_len=8192, input_text=request.text
+            )
 
         async def TextGenerate(self, request, context):
             # One message per "token", paced like engine steps: the transport's own streaming cost.
             n = request.sampling_params.max_new_tokens or 16
             for i in range(n):
                 await asyncio.sleep(ECHO_STEP_S)
-                yield pb.TextGenerateResponse(text=" x", meta_info=echo_meta(i + 1), finished=i == n - 1)
+                yield pb.TextGenerateResponse(
+                    text=" x", meta_info=echo_meta(i + 1), finished=i == n - 1
+                )
 
     async def main():
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -124,23 +137,47 @@ def serve_http_echo(port: int) -> None:
         request = msgspec.json.decode(body)
         if scope["path"] == "/generate":  # SSE, one event per "token", paced like engine steps
             n = request.get("sampling_params", {}).get("max_new_tokens", 16)
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")],
+                }
+            )
             for i in range(n):
                 await asyncio.sleep(ECHO_STEP_S)
                 chunk = {"text": " x", "output_ids": [1], "meta_info": echo_meta(i + 1)}
-                await send({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(chunk) + b"\n\n",
-                            "more_body": True})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": b"data: " + msgspec.json.encode(chunk) + b"\n\n",
+                        "more_body": True,
+                    }
+                )
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
             return
-        out = msgspec.json.encode({"tokens": [1, 2, 3], "count": 3, "max_model_len": 8192, "input": request})
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json")]})
+        out = msgspec.json.encode(
+            {"tokens": [1, 2, 3], "count": 3, "max_model_len": 8192, "input": request}
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
         await send({"type": "http.response.body", "body": out})
 
     # The HTTP stack `cadence serve` runs (uvicorn picks httptools when installed, else h11).
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop="uvloop",
-                lifespan="off")
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+        loop="uvloop",
+        lifespan="off",
+    )
 
 
 # ---- load generators (run as `python this.py --role load ...`, print one JSON line) -----------
@@ -178,8 +215,9 @@ async def _closed_loop(concurrency: int, duration: float, one) -> dict:
     return {"units": counted, "elapsed_s": elapsed, "per_s": counted / elapsed}
 
 
-async def _grpc_load(target: str, kind: str, concurrency: int, duration: float, stream_tokens: int,
-                     num_channels: int) -> dict:
+async def _grpc_load(
+    target: str, kind: str, concurrency: int, duration: float, stream_tokens: int, num_channels: int
+) -> dict:
     import grpc
 
     from cadence.grpc import sglang_pb2 as pb
@@ -201,16 +239,25 @@ async def _grpc_load(target: str, kind: str, concurrency: int, duration: float, 
             await stub().Tokenize(req)
             count(1)
     elif kind == "generate1":
-        req = pb.TextGenerateRequest(text=PROMPT, sampling_params=pb.SamplingParams(max_new_tokens=1,
-                                                                                    temperature=0))
+        req = pb.TextGenerateRequest(
+            text=PROMPT, sampling_params=pb.SamplingParams(max_new_tokens=1, temperature=0)
+        )
 
         async def one(count):
             async for _ in stub().TextGenerate(req):
                 pass
             count(1)
     else:
-        reqs = [pb.TextGenerateRequest(text=p, stream=True, sampling_params=pb.SamplingParams(
-            max_new_tokens=stream_tokens, ignore_eos=True, temperature=0)) for p in STREAM_PROMPTS]
+        reqs = [
+            pb.TextGenerateRequest(
+                text=p,
+                stream=True,
+                sampling_params=pb.SamplingParams(
+                    max_new_tokens=stream_tokens, ignore_eos=True, temperature=0
+                ),
+            )
+            for p in STREAM_PROMPTS
+        ]
 
         async def one(count):
             seen = 0
@@ -225,11 +272,15 @@ async def _grpc_load(target: str, kind: str, concurrency: int, duration: float, 
     return result
 
 
-async def _http_load(url: str, kind: str, concurrency: int, duration: float, stream_tokens: int) -> dict:
+async def _http_load(
+    url: str, kind: str, concurrency: int, duration: float, stream_tokens: int
+) -> dict:
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=600)
+    ) as session:
         if kind == "tokenize":
             body = json.dumps({"prompt": PROMPT}).encode()
 
@@ -239,7 +290,9 @@ async def _http_load(url: str, kind: str, concurrency: int, duration: float, str
                     assert r.status == 200, r.status
                 count(1)
         elif kind == "generate1":
-            body = json.dumps({"text": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).encode()
+            body = json.dumps(
+                {"text": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+            ).encode()
 
             async def one(count):
                 async with session.post(url + "/generate", data=body) as r:
@@ -247,9 +300,20 @@ async def _http_load(url: str, kind: str, concurrency: int, duration: float, str
                     assert r.status == 200, r.status
                 count(1)
         else:
-            bodies = [json.dumps({"text": p, "stream": True, "sampling_params": {
-                "max_new_tokens": stream_tokens, "ignore_eos": True, "temperature": 0}}).encode()
-                for p in STREAM_PROMPTS]
+            bodies = [
+                json.dumps(
+                    {
+                        "text": p,
+                        "stream": True,
+                        "sampling_params": {
+                            "max_new_tokens": stream_tokens,
+                            "ignore_eos": True,
+                            "temperature": 0,
+                        },
+                    }
+                ).encode()
+                for p in STREAM_PROMPTS
+            ]
             turn = 0
 
             async def one(count):
@@ -264,18 +328,40 @@ async def _http_load(url: str, kind: str, concurrency: int, duration: float, str
 
 
 def _wrk_load(url: str, kind: str, concurrency: int, duration: float) -> dict:
-    route, body = ("/tokenize", {"prompt": PROMPT}) if kind == "tokenize" else \
-        ("/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    route, body = (
+        ("/tokenize", {"prompt": PROMPT})
+        if kind == "tokenize"
+        else (
+            "/generate",
+            {"text": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+        )
+    )
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
-        f.write(f'wrk.method = "POST"\nwrk.body = {json.dumps(json.dumps(body))}\n'
-                'wrk.headers["Content-Type"] = "application/json"\n')
+        f.write(
+            f'wrk.method = "POST"\nwrk.body = {json.dumps(json.dumps(body))}\n'
+            'wrk.headers["Content-Type"] = "application/json"\n'
+        )
         script = f.name
     try:
-        out = subprocess.run(["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(duration))}s", "-s", script,
-                              url + route], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [
+                "wrk",
+                "-t1",
+                f"-c{concurrency}",
+                f"-d{max(1, round(duration))}s",
+                "-s",
+                script,
+                url + route,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     finally:
         os.unlink(script)
-    rps = float(next(line.split()[1] for line in out.splitlines() if line.startswith("Requests/sec")))
+    rps = float(
+        next(line.split()[1] for line in out.splitlines() if line.startswith("Requests/sec"))
+    )
     return {"units": None, "elapsed_s": duration, "per_s": rps}
 
 
@@ -285,10 +371,20 @@ def run_load(args) -> None:
     if args.client == "wrk":
         result = _wrk_load(args.target, args.kind, args.concurrency, args.duration)
     elif args.target.startswith("http"):
-        result = uvloop.run(_http_load(args.target, args.kind, args.concurrency, args.duration, args.stream_tokens))
+        result = uvloop.run(
+            _http_load(args.target, args.kind, args.concurrency, args.duration, args.stream_tokens)
+        )
     else:
-        result = uvloop.run(_grpc_load(args.target, args.kind, args.concurrency, args.duration, args.stream_tokens,
-                                       args.grpc_channels))
+        result = uvloop.run(
+            _grpc_load(
+                args.target,
+                args.kind,
+                args.concurrency,
+                args.duration,
+                args.stream_tokens,
+                args.grpc_channels,
+            )
+        )
     print(json.dumps(result))
 
 
@@ -301,13 +397,37 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-def measure(target: str, kind: str, concurrency: int, args, cpu_pid: int | None = None,
-            client: str = "python", stream_tokens: int | None = None) -> dict:
+def measure(
+    target: str,
+    kind: str,
+    concurrency: int,
+    args,
+    cpu_pid: int | None = None,
+    client: str = "python",
+    stream_tokens: int | None = None,
+) -> dict:
     duration = args.stream_duration if kind == "stream" else args.duration
     stream_tokens = stream_tokens or args.stream_tokens
-    cmd = [sys.executable, __file__, "--role", "load", "--target", target, "--kind", kind, "--concurrency",
-           str(concurrency), "--duration", str(duration), "--stream-tokens", str(stream_tokens),
-           "--client", client, "--grpc-channels", str(args.grpc_channels)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--role",
+        "load",
+        "--target",
+        target,
+        "--kind",
+        kind,
+        "--concurrency",
+        str(concurrency),
+        "--duration",
+        str(duration),
+        "--stream-tokens",
+        str(stream_tokens),
+        "--client",
+        client,
+        "--grpc-channels",
+        str(args.grpc_channels),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     cpu = before = None
     lines = []
@@ -333,7 +453,9 @@ class Processes:
 
     def spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log_file = open(os.path.join(self.tmp, f"{name}.log"), "wb")
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.procs.append(proc)
         return proc
 
@@ -376,7 +498,9 @@ def grpc_ok(target: str) -> bool:
     from cadence.grpc import sglang_pb2_grpc
 
     with grpc.insecure_channel(target) as channel:
-        sglang_pb2_grpc.SglangServiceStub(channel).Tokenize(pb.TokenizeRequest(text="up?"), timeout=2)
+        sglang_pb2_grpc.SglangServiceStub(channel).Tokenize(
+            pb.TokenizeRequest(text="up?"), timeout=2
+        )
     return True
 
 
@@ -385,17 +509,30 @@ def run(args) -> dict:
     port, grpc_port, echo_http, echo_grpc = free_port(), free_port(), free_port(), free_port()
     http_url, grpc_target = f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
     echo_url, echo_target = f"http://127.0.0.1:{echo_http}", f"127.0.0.1:{echo_grpc}"
-    cmd = [sys.executable, "-m", "cadence.launch_server", "--port", str(port), "--grpc-port", str(grpc_port),
-           "--dtype", args.dtype, "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cadence.launch_server",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(grpc_port),
+        "--dtype",
+        args.dtype,
+        "--log-level",
+        "warning",
+    ]
     if args.model_path:
         cmd += ["--model-path", args.model_path]
     try:
         log(f"logs in {procs.tmp}")
         server = procs.spawn("server", cmd)
-        grpc_echo = procs.spawn("grpc_echo", [sys.executable, __file__, "--role", "grpc-echo", "--port",
-                                              str(echo_grpc)])
-        http_echo = procs.spawn("http_echo", [sys.executable, __file__, "--role", "http-echo", "--port",
-                                              str(echo_http)])
+        grpc_echo = procs.spawn(
+            "grpc_echo", [sys.executable, __file__, "--role", "grpc-echo", "--port", str(echo_grpc)]
+        )
+        http_echo = procs.spawn(
+            "http_echo", [sys.executable, __file__, "--role", "http-echo", "--port", str(echo_http)]
+        )
         wait_for(lambda: http_ok(http_url + "/health"), "cadence serve", server)
         wait_for(lambda: grpc_ok(grpc_target), "cadence serve's gRPC port", server)
         wait_for(lambda: grpc_ok(echo_target), "the grpc.aio echo server", grpc_echo)
@@ -413,19 +550,31 @@ def run(args) -> dict:
         ]
         # The bare transports streaming the same number of messages: their CPU per message is
         # the floor each protocol's front-process cost per token stands on.
-        phases += [("grpc_echo_stream", echo_target, "stream", 32, grpc_echo.pid, "python"),
-                   ("http_echo_stream", echo_url, "stream", 32, http_echo.pid, "python")]
+        phases += [
+            ("grpc_echo_stream", echo_target, "stream", 32, grpc_echo.pid, "python"),
+            ("http_echo_stream", echo_url, "stream", 32, http_echo.pid, "python"),
+        ]
         if args.short_stream_tokens:
-            phases += [("grpc_short_stream", grpc_target, "stream", 32, server.pid, "python"),
-                       ("http_short_stream", http_url, "stream", 32, server.pid, "python")]
+            phases += [
+                ("grpc_short_stream", grpc_target, "stream", 32, server.pid, "python"),
+                ("http_short_stream", http_url, "stream", 32, server.pid, "python"),
+            ]
         rounds: dict[str, list[dict]] = {name: [] for name, *_ in phases}
         for r in range(args.rounds):
             for name, target, kind, conc, pid, client in phases:
                 tokens = args.short_stream_tokens if "short" in name else None
-                result = measure(target, kind, conc, args, cpu_pid=pid, client=client, stream_tokens=tokens)
+                result = measure(
+                    target, kind, conc, args, cpu_pid=pid, client=client, stream_tokens=tokens
+                )
                 rounds[name].append(result)
-                log(f"round {r + 1}/{args.rounds} {name}: {result['per_s']:.1f}/s"
-                    + (f", front CPU {result['front_cpu_s']:.2f}s" if result["front_cpu_s"] is not None else ""))
+                log(
+                    f"round {r + 1}/{args.rounds} {name}: {result['per_s']:.1f}/s"
+                    + (
+                        f", front CPU {result['front_cpu_s']:.2f}s"
+                        if result["front_cpu_s"] is not None
+                        else ""
+                    )
+                )
     finally:
         procs.stop()
         if not args.keep_logs:
@@ -443,36 +592,54 @@ def urllib_post_ok(url: str) -> bool:
 
 def summarize(rounds: dict[str, list[dict]], args) -> dict:
     med = statistics.median
-    out: dict = {name: med(r["per_s"] for r in results) for name, results in rounds.items()
-                 if not name.endswith("_stream")}
+    out: dict = {
+        name: med(r["per_s"] for r in results)
+        for name, results in rounds.items()
+        if not name.endswith("_stream")
+    }
     for proto in ("grpc", "http"):
         results = rounds[f"{proto}_stream"]
         out[f"{proto}_stream_tok_s_c32"] = med(r["per_s"] for r in results)
-        out[f"{proto}_cpu_s_per_1k_tok"] = med(1000 * r["front_cpu_s"] / r["units"] for r in results if r["units"])
+        out[f"{proto}_cpu_s_per_1k_tok"] = med(
+            1000 * r["front_cpu_s"] / r["units"] for r in results if r["units"]
+        )
         out[f"{proto}_stream_rounds_tok_s"] = [round(r["per_s"], 1) for r in results]
-        out[f"{proto}_stream_rounds_cpu_s_per_1k_tok"] = [round(1000 * r["front_cpu_s"] / r["units"], 4)
-                                                          for r in results if r["units"]]
+        out[f"{proto}_stream_rounds_cpu_s_per_1k_tok"] = [
+            round(1000 * r["front_cpu_s"] / r["units"], 4) for r in results if r["units"]
+        ]
         short = rounds.get(f"{proto}_short_stream")
         if short:
             out[f"{proto}_short_stream_tok_s_c32"] = med(r["per_s"] for r in short)
-            out[f"{proto}_cpu_s_per_1k_tok_short"] = med(1000 * r["front_cpu_s"] / r["units"] for r in short
-                                                         if r["units"])
+            out[f"{proto}_cpu_s_per_1k_tok_short"] = med(
+                1000 * r["front_cpu_s"] / r["units"] for r in short if r["units"]
+            )
     for proto in ("grpc", "http"):
         results = rounds.get(f"{proto}_echo_stream")
         if results:
-            out[f"{proto}_echo_cpu_s_per_1k_msg"] = med(1000 * r["front_cpu_s"] / r["units"] for r in results
-                                                        if r["units"])
+            out[f"{proto}_echo_cpu_s_per_1k_msg"] = med(
+                1000 * r["front_cpu_s"] / r["units"] for r in results if r["units"]
+            )
     if "grpc_cpu_s_per_1k_tok_short" in out:
-        out["grpc_vs_http_cpu_per_tok_short"] = out["grpc_cpu_s_per_1k_tok_short"] / out["http_cpu_s_per_1k_tok_short"]
+        out["grpc_vs_http_cpu_per_tok_short"] = (
+            out["grpc_cpu_s_per_1k_tok_short"] / out["http_cpu_s_per_1k_tok_short"]
+        )
     out["grpc_tokenize_vs_echo"] = out["grpc_tokenize_rps"] / out["grpc_echo_rps"]
     out["http_tokenize_vs_echo"] = out["http_tokenize_rps"] / out["http_echo_rps"]
     out["grpc_vs_http_stream"] = out["grpc_stream_tok_s_c32"] / out["http_stream_tok_s_c32"]
     out["grpc_vs_http_cpu_per_tok"] = out["grpc_cpu_s_per_1k_tok"] / out["http_cpu_s_per_1k_tok"]
-    out.update(duration_s=args.duration, stream_duration_s=args.stream_duration, rounds=args.rounds,
-               unary_concurrency=args.concurrency, grpc_channels=args.grpc_channels,
-               stream_tokens=args.stream_tokens, short_stream_tokens=args.short_stream_tokens,
-               http_client=args.http_client, dtype=args.dtype,
-               cpu_count=os.cpu_count(), load_avg_1m=os.getloadavg()[0])
+    out.update(
+        duration_s=args.duration,
+        stream_duration_s=args.stream_duration,
+        rounds=args.rounds,
+        unary_concurrency=args.concurrency,
+        grpc_channels=args.grpc_channels,
+        stream_tokens=args.stream_tokens,
+        short_stream_tokens=args.short_stream_tokens,
+        http_client=args.http_client,
+        dtype=args.dtype,
+        cpu_count=os.cpu_count(),
+        load_avg_1m=os.getloadavg()[0],
+    )
     return out
 
 
@@ -482,26 +649,49 @@ def print_table(res: dict) -> None:
         extra += f"   target {target}" if target else ""
         print(f"{label:<44}{value:>12}{extra}")
 
-    print(f"\ngRPC vs HTTP on one cadence serve ({res['cpu_count']} CPUs, load avg {res['load_avg_start']:.1f} at start, "
-          f"{res['load_avg_1m']:.1f} at end, "
-          f"median of {res['rounds']} rounds of {res['duration_s']}s, HTTP client {res['http_client']})")
-    row("gRPC Tokenize req/s", f"{res['grpc_tokenize_rps']:.0f}",
-        f"bare grpc.aio echo {res['grpc_echo_rps']:.0f} ({res['grpc_tokenize_vs_echo']:.2f}x)", f">= {TOKENIZE_TARGET}x")
-    row("HTTP /tokenize req/s", f"{res['http_tokenize_rps']:.0f}",
-        f"bare uvicorn echo {res['http_echo_rps']:.0f} ({res['http_tokenize_vs_echo']:.2f}x)", f">= {TOKENIZE_TARGET}x")
+    print(
+        f"\ngRPC vs HTTP on one cadence serve ({res['cpu_count']} CPUs, load avg {res['load_avg_start']:.1f} at start, "
+        f"{res['load_avg_1m']:.1f} at end, "
+        f"median of {res['rounds']} rounds of {res['duration_s']}s, HTTP client {res['http_client']})"
+    )
+    row(
+        "gRPC Tokenize req/s",
+        f"{res['grpc_tokenize_rps']:.0f}",
+        f"bare grpc.aio echo {res['grpc_echo_rps']:.0f} ({res['grpc_tokenize_vs_echo']:.2f}x)",
+        f">= {TOKENIZE_TARGET}x",
+    )
+    row(
+        "HTTP /tokenize req/s",
+        f"{res['http_tokenize_rps']:.0f}",
+        f"bare uvicorn echo {res['http_echo_rps']:.0f} ({res['http_tokenize_vs_echo']:.2f}x)",
+        f">= {TOKENIZE_TARGET}x",
+    )
     row("gRPC TextGenerate, 1 token, req/s", f"{res['grpc_generate1_rps']:.1f}")
     row("HTTP /generate, 1 token, req/s", f"{res['http_generate1_rps']:.1f}")
-    row("gRPC streamed tok/s at c=32", f"{res['grpc_stream_tok_s_c32']:.1f}",
-        f"HTTP {res['http_stream_tok_s_c32']:.1f} ({res['grpc_vs_http_stream']:.3f}x)", f">= {STREAM_TARGET}x")
-    row(f"gRPC front CPU s / 1k tokens ({res['stream_tokens']}-token reqs)", f"{res['grpc_cpu_s_per_1k_tok']:.3f}",
-        f"HTTP {res['http_cpu_s_per_1k_tok']:.3f} ({res['grpc_vs_http_cpu_per_tok']:.2f}x)", "<= 1.0x")
+    row(
+        "gRPC streamed tok/s at c=32",
+        f"{res['grpc_stream_tok_s_c32']:.1f}",
+        f"HTTP {res['http_stream_tok_s_c32']:.1f} ({res['grpc_vs_http_stream']:.3f}x)",
+        f">= {STREAM_TARGET}x",
+    )
+    row(
+        f"gRPC front CPU s / 1k tokens ({res['stream_tokens']}-token reqs)",
+        f"{res['grpc_cpu_s_per_1k_tok']:.3f}",
+        f"HTTP {res['http_cpu_s_per_1k_tok']:.3f} ({res['grpc_vs_http_cpu_per_tok']:.2f}x)",
+        "<= 1.0x",
+    )
     if "grpc_cpu_s_per_1k_tok_short" in res:
-        row(f"gRPC front CPU s / 1k tokens ({res['short_stream_tokens']}-token reqs)",
+        row(
+            f"gRPC front CPU s / 1k tokens ({res['short_stream_tokens']}-token reqs)",
             f"{res['grpc_cpu_s_per_1k_tok_short']:.3f}",
-            f"HTTP {res['http_cpu_s_per_1k_tok_short']:.3f} ({res['grpc_vs_http_cpu_per_tok_short']:.2f}x)")
+            f"HTTP {res['http_cpu_s_per_1k_tok_short']:.3f} ({res['grpc_vs_http_cpu_per_tok_short']:.2f}x)",
+        )
     if "grpc_echo_cpu_s_per_1k_msg" in res:
-        row("bare grpc.aio stream: CPU s / 1k messages", f"{res['grpc_echo_cpu_s_per_1k_msg']:.3f}",
-            f"bare uvicorn SSE {res['http_echo_cpu_s_per_1k_msg']:.3f}")
+        row(
+            "bare grpc.aio stream: CPU s / 1k messages",
+            f"{res['grpc_echo_cpu_s_per_1k_msg']:.3f}",
+            f"bare uvicorn SSE {res['http_echo_cpu_s_per_1k_msg']:.3f}",
+        )
 
 
 def write_chart(res: dict, path: str) -> None:
@@ -512,28 +702,59 @@ def write_chart(res: dict, path: str) -> None:
 
     fig, axes = plt.subplots(1, 6, figsize=(24, 4.2))
     panels = [
-        ("Tokenize req/s", ["gRPC", "gRPC echo", "HTTP", "HTTP echo"],
-         [res["grpc_tokenize_rps"], res["grpc_echo_rps"], res["http_tokenize_rps"], res["http_echo_rps"]]),
-        ("generate, 1 token: req/s", ["gRPC", "HTTP"], [res["grpc_generate1_rps"], res["http_generate1_rps"]]),
-        ("streamed tok/s, c=32", ["gRPC", "HTTP"], [res["grpc_stream_tok_s_c32"], res["http_stream_tok_s_c32"]]),
-        (f"front CPU s / 1k streamed tokens ({res['stream_tokens']}-token requests)", ["gRPC", "HTTP"],
-         [res["grpc_cpu_s_per_1k_tok"], res["http_cpu_s_per_1k_tok"]]),
+        (
+            "Tokenize req/s",
+            ["gRPC", "gRPC echo", "HTTP", "HTTP echo"],
+            [
+                res["grpc_tokenize_rps"],
+                res["grpc_echo_rps"],
+                res["http_tokenize_rps"],
+                res["http_echo_rps"],
+            ],
+        ),
+        (
+            "generate, 1 token: req/s",
+            ["gRPC", "HTTP"],
+            [res["grpc_generate1_rps"], res["http_generate1_rps"]],
+        ),
+        (
+            "streamed tok/s, c=32",
+            ["gRPC", "HTTP"],
+            [res["grpc_stream_tok_s_c32"], res["http_stream_tok_s_c32"]],
+        ),
+        (
+            f"front CPU s / 1k streamed tokens ({res['stream_tokens']}-token requests)",
+            ["gRPC", "HTTP"],
+            [res["grpc_cpu_s_per_1k_tok"], res["http_cpu_s_per_1k_tok"]],
+        ),
     ]
     if "grpc_cpu_s_per_1k_tok_short" in res:
-        panels.append((f"same, {res['short_stream_tokens']}-token requests", ["gRPC", "HTTP"],
-                       [res["grpc_cpu_s_per_1k_tok_short"], res["http_cpu_s_per_1k_tok_short"]]))
+        panels.append(
+            (
+                f"same, {res['short_stream_tokens']}-token requests",
+                ["gRPC", "HTTP"],
+                [res["grpc_cpu_s_per_1k_tok_short"], res["http_cpu_s_per_1k_tok_short"]],
+            )
+        )
     if "grpc_echo_cpu_s_per_1k_msg" in res:
-        panels.append(("bare transports: CPU s / 1k streamed messages", ["gRPC echo", "HTTP echo"],
-                       [res["grpc_echo_cpu_s_per_1k_msg"], res["http_echo_cpu_s_per_1k_msg"]]))
+        panels.append(
+            (
+                "bare transports: CPU s / 1k streamed messages",
+                ["gRPC echo", "HTTP echo"],
+                [res["grpc_echo_cpu_s_per_1k_msg"], res["http_echo_cpu_s_per_1k_msg"]],
+            )
+        )
     colors = {"gRPC": "#4c72b0", "gRPC echo": "#a6bddb", "HTTP": "#dd8452", "HTTP echo": "#fdd0a2"}
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.axis("off")
     for ax, (title, labels, values) in zip(axes, panels):
         bars = ax.bar(labels, values, color=[colors[label] for label in labels])
         ax.bar_label(bars, fmt=lambda v: f"{v:.0f}" if v >= 100 else f"{v:.3g}", fontsize=8)
         ax.set_title(title, fontsize=9)
-    fig.suptitle(f"cadence serve: gRPC vs HTTP ({res['cpu_count']} CPUs, 1-min load average "
-                 f"{res['load_avg_start']:.1f} at start, {res['load_avg_1m']:.1f} at end; median of {res['rounds']} rounds)")
+    fig.suptitle(
+        f"cadence serve: gRPC vs HTTP ({res['cpu_count']} CPUs, 1-min load average "
+        f"{res['load_avg_start']:.1f} at start, {res['load_avg_1m']:.1f} at end; median of {res['rounds']} rounds)"
+    )
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -542,25 +763,47 @@ def write_chart(res: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds measured per unary phase and round")
-    parser.add_argument("--stream-duration", type=float, default=15.0,
-                        help="seconds measured per stream phase and round (long enough for CPU-time ticks)")
+    parser.add_argument(
+        "--duration", type=float, default=5.0, help="seconds measured per unary phase and round"
+    )
+    parser.add_argument(
+        "--stream-duration",
+        type=float,
+        default=15.0,
+        help="seconds measured per stream phase and round (long enough for CPU-time ticks)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=32, help="clients of the unary phases")
-    parser.add_argument("--stream-tokens", type=int, default=64, help="output tokens per streamed request")
-    parser.add_argument("--grpc-channels", type=int, default=4, help="channels the gRPC load spreads its calls over")
-    parser.add_argument("--short-stream-tokens", type=int, default=16,
-                        help="also stream requests this short (per-request costs weigh more); 0: skip")
-    parser.add_argument("--http-client", choices=("python", "wrk"), default="python",
-                        help="aiohttp (python) or wrk for the unary HTTP phases")
+    parser.add_argument(
+        "--stream-tokens", type=int, default=64, help="output tokens per streamed request"
+    )
+    parser.add_argument(
+        "--grpc-channels", type=int, default=4, help="channels the gRPC load spreads its calls over"
+    )
+    parser.add_argument(
+        "--short-stream-tokens",
+        type=int,
+        default=16,
+        help="also stream requests this short (per-request costs weigh more); 0: skip",
+    )
+    parser.add_argument(
+        "--http-client",
+        choices=("python", "wrk"),
+        default="python",
+        help="aiohttp (python) or wrk for the unary HTTP phases",
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--json", default=None, help="write the figures as one flat JSON object")
     parser.add_argument("--plot", default="bench_results/bench_grpc_vs_http.png")
     parser.add_argument("--keep-logs", action="store_true")
     # internal: the child processes
-    parser.add_argument("--role", choices=("main", "grpc-echo", "http-echo", "load"), default="main",
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--role",
+        choices=("main", "grpc-echo", "http-echo", "load"),
+        default="main",
+        help=argparse.SUPPRESS,
+    )
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)

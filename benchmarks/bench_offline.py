@@ -61,12 +61,17 @@ def bench_ours(engine, repeats: int) -> dict:
             assert sum(r["meta_info"]["completion_tokens"] for r in res) == bs * NEW_TOKENS
 
         # Subtract the prefill so the figure is decode alone.
-        prefill = median_time(lambda: engine.generate(input_ids=ids, sampling_params=dict(params, max_new_tokens=1)), repeats)
+        prefill = median_time(
+            lambda: engine.generate(input_ids=ids, sampling_params=dict(params, max_new_tokens=1)),
+            repeats,
+        )
         total = median_time(run, repeats)
         out[f"decode_b{bs}_tok_s"] = bs * (NEW_TOKENS - 1) / max(total - prefill, 1e-9)
     long_ids = [(engine.tokenizer.encode("The sea was calm that night. ") * 64)[:PREFILL_LEN]]
     log("ours: prefill 512")
-    t = median_time(lambda: engine.generate(input_ids=long_ids, sampling_params={"max_new_tokens": 1}), repeats)
+    t = median_time(
+        lambda: engine.generate(input_ids=long_ids, sampling_params={"max_new_tokens": 1}), repeats
+    )
     out["prefill_512_tok_s"] = PREFILL_LEN / t
     return out
 
@@ -74,9 +79,13 @@ def bench_ours(engine, repeats: int) -> dict:
 def bench_limit(model, dtype, repeats: int) -> dict:
     """The model's projections alone, through the very objects the engine calls (packed
     oneDNN weights on CPU), and the same shapes through plain F.linear for reference."""
-    linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    linears = [
+        lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ]
     linears.append(model.lm_head_linear)
-    plain = [torch.randn(lin.out_features, lin.in_features, dtype=dtype) for lin in linears]  # values don't matter
+    plain = [
+        torch.randn(lin.out_features, lin.in_features, dtype=dtype) for lin in linears
+    ]  # values don't matter
     out = {}
     for rows in BATCHES + (PREFILL_LEN,):
         xs = {lin.in_features: torch.randn(rows, lin.in_features, dtype=dtype) for lin in linears}
@@ -100,8 +109,9 @@ def bench_hf(model_path: str, dtype, repeats: int, tokenizer) -> dict:
     from transformers import AutoModelForCausalLM
 
     log("peer: loading transformers' GGUF model")
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
-                                                 dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=dtype
+    ).eval()
     out = {}
     for bs in (1, 32):
         ids = prompts(tokenizer, bs)
@@ -112,8 +122,14 @@ def bench_hf(model_path: str, dtype, repeats: int, tokenizer) -> dict:
 
         def gen(n):
             with torch.inference_mode():
-                model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, pad_token_id=0)
+                model.generate(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
 
         prefill = median_time(lambda: gen(1), max(1, repeats // 2))
         total = median_time(lambda: gen(NEW_TOKENS), max(1, repeats // 2))
@@ -131,9 +147,18 @@ def plot(results: dict, path: str) -> None:
     xs = list(BATCHES)
     ax.plot(xs, [results[f"decode_b{b}_tok_s"] for b in xs], "o-", label="Cadence")
     ax.plot(xs, [results[f"decode_b{b}_limit_tok_s"] for b in xs], "s--", label="matmul limit")
-    ax.plot(xs, [results[f"decode_b{b}_limit_plain_tok_s"] for b in xs], "x:", color="gray",
-            label="matmul limit, plain F.linear")
-    hf = [(b, results.get(f"decode_b{b}_hf_tok_s")) for b in xs if results.get(f"decode_b{b}_hf_tok_s")]
+    ax.plot(
+        xs,
+        [results[f"decode_b{b}_limit_plain_tok_s"] for b in xs],
+        "x:",
+        color="gray",
+        label="matmul limit, plain F.linear",
+    )
+    hf = [
+        (b, results.get(f"decode_b{b}_hf_tok_s"))
+        for b in xs
+        if results.get(f"decode_b{b}_hf_tok_s")
+    ]
     if hf:
         ax.plot([b for b, _ in hf], [v for _, v in hf], "^:", label="transformers loop")
     ax.set_xscale("log", base=2)
@@ -148,7 +173,9 @@ def plot(results: dict, path: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=3)
@@ -168,26 +195,37 @@ def main() -> int:
         log("limit: weight matmuls alone")
         # On the engine's own thread: OpenMP keeps a worker team per calling thread, and a
         # second team on this thread would slow both down (see cadence/engine.py).
-        results.update(engine.run_in_scheduler(lambda s: bench_limit(s.runner.model, dtype, args.repeats),
-                                               timeout=600))
+        results.update(
+            engine.run_in_scheduler(
+                lambda s: bench_limit(s.runner.model, dtype, args.repeats), timeout=600
+            )
+        )
         model_path = engine.info.model_path
     finally:
         engine.shutdown()  # its thread, and with it its OpenMP team, ends here
     if not args.skip_hf:
         results.update(bench_hf(model_path, dtype, args.repeats, engine.tokenizer))
 
-    rows = [("decode b1", "decode_b1_tok_s", "decode_b1_limit_tok_s", "decode_b1_hf_tok_s"),
-            ("decode b8", "decode_b8_tok_s", "decode_b8_limit_tok_s", None),
-            ("decode b32", "decode_b32_tok_s", "decode_b32_limit_tok_s", "decode_b32_hf_tok_s"),
-            ("prefill 512", "prefill_512_tok_s", "prefill_512_limit_tok_s", None)]
-    print(f"\nCadence offline, dtype={args.dtype}, threads={results['threads']}; limit = the engine's matmul "
-          f"kernels alone (plain F.linear: b1 {results['decode_b1_limit_plain_tok_s']:.1f}, "
-          f"b32 {results['decode_b32_limit_plain_tok_s']:.1f} tok/s)")
-    print(f"{'':12} {'ours tok/s':>11} {'limit':>9} {'ours/limit':>11} {'transformers':>13} {'ours/hf':>8}")
+    rows = [
+        ("decode b1", "decode_b1_tok_s", "decode_b1_limit_tok_s", "decode_b1_hf_tok_s"),
+        ("decode b8", "decode_b8_tok_s", "decode_b8_limit_tok_s", None),
+        ("decode b32", "decode_b32_tok_s", "decode_b32_limit_tok_s", "decode_b32_hf_tok_s"),
+        ("prefill 512", "prefill_512_tok_s", "prefill_512_limit_tok_s", None),
+    ]
+    print(
+        f"\nCadence offline, dtype={args.dtype}, threads={results['threads']}; limit = the engine's matmul "
+        f"kernels alone (plain F.linear: b1 {results['decode_b1_limit_plain_tok_s']:.1f}, "
+        f"b32 {results['decode_b32_limit_plain_tok_s']:.1f} tok/s)"
+    )
+    print(
+        f"{'':12} {'ours tok/s':>11} {'limit':>9} {'ours/limit':>11} {'transformers':>13} {'ours/hf':>8}"
+    )
     for name, ours, limit, hf in rows:
         h = results.get(hf) if hf else None
-        print(f"{name:12} {results[ours]:11.1f} {results[limit]:9.1f} {results[ours] / results[limit]:11.2f} "
-              f"{(f'{h:.1f}' if h else '-'):>13} {(f'{results[ours] / h:.2f}' if h else '-'):>8}")
+        print(
+            f"{name:12} {results[ours]:11.1f} {results[limit]:9.1f} {results[ours] / results[limit]:11.2f} "
+            f"{(f'{h:.1f}' if h else '-'):>13} {(f'{results[ours] / h:.2f}' if h else '-'):>8}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

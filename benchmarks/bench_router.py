@@ -38,7 +38,11 @@ MODEL = "bench-model"
 NUM_STREAM_EVENTS = 8
 STACKS = ("bare_aiohttp", "fastapi_httpx")  # extra targets with --stacks
 PROXIES = ("ours", "smg", *STACKS)  # everything measured against direct
-REQUEST = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
+REQUEST = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Say hello."}],
+    "max_tokens": 16,
+}
 
 # -- the upstream ----------------------------------------------------------------------
 
@@ -55,7 +59,11 @@ def run_upstream(port: int) -> None:
             "created": 0,
             "model": MODEL,
             "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "Hello there!"}, "finish_reason": "stop"}
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "Hello there!"},
+                    "finish_reason": "stop",
+                }
             ],
             "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
         }
@@ -95,7 +103,9 @@ def run_upstream(port: int) -> None:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)
     app.router.add_route("*", "/{tail:.*}", ok)
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=uvloop.new_event_loop())
+    web.run_app(
+        app, host="127.0.0.1", port=port, access_log=None, print=None, loop=uvloop.new_event_loop()
+    )
 
 
 # -- bare proxies of other stacks (--stacks) --------------------------------------------
@@ -113,8 +123,12 @@ def run_bare_aiohttp_proxy(port: int, upstream: str) -> None:
         async with session.post(upstream + request.path, data=body,
                                 headers={"Content-Type": "application/json"}) as up:  # fmt: skip
             if up.content_type != "text/event-stream":
-                return web.Response(status=up.status, body=await up.read(), content_type=up.content_type)
-            response = web.StreamResponse(status=up.status, headers={"Content-Type": "text/event-stream"})
+                return web.Response(
+                    status=up.status, body=await up.read(), content_type=up.content_type
+                )
+            response = web.StreamResponse(
+                status=up.status, headers={"Content-Type": "text/event-stream"}
+            )
             await response.prepare(request)
             async for chunk in up.content.iter_any():
                 await response.write(chunk)
@@ -128,12 +142,15 @@ def run_bare_aiohttp_proxy(port: int, upstream: str) -> None:
 
     app = web.Application()
     app.cleanup_ctx.append(session_ctx)
+
     async def health(request: web.Request) -> web.Response:
         return web.json_response({})
 
     app.router.add_post("/v1/chat/completions", proxy)
     app.router.add_get("/health", health)
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=uvloop.new_event_loop())
+    web.run_app(
+        app, host="127.0.0.1", port=port, access_log=None, print=None, loop=uvloop.new_event_loop()
+    )
 
 
 def run_fastapi_httpx_proxy(port: int, upstream: str) -> None:
@@ -145,7 +162,9 @@ def run_fastapi_httpx_proxy(port: int, upstream: str) -> None:
     from starlette.background import BackgroundTask
 
     app = FastAPI()
-    client = httpx.AsyncClient(base_url=upstream, timeout=60, limits=httpx.Limits(max_connections=None))
+    client = httpx.AsyncClient(
+        base_url=upstream, timeout=60, limits=httpx.Limits(max_connections=None)
+    )
 
     async def proxy(request: Request) -> Response:
         req = client.build_request("POST", "/v1/chat/completions", content=await request.body(),
@@ -156,7 +175,9 @@ def run_fastapi_httpx_proxy(port: int, upstream: str) -> None:
                                      media_type="text/event-stream", background=BackgroundTask(up.aclose))  # fmt: skip
         content = await up.aread()
         await up.aclose()
-        return Response(content, status_code=up.status_code, media_type=up.headers.get("content-type"))
+        return Response(
+            content, status_code=up.status_code, media_type=up.headers.get("content-type")
+        )
 
     async def health(request: Request) -> Response:
         return Response(b"{}", media_type="application/json")
@@ -164,7 +185,9 @@ def run_fastapi_httpx_proxy(port: int, upstream: str) -> None:
     # Plain routes: the bench script's string annotations would defeat FastAPI's injection.
     app.router.add_route("/v1/chat/completions", proxy, methods=["POST"])
     app.router.add_route("/health", health, methods=["GET"])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop="uvloop")
+    uvicorn.run(
+        app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop="uvloop"
+    )
 
 
 # -- load generation -------------------------------------------------------------------
@@ -186,7 +209,9 @@ def run_aiohttp_load(url: str, concurrency: int, duration: float, body: str) -> 
                 nonlocal errors
                 while time.perf_counter() < deadline:
                     start = time.perf_counter()
-                    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                    async with session.post(
+                        url, data=body, headers={"Content-Type": "application/json"}
+                    ) as r:
                         await r.read()
                         if r.status != 200:
                             errors += 1
@@ -222,7 +247,13 @@ def parse_wrk(output: str) -> dict:
     errors = sum(int(n) for n in re.findall(r"(?:connect|read|write|timeout) (\d+)", output))
     non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", output)
     errors += int(non_2xx.group(1)) if non_2xx else 0
-    return {"rps": rps, "p50_ms": latency("50"), "p99_ms": latency("99"), "errors": errors, "requests": requests}
+    return {
+        "rps": rps,
+        "p50_ms": latency("50"),
+        "p99_ms": latency("99"),
+        "errors": errors,
+        "requests": requests,
+    }
 
 
 class Load:
@@ -241,8 +272,19 @@ class Load:
                 f'wrk.method = "POST"\nwrk.body = "{escaped}"\n'
                 'wrk.headers["Content-Type"] = "application/json"\n'
             )
-            cmd = ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(duration))}s", "--latency", "-s", str(script), url]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=duration + 30)
+            cmd = [
+                "wrk",
+                "-t1",
+                f"-c{concurrency}",
+                f"-d{max(1, round(duration))}s",
+                "--latency",
+                "-s",
+                str(script),
+                url,
+            ]
+            out = subprocess.run(
+                cmd, capture_output=True, text=True, check=True, timeout=duration + 30
+            )
             return parse_wrk(out.stdout)
         cmd = [sys.executable, __file__, "_load", url, str(concurrency), str(duration), body]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=duration + 30)
@@ -362,18 +404,27 @@ def derive(results: dict) -> None:
     """Add added-latency and ratio keys next to the raw figures (in place)."""
     for stream in (False, True):
         for c in (1, 64):
-            direct = {m: results.get(key("direct", m, c, stream)) for m in ("p50_ms", "p99_ms", "rps")}
+            direct = {
+                m: results.get(key("direct", m, c, stream)) for m in ("p50_ms", "p99_ms", "rps")
+            }
             for target in PROXIES:
                 for m in ("p50_ms", "p99_ms"):
                     value = results.get(key(target, m, c, stream))
-                    added = None if value is None or direct[m] is None else round(value - direct[m], 4)
+                    added = (
+                        None if value is None or direct[m] is None else round(value - direct[m], 4)
+                    )
                     results[key(target, "added_" + m, c, stream)] = added
                 rps = results.get(key(target, "rps", c, stream))
                 results[key(target, "rps_vs_direct", c, stream)] = (
                     None if rps is None or not direct["rps"] else round(rps / direct["rps"], 3)
                 )
-            ours, smg = results.get(key("ours", "rps", c, stream)), results.get(key("smg", "rps", c, stream))
-            results[key("ours", "rps_vs_smg", c, stream)] = None if not smg or ours is None else round(ours / smg, 3)
+            ours, smg = (
+                results.get(key("ours", "rps", c, stream)),
+                results.get(key("smg", "rps", c, stream)),
+            )
+            results[key("ours", "rps_vs_smg", c, stream)] = (
+                None if not smg or ours is None else round(ours / smg, 3)
+            )
 
 
 def fmt(value, spec: str = ".2f") -> str:
@@ -407,7 +458,9 @@ def print_table(results: dict) -> None:
     print(f"smg  added p50 at c=1 (json):  {fmt(results.get('smg_added_p50_ms_c1'), '.3f')} ms")
     print(f"ours / smg req/s at c=64 (json): {fmt(ratio, '.2f')}   target >= {TARGET_RPS_VS_SMG}   "
           f"{'MET' if ratio is not None and ratio >= TARGET_RPS_VS_SMG else 'NOT MET' if ratio else 'no smg'}")  # fmt: skip
-    print(f"ours / smg req/s at c=64 (stream): {fmt(results.get('ours_stream_rps_vs_smg_c64'), '.2f')}")
+    print(
+        f"ours / smg req/s at c=64 (stream): {fmt(results.get('ours_stream_rps_vs_smg_c64'), '.2f')}"
+    )
 
 
 def write_chart(results: dict, path: str) -> None:
@@ -419,7 +472,9 @@ def write_chart(results: dict, path: str) -> None:
     groups = [(s, c) for s in (False, True) for c in (1, 64)]
     labels = [f"{'stream' if s else 'json'} c={c}" for s, c in groups]
     targets = [t for t in ("direct", *PROXIES) if results.get(key(t, "rps", 64, False)) is not None]
-    colors = dict(zip(("direct", *PROXIES), ("tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red")))
+    colors = dict(
+        zip(("direct", *PROXIES), ("tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red"))
+    )
     fig, (ax_rps, ax_lat) = plt.subplots(1, 2, figsize=(13, 4.8))
     width = 0.8 / len(targets)
     for i, target in enumerate(targets):
@@ -432,11 +487,15 @@ def write_chart(results: dict, path: str) -> None:
     ax_rps.set_title("requests/s (higher is better)")
     ax_lat.set_title("added p50 latency vs direct, ms (lower is better)")
     ax_lat.set_yscale("symlog", linthresh=1.0)
-    ax_lat.axhline(TARGET_ADDED_P50_MS, color="gray", linestyle="--", linewidth=1, label="target at c=1")
+    ax_lat.axhline(
+        TARGET_ADDED_P50_MS, color="gray", linestyle="--", linewidth=1, label="target at c=1"
+    )
     for ax in (ax_rps, ax_lat):
         ax.set_xticks(range(len(groups)), labels)
         ax.legend()
-    fig.suptitle(f"router overhead in front of a fast upstream ({os.cpu_count()} CPUs, load: {results['load_client']})")
+    fig.suptitle(
+        f"router overhead in front of a fast upstream ({os.cpu_count()} CPUs, load: {results['load_client']})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -445,20 +504,32 @@ def write_chart(results: dict, path: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
-    parser.add_argument("--warmup", type=float, default=1.0, help="seconds of unmeasured load before each")
+    parser.add_argument(
+        "--warmup", type=float, default=1.0, help="seconds of unmeasured load before each"
+    )
     parser.add_argument("--json", help="write the figures as one flat JSON object here")
     parser.add_argument("--png", default="bench_results/bench_router.png", help="chart path")
     parser.add_argument("--client", choices=("auto", "wrk", "aiohttp"), default="auto")
     parser.add_argument("--no-smg", action="store_true", help="skip smg")
-    parser.add_argument("--no-install", action="store_true", help="do not pip install smg when missing")
+    parser.add_argument(
+        "--no-install", action="store_true", help="do not pip install smg when missing"
+    )
     parser.add_argument("--stacks", action="store_true",
                         help="also measure a bare aiohttp proxy and a FastAPI+httpx proxy (the stack choice)")  # fmt: skip
     args = parser.parse_args()
     client = args.client if args.client != "auto" else ("wrk" if shutil.which("wrk") else "aiohttp")
-    fleet = Fleet(with_smg=not args.no_smg, install_smg=not args.no_install, with_stacks=args.stacks)
-    results: dict = {"load_client": client, "duration_s": args.duration, "cpu_count": os.cpu_count()}
+    fleet = Fleet(
+        with_smg=not args.no_smg, install_smg=not args.no_install, with_stacks=args.stacks
+    )
+    results: dict = {
+        "load_client": client,
+        "duration_s": args.duration,
+        "cpu_count": os.cpu_count(),
+    }
     try:
         print(f"starting upstream and proxies (logs in {fleet.logdir}) ...", flush=True)
         fleet.start()

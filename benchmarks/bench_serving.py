@@ -91,10 +91,14 @@ def summarize(stats: list[ReqStats], wall: float) -> dict:
     ttfts = [s.ttft for s in stats]
     return {
         "tok_s": sum(s.output_tokens for s in stats) / wall,
-        "ttft_p50_ms": float(np.percentile(ttfts, 50)) * 1e3, "ttft_p99_ms": float(np.percentile(ttfts, 99)) * 1e3,
-        "itl_p50_ms": float(np.percentile(itls, 50)) * 1e3, "itl_p99_ms": float(np.percentile(itls, 99)) * 1e3,
+        "ttft_p50_ms": float(np.percentile(ttfts, 50)) * 1e3,
+        "ttft_p99_ms": float(np.percentile(ttfts, 99)) * 1e3,
+        "itl_p50_ms": float(np.percentile(itls, 50)) * 1e3,
+        "itl_p99_ms": float(np.percentile(itls, 99)) * 1e3,
         "e2e_p50_ms": float(np.percentile([s.latency for s in stats], 50)) * 1e3,
-        "num_requests": len(stats), "output_tokens": sum(s.output_tokens for s in stats), "wall_s": wall,
+        "num_requests": len(stats),
+        "output_tokens": sum(s.output_tokens for s in stats),
+        "wall_s": wall,
     }
 
 
@@ -134,8 +138,19 @@ def free_port() -> int:
 
 
 def launch_server(args, port: int, log_path: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "cadence.launch_server", "--port", str(port), "--dtype", args.dtype,
-           "--max-running-requests", str(args.max_running_requests), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cadence.launch_server",
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--max-running-requests",
+        str(args.max_running_requests),
+        "--log-level",
+        "warning",
+    ]
     if args.model_path:
         cmd += ["--model-path", args.model_path]
     from dataclasses import fields
@@ -164,14 +179,23 @@ async def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -
     raise RuntimeError("the server did not become healthy in time")
 
 
-async def served_level(url: str, work: list[Work], concurrency: int) -> tuple[list[ReqStats], float]:
+async def served_level(
+    url: str, work: list[Work], concurrency: int
+) -> tuple[list[ReqStats], float]:
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def run_one(w: Work) -> ReqStats:
-            body = {"text": w.prompt, "stream": True,
-                    "sampling_params": {"max_new_tokens": w.max_new_tokens, "ignore_eos": True, "temperature": 0}}
+            body = {
+                "text": w.prompt,
+                "stream": True,
+                "sampling_params": {
+                    "max_new_tokens": w.max_new_tokens,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                },
+            }
             arrivals: list[tuple[float, int]] = []
             send = time.perf_counter()
             async with session.post(url + "/generate", json=body) as r:
@@ -248,7 +272,9 @@ async def bench_offline(args, levels: list[int]) -> tuple[dict, int]:
     from cadence import Engine
 
     log("offline: loading the engine")
-    engine = Engine(model_path=args.model_path, dtype=args.dtype, max_running_requests=args.max_running_requests)
+    engine = Engine(
+        model_path=args.model_path, dtype=args.dtype, max_running_requests=args.max_running_requests
+    )
     results = {}
     try:
         log("offline: warm-up")
@@ -269,14 +295,26 @@ async def bench_offline(args, levels: list[int]) -> tuple[dict, int]:
 
 
 def flatten(served: dict, offline: dict, args, threads: int) -> dict:
-    flat = {"dtype": args.dtype, "threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
-            "concurrency": list(args.concurrency), "output_lens": OUTPUT_LENS, "target_ratio": TARGET_RATIO}
+    flat = {
+        "dtype": args.dtype,
+        "threads": threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
+        "concurrency": list(args.concurrency),
+        "output_lens": OUTPUT_LENS,
+        "target_ratio": TARGET_RATIO,
+    }
     for c in args.concurrency:
         s, o = served[c], offline[c]
-        flat.update({f"served_tok_s_c{c}": s["tok_s"], f"offline_tok_s_c{c}": o["tok_s"],
-                     f"served_over_offline_c{c}": s["tok_s"] / o["tok_s"], f"num_requests_c{c}": s["num_requests"],
-                     f"output_tokens_c{c}": s["output_tokens"]})
+        flat.update(
+            {
+                f"served_tok_s_c{c}": s["tok_s"],
+                f"offline_tok_s_c{c}": o["tok_s"],
+                f"served_over_offline_c{c}": s["tok_s"] / o["tok_s"],
+                f"num_requests_c{c}": s["num_requests"],
+                f"output_tokens_c{c}": s["output_tokens"],
+            }
+        )
         flat[f"loadavg_served_c{c}"], flat[f"loadavg_offline_c{c}"] = s["loadavg"], o["loadavg"]
         for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms"):
             flat[f"{key}_c{c}"] = s[key]
@@ -285,16 +323,22 @@ def flatten(served: dict, offline: dict, args, threads: int) -> dict:
 
 
 def print_table(flat: dict, concurrency: list[int]) -> None:
-    print(f"\nCadence serving, dtype={flat['dtype']}, threads={flat['threads']}, "
-          f"OMP_WAIT_POLICY={flat['omp_wait_policy']}, GOMP_SPINCOUNT={flat['gomp_spincount']}, output lengths {OUTPUT_LENS}")
-    print(f"{'C':>4} {'served tok/s':>13} {'offline tok/s':>14} {'ratio':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'ITL p50':>8} {'ITL p99':>8}   (ms; offline TTFT p50 / ITL p50; load avg served / offline)")
+    print(
+        f"\nCadence serving, dtype={flat['dtype']}, threads={flat['threads']}, "
+        f"OMP_WAIT_POLICY={flat['omp_wait_policy']}, GOMP_SPINCOUNT={flat['gomp_spincount']}, output lengths {OUTPUT_LENS}"
+    )
+    print(
+        f"{'C':>4} {'served tok/s':>13} {'offline tok/s':>14} {'ratio':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'ITL p50':>8} {'ITL p99':>8}   (ms; offline TTFT p50 / ITL p50; load avg served / offline)"
+    )
     for c in concurrency:
         g = lambda k: flat[f"{k}_c{c}"]  # noqa: E731
-        print(f"{c:>4} {g('served_tok_s'):13.1f} {g('offline_tok_s'):14.1f} {g('served_over_offline'):6.2f} "
-              f"{g('ttft_p50_ms'):9.1f} {g('ttft_p99_ms'):9.1f} {g('itl_p50_ms'):8.1f} {g('itl_p99_ms'):8.1f}"
-              f"   ({g('offline_ttft_p50_ms'):.1f} / {g('offline_itl_p50_ms'):.1f}; "
-              f"{g('loadavg_served'):.1f} / {g('loadavg_offline'):.1f})")
+        print(
+            f"{c:>4} {g('served_tok_s'):13.1f} {g('offline_tok_s'):14.1f} {g('served_over_offline'):6.2f} "
+            f"{g('ttft_p50_ms'):9.1f} {g('ttft_p99_ms'):9.1f} {g('itl_p50_ms'):8.1f} {g('itl_p99_ms'):8.1f}"
+            f"   ({g('offline_ttft_p50_ms'):.1f} / {g('offline_itl_p50_ms'):.1f}; "
+            f"{g('loadavg_served'):.1f} / {g('loadavg_offline'):.1f})"
+        )
     top = max(concurrency)
     ratio = flat[f"served_over_offline_c{top}"]
     verdict = "meets" if ratio >= TARGET_RATIO else "misses"
@@ -308,15 +352,35 @@ def plot(flat: dict, concurrency: list[int], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot(concurrency, [flat[f"served_tok_s_c{c}"] for c in concurrency], "o-", label="served (HTTP, streaming)")
-    ax1.plot(concurrency, [flat[f"offline_tok_s_c{c}"] for c in concurrency], "s--", label="offline Engine")
+    ax1.plot(
+        concurrency,
+        [flat[f"served_tok_s_c{c}"] for c in concurrency],
+        "o-",
+        label="served (HTTP, streaming)",
+    )
+    ax1.plot(
+        concurrency,
+        [flat[f"offline_tok_s_c{c}"] for c in concurrency],
+        "s--",
+        label="offline Engine",
+    )
     ax1.set_xlabel("concurrency")
     ax1.set_ylabel("output tokens/s")
     ax1.set_title("Throughput")
     ax1.set_ylim(bottom=0)
-    for key, style in (("ttft_p50_ms", "o-"), ("ttft_p99_ms", "o:"), ("itl_p50_ms", "s-"), ("itl_p99_ms", "s:")):
+    for key, style in (
+        ("ttft_p50_ms", "o-"),
+        ("ttft_p99_ms", "o:"),
+        ("itl_p50_ms", "s-"),
+        ("itl_p99_ms", "s:"),
+    ):
         name, pct = key.removesuffix("_ms").split("_")
-        ax2.plot(concurrency, [flat[f"{key}_c{c}"] for c in concurrency], style, label=f"{name.upper()} {pct}")
+        ax2.plot(
+            concurrency,
+            [flat[f"{key}_c{c}"] for c in concurrency],
+            style,
+            label=f"{name.upper()} {pct}",
+        )
     ax2.set_yscale("log")
     ax2.set_xlabel("concurrency")
     ax2.set_ylabel("ms")
@@ -331,15 +395,25 @@ def plot(flat: dict, concurrency: list[int], path: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--requests-per-client", type=int, default=2,
-                        help="requests per level: max(8, this x concurrency)")
+    parser.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=2,
+        help="requests per level: max(8, this x concurrency)",
+    )
     parser.add_argument("--max-running-requests", type=int, default=64)
-    parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
-                        help="measure served and offline level by level (a server and an engine per level)")
+    parser.add_argument(
+        "--interleave",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure served and offline level by level (a server and an engine per level)",
+    )
     parser.add_argument("--json", default=None, help="write the results as one flat JSON object")
     parser.add_argument("--plot", default="bench_results/bench_serving.png")
     args = parser.parse_args()

@@ -18,15 +18,23 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from cadence.detokenizer.detokenizer import Detokenizer
 from cadence.front.client import FrontClient
 from cadence.front.engine_client import ModelInfo
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.hooks import finalize_server_args
-from cadence.io_struct import (ContinueGenerationReqInput, FlushCacheReqInput, GenerateReqInput, GetLoadReqInput,
-                               PauseGenerationReqInput, ProfileReq, UpdateWeightFromDiskReqInput)
+from cadence.io_struct import (
+    ContinueGenerationReqInput,
+    FlushCacheReqInput,
+    GenerateReqInput,
+    GetLoadReqInput,
+    PauseGenerationReqInput,
+    ProfileReq,
+    UpdateWeightFromDiskReqInput,
+)
 from cadence.model_loader.loader import load_tokenizer
 from cadence.model_loader.locate import model_name, resolve_model_path
 from cadence.plugins import load_plugins
@@ -34,6 +42,7 @@ from cadence.scheduler.process import build_scheduler
 from cadence.scheduler.req import to_batch_output
 from cadence.scheduler.scheduler import Scheduler
 from cadence.server_args import ServerArgs
+from cadence.serving.native_api import last_result
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +57,16 @@ class _SchedulerThread:
 
     def __init__(self, make_scheduler: Callable[[], Scheduler], detokenizer: Detokenizer):
         self.detokenizer = detokenizer
-        self.deliver: Callable[[Any], None] = lambda msg: None  # set before the first request arrives
+        self.deliver: Callable[[Any], None] = lambda msg: (
+            None
+        )  # set before the first request arrives
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.alive = True
         self.scheduler: Scheduler | None = None
         ready: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, args=(make_scheduler, ready),
-                                       name="cadence-scheduler", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, args=(make_scheduler, ready), name="cadence-scheduler", daemon=True
+        )
         self.thread.start()
         error = ready.get()
         if error is not None:
@@ -117,28 +129,41 @@ class Engine:
         self.args = finalize_server_args(ServerArgs.from_kwargs(model_path=model_path, **kwargs))
         path = resolve_model_path(self.args.model_path)
         self.tokenizer = load_tokenizer(path, self.args.tokenizer_path)
-        self._worker = _SchedulerThread(lambda: build_scheduler(self.args, path, self.tokenizer),
-                                        Detokenizer(self.tokenizer))
+        self._worker = _SchedulerThread(
+            lambda: build_scheduler(self.args, path, self.tokenizer), Detokenizer(self.tokenizer)
+        )
         self.scheduler = self._worker.scheduler
         runner = self.scheduler.runner
         self.info = ModelInfo(
-            model_path=path, tokenizer_path=self.args.tokenizer_path or path,
+            model_path=path,
+            tokenizer_path=self.args.tokenizer_path or path,
             served_model_name=self.args.served_model_name or model_name(path),
-            context_len=runner.context_len, vocab_size=runner.config.vocab_size,
+            context_len=runner.context_len,
+            vocab_size=runner.config.vocab_size,
             max_total_tokens=runner.max_total_tokens,
         )
         self.loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="cadence-engine-loop", daemon=True)
+        self._loop_thread = threading.Thread(
+            target=self.loop.run_forever, name="cadence-engine-loop", daemon=True
+        )
         self._loop_thread.start()
-        self.client = FrontClient(FrontTokenizer(self.tokenizer), self.info, self._send,
-                                  max_pending=self.args.max_queued_requests + self.args.max_running_requests,
-                                  request_timeout_s=self.args.request_timeout_s)
-        self._worker.deliver = lambda msg: self.loop.call_soon_threadsafe(self.client.on_message, msg)
+        self.client = FrontClient(
+            FrontTokenizer(self.tokenizer),
+            self.info,
+            self._send,
+            max_pending=self.args.max_queued_requests + self.args.max_running_requests,
+            request_timeout_s=self.args.request_timeout_s,
+        )
+        self._worker.deliver = lambda msg: self.loop.call_soon_threadsafe(
+            self.client.on_message, msg
+        )
         self._closed = False
 
     def _send(self, msg) -> None:
         if not self._worker.alive:
-            raise RuntimeError("the engine has stopped (shut down, or a scheduler step failed; see the log)")
+            raise RuntimeError(
+                "the engine has stopped (shut down, or a scheduler step failed; see the log)"
+            )
         self._worker.inbox.put(msg)
 
     def _call(self, coro):
@@ -146,26 +171,37 @@ class Engine:
 
     # ---- generation ------------------------------------------------------------------------
 
-    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, **kwargs: Any) -> dict | list[dict]:
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        **kwargs: Any,
+    ) -> dict | list[dict]:
         """Blocking generation; answers what `/generate` answers (a list for a batch)."""
-        obj = GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, **kwargs)
+        obj = GenerateReqInput(
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params, **kwargs
+        )
 
-        async def run():
-            result = None
-            async for result in self.client.generate(obj):
-                pass
-            return result
+        return self._call(last_result(self.client.generate(obj)))
 
-        return self._call(run())
-
-    async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | None = None,
-                             input_ids: list[int] | None = None, stream: bool = False,
-                             **kwargs: Any) -> AsyncIterator[dict]:
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | None = None,
+        input_ids: list[int] | None = None,
+        stream: bool = False,
+        **kwargs: Any,
+    ) -> AsyncIterator[dict]:
         """With stream=True yields incremental chunks (text and output_ids are deltas); otherwise
         yields the one final result. Leaving the iteration early aborts the request."""
-        obj = GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, stream=stream,
-                               **kwargs)
+        obj = GenerateReqInput(
+            text=prompt,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            stream=stream,
+            **kwargs,
+        )
         caller = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
 
@@ -220,7 +256,9 @@ class Engine:
         return self.control(ProfileReq(action="stop"))
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None):
-        return self.control(UpdateWeightFromDiskReqInput(model_path=model_path, load_format=load_format))
+        return self.control(
+            UpdateWeightFromDiskReqInput(model_path=model_path, load_format=load_format)
+        )
 
     def run_in_scheduler(self, fn, timeout: float = 60):
         """Runs fn(scheduler) on the scheduler thread and returns its result (tests, admin)."""

@@ -40,7 +40,9 @@ class RequestError(CadenceError):
     `is_request_fault` marks an internal error (5xx) caused by the request itself, which the
     server survived: retrying it elsewhere would fail the same way."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, is_request_fault: bool = False):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, is_request_fault: bool = False
+    ):
         super().__init__(message, param)
         self.status = status
         self.is_request_fault = is_request_fault
@@ -55,4 +57,6 @@ def readable(error: msgspec.ValidationError) -> InvalidParameter:
         return InvalidParameter(None, text)
     field, rest = match.group(1), match.group(2)
     problem = text[: match.start()].replace("`", "")
-    return InvalidParameter(field, f"{field}{rest} has the wrong type: {problem[:1].lower()}{problem[1:]}")
+    return InvalidParameter(
+        field, f"{field}{rest} has the wrong type: {problem[:1].lower()}{problem[1:]}"
+    )

@@ -10,9 +10,13 @@ from cadence.server_args import add_cli_args, from_cli_args
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cadence generate", description="Generate text once from a prompt.")
+    parser = argparse.ArgumentParser(
+        prog="cadence generate", description="Generate text once from a prompt."
+    )
     parser.add_argument("prompt", help="the prompt (with --chat: the user message)")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -31,10 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prompt = ns.prompt
         if ns.chat:
-            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                          add_generation_prompt=True)
-        params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p,
-                  "seed": ns.seed}
+            prompt = engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+        params = {
+            "max_new_tokens": ns.max_new_tokens,
+            "temperature": ns.temperature,
+            "top_p": ns.top_p,
+            "seed": ns.seed,
+        }
 
         async def run():
             async for chunk in engine.async_generate(prompt, params, stream=True):

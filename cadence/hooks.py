@@ -22,8 +22,9 @@ Imports nothing heavy.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cadence.io_struct import GenerateReqInput
@@ -44,7 +45,7 @@ class BatchInfo:
     """Tokens the forward pass processes: the prompt tokens of a prefill, one per request in decode."""
 
 
-def server_args_finalized(args: "ServerArgs") -> "ServerArgs":
+def server_args_finalized(args: ServerArgs) -> ServerArgs:
     """Front process (and the in-process Engine), once, with the parsed arguments after the
     platform's defaults. Returns the arguments to serve with: an AFTER hook may return
     `args.replace(...)` (validated like the CLI's), a BEFORE hook `((new_args,), {})`.
@@ -52,7 +53,7 @@ def server_args_finalized(args: "ServerArgs") -> "ServerArgs":
     return args
 
 
-def request_received(req: "GenerateReqInput") -> None:
+def request_received(req: GenerateReqInput) -> None:
     """Front process: a request was validated and tokenized and is about to go to the
     scheduler. `req` is one item (a batch or `n > 1` calls this once per rid) and has
     `req.rid` set; changing it has no effect. Raising refuses the request."""
@@ -73,10 +74,12 @@ def notify(point: Callable[..., Any], *args: Any) -> None:
     try:
         point(*args)
     except Exception:
-        logger.exception("a plugin hook on cadence.hooks.%s failed", getattr(point, "__name__", point))
+        logger.exception(
+            "a plugin hook on cadence.hooks.%s failed", getattr(point, "__name__", point)
+        )
 
 
-def finalize_server_args(args: "ServerArgs") -> "ServerArgs":
+def finalize_server_args(args: ServerArgs) -> ServerArgs:
     """The platform's defaults, then `server_args_finalized`: the arguments to serve with."""
     from cadence.platforms import current_platform
     from cadence.server_args import ServerArgs
@@ -84,6 +87,8 @@ def finalize_server_args(args: "ServerArgs") -> "ServerArgs":
     args = current_platform.apply_server_args_defaults(args)
     args = server_args_finalized(args)
     if not isinstance(args, ServerArgs):
-        raise TypeError(f"a hook on cadence.hooks.server_args_finalized returned {type(args).__name__}, "
-                        f"not ServerArgs")
+        raise TypeError(
+            f"a hook on cadence.hooks.server_args_finalized returned {type(args).__name__}, "
+            f"not ServerArgs"
+        )
     return args

@@ -21,7 +21,7 @@ Imported by the front process on its own: no torch, no transformers.
 """
 
 import typing
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 
@@ -410,26 +410,26 @@ class UpdateWeightFromDiskReqOutput(_ControlMessage, kw_only=True):
 
 # -- the codec -----------------------------------------------------------------------------
 
-Message = Union[
-    GenerateReqInput,
-    EmbeddingReqInput,
-    TokenizedGenerateReqInput,
-    TokenizedEmbeddingReqInput,
-    BatchTokenIDOutput,
-    BatchStrOutput,
-    BatchEmbeddingOutput,
-    AbortReq,
-    FlushCacheReqInput,
-    FlushCacheReqOutput,
-    PauseGenerationReqInput,
-    ContinueGenerationReqInput,
-    GetLoadReqInput,
-    GetLoadReqOutput,
-    ProfileReq,
-    ProfileReqOutput,
-    UpdateWeightFromDiskReqInput,
-    UpdateWeightFromDiskReqOutput,
-]
+Message = (
+    GenerateReqInput
+    | EmbeddingReqInput
+    | TokenizedGenerateReqInput
+    | TokenizedEmbeddingReqInput
+    | BatchTokenIDOutput
+    | BatchStrOutput
+    | BatchEmbeddingOutput
+    | AbortReq
+    | FlushCacheReqInput
+    | FlushCacheReqOutput
+    | PauseGenerationReqInput
+    | ContinueGenerationReqInput
+    | GetLoadReqInput
+    | GetLoadReqOutput
+    | ProfileReq
+    | ProfileReqOutput
+    | UpdateWeightFromDiskReqInput
+    | UpdateWeightFromDiskReqOutput
+)
 MESSAGE_TYPES: tuple[type, ...] = typing.get_args(Message)
 
 # Control requests whose sender waits for an answer, and the type of that answer.

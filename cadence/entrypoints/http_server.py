@@ -16,17 +16,30 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import PlainTextResponse, Response
 
-from cadence.version import __version__
 from cadence.entrypoints import openapi
-from cadence.entrypoints.http_io import (BodyTooLarge, error_of, error_response, json_response, read_json,
-                                         stream_response, until_disconnected)
+from cadence.entrypoints.http_io import (
+    BodyTooLarge,
+    error_of,
+    error_response,
+    json_response,
+    read_json,
+    stream_response,
+    until_disconnected,
+)
 from cadence.entrypoints.openai_routes import register_openai_routes
 from cadence.errors import CadenceError, InvalidParameter
-from cadence.io_struct import (ContinueGenerationReqInput, FlushCacheReqInput, GetLoadReqInput,
-                               PauseGenerationReqInput, ProfileReq, UpdateWeightFromDiskReqInput)
+from cadence.io_struct import (
+    ContinueGenerationReqInput,
+    FlushCacheReqInput,
+    GetLoadReqInput,
+    PauseGenerationReqInput,
+    ProfileReq,
+    UpdateWeightFromDiskReqInput,
+)
 from cadence.serving import control, native_api
 from cadence.serving.errors import decode_json, error_body
 from cadence.serving.state import ServerState
+from cadence.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +66,12 @@ class Gate:
 
     # Small front-process routes answered here without the framework's routing and request
     # objects, which cost more than the work itself (the tokenizer takes microseconds).
-    FAST_ROUTES = {"/tokenize": native_api.tokenize_body, "/v1/tokenize": native_api.tokenize_body,
-                   "/detokenize": native_api.detokenize_body, "/v1/detokenize": native_api.detokenize_body}
+    FAST_ROUTES = {
+        "/tokenize": native_api.tokenize_body,
+        "/v1/tokenize": native_api.tokenize_body,
+        "/detokenize": native_api.detokenize_body,
+        "/v1/detokenize": native_api.detokenize_body,
+    }
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -104,9 +121,16 @@ class Gate:
         except Exception as e:  # same contract as the routes: a JSON 500, logged
             logger.exception("%s failed", handler.__name__)
             status, out = 500, msgspec.json.encode(error_body(500, f"internal error: {e}"))
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(out)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(out)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": out})
 
     def _check(self, scope) -> Response | None:
@@ -114,15 +138,20 @@ class Gate:
         if self._expected_auth is not None and path not in OPEN_ROUTES:
             auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(auth, self._expected_auth):
-                return error_response(401, "missing or wrong API key: send `Authorization: Bearer <key>`")
+                return error_response(
+                    401, "missing or wrong API key: send `Authorization: Bearer <key>`"
+                )
         if state.is_shutting_down and path != "/metrics":
             return error_response(503, "the server is shutting down")
         if path not in self.OPEN_WHILE_LOADING and not state.is_ready:
             return error_response(503, "the server is starting: the model is loading")
         length = _content_length(scope)
         if length is not None and length > self.max_body:
-            return error_response(413, f"the request body has {length} bytes; this server takes at most "
-                                       f"{self.max_body} (--max-request-body-mb)")
+            return error_response(
+                413,
+                f"the request body has {length} bytes; this server takes at most "
+                f"{self.max_body} (--max-request-body-mb)",
+            )
         if length == -1:
             return error_response(400, "the Content-Length header is not a number")
         return None
@@ -156,7 +185,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
-        message = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        message = (
+            f"no route {request.method} {request.url.path}"
+            if e.status_code in (404, 405)
+            else str(e.detail)
+        )
         return error_response(e.status_code, message)
 
     app.add_middleware(Gate, state=state)
@@ -173,17 +206,23 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health():
         if not state.is_ready or state.is_shutting_down:
-            return error_response(503, "starting" if not state.is_shutting_down else "shutting down")
+            return error_response(
+                503, "starting" if not state.is_shutting_down else "shutting down"
+            )
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate():
-        await asyncio.wait_for(native_api.last_result(client().generate(native_api.probe_request())), 30)
+        await asyncio.wait_for(
+            native_api.last_result(client().generate(native_api.probe_request())), 30
+        )
         return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(native_api.metrics_text(state), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            native_api.metrics_text(state), media_type="text/plain; version=0.0.4"
+        )
 
     @app.get("/model_info")
     @app.get("/get_model_info")
@@ -198,8 +237,16 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/get_load")
     async def get_load():
         load = await client().control(GetLoadReqInput())
-        return json_response([{"dp_rank": load.dp_rank, "num_reqs": load.num_running_reqs,
-                               "num_waiting_reqs": load.num_waiting_reqs, "num_tokens": load.num_used_tokens}])
+        return json_response(
+            [
+                {
+                    "dp_rank": load.dp_rank,
+                    "num_reqs": load.num_running_reqs,
+                    "num_waiting_reqs": load.num_waiting_reqs,
+                    "num_tokens": load.num_used_tokens,
+                }
+            ]
+        )
 
     @app.get("/v1/loads")
     async def loads(request: Request):
@@ -214,7 +261,9 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
                 for name, value in e.items():
                     if name != "dp_rank":
                         lines.append(f'cadence_{name}{{dp_rank="{e["dp_rank"]}"}} {float(value)}')
-            return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+            return PlainTextResponse(
+                "\n".join(lines) + "\n", media_type="text/plain; version=0.0.4"
+            )
         return json_response({"timestamp": time.time(), "version": __version__, "loads": entries})
 
     @app.post("/generate")
@@ -266,18 +315,28 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/start_profile")
     async def start_profile(request: Request):
         body = control.parse(control.ProfileBody, await read_json(request))
-        out = await client().control(ProfileReq(action="start", output_dir=body.output_dir, num_steps=body.num_steps))
-        return json_response({"success": out.success, "message": out.message}, 200 if out.success else 400)
+        out = await client().control(
+            ProfileReq(action="start", output_dir=body.output_dir, num_steps=body.num_steps)
+        )
+        return json_response(
+            {"success": out.success, "message": out.message}, 200 if out.success else 400
+        )
 
     @app.post("/stop_profile")
     async def stop_profile(request: Request):
         decode_json(await request.body())  # any JSON body is accepted and ignored
         out = await client().control(ProfileReq(action="stop"))
-        return json_response({"success": out.success, "message": out.message}, 200 if out.success else 400)
+        return json_response(
+            {"success": out.success, "message": out.message}, 200 if out.success else 400
+        )
 
     @app.post("/update_weights_from_disk")
     async def update_weights(request: Request):
         body = control.parse(control.UpdateWeightsBody, await read_json(request))
-        out = await client().control(UpdateWeightFromDiskReqInput(model_path=body.model_path,
-                                                                  load_format=body.load_format), timeout=900)
-        return json_response({"success": out.success, "message": out.message}, 200 if out.success else 400)
+        out = await client().control(
+            UpdateWeightFromDiskReqInput(model_path=body.model_path, load_format=body.load_format),
+            timeout=900,
+        )
+        return json_response(
+            {"success": out.success, "message": out.message}, 200 if out.success else 400
+        )

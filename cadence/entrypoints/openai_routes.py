@@ -42,8 +42,14 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> OpenAIServing:
 
 def _to_http(result) -> Response:
     if isinstance(result, OpenAIResponse):
-        return Response(result.body, status_code=result.status, media_type="application/json",
-                        headers=error_headers(result.status, result.is_request_fault))
-    return StreamingResponse(result.sse(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
+        return Response(
+            result.body,
+            status_code=result.status,
+            media_type="application/json",
+            headers=error_headers(result.status, result.is_request_fault),
+        )
+    return StreamingResponse(
+        result.sse(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -15,9 +15,13 @@ import msgspec
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from cadence.front.sampling_checks import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from cadence.io_struct import GenerateReqInput, SamplingParams
 from cadence.config_docs import field_docs
+from cadence.front.sampling_checks import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
+from cadence.io_struct import GenerateReqInput, SamplingParams
 from cadence.serving import control
 from cadence.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 
@@ -41,7 +45,12 @@ SAMPLING_RANGES: dict[str, dict[str, Any]] = {
 _TOKENIZE = {
     "type": "object",
     "properties": {
-        "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]},
+        "prompt": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            ]
+        },
         "add_special_tokens": {"type": "boolean", "default": True},
         "model": {"type": "string"},
     },
@@ -50,13 +59,23 @@ _TOKENIZE = {
 _DETOKENIZE = {
     "type": "object",
     "properties": {
-        "tokens": {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}},
-                             {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}}}]},
+        "tokens": {
+            "anyOf": [
+                {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                {
+                    "type": "array",
+                    "items": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                },
+            ]
+        },
         "skip_special_tokens": {"type": "boolean", "default": True},
     },
     "required": ["tokens"],
 }
-_ANY_OBJECT = {"type": "object", "description": "Any JSON object (ignored); the body may also be empty."}
+_ANY_OBJECT = {
+    "type": "object",
+    "description": "Any JSON object (ignored); the body may also be empty.",
+}
 
 # route -> (the body's struct or schema, whether a body is required)
 BODIES: dict[str, tuple[Any, bool]] = {
@@ -92,8 +111,12 @@ def install(app: FastAPI) -> None:
 
 
 def build(app: FastAPI) -> dict[str, Any]:
-    doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
-                      description="Cadence's HTTP API: SGLang's native routes and the OpenAI API.")
+    doc = get_openapi(
+        title=app.title,
+        version=app.version,
+        routes=app.routes,
+        description="Cadence's HTTP API: SGLang's native routes and the OpenAI API.",
+    )
     structs = [b for b, _ in BODIES.values() if isinstance(b, type)]
     refs, components = msgspec.json.schema_components([*structs, SamplingParams], ref_template=REF)
     ref_of = dict(zip(structs, refs))
@@ -102,12 +125,20 @@ def build(app: FastAPI) -> dict[str, Any]:
     _describe_sampling(components["SamplingParams"])
     generate = components["GenerateReqInput"]["properties"]
     sampling_ref = {"$ref": REF.format(name="SamplingParams")}
-    generate["sampling_params"] = {"anyOf": [sampling_ref, {"type": "array", "items": sampling_ref},
-                                             {"type": "null"}], "default": None}
+    generate["sampling_params"] = {
+        "anyOf": [sampling_ref, {"type": "array", "items": sampling_ref}, {"type": "null"}],
+        "default": None,
+    }
     # Exactly one of text and input_ids.
     components["GenerateReqInput"]["oneOf"] = [
-        {"required": ["text"], "properties": {"text": {"not": {"type": "null"}}, "input_ids": {"type": "null"}}},
-        {"required": ["input_ids"], "properties": {"input_ids": {"not": {"type": "null"}}, "text": {"type": "null"}}},
+        {
+            "required": ["text"],
+            "properties": {"text": {"not": {"type": "null"}}, "input_ids": {"type": "null"}},
+        },
+        {
+            "required": ["input_ids"],
+            "properties": {"input_ids": {"not": {"type": "null"}}, "text": {"type": "null"}},
+        },
     ]
     doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
     for path, (body, required) in BODIES.items():
@@ -115,10 +146,15 @@ def build(app: FastAPI) -> dict[str, Any]:
         if operation is None:
             continue
         schema = ref_of[body] if isinstance(body, type) else copy.deepcopy(body)
-        operation["requestBody"] = {"required": required, "content": {"application/json": {"schema": schema}}}
+        operation["requestBody"] = {
+            "required": required,
+            "content": {"application/json": {"schema": schema}},
+        }
         responses = operation.setdefault("responses", {})
         responses.setdefault("400", {"description": "Bad input: the error names the field"})
-        responses.setdefault("413", {"description": "The body is larger than --max-request-body-mb"})
+        responses.setdefault(
+            "413", {"description": "The body is larger than --max-request-body-mb"}
+        )
     return doc
 
 
@@ -139,9 +175,15 @@ def _describe_sampling(schema: dict[str, Any]) -> None:
         if name in docs:
             prop["description"] = docs[name]
     stop = schema["properties"]["stop"]
-    stop["anyOf"] = [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS},
-                     {"type": "array", "maxItems": MAX_STOP_STRINGS,
-                      "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}},
-                     {"type": "null"}]
+    stop["anyOf"] = [
+        {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS},
+        {
+            "type": "array",
+            "maxItems": MAX_STOP_STRINGS,
+            "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS},
+        },
+        {"type": "null"},
+    ]
     schema["properties"]["stop_token_ids"]["anyOf"][0].update(
-        maxItems=MAX_STOP_TOKEN_IDS, items={"type": "integer", "minimum": 0})
+        maxItems=MAX_STOP_TOKEN_IDS, items={"type": "integer", "minimum": 0}
+    )

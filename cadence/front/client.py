@@ -11,27 +11,45 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict, deque
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from cadence.errors import InvalidParameter, RequestError
 from cadence.front.engine_client import EngineClient, ModelInfo
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.front.tokenizer_manager import TokenizerManager
-from cadence.io_struct import (REPLY_TYPES, BatchStrOutput, ContinueGenerationReqInput, GenerateReqInput,
-                               PauseGenerationReqInput)
+from cadence.io_struct import (
+    REPLY_TYPES,
+    BatchStrOutput,
+    ContinueGenerationReqInput,
+    GenerateReqInput,
+    PauseGenerationReqInput,
+)
 
 logger = logging.getLogger(__name__)
 
 
-
 class FrontClient(EngineClient):
-    def __init__(self, tokenizer: FrontTokenizer, info: ModelInfo, send: Callable[[Any], None],
-                 max_pending: int, address: str | None = None, request_timeout_s: float | None = None):
+    def __init__(
+        self,
+        tokenizer: FrontTokenizer,
+        info: ModelInfo,
+        send: Callable[[Any], None],
+        max_pending: int,
+        address: str | None = None,
+        request_timeout_s: float | None = None,
+    ):
         self.info = info
         self.address = address  # where answers for this client go (its `http_worker_ipc`)
         self._send = send
-        self.tm = TokenizerManager(tokenizer, info, self.send, max_pending=max_pending, worker_ipc=address,
-                                   request_timeout_s=request_timeout_s)
+        self.tm = TokenizerManager(
+            tokenizer,
+            info,
+            self.send,
+            max_pending=max_pending,
+            worker_ipc=address,
+            request_timeout_s=request_timeout_s,
+        )
         self._waiters: dict[type, deque[asyncio.Future]] = defaultdict(deque)
         self._control_lock: dict[type, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._is_paused = False
@@ -67,7 +85,9 @@ class FrontClient(EngineClient):
     async def embed(self, obj) -> Any:
         raise RequestError(501, "this server does not serve embeddings yet")
 
-    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> bool:
+    def abort(
+        self, rid: str | None = None, abort_all: bool = False, message: str = "aborted"
+    ) -> bool:
         if abort_all:
             self.tm.abort_request(abort_all=True, message=message)
             return True
@@ -77,7 +97,9 @@ class FrontClient(EngineClient):
         self.tm.abort_request(rid, message=message)
         return is_live
 
-    async def tokenize(self, text: str, add_special_tokens: bool = True, prompt_field: str | None = None) -> list[int]:
+    async def tokenize(
+        self, text: str, add_special_tokens: bool = True, prompt_field: str | None = None
+    ) -> list[int]:
         if prompt_field is not None:
             self.tm.checker.check_text_length(prompt_field, text)
         return await self.tm.tokenizer.encode_async(text, add_special_tokens)
@@ -102,9 +124,11 @@ class FrontClient(EngineClient):
             self.send(msg)
             try:
                 return await asyncio.wait_for(fut, timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._waiters[reply_type].remove(fut)
-                raise RequestError(503, f"the scheduler did not answer {type(msg).__name__} in {timeout:.0f}s")
+                raise RequestError(
+                    503, f"the scheduler did not answer {type(msg).__name__} in {timeout:.0f}s"
+                ) from None
 
     @property
     def is_paused(self) -> bool:
@@ -114,7 +138,10 @@ class FrontClient(EngineClient):
         return self.tm.backlog(rids, consumed)
 
     def stats(self) -> dict[str, Any]:
-        return {"request_faults": dict(self.tm.num_request_faults), "num_live_requests": len(self.tm.states)}
+        return {
+            "request_faults": dict(self.tm.num_request_faults),
+            "num_live_requests": len(self.tm.states),
+        }
 
     def end_all(self, message: str, status: int = 503) -> None:
         self.tm.end_all(message, status)

@@ -9,8 +9,9 @@ server's front process and the in-process engine differ only in how messages tra
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from cadence.io_struct import GenerateReqInput
 
@@ -49,12 +50,16 @@ class EngineClient(ABC):
         """Embeddings of an `EmbeddingReqInput`."""
 
     @abstractmethod
-    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> bool:
+    def abort(
+        self, rid: str | None = None, abort_all: bool = False, message: str = "aborted"
+    ) -> bool:
         """Ends request `rid` (and its n > 1 samples `rid-j`), or every request; True when a
         live request was hit."""
 
     @abstractmethod
-    async def tokenize(self, text: str, add_special_tokens: bool = True, prompt_field: str | None = None) -> list[int]:
+    async def tokenize(
+        self, text: str, add_special_tokens: bool = True, prompt_field: str | None = None
+    ) -> list[int]:
         """The token ids of `text`. With `prompt_field` (the request field it came from) the
         text is a prompt: one that cannot fit the context is refused before tokenizing."""
 

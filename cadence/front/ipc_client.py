@@ -21,8 +21,15 @@ logger = logging.getLogger(__name__)
 
 
 class IpcEngineClient(FrontClient):
-    def __init__(self, paths: IpcPaths, info: ModelInfo, tokenizer: FrontTokenizer, max_pending: int,
-                 index: int = 0, request_timeout_s: float | None = None):
+    def __init__(
+        self,
+        paths: IpcPaths,
+        info: ModelInfo,
+        tokenizer: FrontTokenizer,
+        max_pending: int,
+        index: int = 0,
+        request_timeout_s: float | None = None,
+    ):
         address = paths.front_address(index)
         self.ctx = zmq.asyncio.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -50,7 +57,10 @@ class IpcEngineClient(FrontClient):
             try:
                 self.on_message(io_struct.decode(data.bytes))
             except Exception:  # one bad message must not stop every request's results
-                logger.exception("a message from the scheduler side could not be taken (%d bytes)", len(data.bytes))
+                logger.exception(
+                    "a message from the scheduler side could not be taken (%d bytes)",
+                    len(data.bytes),
+                )
 
     def close(self) -> None:
         self.is_closed = True

@@ -134,6 +134,7 @@ def _generate_item(obj: GenerateReqInput, i: int) -> GenerateReqInput:
         is_normalized=True,
     )
 
+
 __getitem__ = item
 
 
@@ -168,16 +169,17 @@ def _embedding_item(obj: EmbeddingReqInput, i: int) -> EmbeddingReqInput:
         is_normalized=True,
     )
 
+
 __getitem__ = item
 
 
 def _check_num_items(num_prompts: int, n: int, max_items: int | None, prompt_field: str) -> None:
     if max_items is not None and num_prompts * n > max_items:
-        raise InvalidParameter("n" if n > 1 else prompt_field,
-                               f"the request has {num_prompts} prompt(s) x n={n} = {num_prompts * n} items; "
-                               f"this server takes at most {max_items} in flight")
-
-
+        raise InvalidParameter(
+            "n" if n > 1 else prompt_field,
+            f"the request has {num_prompts} prompt(s) x n={n} = {num_prompts * n} items; "
+            f"this server takes at most {max_items} in flight",
+        )
 
 
 def _from_json_dict(cls: type, d: Any) -> Any:
@@ -298,8 +300,7 @@ def _per_item(param: str, value: Any, num: int, default: Any, check) -> list:
                 "give one per prompt, or a single value for all",
             )
         return [
-            default if v is None else check(param, f"{param}[{i}]", v)
-            for i, v in enumerate(value)
+            default if v is None else check(param, f"{param}[{i}]", v) for i, v in enumerate(value)
         ]
     return [check(param, param, value)] * num
 
@@ -343,14 +344,15 @@ def _check_rids(rid: Any, num: int, is_batch: bool) -> list[str]:
     if isinstance(rid, str):
         if is_batch:
             raise InvalidParameter(
-                "rid", f"rid must be a list of {num} strings for a batch of {num} prompts, "
-                "got one string",
+                "rid",
+                f"rid must be a list of {num} strings for a batch of {num} prompts, got one string",
             )
         rids = [rid]
     elif isinstance(rid, list):
         if len(rid) != num:
             raise InvalidParameter(
-                "rid", f"rid has {len(rid)} entries but the request has {num} prompt(s): "
+                "rid",
+                f"rid has {len(rid)} entries but the request has {num} prompt(s): "
                 "give one per prompt",
             )
         rids = rid

@@ -27,7 +27,9 @@ class RequestChecker:
         self.info = info
         self.max_items = max_items  # requests the server holds at once: a bigger batch never fits
 
-    async def check_generate(self, obj: GenerateReqInput, worker_ipc: str | None) -> list[TokenizedGenerateReqInput]:
+    async def check_generate(
+        self, obj: GenerateReqInput, worker_ipc: str | None
+    ) -> list[TokenizedGenerateReqInput]:
         """Normalizes `obj` and returns its items tokenized and checked, in order. Raises
         InvalidParameter before anything is sent."""
         normalize_batch_and_arguments(obj, self.max_items)
@@ -43,16 +45,23 @@ class RequestChecker:
         """Refuses, before tokenizing it, a text too long to fit the context in any case: no
         token is longer than the longest vocabulary entry (twice that, for a margin)."""
         if len(text) > self.info.context_len * self.tokenizer.max_token_chars * 2:
-            raise InvalidParameter(param, f"{param} has {len(text)} characters: far more tokens than the context "
-                                          f"length ({self.info.context_len}) holds; shorten it")
+            raise InvalidParameter(
+                param,
+                f"{param} has {len(text)} characters: far more tokens than the context "
+                f"length ({self.info.context_len}) holds; shorten it",
+            )
 
     def check_token_ids(self, param: str, ids: list[int]) -> None:
         vocab = self.info.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise InvalidParameter(param, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise InvalidParameter(
+                param, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
 
-    async def _check_item(self, item: GenerateReqInput, worker_ipc: str | None) -> TokenizedGenerateReqInput:
+    async def _check_item(
+        self, item: GenerateReqInput, worker_ipc: str | None
+    ) -> TokenizedGenerateReqInput:
         for name in ("image_data", "audio_data", "video_data"):
             if getattr(item, name) is not None:
                 kind = name.split("_")[0]
@@ -62,21 +71,34 @@ class RequestChecker:
         self._check_logprobs(item, params)
         if params.regex or params.json_schema or params.ebnf:
             name = "regex" if params.regex else "json_schema" if params.json_schema else "ebnf"
-            raise InvalidParameter(name, f"{name}: constrained decoding is not supported by this server yet; "
-                                         "remove the field")
+            raise InvalidParameter(
+                name,
+                f"{name}: constrained decoding is not supported by this server yet; "
+                "remove the field",
+            )
         input_ids = await self._input_ids(item)
         self._check_length(item, input_ids, params)
         start_len = item.logprob_start_len
         if item.return_logprob and start_len >= 0:
             if start_len >= len(input_ids):
-                raise InvalidParameter("logprob_start_len", f"logprob_start_len ({start_len}) must be below "
-                                                            f"the prompt length ({len(input_ids)})")
+                raise InvalidParameter(
+                    "logprob_start_len",
+                    f"logprob_start_len ({start_len}) must be below "
+                    f"the prompt length ({len(input_ids)})",
+                )
             self._check_logprob_entries(item, len(input_ids) - start_len + params.max_new_tokens)
         return TokenizedGenerateReqInput(
-            rid=item.rid, input_text=item.text, input_ids=input_ids, sampling_params=params,
-            return_logprob=bool(item.return_logprob), logprob_start_len=start_len,
-            top_logprobs_num=item.top_logprobs_num or 0, token_ids_logprob=item.token_ids_logprob,
-            stream=item.stream, lora_path=item.lora_path, http_worker_ipc=worker_ipc,
+            rid=item.rid,
+            input_text=item.text,
+            input_ids=input_ids,
+            sampling_params=params,
+            return_logprob=bool(item.return_logprob),
+            logprob_start_len=start_len,
+            top_logprobs_num=item.top_logprobs_num or 0,
+            token_ids_logprob=item.token_ids_logprob,
+            stream=item.stream,
+            lora_path=item.lora_path,
+            http_worker_ipc=worker_ipc,
         )
 
     async def _input_ids(self, item: GenerateReqInput) -> list[int]:
@@ -90,28 +112,39 @@ class RequestChecker:
             raise InvalidParameter("text", "text: the prompt is empty after tokenization")
         return input_ids
 
-    def _check_length(self, item: GenerateReqInput, input_ids: list[int], params: SamplingParams) -> None:
+    def _check_length(
+        self, item: GenerateReqInput, input_ids: list[int], params: SamplingParams
+    ) -> None:
         ctx, num = self.info.context_len, len(input_ids)
         if num >= ctx:
-            raise InvalidParameter("text" if item.text is not None else "input_ids",
-                                   f"the prompt has {num} tokens, which is at least the context length ({ctx}); "
-                                   "shorten it")
+            raise InvalidParameter(
+                "text" if item.text is not None else "input_ids",
+                f"the prompt has {num} tokens, which is at least the context length ({ctx}); "
+                "shorten it",
+            )
         if num + params.max_new_tokens > ctx:
-            raise InvalidParameter("max_new_tokens",
-                                   f"max_new_tokens: the prompt ({num} tokens) plus max_new_tokens "
-                                   f"({params.max_new_tokens}) exceeds the context length ({ctx}); lower it "
-                                   f"to at most {ctx - num}")
+            raise InvalidParameter(
+                "max_new_tokens",
+                f"max_new_tokens: the prompt ({num} tokens) plus max_new_tokens "
+                f"({params.max_new_tokens}) exceeds the context length ({ctx}); lower it "
+                f"to at most {ctx - num}",
+            )
         if num + params.max_new_tokens > self.info.max_total_tokens:
-            raise InvalidParameter("max_new_tokens",
-                                   f"max_new_tokens: the prompt ({num} tokens) plus max_new_tokens "
-                                   f"({params.max_new_tokens}) needs more KV memory than the whole pool holds "
-                                   f"({self.info.max_total_tokens} tokens); lower max_new_tokens")
+            raise InvalidParameter(
+                "max_new_tokens",
+                f"max_new_tokens: the prompt ({num} tokens) plus max_new_tokens "
+                f"({params.max_new_tokens}) needs more KV memory than the whole pool holds "
+                f"({self.info.max_total_tokens} tokens); lower max_new_tokens",
+            )
 
     def _check_logprobs(self, item: GenerateReqInput, params: SamplingParams) -> None:
         top = item.top_logprobs_num or 0
         if top > min(MAX_TOP_LOGPROBS_NUM, self.info.vocab_size):
-            raise InvalidParameter("top_logprobs_num", f"top_logprobs_num must be at most "
-                                                       f"{min(MAX_TOP_LOGPROBS_NUM, self.info.vocab_size)}, got {top}")
+            raise InvalidParameter(
+                "top_logprobs_num",
+                f"top_logprobs_num must be at most "
+                f"{min(MAX_TOP_LOGPROBS_NUM, self.info.vocab_size)}, got {top}",
+            )
         self.check_token_ids("token_ids_logprob", item.token_ids_logprob or [])
         if item.return_logprob:
             self._check_logprob_entries(item, params.max_new_tokens)
@@ -120,7 +153,9 @@ class RequestChecker:
         per_position = 1 + (item.top_logprobs_num or 0) + len(item.token_ids_logprob or ())
         if num_positions * per_position > MAX_LOGPROB_ENTRIES:
             raise InvalidParameter(
-                "top_logprobs_num", f"the logprobs asked for ({num_positions} positions x {per_position} entries) "
-                                    f"exceed {MAX_LOGPROB_ENTRIES} entries per request; ask for fewer "
-                                    "top_logprobs_num, token_ids_logprob or positions (logprob_start_len, "
-                                    "max_new_tokens)")
+                "top_logprobs_num",
+                f"the logprobs asked for ({num_positions} positions x {per_position} entries) "
+                f"exceed {MAX_LOGPROB_ENTRIES} entries per request; ask for fewer "
+                "top_logprobs_num, token_ids_logprob or positions (logprob_start_len, "
+                "max_new_tokens)",
+            )

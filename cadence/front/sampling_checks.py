@@ -82,6 +82,7 @@ def _normalize_types(p: SamplingParams) -> None:
             raise InvalidParameter(name, f"{name} must not be null")
         setattr(p, name, coerce_field(name, value))
 
+
 def _check_lengths(p: SamplingParams) -> None:
     if p.max_new_tokens < 0:
         _fail("max_new_tokens", ">= 0", p.max_new_tokens)
@@ -96,6 +97,7 @@ def _check_lengths(p: SamplingParams) -> None:
     if p.n < 1:
         _fail("n", ">= 1", p.n)
 
+
 def _check_distributions(p: SamplingParams) -> None:
     if p.temperature < 0:
         _fail("temperature", ">= 0 (0 means greedy)", p.temperature)
@@ -106,6 +108,7 @@ def _check_distributions(p: SamplingParams) -> None:
     if not 0 <= p.min_p <= 1:
         _fail("min_p", "in [0, 1]", p.min_p)
 
+
 def _check_penalties(p: SamplingParams) -> None:
     for name in ("frequency_penalty", "presence_penalty"):
         value = getattr(p, name)
@@ -113,6 +116,7 @@ def _check_penalties(p: SamplingParams) -> None:
             _fail(name, "in [-2, 2]", value)
     if not 0 <= p.repetition_penalty <= 2:
         _fail("repetition_penalty", "in [0, 2] (1 disables it)", p.repetition_penalty)
+
 
 def _check_stops(p: SamplingParams, vocab_size: int | None) -> None:
     if len(p.stop or ()) > MAX_STOP_STRINGS:
@@ -126,7 +130,8 @@ def _check_stops(p: SamplingParams, vocab_size: int | None) -> None:
             )
         if len(s) > MAX_STOP_STRING_CHARS:
             raise InvalidParameter(
-                "stop", f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_STRING_CHARS} are allowed"
+                "stop",
+                f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_STRING_CHARS} are allowed",
             )
     if len(p.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
         raise InvalidParameter(
@@ -146,6 +151,7 @@ def _check_stops(p: SamplingParams, vocab_size: int | None) -> None:
                 "logit_bias",
                 f"logit_bias keys must be token ids {valid}, got {token_id}",
             )
+
 
 def _check_constraints(p: SamplingParams) -> None:
     given = [name for name in ("regex", "json_schema", "ebnf") if getattr(p, name)]
@@ -189,9 +195,7 @@ def _as_int(param: str, value: Any, label: str | None = None) -> int:
                 param, f"{label} must be an integer, got {_describe(value)}"
             ) from None
     if not _INT64_MIN <= result <= _INT64_MAX:
-        raise InvalidParameter(
-            param, f"{label} must fit in a signed 64-bit integer, got {result}"
-        )
+        raise InvalidParameter(param, f"{label} must fit in a signed 64-bit integer, got {result}")
     return result
 
 

@@ -37,7 +37,9 @@ class FrontTokenizer:
             return self.encode(text, add_special_tokens)
         encode_batch = self.backend.encode_batch
         loop = asyncio.get_running_loop()
-        encodings = await loop.run_in_executor(None, lambda: encode_batch([text], add_special_tokens=add_special_tokens))
+        encodings = await loop.run_in_executor(
+            None, lambda: encode_batch([text], add_special_tokens=add_special_tokens)
+        )
         return encodings[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -45,12 +47,17 @@ class FrontTokenizer:
 
     async def decode_async(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`, on a worker thread for a long list (as `encode_async`)."""
-        if (len(ids) <= OFF_LOOP_TOKENIZE_CHARS or self.backend is None
-                or getattr(self.hf, "clean_up_tokenization_spaces", False)):
+        if (
+            len(ids) <= OFF_LOOP_TOKENIZE_CHARS
+            or self.backend is None
+            or getattr(self.hf, "clean_up_tokenization_spaces", False)
+        ):
             return self.decode(ids, skip_special_tokens)
         decode_batch = self.backend.decode_batch
         loop = asyncio.get_running_loop()
-        texts = await loop.run_in_executor(None, lambda: decode_batch([ids], skip_special_tokens=skip_special_tokens))
+        texts = await loop.run_in_executor(
+            None, lambda: decode_batch([ids], skip_special_tokens=skip_special_tokens)
+        )
         return texts[0]
 
     def token_text(self, token_id: int) -> str:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from cadence import hooks
 from cadence.errors import InvalidParameter, RequestError
@@ -21,7 +22,13 @@ from cadence.front.engine_client import ModelInfo
 from cadence.front.normalize import items as normalized_items
 from cadence.front.request_checks import RequestChecker
 from cadence.front.tokenizer import FrontTokenizer
-from cadence.io_struct import AbortReq, BatchStrOutput, GenerateReqInput, Logprobs, TokenizedGenerateReqInput
+from cadence.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    GenerateReqInput,
+    Logprobs,
+    TokenizedGenerateReqInput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +37,9 @@ logger = logging.getLogger(__name__)
 class _ReqState:
     obj: GenerateReqInput  # the single item
     created: float
-    chunks: list[tuple[str, list[int]]] = field(default_factory=list)  # (text, ids) deltas not yet yielded
+    chunks: list[tuple[str, list[int]]] = field(
+        default_factory=list
+    )  # (text, ids) deltas not yet yielded
     event: asyncio.Event = field(default_factory=asyncio.Event)
     finished: bool = False
     text: str = ""
@@ -40,13 +49,26 @@ class _ReqState:
     logprobs_sent: dict[str, int] = field(default_factory=dict)  # stream: entries already yielded
 
 
-_LP_FIELDS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs",
-              "output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+_LP_FIELDS = (
+    "input_token_logprobs",
+    "input_top_logprobs",
+    "input_token_ids_logprobs",
+    "output_token_logprobs",
+    "output_top_logprobs",
+    "output_token_ids_logprobs",
+)
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer: FrontTokenizer, info: ModelInfo, send: Callable[[Any], None],
-                 max_pending: int = 1088, worker_ipc: str | None = None, request_timeout_s: float | None = None):
+    def __init__(
+        self,
+        tokenizer: FrontTokenizer,
+        info: ModelInfo,
+        send: Callable[[Any], None],
+        max_pending: int = 1088,
+        worker_ipc: str | None = None,
+        request_timeout_s: float | None = None,
+    ):
         self.tokenizer = tokenizer
         self.info = info
         self.send = send
@@ -73,7 +95,9 @@ class TokenizerManager:
         an `index` for batches) when `obj.stream`. Raises InvalidParameter / RequestError."""
         tokenized = await self.prepare(obj)
         if len(self.states) + len(tokenized) > self.max_pending:
-            raise RequestError(429, "the server is overloaded: too many requests in flight; retry later")
+            raise RequestError(
+                429, "the server is overloaded: too many requests in flight; retry later"
+            )
         now = time.monotonic()
         items = normalized_items(obj)  # the same items the checker cut
         for item in items:
@@ -85,7 +109,9 @@ class TokenizerManager:
             states.append(st)
         deadline = None
         if self.request_timeout_s is not None:
-            deadline = asyncio.get_running_loop().call_later(self.request_timeout_s, self._expire, tokenized)
+            deadline = asyncio.get_running_loop().call_later(
+                self.request_timeout_s, self._expire, tokenized
+            )
         try:
             for tok in tokenized:
                 self.send(tok)
@@ -101,8 +127,14 @@ class TokenizerManager:
             for tok, st in zip(tokenized, states):
                 if not st.finished:
                     self.abort_request(tok.rid, "the client went away")
-                    hooks.notify(hooks.request_finished, tok.rid,
-                                 {**st.meta, "finish_reason": {"type": "abort", "message": "the client went away"}})
+                    hooks.notify(
+                        hooks.request_finished,
+                        tok.rid,
+                        {
+                            **st.meta,
+                            "finish_reason": {"type": "abort", "message": "the client went away"},
+                        },
+                    )
                 self.states.pop(tok.rid, None)
 
     def _expire(self, tokenized: list[TokenizedGenerateReqInput]) -> None:
@@ -192,18 +224,26 @@ class TokenizerManager:
                     start = st.logprobs_sent.get(name, 0)
                     st.logprobs_sent[name] = len(values)
                     values = values[start:]
-                meta[name] = self._with_text(values, st.obj.return_text_in_logprobs, nested="top" in name or "ids" in name)
+                meta[name] = self._with_text(
+                    values, st.obj.return_text_in_logprobs, nested="top" in name or "ids" in name
+                )
         reason = meta.get("finish_reason")
         if reason and reason.get("type") == "abort" and reason.get("status_code", 200) >= 400:
-            raise RequestError(reason["status_code"], reason.get("message", "request failed"),
-                               is_request_fault=bool(reason.get("request_fault")))
+            raise RequestError(
+                reason["status_code"],
+                reason.get("message", "request failed"),
+                is_request_fault=bool(reason.get("request_fault")),
+            )
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     def _with_text(self, values: list, with_text: bool, nested: bool) -> list:
         def one(v, i):
             return [v, i, self.tokenizer.token_text(i) if with_text else None]
+
         if nested:
-            return [[one(v, i) for v, i in zip(*row)] if row[0] is not None else None for row in values]
+            return [
+                [one(v, i) for v, i in zip(*row)] if row[0] is not None else None for row in values
+            ]
         return [one(v, i) for v, i in values]
 
     # ---- results in (called on the event loop) ------------------------------------------------
@@ -220,12 +260,21 @@ class TokenizerManager:
             try:
                 self._add_output(st, rid, out, i)
             except Exception as e:  # this request fails alone; the others get their outputs
-                logger.exception("taking the output of request %s failed; it ends with an error", rid)
-                self._fail(st, rid, f"internal error while taking its output: {type(e).__name__}: {e}")
+                logger.exception(
+                    "taking the output of request %s failed; it ends with an error", rid
+                )
+                self._fail(
+                    st, rid, f"internal error while taking its output: {type(e).__name__}: {e}"
+                )
 
     def _fail(self, st: _ReqState, rid: str, message: str) -> None:
         self.num_request_faults["front"] += 1
-        st.meta["finish_reason"] = {"type": "abort", "status_code": 500, "request_fault": True, "message": message}
+        st.meta["finish_reason"] = {
+            "type": "abort",
+            "status_code": 500,
+            "request_fault": True,
+            "message": message,
+        }
         st.finished = True
         self.abort_request(rid, message)
         hooks.notify(hooks.request_finished, rid, dict(st.meta))
@@ -237,12 +286,18 @@ class TokenizerManager:
             origin = reason.get("origin", "scheduler")
             self.num_request_faults[origin] = self.num_request_faults.get(origin, 0) + 1
             if origin == "detokenizer":
-                self.abort_request(rid, reason.get("message", "failed"))  # it still runs in the scheduler
+                self.abort_request(
+                    rid, reason.get("message", "failed")
+                )  # it still runs in the scheduler
         st.text += out.output_strs[i]
         st.output_ids.extend(out.output_ids[i])
         st.chunks.append((out.output_strs[i], out.output_ids[i]))
-        st.meta.update(prompt_tokens=out.prompt_tokens[i], completion_tokens=out.completion_tokens[i],
-                       cached_tokens=out.cached_tokens[i], finish_reason=reason)
+        st.meta.update(
+            prompt_tokens=out.prompt_tokens[i],
+            completion_tokens=out.completion_tokens[i],
+            cached_tokens=out.cached_tokens[i],
+            finish_reason=reason,
+        )
         if out.logprobs and out.logprobs[i] is not None:
             self._add_logprobs(st, out.logprobs[i])
         if reason is not None:
@@ -257,7 +312,9 @@ class TokenizerManager:
             if vals is not None:
                 st.logprobs.setdefault(name, []).extend(zip(vals, idxs))
 
-    def abort_request(self, rid: str | None = None, message: str = "aborted", abort_all: bool = False) -> None:
+    def abort_request(
+        self, rid: str | None = None, message: str = "aborted", abort_all: bool = False
+    ) -> None:
         """Asks the scheduler to end the request(s); `rid` also matches the samples `rid-j` of n > 1."""
         if abort_all:
             self.send(AbortReq(abort_all=True, message=message, http_worker_ipc=self.worker_ipc))

@@ -12,17 +12,37 @@ from typing import Any
 
 import msgspec
 
+from cadence.errors import InvalidParameter
 from cadence.grpc import sglang_pb2 as pb
 from cadence.io_struct import GenerateReqInput
-from cadence.errors import InvalidParameter
 
-_SAMPLING_SCALARS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                     "repetition_penalty", "max_new_tokens", "min_new_tokens", "ignore_eos", "n", "json_schema",
-                     "regex")
-_FLOAT_FIELDS = frozenset(("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-                           "repetition_penalty"))
+_SAMPLING_SCALARS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "max_new_tokens",
+    "min_new_tokens",
+    "ignore_eos",
+    "n",
+    "json_schema",
+    "regex",
+)
+_FLOAT_FIELDS = frozenset(
+    ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+)
 # Request fields copied as they are when present (same name on both sides).
-_REQUEST_SCALARS = ("return_logprob", "top_logprobs_num", "logprob_start_len", "rid", "lora_path", "routing_key")
+_REQUEST_SCALARS = (
+    "return_logprob",
+    "top_logprobs_num",
+    "logprob_start_len",
+    "rid",
+    "lora_path",
+    "routing_key",
+)
 
 _json = msgspec.json.Encoder()
 
@@ -45,11 +65,16 @@ def sampling_params(msg: pb.SamplingParams) -> dict[str, Any]:
 def generate_input(req: pb.TextGenerateRequest | pb.GenerateRequest) -> GenerateReqInput:
     """The GenerateReqInput of a TextGenerate or Generate call (not yet normalized)."""
     if req.HasField("disaggregated_params"):
-        raise InvalidParameter("disaggregated_params", "disaggregated_params: this server does not run "
-                                                       "prefill/decode disaggregation; leave the field unset")
+        raise InvalidParameter(
+            "disaggregated_params",
+            "disaggregated_params: this server does not run "
+            "prefill/decode disaggregation; leave the field unset",
+        )
     if req.HasField("routed_dp_rank") and req.routed_dp_rank != 0:
-        raise InvalidParameter("routed_dp_rank", f"routed_dp_rank: this server has one data-parallel rank (0), "
-                                                 f"got {req.routed_dp_rank}")
+        raise InvalidParameter(
+            "routed_dp_rank",
+            f"routed_dp_rank: this server has one data-parallel rank (0), got {req.routed_dp_rank}",
+        )
     kwargs: dict[str, Any] = {"stream": req.stream}
     if isinstance(req, pb.TextGenerateRequest):
         kwargs["text"] = req.text
@@ -70,17 +95,22 @@ def meta_info(meta: dict[str, Any]) -> dict[str, str]:
     out = {}
     for key, value in meta.items():  # once per streamed token: ints and null without the encoder
         kind = type(value)
-        out[key] = str(value) if kind is int else "null" if value is None else encode(value).decode()
+        out[key] = (
+            str(value) if kind is int else "null" if value is None else encode(value).decode()
+        )
     return out
 
 
 def text_response(result: dict, finished: bool) -> pb.TextGenerateResponse:
-    return pb.TextGenerateResponse(text=result["text"], meta_info=meta_info(result["meta_info"]), finished=finished)
+    return pb.TextGenerateResponse(
+        text=result["text"], meta_info=meta_info(result["meta_info"]), finished=finished
+    )
 
 
 def ids_response(result: dict, finished: bool) -> pb.GenerateResponse:
-    return pb.GenerateResponse(output_ids=result["output_ids"], meta_info=meta_info(result["meta_info"]),
-                               finished=finished)
+    return pb.GenerateResponse(
+        output_ids=result["output_ids"], meta_info=meta_info(result["meta_info"]), finished=finished
+    )
 
 
 def is_finished(result: dict) -> bool:

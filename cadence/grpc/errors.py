@@ -60,6 +60,7 @@ def rpc(method):
     statuses: ours mapped by the table, anything else INTERNAL and logged."""
     name = method.__name__
     if inspect.isasyncgenfunction(method):
+
         @functools.wraps(method)
         async def stream(self, request, context, **kwargs):
             messages = method(self, request, context, **kwargs)
@@ -72,6 +73,7 @@ def rpc(method):
                 await _abort(context, e, name)
             finally:
                 await messages.aclose()  # now, not at garbage collection: it may hold a request
+
         return stream
 
     @functools.wraps(method)
@@ -82,4 +84,5 @@ def rpc(method):
             raise
         except Exception as e:
             await _abort(context, e, name)
+
     return unary

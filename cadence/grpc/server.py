@@ -21,11 +21,10 @@ import hmac
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-
-from google.protobuf.message import DecodeError
 
 from cadence.grpc import SERVICE_NAME, sglang_pb2
 from cadence.grpc.servicer import SglangServicer
@@ -65,9 +64,12 @@ def server_credentials(args: ServerArgs) -> grpc.ServerCredentials | None:
 
     cert = read("grpc-tls-cert", args.grpc_tls_cert)
     key = read("grpc-tls-key", args.grpc_tls_key)
-    client_ca = read("grpc-tls-client-ca", args.grpc_tls_client_ca) if args.grpc_tls_client_ca else None
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
-                                       require_client_auth=client_ca is not None)
+    client_ca = (
+        read("grpc-tls-client-ca", args.grpc_tls_client_ca) if args.grpc_tls_client_ca else None
+    )
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -89,10 +91,15 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     async def refuse(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            "missing or wrong API key: send metadata `authorization: Bearer <key>`")
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "missing or wrong API key: send metadata `authorization: Bearer <key>`",
+        )
 
-    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    kwargs = dict(
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(refuse, **kwargs)
     if handler.stream_unary:
@@ -114,11 +121,18 @@ def add_service(server: grpc.aio.Server, servicer, service, messages) -> None:
         request_type = getattr(messages, method.input_type.name)
         response_type = getattr(messages, method.output_type.name)
         impl = getattr(servicer, method.name)
-        make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
-                else grpc.unary_unary_rpc_method_handler)
-        handlers[method.name] = make(_parsing(impl, request_type, method.server_streaming),
-                                     response_serializer=response_type.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            _parsing(impl, request_type, method.server_streaming),
+            response_serializer=response_type.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
 
 
 def _parsing(impl, request_type, is_streaming: bool):
@@ -126,10 +140,13 @@ def _parsing(impl, request_type, is_streaming: bool):
         try:
             return request_type.FromString(raw)
         except DecodeError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the request is not a valid {request_type.DESCRIPTOR.full_name} message: {e}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request is not a valid {request_type.DESCRIPTOR.full_name} message: {e}",
+            )
 
     if is_streaming:
+
         async def stream(raw: bytes, context):
             messages = impl(await parse(raw, context), context)
             try:
@@ -137,10 +154,12 @@ def _parsing(impl, request_type, is_streaming: bool):
                     yield message
             finally:
                 await messages.aclose()  # now, not at garbage collection: it may hold a request
+
         return stream
 
     async def unary(raw: bytes, context):
         return await impl(await parse(raw, context), context)
+
     return unary
 
 
@@ -153,12 +172,22 @@ class GrpcServer:
         interceptors = [ApiKeyInterceptor(args.api_key)] if args.api_key else []
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(args))
         self.servicer = SglangServicer(state)
-        add_service(self.server, self.servicer, sglang_pb2.DESCRIPTOR.services_by_name["SglangService"], sglang_pb2)
+        add_service(
+            self.server,
+            self.servicer,
+            sglang_pb2.DESCRIPTOR.services_by_name["SglangService"],
+            sglang_pb2,
+        )
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server)
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self.server,
+        )
         host = args.host if ":" not in args.host else f"[{args.host}]"
         self.address = f"{host}:{self.port}"
         self.is_tls = args.grpc_tls_cert is not None

@@ -12,20 +12,26 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
-import grpc
 import msgspec
 
 from cadence.errors import CadenceError, InvalidParameter
 from cadence.front.engine_client import EngineClient
-from cadence.grpc import convert
+from cadence.grpc import convert, sglang_pb2_grpc
 from cadence.grpc import sglang_pb2 as pb
-from cadence.grpc import sglang_pb2_grpc
 from cadence.grpc.errors import RpcError, rpc
 from cadence.grpc.streams import BacklogWatch, buffered
-from cadence.io_struct import (ContinueGenerationReqInput, FlushCacheReqInput, GenerateReqInput, GetLoadReqInput,
-                               PauseGenerationReqInput, ProfileReq, UpdateWeightFromDiskReqInput)
+from cadence.io_struct import (
+    ContinueGenerationReqInput,
+    FlushCacheReqInput,
+    GenerateReqInput,
+    GetLoadReqInput,
+    PauseGenerationReqInput,
+    ProfileReq,
+    UpdateWeightFromDiskReqInput,
+)
 from cadence.serving import control, native_api
 from cadence.serving.errors import FAULT_HEADER
 from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing, StreamFailed
@@ -35,7 +41,12 @@ logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
 # The OpenAI pass-through RPCs that map onto a method of OpenAIServing once it has one.
-_OPENAI_UNARY = {"OpenAIEmbed": "embeddings", "OpenAIClassify": "classify", "Score": "score", "Rerank": "rerank"}
+_OPENAI_UNARY = {
+    "OpenAIEmbed": "embeddings",
+    "OpenAIClassify": "classify",
+    "Score": "score",
+    "Rerank": "rerank",
+}
 
 
 class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
@@ -57,18 +68,26 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
         if state.is_shutting_down:
             raise RpcError(503, "the server is shutting down")
         if not state.is_ready or state.client is None:
-            raise RpcError(503, "the server is starting: the model is loading; retry once grpc.health.v1 "
-                                "reports SERVING")
+            raise RpcError(
+                503,
+                "the server is starting: the model is loading; retry once grpc.health.v1 "
+                "reports SERVING",
+            )
         return state.client
 
     def _admit(self) -> None:
         if self.num_active >= self.max_active:
-            raise RpcError(429, f"the server is overloaded: {self.max_active} gRPC generation calls are in flight "
-                           "(--grpc-max-concurrent-requests); retry later")
+            raise RpcError(
+                429,
+                f"the server is overloaded: {self.max_active} gRPC generation calls are in flight "
+                "(--grpc-max-concurrent-requests); retry later",
+            )
 
     def _check_not_paused(self) -> None:
         if self.state.client is not None and self.state.client.is_paused:
-            raise RpcError(409, "generation is paused (PauseGeneration); call ContinueGeneration first")
+            raise RpcError(
+                409, "generation is paused (PauseGeneration); call ContinueGeneration first"
+            )
 
     # ---- generation --------------------------------------------------------------------
 
@@ -96,7 +115,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
                 if len(samples) > 1:
                     chunk["index"] = index
                 outcomes.append(_messages(chunk, make, final=True))
-            for msgs, cancelled in outcomes:
+            for _, cancelled in outcomes:
                 if cancelled:
                     raise RpcError(499, cancelled)
             for msgs, _ in outcomes:
@@ -108,7 +127,9 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     TextGenerate = functools.partialmethod(_generate, make=convert.text_response)
     Generate = functools.partialmethod(_generate, make=convert.ids_response)
 
-    async def _stream(self, client: EngineClient, obj: GenerateReqInput, context, make) -> AsyncIterator:
+    async def _stream(
+        self, client: EngineClient, obj: GenerateReqInput, context, make
+    ) -> AsyncIterator:
         """One message per result chunk, sent as it comes; the backlog watch ends the call
         if the client stops reading (what the request produced minus what was sent)."""
         results = client.generate(obj)
@@ -147,9 +168,13 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     @rpc
     async def Classify(self, request, context):
         if request.text and request.input_ids:
-            raise InvalidParameter("text", "text and input_ids are mutually exclusive: give exactly one of them")
+            raise InvalidParameter(
+                "text", "text and input_ids are mutually exclusive: give exactly one of them"
+            )
         if not request.text and not request.input_ids:
-            raise InvalidParameter("text", "text or input_ids is required: give exactly one of them")
+            raise InvalidParameter(
+                "text", "text or input_ids is required: give exactly one of them"
+            )
         if request.input_ids:
             _require_ids(request.input_ids)
         self._unimplemented("Classify", "classification")
@@ -157,9 +182,12 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     def _unimplemented(self, method: str, what: str) -> None:
         info = self._client().info
         kind = "a generation model" if info.is_generation else "an embedding model"
-        raise RpcError(501, f"{method}: this server does not serve {what} yet; the loaded model "
-                            f"{info.served_model_name!r} is {kind}. Use TextGenerate/Generate, or a server "
-                            "release with embedding support")
+        raise RpcError(
+            501,
+            f"{method}: this server does not serve {what} yet; the loaded model "
+            f"{info.served_model_name!r} is {kind}. Use TextGenerate/Generate, or a server "
+            "release with embedding support",
+        )
 
     # ---- tokenizer (front process only) ---------------------------------------------------
 
@@ -168,12 +196,18 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
         client = self._client()
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         tokens = await client.tokenize(request.text, add_special)
-        return pb.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=client.info.context_len,
-                                   input_text=request.text)
+        return pb.TokenizeResponse(
+            tokens=tokens,
+            count=len(tokens),
+            max_model_len=client.info.context_len,
+            input_text=request.text,
+        )
 
     @rpc
     async def Detokenize(self, request, context):
-        return pb.DetokenizeResponse(text=await native_api.detokenize(self._client(), list(request.tokens)))
+        return pb.DetokenizeResponse(
+            text=await native_api.detokenize(self._client(), list(request.tokens))
+        )
 
     # ---- health and information --------------------------------------------------------
 
@@ -187,17 +221,23 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
         if state.client.is_paused:
             return pb.HealthCheckResponse(healthy=True)
         try:
-            await asyncio.wait_for(native_api.last_result(state.client.generate(native_api.probe_request())),
-                                   HEALTH_CHECK_TIMEOUT_S)
-        except (asyncio.TimeoutError, CadenceError) as e:
-            logger.warning("gRPC HealthCheck: the probe generation failed: %s", e or type(e).__name__)
+            await asyncio.wait_for(
+                native_api.last_result(state.client.generate(native_api.probe_request())),
+                HEALTH_CHECK_TIMEOUT_S,
+            )
+        except (TimeoutError, CadenceError) as e:
+            logger.warning(
+                "gRPC HealthCheck: the probe generation failed: %s", e or type(e).__name__
+            )
             return pb.HealthCheckResponse(healthy=False)
         return pb.HealthCheckResponse(healthy=True)
 
     @rpc
     async def GetModelInfo(self, request, context):
         info = self._client().info
-        return pb.GetModelInfoResponse(model_path=info.model_path, json_info=_json(native_api.model_info(info)))
+        return pb.GetModelInfoResponse(
+            model_path=info.model_path, json_info=_json(native_api.model_info(info))
+        )
 
     @rpc
     async def GetServerInfo(self, request, context):
@@ -207,8 +247,15 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     async def ListModels(self, request, context):
         self._client()
         body = msgspec.json.decode(self.openai.list_models().body)
-        cards = [pb.ModelCard(id=m["id"], root=m.get("root") or "", parent=m.get("parent"),
-                              max_model_len=m.get("max_model_len")) for m in body["data"]]
+        cards = [
+            pb.ModelCard(
+                id=m["id"],
+                root=m.get("root") or "",
+                parent=m.get("parent"),
+                max_model_len=m.get("max_model_len"),
+            )
+            for m in body["data"]
+        ]
         return pb.ListModelsResponse(models=cards)
 
     @rpc
@@ -221,7 +268,9 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     @rpc
     async def Abort(self, request, context):
-        is_live = self._client().abort(request.rid or None, request.abort_all, "aborted by the Abort RPC")
+        is_live = self._client().abort(
+            request.rid or None, request.abort_all, "aborted by the Abort RPC"
+        )
         return pb.AbortResponse(success=is_live)
 
     @rpc
@@ -245,7 +294,9 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     # ---- OpenAI JSON pass-through (the HTTP OpenAI routes' own code) ------------------------
 
     @rpc
-    async def _openai_stream(self, request, context, route: str) -> AsyncIterator[pb.OpenAIStreamChunk]:
+    async def _openai_stream(
+        self, request, context, route: str
+    ) -> AsyncIterator[pb.OpenAIStreamChunk]:
         """ChatComplete and Complete: one message per SSE event of the HTTP route `route`
         (a method of OpenAIServing); the last has finished = true, so each event is sent once
         the next one exists (or the stream has ended)."""
@@ -287,11 +338,17 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
         self._client()
         call = getattr(self.openai, _OPENAI_UNARY[method], None)
         if call is None:
-            route = {"OpenAIEmbed": "/v1/embeddings", "OpenAIClassify": "/v1/classify", "Score": "/v1/score",
-                     "Rerank": "/v1/rerank"}[method]
-            raise RpcError(501,
-                           f"{method}: this server does not serve {route} yet (it comes with the embeddings "
-                           "support); the loaded model serves ChatComplete and Complete")
+            route = {
+                "OpenAIEmbed": "/v1/embeddings",
+                "OpenAIClassify": "/v1/classify",
+                "Score": "/v1/score",
+                "Rerank": "/v1/rerank",
+            }[method]
+            raise RpcError(
+                501,
+                f"{method}: this server does not serve {route} yet (it comes with the embeddings "
+                "support); the loaded model serves ChatComplete and Complete",
+            )
         self._admit()
         self.num_active += 1
         try:
@@ -327,10 +384,14 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     @rpc
     async def UpdateWeightsFromDisk(self, request, context):
         if not request.model_path:
-            raise InvalidParameter("model_path", "model_path (a .gguf file or model directory) is required")
+            raise InvalidParameter(
+                "model_path", "model_path (a .gguf file or model directory) is required"
+            )
         load_format = request.load_format if request.HasField("load_format") else None
-        out = await self._client().control(UpdateWeightFromDiskReqInput(model_path=request.model_path,
-                                                                        load_format=load_format), timeout=900)
+        out = await self._client().control(
+            UpdateWeightFromDiskReqInput(model_path=request.model_path, load_format=load_format),
+            timeout=900,
+        )
         if not out.success:
             raise RpcError(400, f"cannot update the weights: {out.message}")
         return pb.UpdateWeightsResponse(success=True, message=out.message or "weights updated")
@@ -345,8 +406,10 @@ def _json(obj) -> str:
 
 def _aborter(context):
     """Ends the call with an RpcError's status, from any task (a stalled send included)."""
+
     async def abort(error: RpcError):
         await context.abort(error.code, str(error))
+
     return abort
 
 
@@ -370,7 +433,9 @@ class _Sent:
         return self.client.backlog(self.rids(), self.num_tokens)
 
 
-def _messages(chunk: dict, make: Callable[[dict, bool], Any], final: bool) -> tuple[list, str | None]:
+def _messages(
+    chunk: dict, make: Callable[[dict, bool], Any], final: bool
+) -> tuple[list, str | None]:
     """The message(s) of one result, and why its request was aborted (Abort, abort_all,
     pause), if it was: the call then ends with CANCELLED once what it produced is sent."""
     if "index" in chunk:

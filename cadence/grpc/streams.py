@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -27,8 +27,9 @@ from cadence.grpc.errors import RpcError
 logger = logging.getLogger(__name__)
 
 
-async def buffered(results: AsyncIterator, limit: int,
-                   on_overflow: Callable[[RpcError], Awaitable] | None = None) -> AsyncIterator[list]:
+async def buffered(
+    results: AsyncIterator, limit: int, on_overflow: Callable[[RpcError], Awaitable] | None = None
+) -> AsyncIterator[list]:
     """Yields lists of the items of `results` buffered since the previous yield, in order.
 
     When `limit` items wait unsent, `results` is closed (aborting its request) and
@@ -47,9 +48,11 @@ async def buffered(results: AsyncIterator, limit: int,
         try:
             async for item in results:
                 if len(pending) >= limit:
-                    raise RpcError(429,
-                                   f"the client is not reading its stream: {limit} messages are waiting "
-                                   "(--grpc-stream-buffer); the request was aborted")
+                    raise RpcError(
+                        429,
+                        f"the client is not reading its stream: {limit} messages are waiting "
+                        "(--grpc-stream-buffer); the request was aborted",
+                    )
                 pending.append(item)
                 wake.set()
         except Exception as e:
@@ -101,7 +104,9 @@ class BacklogWatch:
         self._next_key = 0
         self._task: asyncio.Task | None = None
 
-    def watch(self, backlog: Callable[[], int], on_overflow: Callable[[RpcError], Awaitable]) -> int:
+    def watch(
+        self, backlog: Callable[[], int], on_overflow: Callable[[RpcError], Awaitable]
+    ) -> int:
         key = self._next_key
         self._next_key += 1
         self._watched[key] = (backlog, on_overflow)
@@ -123,9 +128,11 @@ class BacklogWatch:
                     held = backlog()
                     if held > self.limit:
                         self._watched.pop(key, None)
-                        error = RpcError(429,
-                                         f"the client is not reading its stream: {held} {self.what} are waiting "
-                                         f"(--grpc-stream-buffer {self.limit}); the request was aborted")
+                        error = RpcError(
+                            429,
+                            f"the client is not reading its stream: {held} {self.what} are waiting "
+                            f"(--grpc-stream-buffer {self.limit}); the request was aborted",
+                        )
                         asyncio.ensure_future(_end(on_overflow, error))
         finally:
             self._task = None

@@ -61,8 +61,15 @@ def _load(verbose: bool = False) -> None:
     os.makedirs(build_dir, exist_ok=True)
     logger.info("building Cadence's CPU kernels in %s (once, ~15 s)", build_dir)
     # load() takes a file lock on build_dir, so processes starting together build once.
-    load(name=NAME, sources=[SOURCE], extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
-         build_directory=build_dir, is_python_module=False, verbose=verbose)
+    load(
+        name=NAME,
+        sources=[SOURCE],
+        extra_cflags=_cflags(),
+        extra_ldflags=["-fopenmp"],
+        build_directory=build_dir,
+        is_python_module=False,
+        verbose=verbose,
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,9 +82,11 @@ def cpu_kernels_available() -> bool:
         _load()
         return True
     except Exception as e:  # no compiler, no ninja, a failed build: torch's ops serve instead
-        logger.warning("Cadence's CPU kernels are unavailable, decode falls back to torch ops (slower); "
-                       "install a C++ compiler (g++) and run `python -m cadence.kernels -v` to build them: %s",
-                       str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        logger.warning(
+            "Cadence's CPU kernels are unavailable, decode falls back to torch ops (slower); "
+            "install a C++ compiler (g++) and run `python -m cadence.kernels -v` to build them: %s",
+            str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__,
+        )
         return False
 
 
@@ -89,9 +98,10 @@ def main() -> int:
     try:
         _load(verbose="-v" in sys.argv)
     except Exception as e:
-        print(f"could not build Cadence's CPU kernels (the engine will use torch ops instead; a C++ compiler "
-              f"such as g++ builds them, `python -m cadence.kernels -v` shows the build): {e}")
+        print(
+            f"could not build Cadence's CPU kernels (the engine will use torch ops instead; a C++ compiler "
+            f"such as g++ builds them, `python -m cadence.kernels -v` shows the build): {e}"
+        )
         return 0  # not fatal: the install goes on
     print(f"Cadence's CPU kernels are ready ({_build_dir()})")
     return 0
-

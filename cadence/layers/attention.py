@@ -33,10 +33,14 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
         """q: [T, H*D]; kv: [T, 2, KVH, D] (K then V), both in the pool's dtype. Returns [T, H*D]."""
 
-    def forward_qkv(self, qkv: torch.Tensor, rope_factors, ops, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+    def forward_qkv(
+        self, qkv: torch.Tensor, rope_factors, ops, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
         """The layer's entry: qkv [T, (H + 2 KVH) * D] is this step's projections, q and k not yet
         rotated, in the pool's dtype. Rotates q and k in place (`ops.rotary_`, `rope_factors` in
         the form `ops.rope_factors` gave), then `forward`. A backend may fuse all of it."""
@@ -65,7 +69,9 @@ class TorchNativeBackend(AttentionBackend):
     (batch 32 decodes ~9% faster than gathering every step).
     """
 
-    FLOAT32_DECODE_TOKENS = 1024  # decode attention over at most this many KV tokens runs in float32
+    FLOAT32_DECODE_TOKENS = (
+        1024  # decode attention over at most this many KV tokens runs in float32
+    )
     DECODE_BLOCK_BYTES = 512 << 20  # decode blocks are kept only while all layers' fit in this
 
     def __init__(self, kv_pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
@@ -76,7 +82,9 @@ class TorchNativeBackend(AttentionBackend):
     def forward(self, q, kv, layer_id, batch):
         buf = self.kv_pool.kv_buffer[layer_id]  # [2, KVH, pages, page, D]
         # index_copy_ on a flat view is an order of magnitude faster than advanced indexing.
-        buf.view(-1, self.head_dim).index_copy_(0, batch.kv_write_rows, kv.reshape(-1, self.head_dim))
+        buf.view(-1, self.head_dim).index_copy_(
+            0, batch.kv_write_rows, kv.reshape(-1, self.head_dim)
+        )
         if batch.is_decode:
             return self._decode(q, self._decode_block(kv, buf, layer_id, batch), batch)
         return self._extend(q, kv, buf, batch)
@@ -99,7 +107,9 @@ class TorchNativeBackend(AttentionBackend):
                 # Row of each (request, K/V, head) in the block's flat [-1, D] view, in kv's order.
                 last = torch.tensor(batch.seq_lens, dtype=torch.int64, device=kv.device) - 1
                 planes = torch.arange(2 * kvh, dtype=torch.int64, device=kv.device) * (bs * width)
-                rows = (planes.unsqueeze(0) + (torch.arange(bs, device=kv.device) * width + last).unsqueeze(1))
+                rows = planes.unsqueeze(0) + (
+                    torch.arange(bs, device=kv.device) * width + last
+                ).unsqueeze(1)
                 self._block_rows = (batch, rows.reshape(-1))
             block.view(-1, d).index_copy_(0, self._block_rows[1], kv.reshape(-1, d).to(block.dtype))
             return block
@@ -123,7 +133,9 @@ class TorchNativeBackend(AttentionBackend):
         # Small batches attend in float32 (their block is kept in float32): a CPU bfloat16
         # batched matmul has a fixed cost of ~20 us at these shapes (a few query rows per
         # head), float32 half that. Past about a thousand tokens bfloat16 is faster.
-        qg = q.view(bs, kvh, self.num_heads // kvh, d).transpose(0, 1).to(kv.dtype)  # [KVH, B, G, D]
+        qg = (
+            q.view(bs, kvh, self.num_heads // kvh, d).transpose(0, 1).to(kv.dtype)
+        )  # [KVH, B, G, D]
         scores = torch.matmul(qg, kv[0].transpose(-1, -2))  # [KVH, B, G, W]
         if batch.kv_mask is not None:
             scores.masked_fill_(batch.kv_mask, float("-inf"))
@@ -148,8 +160,15 @@ class TorchNativeBackend(AttentionBackend):
                 mask = torch.arange(total, device=q.device)[None, :] <= rows  # [ext, total]
                 causal = False
             # 4-D inputs keep SDPA on its fused CPU kernel; 3-D ones fall back to plain math (3x slower).
-            o = F.scaled_dot_product_attention(qh[None], k[None], v[None], attn_mask=mask, is_causal=causal,
-                                               scale=1.0, enable_gqa=True)[0]
+            o = F.scaled_dot_product_attention(
+                qh[None],
+                k[None],
+                v[None],
+                attn_mask=mask,
+                is_causal=causal,
+                scale=1.0,
+                enable_gqa=True,
+            )[0]
             out[start : start + ext] = o.transpose(0, 1).reshape(ext, -1)
             start += ext
         return out
@@ -172,5 +191,11 @@ class CpuPagedBackend(TorchNativeBackend):
         if rope_factors.is_complex():  # the kernel takes rotary_'s float32 [T, heads, D/2, 2] form
             rope_factors = torch.view_as_real(rope_factors)
         return torch.ops.cadence.decode_attention.default(
-            qkv, rope_factors, self.kv_pool.kv_buffer[layer_id], batch.out_cache_loc, batch.page_table,
-            batch.kv_lens, self.num_heads)
+            qkv,
+            rope_factors,
+            self.kv_pool.kv_buffer[layer_id],
+            batch.out_cache_loc,
+            batch.page_table,
+            batch.kv_lens,
+            self.num_heads,
+        )

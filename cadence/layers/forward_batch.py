@@ -24,16 +24,24 @@ class ForwardBatch:
     seq_lens: list[int]  # per request: prefix + new tokens
     extend_lens: list[int]  # per request: new tokens this step (all 1 in decode)
     prefix_lens: list[int]  # per request: tokens already in the KV pool
-    page_table: torch.Tensor | None = None  # decode: [batch, max_pages] int64 page ids, short rows padded
+    page_table: torch.Tensor | None = (
+        None  # decode: [batch, max_pages] int64 page ids, short rows padded
+    )
     kv_lens: torch.Tensor | None = None  # decode: [batch] int64, seq_lens as a tensor
-    page_rows: torch.Tensor | None = None  # decode: KVPool.page_rows of the [batch, max_pages] padded page table
+    page_rows: torch.Tensor | None = (
+        None  # decode: KVPool.page_rows of the [batch, max_pages] padded page table
+    )
     # decode: [1, batch, 1, max_pages * page_size] bool, True = past the sequence; None if nothing is
     kv_mask: torch.Tensor | None = None
     # decode: the previous decode step ran exactly these requests, in this order, each one token
     # shorter (their K/V in the pool changed since only by this step's tokens)
     decode_continues: bool = False
-    seq_page_rows: list[torch.Tensor | None] | None = None  # extend: per request with a prefix, KVPool.page_rows of its pages
-    logits_indices: torch.Tensor | None = None  # [num_logit_rows] int64 rows of the flat tokens to project
+    seq_page_rows: list[torch.Tensor | None] | None = (
+        None  # extend: per request with a prefix, KVPool.page_rows of its pages
+    )
+    logits_indices: torch.Tensor | None = (
+        None  # [num_logit_rows] int64 rows of the flat tokens to project
+    )
 
     @property
     def batch_size(self) -> int:

@@ -25,8 +25,9 @@ class LayerOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
-    def add_rms_norm_(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> torch.Tensor:
+    def add_rms_norm_(
+        self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
         """residual += x, then returns rms_norm(residual)."""
         residual.add_(x)
         return self.rms_norm(residual, weight, eps)
@@ -36,7 +37,9 @@ class LayerOps:
         inter = gate_up.shape[-1] // 2
         return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
 
-    def refined_logits(self, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def refined_logits(
+        self, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
         """float32 logits from a bfloat16/float16 LM head output [rows, vocab], the ones that
         can still be their row's maximum recomputed in float32 (`refine_top_logits`)."""
         return refine_top_logits(logits.float(), hidden, weight)

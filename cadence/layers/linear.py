@@ -41,7 +41,9 @@ class MkldnnPackedLinear(Linear):
     holds_weight = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.BATCH_HINT)  # a copy
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach(), self.BATCH_HINT
+        )  # a copy
         super().__init__(weight, None if bias is None else bias.detach())
         self.weight = None  # the packed copy is what runs; the model may release the original
 
@@ -62,7 +64,9 @@ def pack_or_plain(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Lin
 TOP_LOGIT_BLOCK = 64
 
 
-def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def refine_top_logits(
+    logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
     """Recomputes in float32, in place, every logit close enough to its row's maximum to be it.
 
     `logits` [rows, vocab] float32 came out of a bfloat16/float16 projection of `hidden` by

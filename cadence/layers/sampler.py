@@ -29,7 +29,9 @@ class SamplingInput:
     prompt_ids: list[int]
     output_ids: list[int]
     generator: torch.Generator | None  # set when the request carries a seed
-    suppress_ids: list[int] | None  # token ids masked this step (EOS/stop ids before min_new_tokens)
+    suppress_ids: (
+        list[int] | None
+    )  # token ids masked this step (EOS/stop ids before min_new_tokens)
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
     return_logprob: bool = False
@@ -77,13 +79,19 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingInput]) -> None:
         p = r.params
         if p.frequency_penalty or p.presence_penalty:
             if r.output_ids:
-                counts = torch.bincount(torch.tensor(r.output_ids), minlength=vocab)[:vocab].to(logits.dtype)
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+                counts = torch.bincount(torch.tensor(r.output_ids), minlength=vocab)[:vocab].to(
+                    logits.dtype
+                )
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
+                    logits.dtype
+                )
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.int64)
             if seen.numel():
                 vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+                logits[i, seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
 
 
 def _apply_bias_and_masks(logits: torch.Tensor, rows: list[SamplingInput]) -> None:
@@ -98,8 +106,13 @@ def _apply_bias_and_masks(logits: torch.Tensor, rows: list[SamplingInput]) -> No
 
 def _needs_adjusting(r: SamplingInput) -> bool:
     p = r.params
-    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 or p.logit_bias
-                or r.suppress_ids)
+    return bool(
+        p.frequency_penalty
+        or p.presence_penalty
+        or p.repetition_penalty != 1.0
+        or p.logit_bias
+        or r.suppress_ids
+    )
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[SamplingInput]) -> torch.Tensor:
@@ -108,10 +121,14 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingInput]) -> torch.Tens
     logits = logits.clone()
     _apply_penalties(logits, rows)
     _apply_bias_and_masks(logits, rows)
-    return torch.nan_to_num_(logits, nan=float("-inf"), posinf=LOGIT_LIMIT, neginf=float("-inf")).clamp_(max=LOGIT_LIMIT)
+    return torch.nan_to_num_(
+        logits, nan=float("-inf"), posinf=LOGIT_LIMIT, neginf=float("-inf")
+    ).clamp_(max=LOGIT_LIMIT)
 
 
-def _filter_probs(probs: torch.Tensor, rows: list[SamplingInput]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _filter_probs(
+    probs: torch.Tensor, rows: list[SamplingInput]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Applies top-k, top-p and min-p. Returns (probs, sort index or None) — sorted when filtered."""
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
@@ -175,8 +192,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingInput]) -> SampleOutput:
     sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if sampled:
         sub_rows = [rows[i] for i in sampled]
-        temps = torch.tensor([min(r.params.temperature, MAX_TEMPERATURE) for r in sub_rows],
-                             dtype=logits.dtype).unsqueeze(1)
+        temps = torch.tensor(
+            [min(r.params.temperature, MAX_TEMPERATURE) for r in sub_rows], dtype=logits.dtype
+        ).unsqueeze(1)
         probs = torch.softmax(logits[sampled] / temps, dim=-1)
         probs, sort_idx = _filter_probs(probs, sub_rows)
         picked = _sample(probs, sub_rows)

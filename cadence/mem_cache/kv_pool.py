@@ -18,8 +18,16 @@ class KVPool:
     is `page * page_size + offset`.
     """
 
-    def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ):
         if num_pages < 1:
             raise ValueError("max_total_tokens is too small to hold a single KV page")
         self.num_pages = num_pages
@@ -33,7 +41,9 @@ class KVPool:
         shape = (2, num_kv_heads, num_pages, page_size, head_dim)
         self.kv_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         # Row offset of each (K/V, head) plane in a layer's flat [-1, head_dim] view.
-        self._planes = torch.arange(2 * num_kv_heads, dtype=torch.int64, device=device) * self.num_slots
+        self._planes = (
+            torch.arange(2 * num_kv_heads, dtype=torch.int64, device=device) * self.num_slots
+        )
 
     def write_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Rows of the flat [-1, head_dim] view of a layer's buffer where tokens at `slots`
@@ -48,5 +58,9 @@ class KVPool:
         return (self._planes.unsqueeze(1) // self.page_size + pages.reshape(1, -1)).reshape(-1)
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return (
+            2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        )

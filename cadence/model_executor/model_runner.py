@@ -33,25 +33,58 @@ class ModelRunner(Runner):
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.context_len = args.context_length or cfg.max_position_embeddings
         if self.context_len > cfg.max_position_embeddings:
-            logger.warning("context_length %d exceeds the model's %d", self.context_len, cfg.max_position_embeddings)
+            logger.warning(
+                "context_length %d exceeds the model's %d",
+                self.context_len,
+                cfg.max_position_embeddings,
+            )
         self.page_size = args.page_size
         self.max_total_tokens = self._kv_budget_tokens()
         num_pages = self.max_total_tokens // self.page_size
-        self.kv_pool = self.platform.make_kv_pool(num_pages, self.page_size, cfg.num_hidden_layers,
-                                                  cfg.num_key_value_heads, cfg.head_dim, self.kv_dtype)
+        self.kv_pool = self.platform.make_kv_pool(
+            num_pages,
+            self.page_size,
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            self.kv_dtype,
+        )
         # The scheduler borrows this; the runner only reads the page lists it is handed.
         self.kv_allocator: KVAllocator = self.platform.make_allocator(num_pages, self.page_size)
-        self.attn = self.platform.make_attention_backend(self.kv_pool, cfg.num_attention_heads,
-                                                         cfg.num_key_value_heads, cfg.head_dim)
-        self.model.setup(self.attn, self.context_len + 1, self.platform.make_linear, self.platform.make_layer_ops())
+        self.attn = self.platform.make_attention_backend(
+            self.kv_pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        )
+        self.model.setup(
+            self.attn,
+            self.context_len + 1,
+            self.platform.make_linear,
+            self.platform.make_layer_ops(),
+        )
         self.platform.weights_loaded()
-        self._last_decode: tuple[list[int], list[int]] = ([], [])  # uids and lengths of the last decode step
+        self._last_decode: tuple[list[int], list[int]] = (
+            [],
+            [],
+        )  # uids and lengths of the last decode step
         if args.random_seed is not None:
             self.platform.seed(args.random_seed)
-        logger.info("KV pool: %d tokens in %d pages of %d", num_pages * self.page_size, num_pages, self.page_size)
+        logger.info(
+            "KV pool: %d tokens in %d pages of %d",
+            num_pages * self.page_size,
+            num_pages,
+            self.page_size,
+        )
 
-    SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "attention_bias", "tie_word_embeddings")
+    SHAPE_FIELDS = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "attention_bias",
+        "tie_word_embeddings",
+    )
 
     def load_weights(self, model_path: str, load_format: str | None) -> str:
         from cadence.model_loader.locate import resolve_model_path
@@ -69,8 +102,10 @@ class ModelRunner(Runner):
         ValueError, changing nothing, when the architecture differs."""
         diff = [f for f in self.SHAPE_FIELDS if getattr(config, f) != getattr(self.config, f)]
         if diff:
-            raise ValueError(f"the new weights have a different architecture ({', '.join(diff)}); "
-                             "restart the server instead")
+            raise ValueError(
+                f"the new weights have a different architecture ({', '.join(diff)}); "
+                "restart the server instead"
+            )
         with torch.no_grad():
             for dst, src in zip(self.model.parameters(), model.parameters(), strict=True):
                 dst.data = src.data
@@ -87,15 +122,24 @@ class ModelRunner(Runner):
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens // self.page_size * self.page_size
         c = self.config
-        per_token = KVPool.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.kv_dtype)
-        tokens = int(self.platform.available_memory_bytes() * self.args.kv_cache_memory_fraction) // per_token
+        per_token = KVPool.bytes_per_token(
+            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.kv_dtype
+        )
+        tokens = (
+            int(self.platform.available_memory_bytes() * self.args.kv_cache_memory_fraction)
+            // per_token
+        )
         return max(tokens // self.page_size, 1) * self.page_size
 
     # ---- a step -----------------------------------------------------------------------
 
     def run(self, batch: ScheduleBatch) -> list[ItemResult]:
         self._zero_fresh_pages(batch.new_pages)
-        logits = self._forward_decode(batch.items) if batch.is_decode else self._forward_extend(batch.items)
+        logits = (
+            self._forward_decode(batch.items)
+            if batch.is_decode
+            else self._forward_extend(batch.items)
+        )
         return self._postprocess(batch.items, logits)
 
     def _slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
@@ -111,7 +155,15 @@ class ModelRunner(Runner):
         """Prefill each item's tokens after its computed prefix. Returns the logits of each
         item's logprob rows then its sampling row (when it samples), item by item:
         [num_rows, vocab] float32 on the host."""
-        ids, positions, locs, seq_pages, prefix_lens, seq_lens, logits_idx = [], [], [], [], [], [], []
+        ids, positions, locs, seq_pages, prefix_lens, seq_lens, logits_idx = (
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
         offset = 0
         for item in items:
             start, n = item.start, len(item.token_ids)
@@ -119,7 +171,9 @@ class ModelRunner(Runner):
             positions.append(torch.arange(start, start + n))
             locs.append(self._slots(item.pages, start, start + n))
             if start:
-                pages = torch.tensor(item.pages[: self._pages_for(start + n)], dtype=torch.int64, device=self.device)
+                pages = torch.tensor(
+                    item.pages[: self._pages_for(start + n)], dtype=torch.int64, device=self.device
+                )
                 seq_pages.append(self.kv_pool.page_rows(pages))
             else:
                 seq_pages.append(None)  # no prefix: attention reads the new K/V directly
@@ -154,25 +208,33 @@ class ModelRunner(Runner):
         last_uids, last_lens = self._last_decode
         continues = uids == last_uids and all(n == m + 1 for n, m in zip(seq_lens, last_lens))
         self._last_decode = (uids, seq_lens)
-        locs = [item.pages[(n - 1) // self.page_size] * self.page_size + (n - 1) % self.page_size
-                for item, n in zip(items, seq_lens)]
+        locs = [
+            item.pages[(n - 1) // self.page_size] * self.page_size + (n - 1) % self.page_size
+            for item, n in zip(items, seq_lens)
+        ]
         dev = self.device
         lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
         out_loc = torch.tensor(locs, dtype=torch.int64, device=dev)
         max_pages = self._pages_for(max(seq_lens))
         # Rows shorter than the longest repeat their first page as padding (masked out below).
         table = [item.pages[: self._pages_for(n)] for item, n in zip(items, seq_lens)]
-        page_table = torch.tensor([p + [p[0]] * (max_pages - len(p)) for p in table], dtype=torch.int64, device=dev)
+        page_table = torch.tensor(
+            [p + [p[0]] * (max_pages - len(p)) for p in table], dtype=torch.int64, device=dev
+        )
         width = max_pages * self.page_size
         kv_mask = page_rows = None
         if self.attn.decode_reads_whole_pages:
             page_rows = self.kv_pool.page_rows(page_table)
             if min(seq_lens) != width:
                 # True past each row's length, broadcast over [KVH, B, G, width] scores.
-                kv_mask = (torch.arange(width, device=dev).unsqueeze(0) >= lens_t.unsqueeze(1)).view(1, len(items), 1, -1)
+                kv_mask = (
+                    torch.arange(width, device=dev).unsqueeze(0) >= lens_t.unsqueeze(1)
+                ).view(1, len(items), 1, -1)
         batch = ForwardBatch(
             is_decode=True,
-            input_ids=torch.tensor([item.token_ids[0] for item in items], dtype=torch.int64, device=dev),
+            input_ids=torch.tensor(
+                [item.token_ids[0] for item in items], dtype=torch.int64, device=dev
+            ),
             positions=lens_t - 1,
             out_cache_loc=out_loc,
             kv_write_rows=self.kv_pool.write_rows(out_loc),
@@ -229,13 +291,18 @@ class ModelRunner(Runner):
                     rows.append(offset)
                 offset += 1
         if sampled:
-            _sample_into(results, sampled, [items[i].sampling for i in sampled],
-                         logits if rows == list(range(len(logits))) else logits[rows])
+            _sample_into(
+                results,
+                sampled,
+                [items[i].sampling for i in sampled],
+                logits if rows == list(range(len(logits))) else logits[rows],
+            )
         return results
 
 
-def _sample_into(results: list[ItemResult], indices: list[int], inputs: list[SamplingInput],
-                 logits: torch.Tensor) -> None:
+def _sample_into(
+    results: list[ItemResult], indices: list[int], inputs: list[SamplingInput], logits: torch.Tensor
+) -> None:
     """Samples row j of `logits` for result indices[j]. When the batch fails, each row is
     sampled alone, so only the rows that fail by themselves fail."""
     try:

@@ -43,7 +43,9 @@ class ScheduleBatch:
 
     is_decode: bool
     items: list[BatchItem]
-    new_pages: list[int] = field(default_factory=list)  # handed out for this step; never written yet
+    new_pages: list[int] = field(
+        default_factory=list
+    )  # handed out for this step; never written yet
 
     @property
     def num_tokens(self) -> int:

@@ -11,7 +11,7 @@ import hashlib
 import logging
 import os
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -92,21 +92,31 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def iter_weights(path: str, config: ModelConfig, reader=None, progress: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+def iter_weights(
+    path: str, config: ModelConfig, reader=None, progress: bool = True
+) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (Hugging Face name, float32 array) for every tensor, dequantized."""
     import gguf
     from tqdm import tqdm
 
     reader = reader or _reader(path)
-    for tensor in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", disable=not progress):
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the innermost dimension first
+    for tensor in tqdm(
+        reader.tensors, desc="Loading GGUF weights", unit="tensor", disable=not progress
+    ):
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(
+            np.float32, copy=False
+        )
+        shape = tuple(
+            int(d) for d in reversed(tensor.shape)
+        )  # GGUF lists the innermost dimension first
         data = data.reshape(shape)
         match = _BLOCK.match(tensor.name)
         if match:
             layer, suffix = match.groups()
             if suffix not in _LAYER_NAMES:
-                raise ValueError(f"GGUF tensor {tensor.name!r} is not understood by the llama loader")
+                raise ValueError(
+                    f"GGUF tensor {tensor.name!r} is not understood by the llama loader"
+                )
             name = f"model.layers.{layer}.{_LAYER_NAMES[suffix]}"
             if suffix.startswith("attn_q."):
                 data = unpermute_rotary(data, config.num_attention_heads)
@@ -139,7 +149,9 @@ def converted_tokenizer_dir(path: str) -> str:
     from transformers import AutoTokenizer
 
     logger.info("Converting the GGUF tokenizer of %s (once; cached in %s)", path, target)
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tokenizer = AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path)
+    )
     tmp = f"{target}.tmp{os.getpid()}"
     tokenizer.save_pretrained(tmp)
     os.makedirs(os.path.dirname(target), exist_ok=True)

@@ -10,8 +10,8 @@ import time
 import torch
 
 from cadence.model_loader import gguf_loader
-from cadence.models.config import ModelConfig
 from cadence.model_loader.locate import is_gguf
+from cadence.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,9 @@ def _iter_safetensors(path: str, progress: bool):
         yield from arrays.items()
 
 
-def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu", progress: bool = True):
+def load_model(
+    path: str, dtype: torch.dtype, device: str | torch.device = "cpu", progress: bool = True
+):
     """Returns (config, model) with weights in `dtype` on `device`, in eval mode."""
     from cadence.models.llama import LlamaForCausalLM
 
@@ -55,8 +57,13 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
     model.load_weights(weights)
     model = model.to(dtype=dtype, device=device).eval()
     model.requires_grad_(False)
-    logger.info("Loaded %s (%d layers, %s) in %.1fs", os.path.basename(path),
-                config.num_hidden_layers, str(dtype).replace("torch.", ""), time.monotonic() - start)
+    logger.info(
+        "Loaded %s (%d layers, %s) in %.1fs",
+        os.path.basename(path),
+        config.num_hidden_layers,
+        str(dtype).replace("torch.", ""),
+        time.monotonic() - start,
+    )
     return config, model
 
 

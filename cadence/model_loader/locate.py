@@ -38,7 +38,9 @@ def embedding_model_path() -> str:
     for path in configs:
         if os.path.exists(os.path.join(os.path.dirname(path), "tokenizer.json")):
             return os.path.dirname(path)
-    raise FileNotFoundError(f"no model directory found in the {EMBEDDING_MODEL_DIST!r} distribution")
+    raise FileNotFoundError(
+        f"no model directory found in the {EMBEDDING_MODEL_DIST!r} distribution"
+    )
 
 
 def resolve_model_path(model_path: str | None) -> str:
@@ -56,7 +58,9 @@ def resolve_model_path(model_path: str | None) -> str:
         if not os.path.exists(os.path.join(path, "config.json")) and len(ggufs) == 1:
             return os.path.join(path, ggufs[0])
         if not os.path.exists(os.path.join(path, "config.json")):
-            raise ValueError(f"model_path {model_path!r} has no config.json and no single .gguf file")
+            raise ValueError(
+                f"model_path {model_path!r} has no config.json and no single .gguf file"
+            )
     elif not path.endswith(".gguf"):
         raise ValueError(f"model_path {model_path!r} is a file but not a .gguf file")
     return path

@@ -49,18 +49,22 @@ class ModelConfig:
             )
 
     @classmethod
-    def from_hf_dir(cls, path: str) -> "ModelConfig":
+    def from_hf_dir(cls, path: str) -> ModelConfig:
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
         model_type = cfg.get("model_type", "llama")
         if model_type not in ("llama", "qwen2", "qwen3", "mistral", "smollm"):
-            raise ValueError(f"model_type {model_type!r} is not supported (supported: llama, qwen2, mistral)")
+            raise ValueError(
+                f"model_type {model_type!r} is not supported (supported: llama, qwen2, mistral)"
+            )
         num_heads = cfg["num_attention_heads"]
         # Newer configs nest rotary settings under rope_parameters; older ones use rope_scaling.
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
-            raise ValueError(f"rope type {rope_type!r} is not supported yet (only plain rotary embeddings)")
+            raise ValueError(
+                f"rope type {rope_type!r} is not supported yet (only plain rotary embeddings)"
+            )
         rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())

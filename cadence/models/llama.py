@@ -29,7 +29,9 @@ class RotaryEmbedding:
     def __init__(self, head_dim: int, max_positions: int, theta: float, device):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        self.cis = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(device)  # [pos, D/2]
+        self.cis = (
+            torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(device)
+        )  # [pos, D/2]
 
     def step_factors(self, positions: torch.Tensor, head_scales: torch.Tensor) -> torch.Tensor:
         """Complex factors [T, heads, D/2] for this step: rotation times each head's scale."""
@@ -39,7 +41,11 @@ class RotaryEmbedding:
 def interleave_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Hugging Face (half-split) Q/K rows -> interleaved rows, per head: [a..., b...] -> [a0, b0, a1, b1, ...]."""
     rows = weight.shape[0]
-    return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -51,9 +57,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_norm = nn.Parameter(torch.ones(h))
         self.post_attention_norm = nn.Parameter(torch.ones(h))
         self.qkv_proj = nn.Parameter(torch.empty(q_dim + 2 * kv_dim, h))  # rows: q | k | v
-        self.qkv_bias = nn.Parameter(torch.zeros(q_dim + 2 * kv_dim)) if config.attention_bias else None
+        self.qkv_bias = (
+            nn.Parameter(torch.zeros(q_dim + 2 * kv_dim)) if config.attention_bias else None
+        )
         self.o_proj = nn.Parameter(torch.empty(h, q_dim))
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * config.intermediate_size, h))  # rows: gate | up
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(2 * config.intermediate_size, h)
+        )  # rows: gate | up
         self.down_proj = nn.Parameter(torch.empty(h, config.intermediate_size))
 
     def build_linears(self, make_linear) -> list[tuple[nn.Parameter, Linear]]:
@@ -61,11 +71,22 @@ class LlamaDecoderLayer(nn.Module):
         self.o = make_linear(self.o_proj)
         self.gate_up = make_linear(self.gate_up_proj)
         self.down = make_linear(self.down_proj)
-        return [(self.qkv_proj, self.qkv), (self.o_proj, self.o), (self.gate_up_proj, self.gate_up),
-                (self.down_proj, self.down)]
+        return [
+            (self.qkv_proj, self.qkv),
+            (self.o_proj, self.o),
+            (self.gate_up_proj, self.gate_up),
+            (self.down_proj, self.down),
+        ]
 
-    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, rope_factors, attn: AttentionBackend,
-                batch: ForwardBatch, ops: LayerOps) -> torch.Tensor:
+    def forward(
+        self,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope_factors,
+        attn: AttentionBackend,
+        batch: ForwardBatch,
+        ops: LayerOps,
+    ) -> torch.Tensor:
         """Adds the previous layer's output `delta` (None for the first layer) and this layer's
         attention to `residual` in place; returns this layer's MLP output for the next to add."""
         if delta is None:
@@ -88,23 +109,38 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
-        self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size)))
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        )
         self.rope: RotaryEmbedding | None = None
         self.attn: AttentionBackend | None = None
         self.ops = LayerOps()
 
-    def setup(self, attn: AttentionBackend, max_positions: int, make_linear=Linear, ops: LayerOps | None = None) -> None:
+    def setup(
+        self,
+        attn: AttentionBackend,
+        max_positions: int,
+        make_linear=Linear,
+        ops: LayerOps | None = None,
+    ) -> None:
         """Attach the attention backend and the layer ops, build rotary tables and the
         projections (after weights are loaded)."""
         c = self.config
         self.ops = ops or LayerOps()
         self.build_linears(make_linear)
-        self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, self.embed_tokens.device)
+        self.rope = RotaryEmbedding(
+            c.head_dim, max_positions, c.rope_theta, self.embed_tokens.device
+        )
         scales = [c.head_dim**-0.5] * c.num_attention_heads + [1.0] * c.num_key_value_heads
-        self.head_scales = torch.tensor(scales, dtype=torch.complex64, device=self.embed_tokens.device)
+        self.head_scales = torch.tensor(
+            scales, dtype=torch.complex64, device=self.embed_tokens.device
+        )
         self.attn = attn
 
     @property
@@ -121,7 +157,9 @@ class LlamaForCausalLM(nn.Module):
         lookups and the float32 refinement of the top logits read them.
         """
         pairs = [pair for layer in self.layers for pair in layer.build_linears(make_linear)]
-        self.lm_head_linear = make_linear(self.lm_head_weight)  # its weight stays: see compute_logits
+        self.lm_head_linear = make_linear(
+            self.lm_head_weight
+        )  # its weight stays: see compute_logits
         for param, linear in pairs:
             if not linear.holds_weight:
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -136,7 +174,9 @@ class LlamaForCausalLM(nn.Module):
         if batch.logits_indices is None:
             return self.ops.add_rms_norm_(residual, delta, self.norm, self.config.rms_norm_eps)
         residual.add_(delta)
-        return self.ops.rms_norm(residual[batch.logits_indices], self.norm, self.config.rms_norm_eps)
+        return self.ops.rms_norm(
+            residual[batch.logits_indices], self.norm, self.config.rms_norm_eps
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> float32 logits [rows, vocab]. From a bfloat16/float16 model the
@@ -203,4 +243,6 @@ class LlamaForCausalLM(nn.Module):
         if "model.embed_tokens.weight" not in loaded:
             raise ValueError("the checkpoint has no model.embed_tokens.weight")
         if self.lm_head is not None and "lm_head.weight" not in loaded:
-            raise ValueError("the checkpoint has no lm_head.weight and the config does not tie embeddings")
+            raise ValueError(
+                "the checkpoint has no lm_head.weight and the config does not tie embeddings"
+            )

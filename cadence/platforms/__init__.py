@@ -22,8 +22,16 @@ from importlib.metadata import EntryPoint, entry_points
 from cadence import envs
 from cadence.platforms.interface import Platform
 
-__all__ = ["Platform", "PlatformError", "current_platform", "get_current_platform", "resolve_platform",
-           "resolved_at", "reset_current_platform", "PLATFORM_GROUP"]
+__all__ = [
+    "Platform",
+    "PlatformError",
+    "current_platform",
+    "get_current_platform",
+    "resolve_platform",
+    "resolved_at",
+    "reset_current_platform",
+    "PLATFORM_GROUP",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +61,10 @@ def _by_name(eps: list[EntryPoint]) -> dict[str, EntryPoint]:
     for ep in eps:
         other = found.get(ep.name)
         if other is not None and other.value != ep.value:
-            raise PlatformError(f"two installed packages register the platform {ep.name!r} ({_origin(other)}; "
-                                f"{_origin(ep)}); uninstall one of them")
+            raise PlatformError(
+                f"two installed packages register the platform {ep.name!r} ({_origin(other)}; "
+                f"{_origin(ep)}); uninstall one of them"
+            )
         found[ep.name] = ep
     return found
 
@@ -63,10 +73,14 @@ def _activate(ep: EntryPoint) -> str | None:
     try:
         path = ep.load()()
     except Exception as e:
-        raise PlatformError(f"platform plugin {ep.name!r} ({_origin(ep)}) failed to activate: {e}") from e
+        raise PlatformError(
+            f"platform plugin {ep.name!r} ({_origin(ep)}) failed to activate: {e}"
+        ) from e
     if path is not None and not isinstance(path, str):
-        raise PlatformError(f"platform plugin {ep.name!r}: activate() must return a dotted class path or None, "
-                            f"got {path!r}")
+        raise PlatformError(
+            f"platform plugin {ep.name!r}: activate() must return a dotted class path or None, "
+            f"got {path!r}"
+        )
     return path
 
 
@@ -75,9 +89,13 @@ def _instantiate(ep: EntryPoint, path: str) -> Platform:
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise PlatformError(f"platform {ep.name!r}: cannot import {path!r} named by its activate(): {e}") from e
+        raise PlatformError(
+            f"platform {ep.name!r}: cannot import {path!r} named by its activate(): {e}"
+        ) from e
     if not (isinstance(cls, type) and issubclass(cls, Platform)):
-        raise PlatformError(f"platform {ep.name!r}: {path!r} is not a subclass of cadence.platforms.Platform")
+        raise PlatformError(
+            f"platform {ep.name!r}: {path!r} is not a subclass of cadence.platforms.Platform"
+        )
     platform = cls()
     platform._out_of_tree = not _is_builtin(ep)
     return platform
@@ -90,26 +108,34 @@ def resolve_platform() -> Platform:
     if chosen is not None:
         ep = eps.get(chosen)
         if ep is None:
-            raise PlatformError(f"CADENCE_PLATFORM={chosen!r} names no installed platform (installed: "
-                                f"{', '.join(sorted(eps)) or 'none'}); install its plugin or change CADENCE_PLATFORM")
+            raise PlatformError(
+                f"CADENCE_PLATFORM={chosen!r} names no installed platform (installed: "
+                f"{', '.join(sorted(eps)) or 'none'}); install its plugin or change CADENCE_PLATFORM"
+            )
         path = _activate(ep)
         if path is None:
-            raise PlatformError(f"platform {chosen!r} chosen by CADENCE_PLATFORM is not available here: its "
-                                f"activate() returned None (is its hardware or driver missing?)")
+            raise PlatformError(
+                f"platform {chosen!r} chosen by CADENCE_PLATFORM is not available here: its "
+                f"activate() returned None (is its hardware or driver missing?)"
+            )
         return _instantiate(ep, path)
     external = [ep for _, ep in sorted(eps.items()) if not _is_builtin(ep)]
     active = [(ep, path) for ep in external if (path := _activate(ep)) is not None]
     if len(active) > 1:
         names = ", ".join(ep.name for ep, _ in active)
-        raise PlatformError(f"several platform plugins are active ({names}); set CADENCE_PLATFORM to the one to use")
+        raise PlatformError(
+            f"several platform plugins are active ({names}); set CADENCE_PLATFORM to the one to use"
+        )
     if active:
         return _instantiate(*active[0])
     for name in BUILTIN_PREFERENCE:
         ep = eps.get(name)
         if ep is not None and _is_builtin(ep) and (path := _activate(ep)) is not None:
             return _instantiate(ep, path)
-    raise PlatformError("no platform is registered: Cadence's own entry points are missing; "
-                        "reinstall it (pip install -e .)")
+    raise PlatformError(
+        "no platform is registered: Cadence's own entry points are missing; "
+        "reinstall it (pip install -e .)"
+    )
 
 
 _lock = threading.Lock()
@@ -127,8 +153,12 @@ def get_current_platform() -> Platform:
                 # Where the first use happened, for "why is it this platform?" debugging.
                 _resolved_at = "".join(traceback.format_stack(limit=8)[:-1])
                 _current = platform
-                logger.info("platform: %s (%s)%s", platform.name, platform.get_device_name(),
-                            " [out of tree]" if platform.is_out_of_tree() else "")
+                logger.info(
+                    "platform: %s (%s)%s",
+                    platform.name,
+                    platform.get_device_name(),
+                    " [out of tree]" if platform.is_out_of_tree() else "",
+                )
     return _current
 
 

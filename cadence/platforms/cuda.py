@@ -24,7 +24,9 @@ class CudaPlatform(TorchNativeFactories, Platform):
 
     def set_device(self, index: int) -> None:
         if not 0 <= index < torch.cuda.device_count():
-            raise ValueError(f"no CUDA device {index}: this machine has {torch.cuda.device_count()}")
+            raise ValueError(
+                f"no CUDA device {index}: this machine has {torch.cuda.device_count()}"
+            )
         torch.cuda.set_device(index)
         self._index = index
 

@@ -67,17 +67,23 @@ class Platform:
     def set_device(self, index: int) -> None:
         """Makes device `index` the one this process uses. Single-device platforms accept 0."""
         if index != 0:
-            raise ValueError(f"platform {self.name!r} has a single device; got device index {index}")
+            raise ValueError(
+                f"platform {self.name!r} has a single device; got device index {index}"
+            )
 
     def get_device_name(self) -> str:
         return self.device_type
 
     def total_memory_bytes(self) -> int:
-        raise NotImplementedError(f"platform {self.name!r} does not report its memory; set --max-total-tokens")
+        raise NotImplementedError(
+            f"platform {self.name!r} does not report its memory; set --max-total-tokens"
+        )
 
     def available_memory_bytes(self) -> int:
         """Free device memory now; the KV pool takes a share of it when --max-total-tokens is unset."""
-        raise NotImplementedError(f"platform {self.name!r} does not report its memory; set --max-total-tokens")
+        raise NotImplementedError(
+            f"platform {self.name!r} does not report its memory; set --max-total-tokens"
+        )
 
     def synchronize(self) -> None:
         """Waits until the device has finished all queued work (nothing to wait for by default)."""
@@ -129,18 +135,26 @@ class Platform:
 
     # ---- factories (NotImplementedError unless provided) -----------------------------------
 
-    def make_attention_backend(self, kv_pool: "KVPool", num_heads: int, num_kv_heads: int,
-                               head_dim: int) -> "AttentionBackend":
+    def make_attention_backend(
+        self, kv_pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> AttentionBackend:
         raise NotImplementedError(f"platform {self.name!r} provides no attention backend")
 
-    def make_kv_pool(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype) -> "KVPool":
+    def make_kv_pool(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> KVPool:
         raise NotImplementedError(f"platform {self.name!r} provides no KV pool")
 
-    def make_allocator(self, num_pages: int, page_size: int = 1) -> "KVAllocator":
+    def make_allocator(self, num_pages: int, page_size: int = 1) -> KVAllocator:
         raise NotImplementedError(f"platform {self.name!r} provides no KV page allocator")
 
-    def make_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear":
+    def make_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         """The object a model projects through for one loaded weight (and optional bias).
         Unlike the other factories this one has a portable default, `F.linear` on the weight
         as loaded; a platform with a faster weight layout returns its own `Linear`."""
@@ -148,7 +162,7 @@ class Platform:
 
         return Linear(weight, bias)
 
-    def make_layer_ops(self) -> "LayerOps":
+    def make_layer_ops(self) -> LayerOps:
         """The element-wise ops of a decoder layer (RMSNorm, SiLU, rotary, low-precision logits). Portable default:
         torch's ops; a platform with fused kernels returns its own `LayerOps`."""
         from cadence.layers.layer_ops import LayerOps
@@ -160,7 +174,7 @@ class Platform:
 
     # ---- lifecycle -------------------------------------------------------------------
 
-    def apply_server_args_defaults(self, args: "ServerArgs") -> "ServerArgs":
+    def apply_server_args_defaults(self, args: ServerArgs) -> ServerArgs:
         """Returns the arguments with this platform's defaults filled in (ServerArgs is frozen:
         return `args.replace(...)`). Called once in the front process and in the Engine."""
         return args

@@ -9,7 +9,22 @@ Imports nothing heavy: the router loads plugins too.
 """
 
 from cadence.plugins.loader import PLUGIN_GROUP, load_plugins
-from cadence.plugins.registry import Hook, HookRegistry, HookType, PluginError, plugin_hook, resolve_target
+from cadence.plugins.registry import (
+    Hook,
+    HookRegistry,
+    HookType,
+    PluginError,
+    plugin_hook,
+    resolve_target,
+)
 
-__all__ = ["Hook", "HookRegistry", "HookType", "PLUGIN_GROUP", "PluginError", "load_plugins", "plugin_hook",
-           "resolve_target"]
+__all__ = [
+    "Hook",
+    "HookRegistry",
+    "HookType",
+    "PLUGIN_GROUP",
+    "PluginError",
+    "load_plugins",
+    "plugin_hook",
+    "resolve_target",
+]

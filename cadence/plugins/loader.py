@@ -27,16 +27,20 @@ def _selected() -> list[EntryPoint]:
     for ep in entry_points(group=PLUGIN_GROUP):
         other = found.get(ep.name)
         if other is not None and other.value != ep.value:
-            raise PluginError(f"two installed packages register the plugin {ep.name!r} ({_origin(other)}; "
-                              f"{_origin(ep)}); uninstall one of them")
+            raise PluginError(
+                f"two installed packages register the plugin {ep.name!r} ({_origin(other)}; "
+                f"{_origin(ep)}); uninstall one of them"
+            )
         found[ep.name] = ep
     wanted = envs.plugin_whitelist()
     if wanted is None:
         return [found[name] for name in sorted(found)]
     missing = [name for name in wanted if name not in found]
     if missing:
-        raise PluginError(f"CADENCE_PLUGINS names {', '.join(map(repr, missing))}, which no installed package "
-                          f"provides (installed: {', '.join(sorted(found)) or 'none'})")
+        raise PluginError(
+            f"CADENCE_PLUGINS names {', '.join(map(repr, missing))}, which no installed package "
+            f"provides (installed: {', '.join(sorted(found)) or 'none'})"
+        )
     return [found[name] for name in sorted(set(wanted))]
 
 
@@ -61,8 +65,10 @@ def load_plugins() -> list[str]:
                 try:
                     ep.load()()
                 except Exception as e:
-                    raise PluginError(f"plugin {ep.name!r} ({_origin(ep)}) failed to load: "
-                                      f"{type(e).__name__}: {e}") from e
+                    raise PluginError(
+                        f"plugin {ep.name!r} ({_origin(ep)}) failed to load: "
+                        f"{type(e).__name__}: {e}"
+                    ) from e
             loaded.append(ep.name)
     except PluginError:
         registry.clear()

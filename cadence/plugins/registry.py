@@ -25,9 +25,10 @@ import functools
 import importlib
 import inspect
 import sys
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 
 class PluginError(RuntimeError):
@@ -88,8 +89,10 @@ def resolve_target(target: str) -> tuple[Any, str]:
             raise PluginError(f"hook target {target!r}: {owner!r} has no attribute {part!r}")
         owner = getattr(owner, part)
     if not parts[-1] or not hasattr(owner, parts[-1]):
-        raise PluginError(f"hook target {target!r}: {getattr(owner, '__name__', owner)!r} has no attribute "
-                          f"{parts[-1]!r}")
+        raise PluginError(
+            f"hook target {target!r}: {getattr(owner, '__name__', owner)!r} has no attribute "
+            f"{parts[-1]!r}"
+        )
     return owner, parts[-1]
 
 
@@ -116,7 +119,9 @@ def _rebind(old: Any, new: Any, keep: set[str]) -> None:
 
 
 def _note(exc: BaseException, hook: Hook) -> None:
-    exc.add_note(f"(raised in or under the {hook.type.name} hook of plugin {hook.plugin!r} on {hook.target})")
+    exc.add_note(
+        f"(raised in or under the {hook.type.name} hook of plugin {hook.plugin!r} on {hook.target})"
+    )
 
 
 class _Patch:
@@ -137,30 +142,44 @@ class _Patch:
         original = self.original
         if isinstance(original, type):
             if hook.type is not HookType.REPLACE:
-                raise PluginError(f"plugin {hook.plugin!r}: {hook.target} is a class; only REPLACE accepts a class "
-                                  f"(hook one of its methods instead)")
+                raise PluginError(
+                    f"plugin {hook.plugin!r}: {hook.target} is a class; only REPLACE accepts a class "
+                    f"(hook one of its methods instead)"
+                )
             if not (isinstance(hook.fn, type) and issubclass(hook.fn, original)):
-                raise PluginError(f"plugin {hook.plugin!r}: a class replacing {hook.target} must subclass it, so "
-                                  f"isinstance checks keep working")
+                raise PluginError(
+                    f"plugin {hook.plugin!r}: a class replacing {hook.target} must subclass it, so "
+                    f"isinstance checks keep working"
+                )
         elif not callable(original):
             raise PluginError(f"plugin {hook.plugin!r}: {hook.target} is not a function or class")
         elif isinstance(hook.fn, type):
-            raise PluginError(f"plugin {hook.plugin!r}: only a class can be replaced by a class ({hook.target} "
-                              f"is a function)")
-        elif hook.type is not HookType.REPLACE and (inspect.isgeneratorfunction(original)
-                                                     or inspect.isasyncgenfunction(original)):
-            raise PluginError(f"plugin {hook.plugin!r}: {hook.target} is a generator function; only REPLACE "
-                              f"applies to it")
-        elif hook.type is HookType.REPLACE and \
-                inspect.iscoroutinefunction(original) != inspect.iscoroutinefunction(hook.fn):
-            raise PluginError(f"plugin {hook.plugin!r}: the replacement of {hook.target} must be "
-                              f"{'an async' if inspect.iscoroutinefunction(original) else 'a plain'} function, "
-                              f"like the target")
+            raise PluginError(
+                f"plugin {hook.plugin!r}: only a class can be replaced by a class ({hook.target} "
+                f"is a function)"
+            )
+        elif hook.type is not HookType.REPLACE and (
+            inspect.isgeneratorfunction(original) or inspect.isasyncgenfunction(original)
+        ):
+            raise PluginError(
+                f"plugin {hook.plugin!r}: {hook.target} is a generator function; only REPLACE "
+                f"applies to it"
+            )
+        elif hook.type is HookType.REPLACE and inspect.iscoroutinefunction(
+            original
+        ) != inspect.iscoroutinefunction(hook.fn):
+            raise PluginError(
+                f"plugin {hook.plugin!r}: the replacement of {hook.target} must be "
+                f"{'an async' if inspect.iscoroutinefunction(original) else 'a plain'} function, "
+                f"like the target"
+            )
         if hook.type is HookType.REPLACE:
             for other in self.hooks:
                 if other.type is HookType.REPLACE:
-                    raise PluginError(f"plugins {other.plugin!r} and {hook.plugin!r} both REPLACE {hook.target}; "
-                                      f"uninstall one or leave it out of CADENCE_PLUGINS")
+                    raise PluginError(
+                        f"plugins {other.plugin!r} and {hook.plugin!r} both REPLACE {hook.target}; "
+                        f"uninstall one or leave it out of CADENCE_PLUGINS"
+                    )
 
     def apply(self) -> None:
         """Installs the wrapper for the current hooks (or the original when there are none)."""
@@ -187,7 +206,9 @@ def _build(original: Any, hooks: list[Hook]) -> Any:
     core = replace.fn if replace is not None else original
     for hook in reversed(arounds):  # the first registered is the outermost
         core = functools.partial(hook.fn, core)
-    core_hook = arounds[0] if arounds else replace  # whose code an exception from `core` came through
+    core_hook = (
+        arounds[0] if arounds else replace
+    )  # whose code an exception from `core` came through
     make = _async_wrapper if inspect.iscoroutinefunction(original) else _sync_wrapper
     wrapper = make(befores, core, afters, core_hook)
     functools.update_wrapper(wrapper, original)
@@ -198,11 +219,17 @@ def _build(original: Any, hooks: list[Hook]) -> Any:
 def _new_call(hook: Hook, returned: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if returned is None:
         return args, kwargs
-    if (isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[0], (tuple, list))
-            and isinstance(returned[1], dict)):
+    if (
+        isinstance(returned, tuple)
+        and len(returned) == 2
+        and isinstance(returned[0], (tuple, list))
+        and isinstance(returned[1], dict)
+    ):
         return tuple(returned[0]), returned[1]
-    raise PluginError(f"plugin {hook.plugin!r}: a BEFORE hook on {hook.target} must return None or "
-                      f"(args, kwargs), got {type(returned).__name__}")
+    raise PluginError(
+        f"plugin {hook.plugin!r}: a BEFORE hook on {hook.target} must return None or "
+        f"(args, kwargs), got {type(returned).__name__}"
+    )
 
 
 def _sync_wrapper(befores: list[Hook], core: Callable, afters: list[Hook], core_hook: Hook | None):
@@ -284,20 +311,26 @@ class HookRegistry:
     registry that `load_plugins()` fills. Register at start-up, from one thread.
     """
 
-    _default: "HookRegistry | None" = None
+    _default: HookRegistry | None = None
 
     def __init__(self) -> None:
         self._patches: dict[tuple[int, str], _Patch] = {}
 
     @classmethod
-    def default(cls) -> "HookRegistry":
+    def default(cls) -> HookRegistry:
         if HookRegistry._default is None:
             HookRegistry._default = HookRegistry()
         return HookRegistry._default
 
     @_DefaultOrInstance
-    def register(self, target: str, fn: Callable[..., Any] | type, type: HookType, *,
-                 plugin: str | None = None) -> Hook:
+    def register(
+        self,
+        target: str,
+        fn: Callable[..., Any] | type,
+        type: HookType,
+        *,
+        plugin: str | None = None,
+    ) -> Hook:
         """Hooks `fn` onto `target` now. `plugin` defaults to the plugin being loaded."""
         if not isinstance(type, HookType):
             raise PluginError(f"hook type must be a HookType, got {type!r}")
@@ -343,8 +376,9 @@ class HookRegistry:
                 del self._patches[key]
 
 
-def plugin_hook(target: str, *, type: HookType, registry: HookRegistry | None = None,
-                plugin: str | None = None) -> Callable:
+def plugin_hook(
+    target: str, *, type: HookType, registry: HookRegistry | None = None, plugin: str | None = None
+) -> Callable:
     """Decorator form of `HookRegistry.register`: registers the function and returns it unchanged."""
 
     def decorate(fn):

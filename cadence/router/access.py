@@ -48,7 +48,9 @@ class AccessControl:
         """None when the request may use a client route, else the 401 to send."""
         if not self._client_keys or _matches(bearer_token(request), self._client_keys):
             return None
-        return _unauthorized(request, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+        return _unauthorized(
+            request, "missing or wrong API key: send 'Authorization: Bearer <key>'"
+        )
 
     def admin_refusal(self, request: web.Request) -> web.Response | None:
         """None when the request may use an admin route, else the 401 or 403 to send."""
@@ -84,12 +86,16 @@ def admin_only(access: AccessControl, handler: Handler) -> Handler:
     return guarded
 
 
-def client_key_middleware(access: AccessControl) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def client_key_middleware(
+    access: AccessControl,
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
     """The client key check for every route but the open and the admin ones (they check their own)."""
 
     @web.middleware
     async def check_client_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS and not getattr(request.match_info.handler, "is_admin_route", False):
+        if request.path not in OPEN_PATHS and not getattr(
+            request.match_info.handler, "is_admin_route", False
+        ):
             refusal = access.client_refusal(request)
             if refusal is not None:
                 return refusal

@@ -126,7 +126,9 @@ class _AdminHandlers:
         """Union of the routable workers' /v1/models, asked in parallel, deduplicated by id."""
         workers = self.registry.routable
         if not workers:
-            return _error(request, 503, "no healthy worker to list models from", "no_worker_available")
+            return _error(
+                request, 503, "no healthy worker to list models from", "no_worker_available"
+            )
         answers = await asyncio.gather(*(self._worker_models(w, request) for w in workers))
         merged: dict[str, dict] = {}
         failures = []
@@ -136,7 +138,13 @@ class _AdminHandlers:
             for model in models:
                 merged.setdefault(model["id"], model)
         if len(failures) == len(workers):
-            return _error(request, 502, "every worker failed to list its models", "bad_gateway", workers=failures)
+            return _error(
+                request,
+                502,
+                "every worker failed to list its models",
+                "bad_gateway",
+                workers=failures,
+            )
         return web.json_response({"object": "list", "data": list(merged.values())})
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -144,18 +152,22 @@ class _AdminHandlers:
         response.headers["Content-Type"] = CONTENT_TYPE
         return response
 
-    async def _worker_models(self, worker: Worker, request: web.Request) -> tuple[list[dict], str | None]:
+    async def _worker_models(
+        self, worker: Worker, request: web.Request
+    ) -> tuple[list[dict], str | None]:
         headers = {}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
         timeout = aiohttp.ClientTimeout(total=self.router.config.health_check_timeout_secs)
         assert self.router.session is not None
         try:
-            async with self.router.session.get(worker.url + "/v1/models", headers=headers, timeout=timeout) as resp:
+            async with self.router.session.get(
+                worker.url + "/v1/models", headers=headers, timeout=timeout
+            ) as resp:
                 if resp.status != 200:
                     return [], f"answered {resp.status}"
                 body = json.loads(await resp.read())
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return [], "timed out"
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             return [], repr(exc)

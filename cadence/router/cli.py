@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cadence router: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"cadence router: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        print(
+            f"cadence router: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr
+        )
         return 1
     return 0
 

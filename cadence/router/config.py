@@ -8,10 +8,9 @@ from __future__ import annotations
 import ipaddress
 import json
 import socket
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, urlsplit
-
 
 POLICIES = ("round_robin", "least_request", "random", "power_of_two", "cache_aware")
 
@@ -227,7 +226,9 @@ def normalize_worker_url(url: str, field: str = "url") -> str:
     if not isinstance(url, str) or not url.strip():
         raise ValueError(f"{field}: worker URL must be a non-empty string, got {short_repr(url)}")
     if len(url) > MAX_URL_LENGTH:
-        raise ValueError(f"{field}: worker URL is {len(url)} characters long; the limit is {MAX_URL_LENGTH}")
+        raise ValueError(
+            f"{field}: worker URL is {len(url)} characters long; the limit is {MAX_URL_LENGTH}"
+        )
     try:
         parts = urlsplit(url.strip())
         port = parts.port
@@ -318,7 +319,9 @@ def worker_spec_from_dict(entry: object, field: str = "worker") -> WorkerSpec:
     if isinstance(entry, str):
         return WorkerSpec(url=normalize_worker_url(entry, field))
     if not isinstance(entry, dict):
-        raise ValueError(f"{field}: each worker must be a URL or a mapping, got {short_repr(entry)}")
+        raise ValueError(
+            f"{field}: each worker must be a URL or a mapping, got {short_repr(entry)}"
+        )
     unknown = set(entry) - {"url", "model", "capabilities"}
     if unknown:
         names = short_repr(sorted(map(str, unknown)))
@@ -327,9 +330,13 @@ def worker_spec_from_dict(entry: object, field: str = "worker") -> WorkerSpec:
         raise ValueError(f"{field}: worker entry {short_repr(entry)} has no url")
     model = entry.get("model")
     if model is not None and (not isinstance(model, str) or not model):
-        raise ValueError(f"{field}.model: must be a non-empty string or null, got {short_repr(model)}")
+        raise ValueError(
+            f"{field}.model: must be a non-empty string or null, got {short_repr(model)}"
+        )
     if model is not None and len(model) > MAX_MODEL_NAME_LENGTH:
-        raise ValueError(f"{field}.model: {len(model)} characters long; the limit is {MAX_MODEL_NAME_LENGTH}")
+        raise ValueError(
+            f"{field}.model: {len(model)} characters long; the limit is {MAX_MODEL_NAME_LENGTH}"
+        )
     return WorkerSpec(
         url=normalize_worker_url(entry["url"], f"{field}.url"),
         model=model,
@@ -344,7 +351,9 @@ def parse_capabilities(value: object, field: str = "capabilities") -> frozenset[
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"{field}: must be a list of names, got {short_repr(value)}")
     if len(value) > MAX_NUM_CAPABILITIES:
-        raise ValueError(f"{field}: {len(value)} entries; at most {MAX_NUM_CAPABILITIES}, one per capability")
+        raise ValueError(
+            f"{field}: {len(value)} entries; at most {MAX_NUM_CAPABILITIES}, one per capability"
+        )
     unknown = set(value) - CAPABILITIES
     if unknown:
         raise ValueError(
@@ -369,7 +378,9 @@ def _check_key(key: str | None, field: str) -> None:
     try:
         key.encode("latin-1")
     except UnicodeEncodeError:
-        raise ValueError(f"{field}: must be Latin-1 text (it is sent in an HTTP header); use ASCII") from None
+        raise ValueError(
+            f"{field}: must be Latin-1 text (it is sent in an HTTP header); use ASCII"
+        ) from None
     _check(
         not any(ord(c) < 0x20 or ord(c) == 0x7F for c in key),
         field,

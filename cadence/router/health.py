@@ -22,7 +22,9 @@ logger = logging.getLogger("cadence.router")
 class HealthChecker:
     """Runs one probe loop per worker and reports outcomes to the registry."""
 
-    def __init__(self, config: RouterConfig, registry: WorkerRegistry, session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self, config: RouterConfig, registry: WorkerRegistry, session: aiohttp.ClientSession
+    ) -> None:
         self.config = config
         self.registry = registry
         self.session = session
@@ -68,7 +70,10 @@ class HealthChecker:
             if worker.health is not HealthState.DEAD:
                 await self.probe(worker)
             if worker.health is HealthState.UNKNOWN:
-                delay = min(self.config.health_check_startup_interval_secs, self.config.health_check_interval_secs)
+                delay = min(
+                    self.config.health_check_startup_interval_secs,
+                    self.config.health_check_interval_secs,
+                )
             else:
                 delay = self.config.health_check_interval_secs
             with contextlib.suppress(asyncio.TimeoutError):
@@ -83,7 +88,7 @@ class HealthChecker:
             async with self.session.get(url, timeout=self._timeout, headers=self._headers) as resp:
                 status = resp.status
                 await resp.read()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             error = f"probe timed out after {self.config.health_check_timeout_secs}s"
         except (aiohttp.ClientError, OSError) as exc:
             error = f"probe failed: {exc!r}"

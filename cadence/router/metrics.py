@@ -13,7 +13,12 @@ import bisect
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from cadence.router.workers import HealthState, Worker
 
@@ -49,7 +54,9 @@ class _Histogram:
 class RouterMetrics:
     """Requests, latency, per-worker selections/failures/health/active, retries, in flight."""
 
-    def __init__(self, workers: Callable[[], Iterable[Worker]], in_flight: Callable[[], int]) -> None:
+    def __init__(
+        self, workers: Callable[[], Iterable[Worker]], in_flight: Callable[[], int]
+    ) -> None:
         self._workers = workers
         self._in_flight = in_flight
         self._requests: dict[tuple[str, int], int] = {}
@@ -75,7 +82,9 @@ class RouterMetrics:
     def collect(self) -> Iterator[Metric]:
         """Called by prometheus_client at scrape time."""
         requests = CounterMetricFamily(
-            "cadence_router_requests", "Requests answered, by route and status.", labels=["route", "status"]
+            "cadence_router_requests",
+            "Requests answered, by route and status.",
+            labels=["route", "status"],
         )
         for (route, status), count in sorted(self._requests.items()):
             requests.add_metric([route, str(status)], count)
@@ -94,7 +103,9 @@ class RouterMetrics:
             retries.add_metric([route], count)
         yield retries
         yield GaugeMetricFamily(
-            "cadence_router_active_requests", "Requests in progress in the router.", value=self._in_flight()
+            "cadence_router_active_requests",
+            "Requests in progress in the router.",
+            value=self._in_flight(),
         )
         yield from self._collect_workers()
 
@@ -109,13 +120,19 @@ class RouterMetrics:
             labels=["worker"],
         )
         active = GaugeMetricFamily(
-            "cadence_router_worker_active_requests", "Requests in progress on each worker.", labels=["worker"]
+            "cadence_router_worker_active_requests",
+            "Requests in progress on each worker.",
+            labels=["worker"],
         )
         health = GaugeMetricFamily(
-            "cadence_router_worker_health", "1 for the current health state of each worker.", labels=["worker", "state"]
+            "cadence_router_worker_health",
+            "1 for the current health state of each worker.",
+            labels=["worker", "state"],
         )
         routable = GaugeMetricFamily(
-            "cadence_router_worker_routable", "1 when the worker is healthy and not disabled.", labels=["worker"]
+            "cadence_router_worker_routable",
+            "1 when the worker is healthy and not disabled.",
+            labels=["worker"],
         )
         for worker in self._workers():
             selections.add_metric([worker.url], worker.num_requests)

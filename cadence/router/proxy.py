@@ -185,7 +185,9 @@ class Forwarder:
 
     def choose(self, meta: RouteMeta, tried: set[str]) -> Worker | None:
         """Apply the policy to the routable workers that fit, preferring untried ones."""
-        candidates = [w for w in self.registry.routable if w.can_serve(meta.model, meta.capabilities)]
+        candidates = [
+            w for w in self.registry.routable if w.can_serve(meta.model, meta.capabilities)
+        ]
         if not candidates:
             return None
         if tried:
@@ -214,7 +216,9 @@ class Forwarder:
             tried.add(worker.id)
             ex.worker, ex.num_attempts = worker, attempt + 1
             try:
-                return await self._attempt(worker, request, body, ex, attempt + 1 < self.max_attempts)
+                return await self._attempt(
+                    worker, request, body, ex, attempt + 1 < self.max_attempts
+                )
             except _AttemptFailed as exc:
                 last_error = str(exc)
         if ex.num_attempts == 0:
@@ -263,7 +267,7 @@ class Forwarder:
                 if _is_streamed(upstream):
                     return await self._relay_stream(request, upstream, worker, ex)
                 return await self._relay_buffered(upstream, worker, ex)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.registry.record_request(worker, None, "timed out")
                 return error_response(
                     504,
@@ -282,7 +286,9 @@ class Forwarder:
                 else:
                     upstream.close()  # cut short: the worker sees its connection closed
 
-    async def _relay_buffered(self, upstream: aiohttp.ClientResponse, worker: Worker, ex: Exchange) -> web.Response:
+    async def _relay_buffered(
+        self, upstream: aiohttp.ClientResponse, worker: Worker, ex: Exchange
+    ) -> web.Response:
         """A short answer with a length: read it whole, send it in one piece."""
         data = await upstream.read()
         return web.Response(
@@ -315,7 +321,7 @@ class Forwarder:
         while True:
             try:
                 chunk = await upstream.content.readany()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 # The client already has headers: cut its connection so the
                 # truncation shows instead of a clean end of stream.
                 self.registry.record_request(worker, None, f"stream broke: {exc!r}")

@@ -43,7 +43,9 @@ class RouteLog:
         except Exception as exc:  # best effort: nothing here may fail a request
             self.num_write_errors += 1
             if self.num_write_errors == 1:
-                logger.warning("route log %s: write failed (%s); continuing without it", self.path, exc)
+                logger.warning(
+                    "route log %s: write failed (%s); continuing without it", self.path, exc
+                )
 
     def close(self) -> None:
         if self._fd is not None:

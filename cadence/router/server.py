@@ -54,7 +54,9 @@ class Router:
         self._site: web.TCPSite | None = None
 
     def _init_observability(self) -> None:
-        self.metrics = RouterMetrics(workers=lambda: self.registry, in_flight=lambda: self.num_in_flight)
+        self.metrics = RouterMetrics(
+            workers=lambda: self.registry, in_flight=lambda: self.num_in_flight
+        )
         self.route_log = RouteLog(self.config.route_log)
 
     def _init_workers(self, specs: list[WorkerSpec]) -> None:
@@ -71,7 +73,9 @@ class Router:
         """Open the client session, start the probes, listen. Call inside the event loop."""
         self.session = make_client_session()
         self.health = HealthChecker(self.config, self.registry, self.session)
-        self.forwarder = Forwarder(self.config, self.registry, self.policy, self.metrics, self.session)
+        self.forwarder = Forwarder(
+            self.config, self.registry, self.policy, self.metrics, self.session
+        )
         self._runner = web.AppRunner(self.build_app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=2048)
@@ -128,7 +132,9 @@ class Router:
         if self.access.has_client_key:  # no per-request cost when there is no key to check
             middlewares.append(client_key_middleware(self.access))
         # +1: aiohttp refuses a body whose size equals client_max_size.
-        app = web.Application(client_max_size=self.config.max_payload_size + 1, middlewares=middlewares)
+        app = web.Application(
+            client_max_size=self.config.max_payload_size + 1, middlewares=middlewares
+        )
         for path in ROUTE_CAPABILITIES:
             app.router.add_post(path, self._proxy_handler(path))
         admin.add_routes(app, self)
@@ -200,9 +206,14 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         rid = request_id(request)
         if request.writer.output_size > 0:
             raise
-        logger.exception("unexpected error answering %s %s (request %s)", request.method, request.path, rid)
+        logger.exception(
+            "unexpected error answering %s %s (request %s)", request.method, request.path, rid
+        )
         response = error_response(
-            500, f"internal router error; the router's log has the details (request {rid})", rid, "internal_error"
+            500,
+            f"internal router error; the router's log has the details (request {rid})",
+            rid,
+            "internal_error",
         )
         response.force_close()  # the request may not have been read to its end
         return response
@@ -216,10 +227,14 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
     if exc.status == 404:
         message = f"no route {request.method} {path}; see docs/router.md for the routes"
     elif exc.status == 405:
-        message = f"{request.method} is not allowed on {path}; allowed: {exc.headers.get('Allow', '')}"
+        message = (
+            f"{request.method} is not allowed on {path}; allowed: {exc.headers.get('Allow', '')}"
+        )
     else:
         message = exc.text or exc.reason
-    response = error_response(exc.status, message, request_id(request), _HTTP_ERROR_KINDS.get(exc.status, "http_error"))
+    response = error_response(
+        exc.status, message, request_id(request), _HTTP_ERROR_KINDS.get(exc.status, "http_error")
+    )
     for name in ("Allow", "Retry-After"):
         if name in exc.headers:
             response.headers[name] = exc.headers[name]

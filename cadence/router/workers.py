@@ -12,7 +12,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from cadence.router.config import WorkerSpec, normalize_worker_url, short_repr, worker_id, worker_spec_from_dict
+from cadence.router.config import (
+    WorkerSpec,
+    normalize_worker_url,
+    short_repr,
+    worker_id,
+    worker_spec_from_dict,
+)
 
 logger = logging.getLogger("cadence.router")
 
@@ -20,7 +26,7 @@ logger = logging.getLogger("cadence.router")
 FAILURE_STATUSES = frozenset({408, 429})
 
 
-class HealthState(str, enum.Enum):
+class HealthState(str, enum.Enum):  # noqa: UP042 (str() and JSON keep the value as before)
     UNKNOWN = "unknown"
     HEALTHY = "healthy"
     UNHEALTHY = "unhealthy"
@@ -153,7 +159,12 @@ class WorkerRegistry:
             self._count_failure(worker)
 
     def record_request(
-        self, worker: Worker, status: int | None, error: str | None = None, *, is_request_fault: bool = False
+        self,
+        worker: Worker,
+        status: int | None,
+        error: str | None = None,
+        *,
+        is_request_fault: bool = False,
     ) -> None:
         """Account one routed request: connection errors and 408/429/5xx are failures.
 
@@ -217,4 +228,3 @@ class WorkerRegistry:
 
     def _refresh(self) -> None:
         self._routable = tuple(w for w in self._workers.values() if w.is_routable)
-

@@ -102,36 +102,57 @@ def build_scheduler(args: ServerArgs, model_path: str, tokenizer) -> Scheduler:
     eos_ids = set(runner.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    return Scheduler(args, runner, runner.kv_allocator, StopChecker(tokenizer, eos_ids, runner.context_len))
+    return Scheduler(
+        args, runner, runner.kv_allocator, StopChecker(tokenizer, eos_ids, runner.context_len)
+    )
 
 
-def run_scheduler_process(args: ServerArgs, paths: IpcPaths, model_path: str, ready_pipe,
-                          heartbeat: Heartbeat | None = None) -> None:
+def run_scheduler_process(
+    args: ServerArgs,
+    paths: IpcPaths,
+    model_path: str,
+    ready_pipe,
+    heartbeat: Heartbeat | None = None,
+) -> None:
     """Entry of the scheduler process. Reports the loaded model's facts (or the load error)
     through `ready_pipe` as msgpack bytes, then serves until the server goes away."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front process decides when we stop
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     try:
         from cadence.model_loader.loader import load_tokenizer
         from cadence.plugins import load_plugins
 
         load_plugins()
-        scheduler = build_scheduler(args, model_path, load_tokenizer(model_path, args.tokenizer_path))
+        scheduler = build_scheduler(
+            args, model_path, load_tokenizer(model_path, args.tokenizer_path)
+        )
         proc = SchedulerProcess(scheduler, paths, heartbeat)
-        ready_pipe.send_bytes(msgspec.msgpack.encode({"status": "ready", **runtime_facts(scheduler)}))
+        ready_pipe.send_bytes(
+            msgspec.msgpack.encode({"status": "ready", **runtime_facts(scheduler)})
+        )
         if heartbeat is not None:
             heartbeat.beat()
     except Exception as e:
-        ready_pipe.send_bytes(msgspec.msgpack.encode({"status": "error", "error": f"{e}",
-                                                      "traceback": traceback.format_exc()}))
-        raise SystemExit(1)
+        ready_pipe.send_bytes(
+            msgspec.msgpack.encode(
+                {"status": "error", "error": f"{e}", "traceback": traceback.format_exc()}
+            )
+        )
+        raise SystemExit(1) from e
     proc.run()
 
 
 def runtime_facts(scheduler: Scheduler) -> dict:
     """What the front learns about the loaded model once the scheduler is up."""
     runner = scheduler.runner
-    return {"context_len": runner.context_len, "vocab_size": runner.config.vocab_size,
-            "max_total_tokens": runner.max_total_tokens, "dtype": str(runner.dtype).replace("torch.", ""),
-            "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""), "platform": runner.platform.name}
+    return {
+        "context_len": runner.context_len,
+        "vocab_size": runner.config.vocab_size,
+        "max_total_tokens": runner.max_total_tokens,
+        "dtype": str(runner.dtype).replace("torch.", ""),
+        "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""),
+        "platform": runner.platform.name,
+    }

@@ -7,7 +7,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cadence.io_struct import BatchTokenIDOutput, Logprobs, SamplingParams, TokenizedGenerateReqInput
+from cadence.io_struct import (
+    BatchTokenIDOutput,
+    Logprobs,
+    SamplingParams,
+    TokenizedGenerateReqInput,
+)
 
 _uids = itertools.count()
 
@@ -18,7 +23,9 @@ class ReqOutput:
 
     rid: str
     new_ids: list[int]  # tokens generated since the last output of this request
-    finished_reason: dict[str, Any] | None  # {"type": "stop"|"length"|"abort", ...}; None while running
+    finished_reason: (
+        dict[str, Any] | None
+    )  # {"type": "stop"|"length"|"abort", ...}; None while running
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -92,10 +99,17 @@ class Req:
 
 def req_from_tokenized(t: TokenizedGenerateReqInput) -> Req:
     """The scheduler's request for a tokenized request from the front."""
-    return Req(rid=t.rid, input_ids=list(t.input_ids), params=t.sampling_params,
-               http_worker_ipc=t.http_worker_ipc, return_logprob=t.return_logprob,
-               logprob_start_len=t.logprob_start_len, top_logprobs_num=t.top_logprobs_num,
-               token_ids_logprob=t.token_ids_logprob, stream=t.stream)
+    return Req(
+        rid=t.rid,
+        input_ids=list(t.input_ids),
+        params=t.sampling_params,
+        http_worker_ipc=t.http_worker_ipc,
+        return_logprob=t.return_logprob,
+        logprob_start_len=t.logprob_start_len,
+        top_logprobs_num=t.top_logprobs_num,
+        token_ids_logprob=t.token_ids_logprob,
+        stream=t.stream,
+    )
 
 
 def _split(pairs):
@@ -113,14 +127,20 @@ def _logprobs(out: ReqOutput) -> Logprobs | None:
         return None
     lp = Logprobs()
     lp.output_token_logprobs_val, lp.output_token_logprobs_idx = _split(out.output_logprobs or [])
-    lp.output_top_logprobs_val, lp.output_top_logprobs_idx = _split_nested(out.output_top_logprobs or [])
+    lp.output_top_logprobs_val, lp.output_top_logprobs_idx = _split_nested(
+        out.output_top_logprobs or []
+    )
     lp.output_token_ids_logprobs_val, lp.output_token_ids_logprobs_idx = _split_nested(
-        out.output_token_ids_logprobs or [])
+        out.output_token_ids_logprobs or []
+    )
     if out.input_logprobs is not None:
         lp.input_token_logprobs_val, lp.input_token_logprobs_idx = _split(out.input_logprobs)
-        lp.input_top_logprobs_val, lp.input_top_logprobs_idx = _split_nested(out.input_top_logprobs or [])
+        lp.input_top_logprobs_val, lp.input_top_logprobs_idx = _split_nested(
+            out.input_top_logprobs or []
+        )
         lp.input_token_ids_logprobs_val, lp.input_token_ids_logprobs_idx = _split_nested(
-            out.input_token_ids_logprobs or [])
+            out.input_token_ids_logprobs or []
+        )
     return lp
 
 

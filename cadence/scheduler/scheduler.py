@@ -24,10 +24,21 @@ import time
 from collections import deque
 
 from cadence import hooks
-from cadence.io_struct import (REPLY_TYPES, AbortReq, ContinueGenerationReqInput, FlushCacheReqInput, FlushCacheReqOutput,
-                               GetLoadReqInput, GetLoadReqOutput, PauseGenerationReqInput, ProfileReq,
-                               ProfileReqOutput, TokenizedGenerateReqInput, UpdateWeightFromDiskReqInput,
-                               UpdateWeightFromDiskReqOutput)
+from cadence.io_struct import (
+    REPLY_TYPES,
+    AbortReq,
+    ContinueGenerationReqInput,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    GetLoadReqInput,
+    GetLoadReqOutput,
+    PauseGenerationReqInput,
+    ProfileReq,
+    ProfileReqOutput,
+    TokenizedGenerateReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
+)
 from cadence.layers.sampler import SamplingInput
 from cadence.mem_cache.allocator import KVAllocator
 from cadence.model_executor.runner import BatchItem, ItemResult, Runner, ScheduleBatch
@@ -39,9 +50,10 @@ from cadence.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 
-
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner: Runner, allocator: KVAllocator, stop_checker: StopChecker):
+    def __init__(
+        self, args: ServerArgs, runner: Runner, allocator: KVAllocator, stop_checker: StopChecker
+    ):
         self.args = args
         self.runner = runner
         self.allocator = allocator
@@ -84,7 +96,9 @@ class Scheduler:
             if isinstance(msg, TokenizedGenerateReqInput):
                 self.fail(req_from_tokenized(msg), e, "being admitted")
             elif type(msg) in REPLY_TYPES:
-                reply = REPLY_TYPES[type(msg)](success=False, message=f"internal error: {type(e).__name__}: {e}")
+                reply = REPLY_TYPES[type(msg)](
+                    success=False, message=f"internal error: {type(e).__name__}: {e}"
+                )
         if reply is not None:
             reply.http_worker_ipc = msg.http_worker_ipc
         return reply
@@ -97,7 +111,9 @@ class Scheduler:
 
     def _on_flush(self, msg: FlushCacheReqInput) -> FlushCacheReqOutput:
         busy = bool(self.running or self.waiting or self.chunked)
-        return FlushCacheReqOutput(success=not busy, message="requests are running; retry when idle" if busy else "")
+        return FlushCacheReqOutput(
+            success=not busy, message="requests are running; retry when idle" if busy else ""
+        )
 
     def _on_pause(self, msg: PauseGenerationReqInput) -> None:
         if msg.mode == "abort":
@@ -113,10 +129,16 @@ class Scheduler:
         used = self.num_used_tokens()
         total = self.allocator.num_pages * self.allocator.page_size
         return GetLoadReqOutput(
-            dp_rank=0, num_running_reqs=len(self.running) + (1 if self.chunked else 0),
-            num_waiting_reqs=len(self.waiting), num_used_tokens=used, num_cached_tokens=0,
-            max_total_num_tokens=total, token_usage=used / total if total else 0.0,
-            gen_throughput=self.throughput(), cache_hit_rate=0.0)
+            dp_rank=0,
+            num_running_reqs=len(self.running) + (1 if self.chunked else 0),
+            num_waiting_reqs=len(self.waiting),
+            num_used_tokens=used,
+            num_cached_tokens=0,
+            max_total_num_tokens=total,
+            token_usage=used / total if total else 0.0,
+            gen_throughput=self.throughput(),
+            cache_hit_rate=0.0,
+        )
 
     def _on_profile(self, msg: ProfileReq) -> ProfileReqOutput:
         if msg.action == "start":
@@ -125,7 +147,9 @@ class Scheduler:
             ok, message = self.profiler.stop()
         return ProfileReqOutput(success=ok, message=message)
 
-    def _on_update_weights(self, msg: UpdateWeightFromDiskReqInput) -> UpdateWeightFromDiskReqOutput:
+    def _on_update_weights(
+        self, msg: UpdateWeightFromDiskReqInput
+    ) -> UpdateWeightFromDiskReqOutput:
         try:
             path = self.runner.load_weights(msg.model_path, msg.load_format)
         except Exception as e:  # the server keeps its old weights and says why
@@ -142,11 +166,16 @@ class Scheduler:
             return self.fail(req, e, "seeding its random generator")
         need = self.allocator.pages_for(req.total_tokens_needed(self.context_len))
         if need > self.allocator.num_pages:  # the front refuses these; never wait for ever
-            return self.fail(req, RuntimeError(f"it needs {need} KV pages, the pool has {self.allocator.num_pages}"),
-                             "being admitted")
+            return self.fail(
+                req,
+                RuntimeError(f"it needs {need} KV pages, the pool has {self.allocator.num_pages}"),
+                "being admitted",
+            )
         self.waiting.append(req)
 
-    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> None:
+    def abort(
+        self, rid: str | None = None, abort_all: bool = False, message: str = "aborted"
+    ) -> None:
         """Ends the request(s) now, releasing their KV pages; unknown rids are ignored."""
         for req in self._live():
             if abort_all or req.rid == rid:
@@ -155,11 +184,22 @@ class Scheduler:
     def fail(self, req: Req, error: BaseException, stage: str) -> None:
         """Ends `req` with an internal error caused by the request itself (a 500 that a router
         must not retry elsewhere), frees what it holds, and leaves every other request alone."""
-        logger.error("request %s failed while %s; it ends with an error, the batch goes on", req.rid, stage,
-                     exc_info=error)
+        logger.error(
+            "request %s failed while %s; it ends with an error, the batch goes on",
+            req.rid,
+            stage,
+            exc_info=error,
+        )
         self.num_failed_requests += 1
-        self._end(req, {"type": "abort", "status_code": 500, "request_fault": True,
-                        "message": f"internal error while {stage}: {type(error).__name__}: {error}"})
+        self._end(
+            req,
+            {
+                "type": "abort",
+                "status_code": 500,
+                "request_fault": True,
+                "message": f"internal error while {stage}: {type(error).__name__}: {error}",
+            },
+        )
 
     def fail_rid(self, rid: str, error: BaseException, stage: str) -> None:
         """`fail` for the live request `rid`, if there is one."""
@@ -215,8 +255,12 @@ class Scheduler:
         self._prepare_sampling(batch, reqs)
         if not batch.items:
             return None, []
-        hooks.notify(hooks.batch_scheduled, hooks.BatchInfo(not batch.is_decode,
-                                                            tuple(i.rid for i in batch.items), batch.num_tokens))
+        hooks.notify(
+            hooks.batch_scheduled,
+            hooks.BatchInfo(
+                not batch.is_decode, tuple(i.rid for i in batch.items), batch.num_tokens
+            ),
+        )
         return batch, reqs
 
     def _outstanding_pages(self) -> int:
@@ -232,7 +276,11 @@ class Scheduler:
             chosen.append((req, n))
             budget -= n
         available = self.allocator.num_free_pages - self._outstanding_pages()
-        while self.waiting and budget > 0 and len(self.running) + len(chosen) < self.args.max_running_requests:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + len(chosen) < self.args.max_running_requests
+        ):
             req = self.waiting[0]
             need = self.allocator.pages_for(req.total_tokens_needed(self.context_len))
             if need > available:
@@ -260,8 +308,15 @@ class Scheduler:
     def _extend_item(self, req: Req, n: int, new_pages: list[int]) -> BatchItem:
         start = req.num_computed
         self._grow(req, start + n, new_pages)
-        item = BatchItem(req.rid, req.uid, req.fill_ids[start : start + n], start, req.pages,
-                         top_logprobs_num=req.top_logprobs_num, token_ids_logprob=req.token_ids_logprob)
+        item = BatchItem(
+            req.rid,
+            req.uid,
+            req.fill_ids[start : start + n],
+            start,
+            req.pages,
+            top_logprobs_num=req.top_logprobs_num,
+            token_ids_logprob=req.token_ids_logprob,
+        )
         if req.wants_input_logprobs:
             # Rows whose logits give the logprob of the following prompt token.
             first = max(req.logprob_start_len, 1) - 1
@@ -284,16 +339,25 @@ class Scheduler:
             if not (batch.is_decode or done) or req.params.max_new_tokens == 0:
                 continue
             try:
-                item.sampling = SamplingInput(req.params, req.input_ids, req.output_ids, req.generator,
-                                              self.stops.suppressed_ids(req), req.top_logprobs_num,
-                                              req.token_ids_logprob, req.return_logprob)
+                item.sampling = SamplingInput(
+                    req.params,
+                    req.input_ids,
+                    req.output_ids,
+                    req.generator,
+                    self.stops.suppressed_ids(req),
+                    req.top_logprobs_num,
+                    req.token_ids_logprob,
+                    req.return_logprob,
+                )
             except Exception as e:
                 self.fail(req, e, "preparing its sampling")
                 del batch.items[i], reqs[i]
 
     # ---- after the forward pass ---------------------------------------------------------------
 
-    def _postprocess(self, batch: ScheduleBatch, reqs: list[Req], results: list[ItemResult]) -> None:
+    def _postprocess(
+        self, batch: ScheduleBatch, reqs: list[Req], results: list[ItemResult]
+    ) -> None:
         for item, req, result in zip(batch.items, reqs, results):
             try:
                 self._apply(batch, item, req, result)
@@ -363,15 +427,26 @@ class Scheduler:
         self.outputs.append(self._output(req))
 
     def _output(self, req: Req) -> ReqOutput:
-        new_ids = req.output_ids[req.num_sent:]
+        new_ids = req.output_ids[req.num_sent :]
         req.num_sent = len(req.output_ids)
-        out = ReqOutput(req.rid, new_ids, req.finished_reason, len(req.input_ids), len(req.output_ids),
-                        req.cached_tokens, req.http_worker_ipc, req.params, req.return_logprob)
+        out = ReqOutput(
+            req.rid,
+            new_ids,
+            req.finished_reason,
+            len(req.input_ids),
+            len(req.output_ids),
+            req.cached_tokens,
+            req.http_worker_ipc,
+            req.params,
+            req.return_logprob,
+        )
         if req.return_logprob:
             out.output_logprobs, req.pending_logprobs = req.pending_logprobs, []
             out.output_top_logprobs, req.pending_top = req.pending_top, []
             out.output_token_ids_logprobs, req.pending_given = req.pending_given, []
-            if not req.input_logprobs_sent and (req.input_logprobs is not None or req.is_finished or new_ids):
+            if not req.input_logprobs_sent and (
+                req.input_logprobs is not None or req.is_finished or new_ids
+            ):
                 out.input_logprobs = req.input_logprobs or []
                 out.input_top_logprobs = req.input_top or []
                 out.input_token_ids_logprobs = req.input_given or []

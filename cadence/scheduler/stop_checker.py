@@ -46,7 +46,7 @@ class StopChecker:
         # A byte-level token decodes to at least one byte, so this many tokens cover any stop
         # string, even one of multi-byte characters.
         longest = max(len(s.encode("utf-8")) for s in req.params.stop)
-        window = req.output_ids[-(longest + 1):]
+        window = req.output_ids[-(longest + 1) :]
         tail = self.tokenizer.decode(window, skip_special_tokens=False)
         before = self.tokenizer.decode(window[:-1], skip_special_tokens=False).rstrip("\ufffd")
         for stop in req.params.stop:

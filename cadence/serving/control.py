@@ -47,13 +47,16 @@ def parse(cls: type, body: Any):
         raise InvalidParameter(None, f"the request body must be a JSON object, got {_kind(body)}")
     known = {k: v for k, v in body.items() if k in cls.__struct_fields__}
     if cls is UpdateWeightsBody and not isinstance(known.get("model_path"), str):
-        raise InvalidParameter("model_path", "model_path (a .gguf file or model directory) is required")
+        raise InvalidParameter(
+            "model_path", "model_path (a .gguf file or model directory) is required"
+        )
     try:
         obj = msgspec.convert(known, cls)
     except msgspec.ValidationError as e:
         if cls is PauseBody and "mode" in known:
-            raise InvalidParameter("mode", f"mode must be one of {', '.join(PAUSE_MODES)}, "
-                                           f"got {known['mode']!r}") from None
+            raise InvalidParameter(
+                "mode", f"mode must be one of {', '.join(PAUSE_MODES)}, got {known['mode']!r}"
+            ) from None
         raise readable(e) from None
     if isinstance(obj, AbortBody) and (obj.rid is None) == (not obj.abort_all):
         raise InvalidParameter("rid", "give either a rid (string) or abort_all: true")
@@ -68,7 +71,9 @@ def parse(cls: type, body: Any):
 
 def check_pause_mode(mode: Any) -> str:
     if mode not in PAUSE_MODES:
-        raise InvalidParameter("mode", f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        raise InvalidParameter(
+            "mode", f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}"
+        )
     return mode
 
 
@@ -77,12 +82,29 @@ def check_profile_name(name: str | None) -> None:
     the directory the operator chose (--profile-dir); a client never names a path."""
     if name is None:
         return
-    if (not name or len(name) > 128 or name in (".", "..") or os.sep in name or "/" in name or "\\" in name
-            or "\0" in name or not name.isprintable()):
-        raise InvalidParameter("output_dir", "output_dir must be a plain name (no path) for a subdirectory of "
-                                             f"the server's --profile-dir, got {name!r}")
+    if (
+        not name
+        or len(name) > 128
+        or name in (".", "..")
+        or os.sep in name
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or not name.isprintable()
+    ):
+        raise InvalidParameter(
+            "output_dir",
+            "output_dir must be a plain name (no path) for a subdirectory of "
+            f"the server's --profile-dir, got {name!r}",
+        )
 
 
 def _kind(value: Any) -> str:
-    return {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
-            type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        list: "an array",
+        str: "a string",
+        int: "a number",
+        float: "a number",
+        bool: "a boolean",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)

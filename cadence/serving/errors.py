@@ -58,7 +58,10 @@ def decode_json(body: bytes | bytearray | memoryview | str, empty: Any = None) -
     try:
         return msgspec.json.decode(body)
     except UnicodeDecodeError as e:
-        raise InvalidParameter(None, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason}); "
-                                     "send JSON encoded as UTF-8") from None
+        raise InvalidParameter(
+            None,
+            f"the request body is not valid UTF-8 (byte {e.start}: {e.reason}); "
+            "send JSON encoded as UTF-8",
+        ) from None
     except msgspec.DecodeError as e:
         raise InvalidParameter(None, f"the request body is not valid JSON: {e}") from None

@@ -11,22 +11,32 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
-from cadence.version import __version__
 from cadence.errors import InvalidParameter
 from cadence.front.engine_client import EngineClient, ModelInfo
 from cadence.front.normalize import from_json_dict
 from cadence.io_struct import GenerateReqInput
+from cadence.version import __version__
 
-LOAD_FIELDS = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_cached_tokens",
-               "max_total_num_tokens", "token_usage", "gen_throughput", "cache_hit_rate")
+LOAD_FIELDS = (
+    "dp_rank",
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_used_tokens",
+    "num_cached_tokens",
+    "max_total_num_tokens",
+    "token_usage",
+    "gen_throughput",
+    "cache_hit_rate",
+)
 
 
 async def last_result(results: AsyncIterator):
     """The last item of `results` (a non-streamed generation yields exactly one)."""
     result = None
-    async for result in results:
+    async for result in results:  # noqa: B007 (the last one is the answer)
         pass
     return result
 
@@ -47,25 +57,36 @@ def probe_request(text: str | None = None) -> GenerateReqInput:
 
 def model_info(info: ModelInfo) -> dict[str, Any]:
     """GET /model_info; GetModelInfo's json_info."""
-    return {"model_path": info.model_path, "tokenizer_path": info.tokenizer_path,
-            "served_model_name": info.served_model_name, "is_generation": info.is_generation,
-            "max_context_length": info.context_len, "vocab_size": info.vocab_size}
+    return {
+        "model_path": info.model_path,
+        "tokenizer_path": info.tokenizer_path,
+        "served_model_name": info.served_model_name,
+        "is_generation": info.is_generation,
+        "max_context_length": info.context_len,
+        "vocab_size": info.vocab_size,
+    }
 
 
 def server_info(state) -> dict[str, Any]:
     """GET /server_info; GetServerInfo's json_info: the effective arguments and runtime facts."""
     body = dataclasses.asdict(state.args)
     body.pop("api_key", None)  # never echo a secret
-    body.update(version=__version__, is_ready=state.is_ready, uptime_s=time.time() - state.started,
-                **state.runtime)
+    body.update(
+        version=__version__,
+        is_ready=state.is_ready,
+        uptime_s=time.time() - state.started,
+        **state.runtime,
+    )
     return body
 
 
 def metrics_text(state) -> str:
     """GET /metrics in Prometheus text format: what the front process counts."""
-    lines = ["# HELP cadence_request_faults_total Requests that ended in an internal error of their own "
-             "(isolated: the server went on), by where it happened.",
-             "# TYPE cadence_request_faults_total counter"]
+    lines = [
+        "# HELP cadence_request_faults_total Requests that ended in an internal error of their own "
+        "(isolated: the server went on), by where it happened.",
+        "# TYPE cadence_request_faults_total counter",
+    ]
     faults = state.client.stats()["request_faults"] if state.client is not None else {}
     for origin, count in sorted(faults.items()):
         lines.append(f'cadence_request_faults_total{{origin="{origin}"}} {count}')
@@ -108,7 +129,9 @@ async def detokenize_body(client: EngineClient, body: Any) -> dict[str, Any]:
     tokens = body.get("tokens")
     skip = body.get("skip_special_tokens", True)
     if not isinstance(skip, bool):
-        raise InvalidParameter("skip_special_tokens", f"skip_special_tokens must be true or false, got {skip!r}")
+        raise InvalidParameter(
+            "skip_special_tokens", f"skip_special_tokens must be true or false, got {skip!r}"
+        )
     if isinstance(tokens, list) and tokens and all(isinstance(t, list) for t in tokens):
         return {"text": [await detokenize(client, t, skip) for t in tokens]}
     return {"text": await detokenize(client, tokens, skip)}
@@ -116,6 +139,10 @@ async def detokenize_body(client: EngineClient, body: Any) -> dict[str, Any]:
 
 async def detokenize(client: EngineClient, ids: Any, skip_special_tokens: bool = True) -> str:
     """The text of one list of token ids; ids must be ints inside the vocabulary."""
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise InvalidParameter("tokens", "tokens must be a list of token ids or a list of such lists")
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
+        raise InvalidParameter(
+            "tokens", "tokens must be a list of token ids or a list of such lists"
+        )
     return await client.detokenize(ids, skip_special_tokens)

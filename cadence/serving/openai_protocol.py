@@ -27,11 +27,24 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # apply_chat_template's own arguments; chat_template_kwargs must not smuggle them in.
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding",
-    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs", "sanitize_control_tokens",
-})
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+    }
+)
 
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -110,11 +123,15 @@ def parse_request(cls: type, body: bytes | str | dict) -> Any:
     if isinstance(body, (bytes, bytearray, memoryview, str)):
         body = decode_json(body)
     if not isinstance(body, dict):
-        raise InvalidParameter(None, f"the request body must be a JSON object, got {type(body).__name__}")
+        raise InvalidParameter(
+            None, f"the request body must be a JSON object, got {type(body).__name__}"
+        )
     known = cls.__struct_fields__
     for key in body:
         if key not in known:
-            raise InvalidParameter(str(key), f"unknown field {key!r}; this server accepts: {', '.join(sorted(known))}")
+            raise InvalidParameter(
+                str(key), f"unknown field {key!r}; this server accepts: {', '.join(sorted(known))}"
+            )
     required = "messages" if cls is ChatCompletionRequest else "prompt"
     if body.get(required) is None:
         raise InvalidParameter(required, f"{required} is required")
@@ -133,47 +150,73 @@ def parse_request(cls: type, body: bytes | str | dict) -> Any:
 def _check_common(req: _Request) -> None:
     # OpenAI's range; the engine itself takes any temperature >= 0.
     if req.temperature is not None and not 0 <= req.temperature <= MAX_TEMPERATURE:
-        raise InvalidParameter("temperature", f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy), "
-                                              f"got {req.temperature:g}")
+        raise InvalidParameter(
+            "temperature",
+            f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy), "
+            f"got {req.temperature:g}",
+        )
     if req.stream_options is not None and not req.stream:
-        raise InvalidParameter("stream_options", "stream_options is only allowed when stream is true")
+        raise InvalidParameter(
+            "stream_options", "stream_options is only allowed when stream is true"
+        )
     for token_id, bias in (req.logit_bias or {}).items():
         if not -100 <= bias <= 100:
-            raise InvalidParameter("logit_bias", f"logit_bias[{token_id}] must be in [-100, 100], got {bias}")
+            raise InvalidParameter(
+                "logit_bias", f"logit_bias[{token_id}] must be in [-100, 100], got {bias}"
+            )
 
 
 def _check_chat(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidParameter("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
-                                                   f"got {req.top_logprobs}")
+            raise InvalidParameter(
+                "top_logprobs",
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}",
+            )
         if req.top_logprobs and not req.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
     if req.tools:
-        raise InvalidParameter("tools", "tools: tool calling is not supported by this server yet; remove tools")
+        raise InvalidParameter(
+            "tools", "tools: tool calling is not supported by this server yet; remove tools"
+        )
     if req.tool_choice not in (None, "none", "auto"):
-        raise InvalidParameter("tool_choice", "tool_choice: tool calling is not supported by this server yet")
+        raise InvalidParameter(
+            "tool_choice", "tool_choice: tool calling is not supported by this server yet"
+        )
     if req.response_format is not None:
         kind = req.response_format.get("type")
         if kind not in ("text", "json_object", "json_schema"):
-            raise InvalidParameter("response_format", "response_format.type must be text, json_object or "
-                                                      f"json_schema, got {kind!r}")
-        if kind == "json_schema" and not isinstance((req.response_format.get("json_schema") or {}).get("schema"),
-                                                    dict):
-            raise InvalidParameter("response_format", "response_format.json_schema.schema must be an object")
-    for name, value in (req.chat_template_kwargs or {}).items():
+            raise InvalidParameter(
+                "response_format",
+                f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+            )
+        if kind == "json_schema" and not isinstance(
+            (req.response_format.get("json_schema") or {}).get("schema"), dict
+        ):
+            raise InvalidParameter(
+                "response_format", "response_format.json_schema.schema must be an object"
+            )
+    for name in req.chat_template_kwargs or {}:
         if name in _RESERVED_TEMPLATE_KWARGS:
-            raise InvalidParameter("chat_template_kwargs", f"chat_template_kwargs cannot set {name!r}")
+            raise InvalidParameter(
+                "chat_template_kwargs", f"chat_template_kwargs cannot set {name!r}"
+            )
 
 
 def _check_completion(req: CompletionRequest) -> None:
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidParameter("logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}")
+        raise InvalidParameter(
+            "logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}"
+        )
     if req.suffix:
-        raise InvalidParameter("suffix", "suffix: insertion is not supported by this server; remove it")
+        raise InvalidParameter(
+            "suffix", "suffix: insertion is not supported by this server; remove it"
+        )
     if req.best_of is not None and req.best_of not in (1, req.n or 1):
-        raise InvalidParameter("best_of", f"best_of must equal n ({req.n or 1}): this server returns every "
-                                          "sample it generates")
+        raise InvalidParameter(
+            "best_of",
+            f"best_of must equal n ({req.n or 1}): this server returns every sample it generates",
+        )
     prompt_fields(req.prompt)
 
 
@@ -192,8 +235,11 @@ def prompt_fields(prompt: Any) -> dict[str, Any]:
         return {"input_ids": list(prompt)}
     if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
         return {"input_ids": [list(p) for p in prompt]}
-    raise InvalidParameter("prompt", "prompt must be a string, a list of strings, a list of token ids, "
-                                     "or a list of non-empty lists of token ids")
+    raise InvalidParameter(
+        "prompt",
+        "prompt must be a string, a list of strings, a list of token ids, "
+        "or a list of non-empty lists of token ids",
+    )
 
 
 def _is_int(value: Any) -> bool:
@@ -207,14 +253,22 @@ def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
     result = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise InvalidParameter("messages", f"messages[{i}] must be an object with role and content")
+            raise InvalidParameter(
+                "messages", f"messages[{i}] must be an object with role and content"
+            )
         role = message.get("role")
         if role not in ROLES:
-            raise InvalidParameter("messages", f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+            raise InvalidParameter(
+                "messages", f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}"
+            )
         content = message.get("content")
         if content is None and role not in ("assistant", "tool"):
             raise InvalidParameter("messages", f"messages[{i}].content is required for role {role}")
-        msg = dict(message, role="system" if role == "developer" else role, content=_text_content(i, content))
+        msg = dict(
+            message,
+            role="system" if role == "developer" else role,
+            content=_text_content(i, content),
+        )
         result.append(msg)
     return result
 
@@ -225,18 +279,23 @@ def _text_content(i: int, content: Any) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidParameter("messages", f"messages[{i}].content must be a string or a list of content parts")
+        raise InvalidParameter(
+            "messages", f"messages[{i}].content must be a string or a list of content parts"
+        )
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
         elif kind in ("image_url", "input_audio", "file", "video_url"):
-            raise InvalidParameter("messages", f"messages[{i}].content[{j}]: this model does not accept "
-                                               f"{kind} input")
+            raise InvalidParameter(
+                "messages", f"messages[{i}].content[{j}]: this model does not accept {kind} input"
+            )
         else:
-            raise InvalidParameter("messages", f"messages[{i}].content[{j}] must be a text part "
-                                               '({"type": "text", "text": ...})')
+            raise InvalidParameter(
+                "messages",
+                f'messages[{i}].content[{j}] must be a text part ({{"type": "text", "text": ...}})',
+            )
     return "\n".join(texts)
 
 
@@ -351,17 +410,23 @@ def chat_logprobs(token_logprobs: list, top_logprobs: list | None) -> dict[str, 
     content = []
     for k, (logprob, _, text) in enumerate(token_logprobs):
         tops = top_logprobs[k] if top_logprobs and k < len(top_logprobs) and top_logprobs[k] else []
-        content.append({
-            "token": text,
-            "logprob": logprob,
-            "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for lp, _, t in tops],
-        })
+        content.append(
+            {
+                "token": text,
+                "logprob": logprob,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                    for lp, _, t in tops
+                ],
+            }
+        )
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(token_logprobs: list, top_logprobs: list | None, num_top: int,
-                        text_offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    token_logprobs: list, top_logprobs: list | None, num_top: int, text_offset: int
+) -> dict[str, Any]:
     """`choices[i].logprobs` of legacy completions; offsets index the choice's `text`,
     starting at `text_offset` (the length of what came before in that text)."""
     tokens, values, tops, offsets = [], [], [], []
@@ -373,6 +438,9 @@ def completion_logprobs(token_logprobs: list, top_logprobs: list | None, num_top
         row = top_logprobs[k] if top_logprobs and k < len(top_logprobs) else None
         # The first prompt token has no logprob, hence no alternatives either.
         tops.append({t: lp for lp, _, t in row[:num_top]} if row and logprob is not None else None)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops if num_top else None,
-            "text_offset": offsets}
-
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops if num_top else None,
+        "text_offset": offsets,
+    }

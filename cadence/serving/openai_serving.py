@@ -24,16 +24,17 @@ import logging
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 
+from cadence.errors import InvalidParameter, RequestError
+from cadence.front.engine_client import EngineClient
+from cadence.io_struct import GenerateReqInput
+from cadence.serving import native_api
 from cadence.serving import openai_protocol as proto
 from cadence.serving.errors import error_body
-from cadence.io_struct import GenerateReqInput
-from cadence.errors import InvalidParameter
-from cadence.errors import RequestError
-from cadence.front.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +167,11 @@ class OpenAIServing:
             req = proto.parse_request(cls, body)
             names = proto.native_names(req)
             self._check_model(req.model)
-            job = await self._chat_job(req) if cls is proto.ChatCompletionRequest else self._completion_job(req)
+            job = (
+                await self._chat_job(req)
+                if cls is proto.ChatCompletionRequest
+                else self._completion_job(req)
+            )
             gen = self.client.generate(job.obj)
             if req.is_stream:
                 # The first chunk comes after admission and prefill: errors up to there
@@ -176,67 +181,110 @@ class OpenAIServing:
                 except StopAsyncIteration:
                     first = None
                 return OpenAIStream(self._stream(job, gen, first))
-            result = None
-            async for result in gen:
-                pass
+            result = await native_api.last_result(gen)
             return _ok(self._response(job, result if isinstance(result, list) else [result]))
         except (InvalidParameter, RequestError) as e:
             return OpenAIResponse(*_error(e, names))
         except Exception:
             logger.exception("OpenAI request failed")
-            return OpenAIResponse(500, msgspec.json.encode(error_body(500, "internal error; see the server log")))
+            return OpenAIResponse(
+                500, msgspec.json.encode(error_body(500, "internal error; see the server log"))
+            )
 
     def _check_model(self, model: str | None) -> None:
         served = self.client.info.served_model_name
         if model is not None and model != served:
-            raise RequestError(404, f"The model {model!r} does not exist; this server serves {served!r}", "model")
+            raise RequestError(
+                404, f"The model {model!r} does not exist; this server serves {served!r}", "model"
+            )
 
     def _model_card(self) -> dict:
         info = self.client.info
-        return {"id": info.served_model_name, "object": "model", "created": int(getattr(self.state, "started", 0)),
-                "owned_by": "cadence", "root": info.model_path, "parent": None, "max_model_len": info.context_len}
+        return {
+            "id": info.served_model_name,
+            "object": "model",
+            "created": int(getattr(self.state, "started", 0)),
+            "owned_by": "cadence",
+            "root": info.model_path,
+            "parent": None,
+            "max_model_len": info.context_len,
+        }
 
     async def _chat_job(self, req: proto.ChatCompletionRequest) -> _Job:
         messages = proto.chat_messages(req.messages)
         try:
-            prompt = self.client.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.chat_template,
-                                                           **proto.template_options(req))
+            prompt = self.client.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                chat_template=self.chat_template,
+                **proto.template_options(req),
+            )
         except Exception as e:  # a template's raise_exception, or a malformed conversation
-            raise InvalidParameter("messages", f"the chat template rejected the messages: {e}") from None
+            raise InvalidParameter(
+                "messages", f"the chat template rejected the messages: {e}"
+            ) from None
         # The template writes the special tokens itself.
-        input_ids = await self.client.tokenize(prompt, add_special_tokens=False, prompt_field="messages")
+        input_ids = await self.client.tokenize(
+            prompt, add_special_tokens=False, prompt_field="messages"
+        )
         _, max_tokens = proto.requested_max_tokens(req)
         if max_tokens is None:  # OpenAI's default: whatever the context leaves
             max_tokens = max(self.client.info.context_len - len(input_ids), 1)
         rid = uuid.uuid4().hex
         obj = GenerateReqInput(
-            input_ids=input_ids, sampling_params=proto.sampling_params(req, max_tokens), rid=rid,
-            return_logprob=bool(req.logprobs), top_logprobs_num=req.top_logprobs or 0,
-            return_text_in_logprobs=True, stream=req.is_stream)
-        return _Job(req, obj, f"chatcmpl-{rid}", self.client.info.served_model_name, proto.native_names(req),
-                    num_choices=req.n or 1)
+            input_ids=input_ids,
+            sampling_params=proto.sampling_params(req, max_tokens),
+            rid=rid,
+            return_logprob=bool(req.logprobs),
+            top_logprobs_num=req.top_logprobs or 0,
+            return_text_in_logprobs=True,
+            stream=req.is_stream,
+        )
+        return _Job(
+            req,
+            obj,
+            f"chatcmpl-{rid}",
+            self.client.info.served_model_name,
+            proto.native_names(req),
+            num_choices=req.n or 1,
+        )
 
     def _completion_job(self, req: proto.CompletionRequest) -> _Job:
         prompt = proto.prompt_fields(req.prompt)
-        is_batch = (isinstance(prompt.get("text"), list)
-                    or ("input_ids" in prompt and isinstance(prompt["input_ids"][0], list)))
+        is_batch = isinstance(prompt.get("text"), list) or (
+            "input_ids" in prompt and isinstance(prompt["input_ids"][0], list)
+        )
         num_prompts = len(next(iter(prompt.values()))) if is_batch else 1
-        max_tokens = req.max_tokens if req.max_tokens is not None else proto.COMPLETION_DEFAULT_MAX_TOKENS
+        max_tokens = (
+            req.max_tokens if req.max_tokens is not None else proto.COMPLETION_DEFAULT_MAX_TOKENS
+        )
         base = uuid.uuid4().hex
         # With logprobs and echo, the prompt's own logprobs come first (from position 0).
         wants_logprobs = req.logprobs is not None
         obj = GenerateReqInput(
-            **prompt, sampling_params=proto.sampling_params(req, max_tokens),
+            **prompt,
+            sampling_params=proto.sampling_params(req, max_tokens),
             rid=[f"{base}-p{i}" for i in range(num_prompts)] if is_batch else base,
-            return_logprob=wants_logprobs, top_logprobs_num=req.logprobs or 0,
+            return_logprob=wants_logprobs,
+            top_logprobs_num=req.logprobs or 0,
             logprob_start_len=0 if wants_logprobs and req.echo else -1,
-            return_text_in_logprobs=True, stream=req.is_stream)
-        job = _Job(req, obj, f"cmpl-{base}", self.client.info.served_model_name, proto.native_names(req),
-                   num_choices=num_prompts * (req.n or 1))
+            return_text_in_logprobs=True,
+            stream=req.is_stream,
+        )
+        job = _Job(
+            req,
+            obj,
+            f"cmpl-{base}",
+            self.client.info.served_model_name,
+            proto.native_names(req),
+            num_choices=num_prompts * (req.n or 1),
+        )
         if req.echo:
             prompts = prompt.get("text", prompt.get("input_ids"))
             prompts = prompts if is_batch else [prompts]
-            job.prompt_texts = [p if isinstance(p, str) else self.client.tokenizer.decode(p) for p in prompts]
+            job.prompt_texts = [
+                p if isinstance(p, str) else self.client.tokenizer.decode(p) for p in prompts
+            ]
         return job
 
     # ---- results → OpenAI shapes ------------------------------------------------------------
@@ -244,12 +292,20 @@ class OpenAIServing:
     def _response(self, job: _Job, results: list[dict]) -> dict:
         choices = [self._choice(job, i, r) for i, r in enumerate(results)]
         firsts = results[:: job.n]  # one sample per prompt: the prompt counts once
-        usage = proto.usage(sum(r["meta_info"]["prompt_tokens"] for r in firsts),
-                            sum(r["meta_info"]["completion_tokens"] for r in results),
-                            sum(r["meta_info"].get("cached_tokens", 0) for r in firsts))
+        usage = proto.usage(
+            sum(r["meta_info"]["prompt_tokens"] for r in firsts),
+            sum(r["meta_info"]["completion_tokens"] for r in results),
+            sum(r["meta_info"].get("cached_tokens", 0) for r in firsts),
+        )
         kind = "chat.completion" if job.is_chat else "text_completion"
-        return {"id": job.id, "object": kind, "created": job.created, "model": job.model, "choices": choices,
-                "usage": usage}
+        return {
+            "id": job.id,
+            "object": kind,
+            "created": job.created,
+            "model": job.model,
+            "choices": choices,
+            "usage": usage,
+        }
 
     def _choice(self, job: _Job, index: int, result: dict) -> dict:
         meta = result["meta_info"]
@@ -269,9 +325,13 @@ class OpenAIServing:
     def _chat_logprobs(self, job: _Job, meta: dict) -> dict | None:
         if not job.req.logprobs:
             return None
-        return proto.chat_logprobs(meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs"))
+        return proto.chat_logprobs(
+            meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs")
+        )
 
-    def _completion_logprobs(self, job: _Job, meta: dict, offset: int, with_prompt: bool) -> dict | None:
+    def _completion_logprobs(
+        self, job: _Job, meta: dict, offset: int, with_prompt: bool
+    ) -> dict | None:
         req = job.req
         if req.logprobs is None:
             return None
@@ -284,14 +344,22 @@ class OpenAIServing:
         tops += meta.get("output_top_logprobs") or []
         return proto.completion_logprobs(tokens, tops, req.logprobs, offset)
 
-    async def _stream(self, job: _Job, gen: AsyncIterator, first: dict | None) -> AsyncIterator[dict]:
+    async def _stream(
+        self, job: _Job, gen: AsyncIterator, first: dict | None
+    ) -> AsyncIterator[dict]:
         """The chunks of a stream; ends the engine request if left early."""
         counts: dict[int, dict] = {}  # choice index -> its latest meta (counts are cumulative)
         offsets: dict[int, int] = {}  # choice index -> chars of text sent so far (logprob offsets)
         kind = "chat.completion.chunk" if job.is_chat else "text_completion"
 
         def chunk(choices: list, **extra) -> dict:
-            out = {"id": job.id, "object": kind, "created": job.created, "model": job.model, "choices": choices}
+            out = {
+                "id": job.id,
+                "object": kind,
+                "created": job.created,
+                "model": job.model,
+                "choices": choices,
+            }
             if job.req.include_usage:
                 out["usage"] = None
             out.update(extra)
@@ -300,8 +368,16 @@ class OpenAIServing:
         try:
             if job.is_chat:
                 for i in range(job.num_choices):
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
+                    yield chunk(
+                        [
+                            {
+                                "index": i,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
             pending = [first] if first is not None else []
             while True:
                 if pending:
@@ -319,13 +395,20 @@ class OpenAIServing:
             if job.req.include_usage:
                 metas = [counts[i] for i in sorted(counts)]
                 firsts = metas[:: job.n]
-                yield chunk([], usage=proto.usage(sum(m["prompt_tokens"] for m in firsts),
-                                                  sum(m["completion_tokens"] for m in metas),
-                                                  sum(m.get("cached_tokens", 0) for m in firsts)))
+                yield chunk(
+                    [],
+                    usage=proto.usage(
+                        sum(m["prompt_tokens"] for m in firsts),
+                        sum(m["completion_tokens"] for m in metas),
+                        sum(m.get("cached_tokens", 0) for m in firsts),
+                    ),
+                )
         finally:
             await gen.aclose()
 
-    def _delta_choice(self, job: _Job, index: int, delta: dict, offsets: dict[int, int]) -> dict | None:
+    def _delta_choice(
+        self, job: _Job, index: int, delta: dict, offsets: dict[int, int]
+    ) -> dict | None:
         meta = delta["meta_info"]
         reason = meta.get("finish_reason")
         text = delta["text"]
@@ -334,7 +417,11 @@ class OpenAIServing:
             logprobs = self._chat_logprobs(job, meta)
             if not text and reason is None and not (logprobs and logprobs["content"]):
                 return None  # nothing to say yet (e.g. half a multi-byte character)
-            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs}
+            choice = {
+                "index": index,
+                "delta": {"content": text} if text else {},
+                "logprobs": logprobs,
+            }
         else:
             if is_first:
                 text = job.echo_text(index) + text
@@ -368,7 +455,11 @@ def _error(e: Exception, names: dict[str, str] | None = None) -> tuple[int, byte
             # Only whole-word names; text/input_ids only where they name the field at fault.
             pattern = rf"\b{native}\b" if "_" in native else rf"^{native}(?=[:\[ ])"
             message = re.sub(pattern, name, message)
-    return status, msgspec.json.encode(error_body(status, message, param)), getattr(e, "is_request_fault", False)
+    return (
+        status,
+        msgspec.json.encode(error_body(status, message, param)),
+        getattr(e, "is_request_fault", False),
+    )
 
 
 def _read_chat_template(path: str) -> str:
@@ -382,5 +473,7 @@ def _read_chat_template(path: str) -> str:
     try:
         jinja2.Environment().parse(text)
     except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template: {path} is not a valid Jinja template (line {e.lineno}): {e}") from None
+        raise ValueError(
+            f"--chat-template: {path} is not a valid Jinja template (line {e.lineno}): {e}"
+        ) from None
     return text

@@ -16,8 +16,16 @@ import sys
 import httpx
 import openai
 import pytest
-from e2e_server import (API_KEY, PLUGINS_DIR, SESSION_TAG, Server, fault_plugin_env, is_idle, tagged_pids,
-                        wait_until)
+from e2e_server import (
+    API_KEY,
+    PLUGINS_DIR,
+    SESSION_TAG,
+    Server,
+    fault_plugin_env,
+    is_idle,
+    tagged_pids,
+    wait_until,
+)
 
 sys.path.append(PLUGINS_DIR)  # the tests read the fault-injection plugin's markers
 
@@ -68,8 +76,11 @@ class Fleet:
 
     def shutdown(self) -> list[str]:
         """Stops every server; returns what went wrong (left processes, socket dirs, exit codes)."""
-        problems = [f"the shared server died during the session (exit code {srv.proc.returncode}):\n"
-                    f"{srv.log_tail(3000)}" for srv in self.crashed]
+        problems = [
+            f"the shared server died during the session (exit code {srv.proc.returncode}):\n"
+            f"{srv.log_tail(3000)}"
+            for srv in self.crashed
+        ]
         for name, srv in self.servers.items():
             if srv.proc.poll() is None:
                 code = srv.stop(signal.SIGTERM, timeout=20)
@@ -119,14 +130,18 @@ for _name in SERVER_SPECS:
 
 @pytest.fixture
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai.OpenAI(
+        base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120
+    ) as c:
         yield c
     assert is_idle(server.wait_idle()), "a request outlived its test"
 
 
 @pytest.fixture
 async def aclient(server):
-    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    async with openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120
+    ) as c:
         yield c
     assert is_idle(server.wait_idle()), "a request outlived its test"
 

@@ -108,34 +108,63 @@ class Server:
         self.port = 0
         self.url = ""
         self.tag = f"{SESSION_TAG}-{name}-{uuid.uuid4().hex[:8]}"
-        self.tmpdir = tempfile.mkdtemp(prefix=f"cdt-{name[:10]}-", dir="/tmp")  # short: socket paths
+        self.tmpdir = tempfile.mkdtemp(
+            prefix=f"cdt-{name[:10]}-", dir="/tmp"
+        )  # short: socket paths
         self.log_path = os.path.join(self.tmpdir, "server.log")
         self.profile_dir = os.path.join(self.tmpdir, "profiles")  # the server's --profile-dir
         self.proc: subprocess.Popen | None = None
         self.health_history: list[tuple[float, int | str]] = []  # (seconds since start, status)
-        self.early_responses: dict[str, tuple[int, str]] = {}  # route -> (status, body) seen while loading
+        self.early_responses: dict[
+            str, tuple[int, str]
+        ] = {}  # route -> (status, body) seen while loading
         self.ready = threading.Event()
         self.started_at = 0.0
 
     # ---- life ------------------------------------------------------------------------
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.health_history, self.early_responses = [], {}
-        cmd = [sys.executable, "-m", "cadence.launch_server", "--port", str(self.port), "--dtype", "float32",
-               *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "cadence.launch_server",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            *self.args,
+        ]
         if "grpc_port" in _server_arg_names() and "--disable-grpc" not in self.args:
             cmd += ["--grpc-port", str(free_port())]
         if "profile_dir" in _server_arg_names() and "--profile-dir" not in self.args:
             cmd += ["--profile-dir", self.profile_dir]
-        env = dict(os.environ, **self.extra_env, TMPDIR=self.tmpdir, CADENCE_E2E_TAG=self.tag, PYTHONUNBUFFERED="1")
+        env = dict(
+            os.environ,
+            **self.extra_env,
+            TMPDIR=self.tmpdir,
+            CADENCE_E2E_TAG=self.tag,
+            PYTHONUNBUFFERED="1",
+        )
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env=env, preexec_fn=_stop_with_parent)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=env,
+                preexec_fn=_stop_with_parent,
+            )
         self.started_at = time.monotonic()
-        threading.Thread(target=self._watch_health, args=(self.proc, self.url), name=f"health-{self.name}",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._watch_health,
+            args=(self.proc, self.url),
+            name=f"health-{self.name}",
+            daemon=True,
+        ).start()
         return self
 
     def _watch_health(self, proc: subprocess.Popen, url: str) -> None:
@@ -148,7 +177,10 @@ class Server:
                     status = type(e).__name__
                 self.health_history.append((time.monotonic() - self.started_at, status))
                 if status == 503 and "/generate" not in self.early_responses:
-                    for method, route, body in (("GET", "/health", None), ("POST", "/generate", {"text": "hi"})):
+                    for method, route, body in (
+                        ("GET", "/health", None),
+                        ("POST", "/generate", {"text": "hi"}),
+                    ):
                         try:
                             r = client.request(method, url + route, json=body)
                             self.early_responses[route] = (r.status_code, r.text)
@@ -159,7 +191,7 @@ class Server:
                     return
                 time.sleep(0.1)
 
-    def wait_ready(self, timeout: float = LOAD_DEADLINE_S) -> "Server":
+    def wait_ready(self, timeout: float = LOAD_DEADLINE_S) -> Server:
         deadline = time.monotonic() + timeout
         relaunches = 2
         while not self.ready.wait(0.5):
@@ -168,9 +200,13 @@ class Server:
                     relaunches -= 1  # someone took one of its ports between picking and binding
                     self.start()
                     continue
-                raise RuntimeError(f"server {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"server {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             if time.monotonic() > deadline:
-                raise RuntimeError(f"server {self.name} not ready within {timeout:.0f}s:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"server {self.name} not ready within {timeout:.0f}s:\n{self.log_tail()}"
+                )
         return self
 
     def send_signal(self, sig: int) -> None:
@@ -191,7 +227,9 @@ class Server:
         """Kills whatever is left of this server (finalizer; never fails)."""
         if self.proc is not None and self.proc.poll() is None:
             self.stop(timeout=15)
-        for pid in self.leftover_pids() + ([self.proc.pid] if self.proc and self.proc.poll() is None else []):
+        for pid in self.leftover_pids() + (
+            [self.proc.pid] if self.proc and self.proc.poll() is None else []
+        ):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -247,7 +285,9 @@ class Server:
             return ""
 
     def log_tail(self, n: int = 4000) -> str:
-        lines = [l for l in self.log_text().splitlines() if "tensor/s]" not in l]  # no load progress bars
+        lines = [
+            line for line in self.log_text().splitlines() if "tensor/s]" not in line
+        ]  # no load progress bars
         return "\n".join(lines)[-n:]
 
     # ---- talking to it -----------------------------------------------------------------
@@ -268,7 +308,11 @@ class Server:
         def idle() -> bool:
             nonlocal last
             last = self.load(**kwargs)
-            return last["num_running_reqs"] == 0 and last["num_waiting_reqs"] == 0 and last["num_used_tokens"] == 0
+            return (
+                last["num_running_reqs"] == 0
+                and last["num_waiting_reqs"] == 0
+                and last["num_used_tokens"] == 0
+            )
 
         wait_until(idle, timeout, interval=0.05)
         return last
@@ -292,7 +336,11 @@ def fault_plugin_env() -> dict[str, str]:
 
 
 def is_idle(load: dict) -> bool:
-    return load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0 and load["num_used_tokens"] == 0
+    return (
+        load["num_running_reqs"] == 0
+        and load["num_waiting_reqs"] == 0
+        and load["num_used_tokens"] == 0
+    )
 
 
 def sse_events(lines) -> list:
@@ -302,6 +350,6 @@ def sse_events(lines) -> list:
         if not line:
             continue
         assert line.startswith("data: "), f"not an SSE data line: {line!r}"
-        payload = line[len("data: "):]
+        payload = line[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events

@@ -13,7 +13,10 @@ from e2e_server import is_idle, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-LONG = {"text": "Tell me a very long story.", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+LONG = {
+    "text": "Tell me a very long story.",
+    "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
+}
 ABORT_WITHIN_S = 1.0
 
 
@@ -36,7 +39,7 @@ def test_closing_a_stream_mid_way_aborts_the_request(server):
         with client.stream("POST", "/generate", json={**LONG, "stream": True}) as r:
             lines = r.iter_lines()  # held, so that the connection stays open until the block ends
             for _ in range(3):
-                assert next(l for l in lines if l).startswith("data: {")
+                assert next(line for line in lines if line).startswith("data: {")
             busy = server.load()
             assert busy["num_running_reqs"] == 1 and busy["num_used_tokens"] > 0
     # Leaving both blocks closed the connection.
@@ -58,8 +61,10 @@ def test_client_that_resets_the_connection_mid_stream(server):
     """A raw socket closed with RST (no graceful FIN) also aborts the request."""
     assert is_idle(server.wait_idle())
     body = httpx.Request("POST", server.url + "/generate", json={**LONG, "stream": True})
-    head = (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body.content)}\r\n\r\n").encode()
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body.content)}\r\n\r\n"
+    ).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     sock.sendall(head + body.content)
     received = b""

@@ -21,7 +21,10 @@ from cadence.grpc import sglang_pb2 as pb
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 LIMIT = 32 * 1024 * 1024  # the default --max-request-body-mb
-NORMAL = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+NORMAL = {
+    "text": "The capital of France is",
+    "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+}
 
 
 @pytest.fixture
@@ -85,8 +88,10 @@ def test_malformed_control_bodies_are_400_naming_the_field(srv, route, body, par
 
 def test_grpc_control_values_are_checked(srv):
     rpc = stub(srv)
-    for call, request in ((rpc.PauseGeneration, pb.PauseGenerationRequest(mode="sideways")),
-                          (rpc.StartProfile, pb.StartProfileRequest(output_dir="/tmp/elsewhere"))):
+    for call, request in (
+        (rpc.PauseGeneration, pb.PauseGenerationRequest(mode="sideways")),
+        (rpc.StartProfile, pb.StartProfileRequest(output_dir="/tmp/elsewhere")),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             call(request, timeout=30)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
@@ -95,22 +100,48 @@ def test_grpc_control_values_are_checked(srv):
 def test_booleans_given_strings_are_400(srv):
     with srv.client() as client:
         assert_400(client.post("/generate", json={**NORMAL, "stream": "true"}), "stream")
-        assert_400(client.post("/generate", json={**NORMAL, "return_logprob": "yes"}), "return_logprob")
-        assert_400(client.post("/generate", json={"text": "hi", "sampling_params": {"ignore_eos": "false"}}),
-                   "ignore_eos")
+        assert_400(
+            client.post("/generate", json={**NORMAL, "return_logprob": "yes"}), "return_logprob"
+        )
+        assert_400(
+            client.post(
+                "/generate", json={"text": "hi", "sampling_params": {"ignore_eos": "false"}}
+            ),
+            "ignore_eos",
+        )
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         assert_400(client.post("/v1/chat/completions", json={**chat, "stream": "yes"}), "stream")
-        assert_400(client.post("/v1/chat/completions", json={**chat, "logprobs": "true"}), "logprobs")
-        assert_400(client.post("/tokenize", json={"prompt": "hi", "add_special_tokens": "no"}), "add_special_tokens")
-        assert_400(client.post("/detokenize", json={"tokens": [1], "skip_special_tokens": "no"}),
-                   "skip_special_tokens")
+        assert_400(
+            client.post("/v1/chat/completions", json={**chat, "logprobs": "true"}), "logprobs"
+        )
+        assert_400(
+            client.post("/tokenize", json={"prompt": "hi", "add_special_tokens": "no"}),
+            "add_special_tokens",
+        )
+        assert_400(
+            client.post("/detokenize", json={"tokens": [1], "skip_special_tokens": "no"}),
+            "skip_special_tokens",
+        )
 
 
 # ---- JSON and UTF-8 ------------------------------------------------------------------------------
 
-POST_ROUTES = ["/generate", "/v1/chat/completions", "/v1/completions", "/tokenize", "/v1/tokenize", "/detokenize",
-               "/v1/detokenize", "/abort_request", "/pause_generation", "/start_profile", "/update_weights_from_disk",
-               "/flush_cache", "/continue_generation", "/stop_profile"]
+POST_ROUTES = [
+    "/generate",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/tokenize",
+    "/v1/tokenize",
+    "/detokenize",
+    "/v1/detokenize",
+    "/abort_request",
+    "/pause_generation",
+    "/start_profile",
+    "/update_weights_from_disk",
+    "/flush_cache",
+    "/continue_generation",
+    "/stop_profile",
+]
 
 
 @pytest.mark.parametrize("route", POST_ROUTES)
@@ -123,7 +154,11 @@ def test_invalid_utf8_is_a_400_on_every_route(srv, route):
 
 def test_unknown_routes_and_methods_are_json(srv):
     with srv.client() as client:
-        for r in (client.get("/no/such/route"), client.get("/generate"), client.delete("/v1/models")):
+        for r in (
+            client.get("/no/such/route"),
+            client.get("/generate"),
+            client.delete("/v1/models"),
+        ):
             assert r.status_code in (404, 405) and r.json()["error"]["code"] == r.status_code
 
 
@@ -134,8 +169,10 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(srv):
     """Headers announce 40 MiB; the server answers 413 after the first 64 KiB arrive."""
     host, port = "127.0.0.1", int(srv.url.rsplit(":", 1)[1])
     with socket.create_connection((host, port), timeout=10) as sock:
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % (40 * 1024 * 1024) + b" " * 65536)
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (40 * 1024 * 1024) + b" " * 65536
+        )
         reply = sock.recv(65536).decode(errors="replace")
     assert reply.startswith("HTTP/1.1 413"), reply[:200]
     assert '"code":413' in reply and "max-request-body-mb" in reply
@@ -156,22 +193,42 @@ def test_a_chunked_body_over_the_limit_is_413(srv):
 
 def test_oversized_n_batch_and_logprobs_are_refused_before_work(srv):
     with srv.client() as client:
-        assert_400(client.post("/generate", json={"text": "hi", "sampling_params": {"n": 100000}}), "n")
-        assert_400(client.post("/generate", json={"text": ["hi"] * 5000, "sampling_params": {"max_new_tokens": 1}}),
-                   "text")
+        assert_400(
+            client.post("/generate", json={"text": "hi", "sampling_params": {"n": 100000}}), "n"
+        )
+        assert_400(
+            client.post(
+                "/generate", json={"text": ["hi"] * 5000, "sampling_params": {"max_new_tokens": 1}}
+            ),
+            "text",
+        )
         assert_400(client.post("/generate", json={"input_ids": [[1, 2]] * 5000}), "input_ids")
-        assert_400(client.post("/generate", json={**NORMAL, "return_logprob": True, "top_logprobs_num": 100000}),
-                   "top_logprobs_num")
-        many = {"text": "hi", "return_logprob": True, "top_logprobs_num": 200,
-                "token_ids_logprob": list(range(4000)), "sampling_params": {"max_new_tokens": 2000}}
+        assert_400(
+            client.post(
+                "/generate", json={**NORMAL, "return_logprob": True, "top_logprobs_num": 100000}
+            ),
+            "top_logprobs_num",
+        )
+        many = {
+            "text": "hi",
+            "return_logprob": True,
+            "top_logprobs_num": 200,
+            "token_ids_logprob": list(range(4000)),
+            "sampling_params": {"max_new_tokens": 2000},
+        }
         assert_400(client.post("/generate", json=many), "top_logprobs_num", "entries")
-        assert_400(client.post("/generate", json={"text": "hi", "sampling_params": {"stop": ["x"] * 65}}), "stop")
+        assert_400(
+            client.post("/generate", json={"text": "hi", "sampling_params": {"stop": ["x"] * 65}}),
+            "stop",
+        )
         chat = {"messages": [{"role": "user", "content": "hi"}], "n": 100000}
         r = client.post("/v1/chat/completions", json=chat)
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
 
 
-@pytest.mark.parametrize("chars", [10_000_000, 600_000], ids=["10MB-refused-unread", "600k-tokenized-off-loop"])
+@pytest.mark.parametrize(
+    "chars", [10_000_000, 600_000], ids=["10MB-refused-unread", "600k-tokenized-off-loop"]
+)
 def test_health_answers_within_100ms_while_a_huge_prompt_is_refused(srv, chars):
     prompt = "hello world, " * (chars // 13)
     outcome: dict = {}
@@ -198,8 +255,11 @@ def test_health_answers_within_100ms_while_a_huge_prompt_is_refused(srv, chars):
 # ---- gRPC ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("raw", [b"\x0a\x05\xff\xfe\xfd\xfc\xfb", b"\xff\xff\xff", b"\x0a\xff\xff\xff\xff\x0f"],
-                         ids=["bad-utf8-string", "corrupt", "truncated-length"])
+@pytest.mark.parametrize(
+    "raw",
+    [b"\x0a\x05\xff\xfe\xfd\xfc\xfb", b"\xff\xff\xff", b"\x0a\xff\xff\xff\xff\x0f"],
+    ids=["bad-utf8-string", "corrupt", "truncated-length"],
+)
 @pytest.mark.parametrize("method", ["Tokenize", "TextGenerate"])
 def test_undecodable_grpc_messages_are_invalid_argument(srv, raw, method):
     with grpc.insecure_channel(target(srv)) as channel:

@@ -37,7 +37,9 @@ def assert_freed(server) -> None:
         last = server.load()
         return last["num_running_reqs"] == 0 and last["num_used_tokens"] == 0
 
-    assert wait_until(freed, FREED_WITHIN_S, interval=0.02), f"still generating after the call ended: {last}"
+    assert wait_until(freed, FREED_WITHIN_S, interval=0.02), (
+        f"still generating after the call ended: {last}"
+    )
 
 
 def running_with_kv(server) -> dict:
@@ -56,8 +58,12 @@ def test_cancelling_a_stream_frees_the_kv_pool(server, rpc):
 
 
 def test_cancelling_a_unary_generate_frees_the_kv_pool(server, rpc):
-    call = rpc.TextGenerate(pb.TextGenerateRequest(text="A long story:", sampling_params=pb.SamplingParams(
-        max_new_tokens=4000, ignore_eos=True)))
+    call = rpc.TextGenerate(
+        pb.TextGenerateRequest(
+            text="A long story:",
+            sampling_params=pb.SamplingParams(max_new_tokens=4000, ignore_eos=True),
+        )
+    )
     assert wait_until(lambda: server.load()["num_used_tokens"] > 0, 30)
     call.cancel()
     assert_freed(server)
@@ -76,8 +82,13 @@ def test_a_passed_deadline_frees_the_kv_pool(server, rpc, stream):
 
 def test_closing_the_channel_mid_stream_frees_the_kv_pool(server):
     channel = grpc.insecure_channel(target(server))
-    call = sglang_pb2_grpc.SglangServiceStub(channel).Generate(pb.GenerateRequest(
-        input_ids=[1, 2, 3, 4], stream=True, sampling_params=pb.SamplingParams(max_new_tokens=4000, ignore_eos=True)))
+    call = sglang_pb2_grpc.SglangServiceStub(channel).Generate(
+        pb.GenerateRequest(
+            input_ids=[1, 2, 3, 4],
+            stream=True,
+            sampling_params=pb.SamplingParams(max_new_tokens=4000, ignore_eos=True),
+        )
+    )
     next(call)
     running_with_kv(server)
     channel.close()
@@ -88,9 +99,19 @@ def test_abort_all_ends_grpc_streams_with_cancelled_and_http_streams_too(server,
     calls = [rpc.TextGenerate(long_stream(rid=f"grpc-all-{i}")) for i in range(2)]
     for call in calls:
         next(call)
-    with httpx.Client(base_url=server.url, timeout=60) as http, concurrent.futures.ThreadPoolExecutor(1) as pool:
-        with http.stream("POST", "/generate", json={"text": "Another story", "stream": True, "sampling_params": {
-                "max_new_tokens": 4000, "ignore_eos": True}}) as r:
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as http,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        with http.stream(
+            "POST",
+            "/generate",
+            json={
+                "text": "Another story",
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
+            },
+        ) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line).startswith("data: {")
             assert server.load()["num_running_reqs"] == 3
@@ -102,7 +123,7 @@ def test_abort_all_ends_grpc_streams_with_cancelled_and_http_streams_too(server,
                 pass
         assert e.value.code() == grpc.StatusCode.CANCELLED
     assert rest[-1] == "data: [DONE]"
-    assert json.loads(rest[-2][len("data: "):])["meta_info"]["finish_reason"]["type"] == "abort"
+    assert json.loads(rest[-2][len("data: ") :])["meta_info"]["finish_reason"]["type"] == "abort"
     assert_freed(server)
 
 
@@ -119,8 +140,14 @@ def test_many_cancelled_streams_leave_nothing_behind(server, rpc):
 
 
 def test_cancelling_an_openai_pass_through_stream_frees_the_kv_pool(server, rpc):
-    body = json.dumps({"messages": [{"role": "user", "content": "Tell me a very long story."}], "stream": True,
-                       "max_tokens": 2000, "ignore_eos": True}).encode()
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "Tell me a very long story."}],
+            "stream": True,
+            "max_tokens": 2000,
+            "ignore_eos": True,
+        }
+    ).encode()
     call = rpc.ChatComplete(pb.OpenAIRequest(json_body=body))
     for _ in range(3):
         assert not next(call).finished

@@ -27,27 +27,51 @@ def sp(**kwargs) -> pb.SamplingParams:
 BAD_TEXT_REQUESTS = {
     "empty text": (pb.TextGenerateRequest(text=""), "text"),
     "top_p above 1": (pb.TextGenerateRequest(text="hi", sampling_params=sp(top_p=1.5)), "top_p"),
-    "negative temperature": (pb.TextGenerateRequest(text="hi", sampling_params=sp(temperature=-1)), "temperature"),
+    "negative temperature": (
+        pb.TextGenerateRequest(text="hi", sampling_params=sp(temperature=-1)),
+        "temperature",
+    ),
     "top_k of 0": (pb.TextGenerateRequest(text="hi", sampling_params=sp(top_k=0)), "top_k"),
     "min_p above 1": (pb.TextGenerateRequest(text="hi", sampling_params=sp(min_p=2)), "min_p"),
-    "penalty out of range": (pb.TextGenerateRequest(text="hi", sampling_params=sp(presence_penalty=3)),
-                             "presence_penalty"),
-    "min above max tokens": (pb.TextGenerateRequest(text="hi", sampling_params=sp(max_new_tokens=2,
-                                                                                  min_new_tokens=5)),
-                             "min_new_tokens"),
-    "negative max tokens": (pb.TextGenerateRequest(text="hi", sampling_params=sp(max_new_tokens=-1)),
-                            "max_new_tokens"),
+    "penalty out of range": (
+        pb.TextGenerateRequest(text="hi", sampling_params=sp(presence_penalty=3)),
+        "presence_penalty",
+    ),
+    "min above max tokens": (
+        pb.TextGenerateRequest(text="hi", sampling_params=sp(max_new_tokens=2, min_new_tokens=5)),
+        "min_new_tokens",
+    ),
+    "negative max tokens": (
+        pb.TextGenerateRequest(text="hi", sampling_params=sp(max_new_tokens=-1)),
+        "max_new_tokens",
+    ),
     "n of 0": (pb.TextGenerateRequest(text="hi", sampling_params=sp(n=0)), "n"),
-    "stop id outside the vocabulary": (pb.TextGenerateRequest(text="hi", sampling_params=sp(stop_token_ids=[10**9])),
-                                       "stop_token_ids"),
-    "constrained decoding": (pb.TextGenerateRequest(text="hi", sampling_params=sp(regex="[0-9]+")), "regex"),
-    "prompt longer than the context": (pb.TextGenerateRequest(text="hello " * 9000), "context length"),
+    "stop id outside the vocabulary": (
+        pb.TextGenerateRequest(text="hi", sampling_params=sp(stop_token_ids=[10**9])),
+        "stop_token_ids",
+    ),
+    "constrained decoding": (
+        pb.TextGenerateRequest(text="hi", sampling_params=sp(regex="[0-9]+")),
+        "regex",
+    ),
+    "prompt longer than the context": (
+        pb.TextGenerateRequest(text="hello " * 9000),
+        "context length",
+    ),
     "prompt plus output beyond the context": (
-        pb.TextGenerateRequest(text="hello " * 100, sampling_params=sp(max_new_tokens=8180)), "max_new_tokens"),
-    "disaggregation": (pb.TextGenerateRequest(text="hi", disaggregated_params=pb.DisaggregatedParams(
-        bootstrap_host="h")), "disaggregated_params"),
-    "logprob start beyond the prompt": (pb.TextGenerateRequest(text="hi", return_logprob=True, logprob_start_len=50),
-                                        "logprob_start_len"),
+        pb.TextGenerateRequest(text="hello " * 100, sampling_params=sp(max_new_tokens=8180)),
+        "max_new_tokens",
+    ),
+    "disaggregation": (
+        pb.TextGenerateRequest(
+            text="hi", disaggregated_params=pb.DisaggregatedParams(bootstrap_host="h")
+        ),
+        "disaggregated_params",
+    ),
+    "logprob start beyond the prompt": (
+        pb.TextGenerateRequest(text="hi", return_logprob=True, logprob_start_len=50),
+        "logprob_start_len",
+    ),
 }
 
 BAD_IDS_REQUESTS = {
@@ -100,8 +124,14 @@ def test_detokenize_outside_the_vocabulary_is_invalid(rpc):
 
 
 def test_a_rid_in_use_is_invalid(rpc):
-    call = rpc.TextGenerate(pb.TextGenerateRequest(text="a story", rid="grpc-dup", stream=True,
-                                                   sampling_params=sp(max_new_tokens=2000, ignore_eos=True)))
+    call = rpc.TextGenerate(
+        pb.TextGenerateRequest(
+            text="a story",
+            rid="grpc-dup",
+            stream=True,
+            sampling_params=sp(max_new_tokens=2000, ignore_eos=True),
+        )
+    )
     next(call)
     e = _status(lambda: list(rpc.TextGenerate(short_request(rid="grpc-dup"))))
     assert e.code() == INVALID and "grpc-dup" in e.details()
@@ -109,15 +139,20 @@ def test_a_rid_in_use_is_invalid(rpc):
 
 
 def test_passed_deadline_is_deadline_exceeded(rpc):
-    req = pb.TextGenerateRequest(text="a story", sampling_params=sp(max_new_tokens=2000, ignore_eos=True))
+    req = pb.TextGenerateRequest(
+        text="a story", sampling_params=sp(max_new_tokens=2000, ignore_eos=True)
+    )
     e = _status(lambda: list(rpc.TextGenerate(req, timeout=0.5)))
     assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def test_unknown_method_is_unimplemented(server):
     channel = grpc.insecure_channel(target(server))
-    call = channel.unary_unary("/sglang.runtime.v1.SglangService/NoSuchMethod",
-                               request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    call = channel.unary_unary(
+        "/sglang.runtime.v1.SglangService/NoSuchMethod",
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b,
+    )
     e = _status(lambda: call(b""))
     assert e.code() == grpc.StatusCode.UNIMPLEMENTED
 
@@ -130,7 +165,9 @@ def test_api_key_is_required_on_the_service_but_not_on_health(api_key_server):
     rpc = sglang_pb2_grpc.SglangServiceStub(channel)
     for metadata in (None, (("authorization", "Bearer wrong"),), (("authorization", API_KEY),)):
         e = _status(lambda: rpc.Tokenize(pb.TokenizeRequest(text="hi"), metadata=metadata))
-        assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "authorization: Bearer" in e.details()
+        assert (
+            e.code() == grpc.StatusCode.UNAUTHENTICATED and "authorization: Bearer" in e.details()
+        )
         assert API_KEY not in e.details()
         e = _status(lambda: list(rpc.TextGenerate(short_request(), metadata=metadata)))
         assert e.code() == grpc.StatusCode.UNAUTHENTICATED

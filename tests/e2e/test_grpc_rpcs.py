@@ -6,8 +6,8 @@ Every test leaves the server idle and unpaused (checked through /v1/loads)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import re
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,7 +19,14 @@ from cadence.grpc import sglang_pb2 as pb
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PROMPT = "The capital of France is"
-META_KEYS = {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "e2e_latency"}
+META_KEYS = {
+    "id",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "finish_reason",
+    "e2e_latency",
+}
 
 
 @pytest.fixture
@@ -49,7 +56,10 @@ def test_text_generate_unary_is_one_final_message_equal_to_http(rpc, http):
     info = meta(msgs[0])
     assert META_KEYS <= set(info)
     assert re.fullmatch(r"[0-9a-f]{32}", info["id"])  # a fresh uuid4().hex
-    assert info["completion_tokens"] == 6 and info["finish_reason"] == {"type": "length", "length": 6}
+    assert info["completion_tokens"] == 6 and info["finish_reason"] == {
+        "type": "length",
+        "length": 6,
+    }
     assert msgs[0].meta_info["prompt_tokens"] == str(info["prompt_tokens"])  # JSON-encoded values
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
     assert msgs[0].text == http.post("/generate", json=body).json()["text"]
@@ -71,7 +81,9 @@ def test_generate_with_token_ids_unary_and_stream(rpc, http):
     params = pb.SamplingParams(max_new_tokens=5, temperature=0)
     (final,) = rpc.Generate(pb.GenerateRequest(input_ids=ids, sampling_params=params))
     assert final.finished and len(final.output_ids) == 5
-    streamed = list(rpc.Generate(pb.GenerateRequest(input_ids=ids, sampling_params=params, stream=True)))
+    streamed = list(
+        rpc.Generate(pb.GenerateRequest(input_ids=ids, sampling_params=params, stream=True))
+    )
     assert [t for m in streamed for t in m.output_ids] == list(final.output_ids)
     assert streamed[-1].finished
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
@@ -79,7 +91,9 @@ def test_generate_with_token_ids_unary_and_stream(rpc, http):
 
 
 def test_logprobs_arrive_in_meta_info(rpc):
-    req = short_request(PROMPT, 3, return_logprob=True, top_logprobs_num=2, return_text_in_logprobs=True)
+    req = short_request(
+        PROMPT, 3, return_logprob=True, top_logprobs_num=2, return_text_in_logprobs=True
+    )
     (msg,) = rpc.TextGenerate(req)
     info = meta(msg)
     assert len(info["output_token_logprobs"]) == 3
@@ -89,8 +103,11 @@ def test_logprobs_arrive_in_meta_info(rpc):
 
 
 def test_n_samples_come_as_one_message_each_with_their_index(rpc):
-    req = pb.TextGenerateRequest(text=PROMPT, rid="grpc-n", sampling_params=pb.SamplingParams(
-        max_new_tokens=3, n=2, temperature=0.8))
+    req = pb.TextGenerateRequest(
+        text=PROMPT,
+        rid="grpc-n",
+        sampling_params=pb.SamplingParams(max_new_tokens=3, n=2, temperature=0.8),
+    )
     msgs = list(rpc.TextGenerate(req))
     assert sorted(meta(m)["index"] for m in msgs) == [0, 1] and all(m.finished for m in msgs)
     assert {meta(m)["id"] for m in msgs} == {"grpc-n-0", "grpc-n-1"}
@@ -108,7 +125,11 @@ def test_tokenize_matches_http(rpc, http, add_special):
         body["add_special_tokens"] = add_special
     got = rpc.Tokenize(req)
     want = http.post("/tokenize", json=body).json()
-    assert (list(got.tokens), got.count, got.max_model_len) == (want["tokens"], want["count"], want["max_model_len"])
+    assert (list(got.tokens), got.count, got.max_model_len) == (
+        want["tokens"],
+        want["count"],
+        want["max_model_len"],
+    )
     assert got.input_text == "Hello gRPC world"
 
 
@@ -143,7 +164,11 @@ def test_server_info_matches_http(rpc, http):
 def test_list_models_matches_v1_models(rpc, http):
     (card,) = rpc.ListModels(pb.ListModelsRequest()).models
     (want,) = http.get("/v1/models").json()["data"]
-    assert (card.id, card.root, card.max_model_len) == (want["id"], want["root"], want["max_model_len"])
+    assert (card.id, card.root, card.max_model_len) == (
+        want["id"],
+        want["root"],
+        want["max_model_len"],
+    )
     assert not card.HasField("parent")
 
 
@@ -191,8 +216,13 @@ def test_pause_refuses_new_generations_until_continue(rpc):
     assert "in_place" in rpc.PauseGeneration(pb.PauseGenerationRequest(mode="in_place")).message
     with pytest.raises(grpc.RpcError) as e:
         list(rpc.TextGenerate(short_request()))
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "ContinueGeneration" in e.value.details()
-    assert rpc.Tokenize(pb.TokenizeRequest(text="still answered")).count > 0  # the front is not paused
+    assert (
+        e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        and "ContinueGeneration" in e.value.details()
+    )
+    assert (
+        rpc.Tokenize(pb.TokenizeRequest(text="still answered")).count > 0
+    )  # the front is not paused
     assert rpc.ContinueGeneration(pb.ContinueGenerationRequest()).message
     assert list(rpc.TextGenerate(short_request()))[-1].finished
 
@@ -221,7 +251,10 @@ def test_update_weights_from_disk_same_model_then_bad_path(rpc):
     assert list(rpc.TextGenerate(short_request()))[0].text == before
     with pytest.raises(grpc.RpcError) as e:
         rpc.UpdateWeightsFromDisk(pb.UpdateWeightsRequest(model_path="/nonexistent/model.gguf"))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "/nonexistent/model.gguf" in e.value.details()
+    assert (
+        e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "/nonexistent/model.gguf" in e.value.details()
+    )
     with pytest.raises(grpc.RpcError) as e:
         rpc.UpdateWeightsFromDisk(pb.UpdateWeightsRequest())
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "model_path" in e.value.details()
@@ -233,7 +266,9 @@ def test_profile_start_stop_writes_a_trace(rpc, server):
         rpc.StopProfile(pb.StopProfileRequest())  # nothing to stop yet
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(grpc.RpcError) as e:
-        rpc.StartProfile(pb.StartProfileRequest(output_dir=str(out_dir)))  # a client never names a path
+        rpc.StartProfile(
+            pb.StartProfileRequest(output_dir=str(out_dir))
+        )  # a client never names a path
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "output_dir" in e.value.details()
     rpc.StartProfile(pb.StartProfileRequest(output_dir="grpc-traces"))
     list(rpc.TextGenerate(short_request(max_new_tokens=2)))
@@ -246,17 +281,28 @@ def test_profile_start_stop_writes_a_trace(rpc, server):
 
 
 def _chat(stream: bool) -> bytes:
-    return json.dumps({"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 5, "temperature": 0,
-                       "stream": stream}).encode()
+    return json.dumps(
+        {
+            "messages": [{"role": "user", "content": "Say hi"}],
+            "max_tokens": 5,
+            "temperature": 0,
+            "stream": stream,
+        }
+    ).encode()
 
 
 def test_chat_complete_unary_equals_http(rpc, http):
     (chunk,) = rpc.ChatComplete(pb.OpenAIRequest(json_body=_chat(False)))
     assert chunk.finished
     got = json.loads(chunk.json_chunk)
-    want = http.post("/v1/chat/completions", content=_chat(False), headers={"content-type": "application/json"}).json()
+    want = http.post(
+        "/v1/chat/completions", content=_chat(False), headers={"content-type": "application/json"}
+    ).json()
     assert got["object"] == "chat.completion"
-    assert got["choices"][0]["message"] == want["choices"][0]["message"] and got["usage"] == want["usage"]
+    assert (
+        got["choices"][0]["message"] == want["choices"][0]["message"]
+        and got["usage"] == want["usage"]
+    )
 
 
 def test_chat_complete_stream_is_one_message_per_sse_event(rpc, http):
@@ -264,12 +310,14 @@ def test_chat_complete_stream_is_one_message_per_sse_event(rpc, http):
     assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
     events = [json.loads(c.json_chunk) for c in chunks]
     with http.stream("POST", "/v1/chat/completions", content=_chat(True)) as r:
-        sse = [line[len("data: "):] for line in r.iter_lines() if line]
+        sse = [line[len("data: ") :] for line in r.iter_lines() if line]
     assert sse[-1] == "[DONE]"
     http_events = [json.loads(e) for e in sse[:-1]]
     assert len(events) == len(http_events)
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
-    http_text = "".join(e["choices"][0]["delta"].get("content") or "" for e in http_events if e["choices"])
+    http_text = "".join(
+        e["choices"][0]["delta"].get("content") or "" for e in http_events if e["choices"]
+    )
     assert text == http_text and text
 
 
@@ -277,10 +325,18 @@ def test_complete_unary_and_stream(rpc):
     body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
     (whole,) = rpc.Complete(pb.OpenAIRequest(json_body=json.dumps(body).encode()))
     text = json.loads(whole.json_chunk)["choices"][0]["text"]
-    chunks = list(rpc.Complete(pb.OpenAIRequest(json_body=json.dumps({**body, "stream": True}).encode())))
+    chunks = list(
+        rpc.Complete(pb.OpenAIRequest(json_body=json.dumps({**body, "stream": True}).encode()))
+    )
     assert chunks[-1].finished
-    assert "".join(json.loads(c.json_chunk)["choices"][0]["text"] for c in chunks
-                   if json.loads(c.json_chunk)["choices"]) == text
+    assert (
+        "".join(
+            json.loads(c.json_chunk)["choices"][0]["text"]
+            for c in chunks
+            if json.loads(c.json_chunk)["choices"]
+        )
+        == text
+    )
 
 
 def test_openai_errors_are_statuses_with_the_http_body_in_trailers(rpc, http):
@@ -301,19 +357,25 @@ def test_openai_errors_are_statuses_with_the_http_body_in_trailers(rpc, http):
 def test_openai_unary_pass_through_says_what_is_not_served(rpc, method):
     with pytest.raises(grpc.RpcError) as e:
         getattr(rpc, method)(pb.OpenAIRequest(json_body=b'{"input": "hi"}'))
-    assert e.value.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT,
-                              grpc.StatusCode.NOT_FOUND)
+    assert e.value.code() in (
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+    )
     assert e.value.details()
 
 
 # ---- embeddings (not served by a generation model yet) ------------------------------------------
 
 
-@pytest.mark.parametrize("method, request_", [
-    ("TextEmbed", pb.TextEmbedRequest(text="hi")),
-    ("Embed", pb.EmbedRequest(input_ids=[1, 2])),
-    ("Classify", pb.ClassifyRequest(text="hi")),
-])
+@pytest.mark.parametrize(
+    "method, request_",
+    [
+        ("TextEmbed", pb.TextEmbedRequest(text="hi")),
+        ("Embed", pb.EmbedRequest(input_ids=[1, 2])),
+        ("Classify", pb.ClassifyRequest(text="hi")),
+    ],
+)
 def test_embed_and_classify_are_unimplemented_with_a_clear_message(rpc, method, request_):
     with pytest.raises(grpc.RpcError) as e:
         getattr(rpc, method)(request_)

@@ -20,8 +20,17 @@ import grpc
 import pytest
 from e2e_server import Server, free_port, is_idle, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_support import (SERVICE, grpc_port, long_stream, make_certs, openssl_available, read, short_request, stub,
-                          target)
+from grpc_support import (
+    SERVICE,
+    grpc_port,
+    long_stream,
+    make_certs,
+    openssl_available,
+    read,
+    short_request,
+    stub,
+    target,
+)
 
 from cadence.grpc import sglang_pb2 as pb
 from cadence.grpc import sglang_pb2_grpc
@@ -52,7 +61,9 @@ class LoadingProbe:
             except grpc.RpcError as e:
                 if "starting" in (e.details() or "") and not self.server.ready.is_set():
                     self.tokenize = e
-                    self.health = health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=1).status
+                    self.health = health.Check(
+                        health_pb2.HealthCheckRequest(service=SERVICE), timeout=1
+                    ).status
                     return
             time.sleep(0.05)
 
@@ -75,8 +86,17 @@ def servers(certs):
     specs = {
         "tls": [*tls, *_SMALL],
         "mtls": [*tls, "--grpc-tls-client-ca", certs["ca.pem"], *_SMALL],
-        "limits": ["--grpc-max-concurrent-requests", "1", "--grpc-stream-buffer", str(BUFFER),
-                   "--grpc-min-ping-interval-s", "1", "--grpc-max-message-mb", "1", *_SMALL],
+        "limits": [
+            "--grpc-max-concurrent-requests",
+            "1",
+            "--grpc-stream-buffer",
+            str(BUFFER),
+            "--grpc-min-ping-interval-s",
+            "1",
+            "--grpc-max-message-mb",
+            "1",
+            *_SMALL,
+        ],
         "nogrpc": ["--disable-grpc", *_SMALL],
         "stopping": _SMALL,  # taken down by a test
     }
@@ -100,7 +120,9 @@ def servers(certs):
 def secure_stub(server, certs, root="ca.pem", client=None) -> sglang_pb2_grpc.SglangServiceStub:
     kwargs = {"root_certificates": read(certs[root])}
     if client:
-        kwargs.update(private_key=read(certs[f"{client}.key"]), certificate_chain=read(certs[f"{client}.pem"]))
+        kwargs.update(
+            private_key=read(certs[f"{client}.key"]), certificate_chain=read(certs[f"{client}.pem"])
+        )
     channel = grpc.secure_channel(target(server), grpc.ssl_channel_credentials(**kwargs))
     return stub_on(channel)
 
@@ -120,11 +142,15 @@ def test_tls_handshake_then_unary_and_stream(servers, certs):
 
 def test_tls_refuses_plaintext_and_an_unknown_ca(servers, certs):
     plain = stub(servers["tls"])
-    assert refused(lambda: plain.Tokenize(pb.TokenizeRequest(text="x"), timeout=5)).code() == \
-        grpc.StatusCode.UNAVAILABLE
+    assert (
+        refused(lambda: plain.Tokenize(pb.TokenizeRequest(text="x"), timeout=5)).code()
+        == grpc.StatusCode.UNAVAILABLE
+    )
     untrusted = secure_stub(servers["tls"], certs, root="other_ca.pem")
-    assert refused(lambda: untrusted.Tokenize(pb.TokenizeRequest(text="x"), timeout=5)).code() == \
-        grpc.StatusCode.UNAVAILABLE
+    assert (
+        refused(lambda: untrusted.Tokenize(pb.TokenizeRequest(text="x"), timeout=5)).code()
+        == grpc.StatusCode.UNAVAILABLE
+    )
 
 
 def test_mutual_tls_needs_a_client_certificate_from_the_ca(servers, certs):
@@ -132,18 +158,27 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(servers, certs):
     assert rpc.Tokenize(pb.TokenizeRequest(text="over mTLS"), timeout=30).count > 0
     assert list(rpc.TextGenerate(short_request(max_new_tokens=2), timeout=60))[-1].finished
     anonymous = secure_stub(servers["mtls"], certs)
-    assert refused(lambda: anonymous.Tokenize(pb.TokenizeRequest(text="x"), timeout=5)).code() == \
-        grpc.StatusCode.UNAVAILABLE
+    assert (
+        refused(lambda: anonymous.Tokenize(pb.TokenizeRequest(text="x"), timeout=5)).code()
+        == grpc.StatusCode.UNAVAILABLE
+    )
 
 
 def test_mutual_tls_refuses_a_client_certificate_from_another_ca(servers, certs, tmp_path):
     # A client certificate that the other CA signed: the server's client CA does not know it.
     other = make_certs(str(tmp_path))
-    channel = grpc.secure_channel(target(servers["mtls"]), grpc.ssl_channel_credentials(
-        root_certificates=read(certs["ca.pem"]), private_key=read(other["client.key"]),
-        certificate_chain=read(other["client.pem"])))
-    assert refused(lambda: stub_on(channel).Tokenize(pb.TokenizeRequest(text="x"), timeout=5)).code() == \
-        grpc.StatusCode.UNAVAILABLE
+    channel = grpc.secure_channel(
+        target(servers["mtls"]),
+        grpc.ssl_channel_credentials(
+            root_certificates=read(certs["ca.pem"]),
+            private_key=read(other["client.key"]),
+            certificate_chain=read(other["client.pem"]),
+        ),
+    )
+    assert (
+        refused(lambda: stub_on(channel).Tokenize(pb.TokenizeRequest(text="x"), timeout=5)).code()
+        == grpc.StatusCode.UNAVAILABLE
+    )
 
 
 # ---- while loading ------------------------------------------------------------------------------
@@ -155,7 +190,10 @@ def test_while_loading_calls_are_unavailable_and_health_not_serving(servers):
     assert probe.tokenize.code() == grpc.StatusCode.UNAVAILABLE
     assert probe.health == health_pb2.HealthCheckResponse.NOT_SERVING
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target(servers["limits"])))
-    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+    assert (
+        health.Check(health_pb2.HealthCheckRequest()).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
 
 
 # ---- admission limit and stream buffer ------------------------------------------------------------
@@ -167,11 +205,18 @@ def test_calls_beyond_the_admission_limit_are_resource_exhausted(servers):
     call = rpc.TextGenerate(long_stream(max_new_tokens=2000))
     next(call)
     e = refused(lambda: list(rpc.TextGenerate(short_request())))
-    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--grpc-max-concurrent-requests" in e.details()
-    assert rpc.Tokenize(pb.TokenizeRequest(text="not a generation")).count > 0  # only generation is limited
+    assert (
+        e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and "--grpc-max-concurrent-requests" in e.details()
+    )
+    assert (
+        rpc.Tokenize(pb.TokenizeRequest(text="not a generation")).count > 0
+    )  # only generation is limited
     call.cancel()
     assert wait_until(lambda: is_idle(server.load()), 5)
-    assert list(rpc.TextGenerate(short_request(max_new_tokens=1)))[-1].finished  # the slot is free again
+    assert list(rpc.TextGenerate(short_request(max_new_tokens=1)))[
+        -1
+    ].finished  # the slot is free again
 
 
 def test_a_client_that_stops_reading_is_cut_off_and_its_request_aborted(servers):
@@ -188,8 +233,12 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_request_aborted(servers)
     assert 0 < len(received) < 200
 
 
-PINGING = {"grpc.keepalive_time_ms": 1500, "grpc.keepalive_timeout_ms": 5000,
-           "grpc.keepalive_permit_without_calls": 1, "grpc.http2.max_pings_without_data": 0}
+PINGING = {
+    "grpc.keepalive_time_ms": 1500,
+    "grpc.keepalive_timeout_ms": 5000,
+    "grpc.keepalive_permit_without_calls": 1,
+    "grpc.http2.max_pings_without_data": 0,
+}
 
 
 def _ping_through_idle_and_a_silent_call(channel) -> list:
@@ -203,7 +252,7 @@ def _ping_through_idle_and_a_silent_call(channel) -> list:
     assert list(rpc.TextGenerate(short_request(max_new_tokens=40), timeout=120))[-1].finished
     time.sleep(0.2)
     channel.unsubscribe(states.append)
-    return states[states.index(grpc.ChannelConnectivity.READY):]
+    return states[states.index(grpc.ChannelConnectivity.READY) :]
 
 
 def test_keepalive_pings_without_calls_or_data_are_welcome(servers):
@@ -216,8 +265,11 @@ def test_keepalive_pings_without_calls_or_data_are_welcome(servers):
 def test_pings_faster_than_the_minimum_interval_are_refused(servers, certs):
     """The same client against a server at the default minimum (5 s) is sent away: so the
     flag is what lets it through above."""
-    channel = grpc.secure_channel(target(servers["tls"]), grpc.ssl_channel_credentials(read(certs["ca.pem"])),
-                                  options=list(PINGING.items()))
+    channel = grpc.secure_channel(
+        target(servers["tls"]),
+        grpc.ssl_channel_credentials(read(certs["ca.pem"])),
+        options=list(PINGING.items()),
+    )
     assert set(_ping_through_idle_and_a_silent_call(channel)) != {grpc.ChannelConnectivity.READY}
 
 
@@ -268,11 +320,27 @@ def test_a_grpc_port_in_use_stops_the_server_with_the_reason(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "cadence.launch_server", "--port", str(free_port()),
-                                 "--grpc-port", str(port), "--skip-warmup"], capture_output=True, text=True,
-                                timeout=120, env=dict(os.environ, TMPDIR=str(tmp_path)))
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "cadence.launch_server",
+                "--port",
+                str(free_port()),
+                "--grpc-port",
+                str(port),
+                "--skip-warmup",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, TMPDIR=str(tmp_path)),
+        )
     assert result.returncode == 1
-    assert f"gRPC: Failed to bind to address 127.0.0.1:{port}" in result.stderr and "--grpc-port" in result.stderr
+    assert (
+        f"gRPC: Failed to bind to address 127.0.0.1:{port}" in result.stderr
+        and "--grpc-port" in result.stderr
+    )
     assert not list(tmp_path.glob("cadence-ipc-*")), "the socket directory was removed"
 
 
@@ -285,7 +353,9 @@ def test_sigterm_ends_live_calls_with_unavailable_and_health_goes_not_serving(se
     call = rpc.TextGenerate(long_stream(max_new_tokens=2000))
     next(call)
     server.send_signal(signal.SIGTERM)
-    assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # at once, before the exit
+    assert (
+        next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    )  # at once, before the exit
     e = refused(lambda: list(call))
     assert e.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.details()
     assert server.wait_exit(20) == 0, server.log_tail()

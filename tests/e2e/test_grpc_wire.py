@@ -71,9 +71,9 @@ def parse(data: bytes) -> dict[int, list]:
             value, pos = read_varint(data, pos)
         elif wire_type == 2:
             length, pos = read_varint(data, pos)
-            value, pos = data[pos:pos + length], pos + length
+            value, pos = data[pos : pos + length], pos + length
         elif wire_type == 5:
-            value, pos = data[pos:pos + 4], pos + 4
+            value, pos = data[pos : pos + 4], pos + 4
         else:
             raise AssertionError(f"unexpected wire type {wire_type} for field {number}")
         fields.setdefault(number, []).append(value)
@@ -91,7 +91,9 @@ def packed_varints(data: bytes) -> list[int]:
 def raw_method(server, name: str, streaming: bool):
     channel = grpc.insecure_channel(target(server))
     make = channel.unary_stream if streaming else channel.unary_unary
-    return make(f"/{SERVICE}/{name}", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    return make(
+        f"/{SERVICE}/{name}", request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
 
 
 # ---- raw protobuf ------------------------------------------------------------------------
@@ -99,7 +101,9 @@ def raw_method(server, name: str, streaming: bool):
 
 def test_tokenize_by_hand_encoded_bytes(server):
     with server.client() as http:
-        want = http.post("/tokenize", json={"prompt": "Hello wire", "add_special_tokens": False}).json()
+        want = http.post(
+            "/tokenize", json={"prompt": "Hello wire", "add_special_tokens": False}
+        ).json()
     reply = parse(raw_method(server, "Tokenize", False)(field(1, "Hello wire") + field(2, False)))
     assert packed_varints(reply[1][0]) == want["tokens"]  # tokens = 1, packed
     assert reply[2] == [want["count"]]  # count = 2
@@ -111,7 +115,12 @@ def test_text_generate_by_hand_encoded_bytes(server):
     # SamplingParams: max_new_tokens (8) = 5, temperature (1) = 0.0 sent explicitly, ignore_eos (12)
     sampling = field(8, 5) + field(1, 0.0) + field(12, True)
     # TextGenerateRequest: text (1), sampling_params (2), stream (3), rid (8)
-    request = field(1, "The capital of France is") + field(2, sampling) + field(3, True) + field(8, "raw-wire-rid")
+    request = (
+        field(1, "The capital of France is")
+        + field(2, sampling)
+        + field(3, True)
+        + field(8, "raw-wire-rid")
+    )
     replies = [parse(r) for r in raw_method(server, "TextGenerate", True)(request)]
     assert [r.get(3, [0])[0] for r in replies][-1] == 1  # finished = 3, on the last message only
     assert all(r.get(3, [0])[0] == 0 for r in replies[:-1])
@@ -123,14 +132,21 @@ def test_text_generate_by_hand_encoded_bytes(server):
     assert meta["finish_reason"] == {"type": "length", "length": 5}
     text = "".join(r[1][0].decode() for r in replies if 1 in r)  # text = 1
     with server.client() as http:
-        want = http.post("/generate", json={"text": "The capital of France is", "sampling_params": {
-            "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}).json()["text"]
+        want = http.post(
+            "/generate",
+            json={
+                "text": "The capital of France is",
+                "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+            },
+        ).json()["text"]
     assert text == want
 
 
 def test_generate_with_negative_token_id_by_hand_is_invalid(server):
     with pytest.raises(grpc.RpcError) as e:
-        list(raw_method(server, "Generate", True)(field(1, varint(1) + varint(-7))))  # packed input_ids
+        list(
+            raw_method(server, "Generate", True)(field(1, varint(1) + varint(-7)))
+        )  # packed input_ids
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "-7" in e.value.details()
 
 
@@ -150,13 +166,23 @@ def test_reflection_lists_and_describes_the_service(server):
 
     from google.protobuf import descriptor_pb2
 
-    described = _reflect(server, reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE))
-    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
-             for b in described.file_descriptor_response.file_descriptor_proto]
+    described = _reflect(
+        server, reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE)
+    )
+    files = [
+        descriptor_pb2.FileDescriptorProto.FromString(b)
+        for b in described.file_descriptor_response.file_descriptor_proto
+    ]
     (proto_file,) = [f for f in files if f.package == "sglang.runtime.v1"]
     assert proto_file.name == "sglang/runtime/v1/sglang.proto"
     methods = {m.name for m in proto_file.service[0].method}
-    assert {"TextGenerate", "Generate", "Tokenize", "ChatComplete", "UpdateWeightsFromDisk"} <= methods
+    assert {
+        "TextGenerate",
+        "Generate",
+        "Tokenize",
+        "ChatComplete",
+        "UpdateWeightsFromDisk",
+    } <= methods
     assert len(methods) == 25
 
 
@@ -201,12 +227,18 @@ client.Tokenize({text: 'Hello from Node', add_special_tokens: false}, (err, res)
 def node_modules():
     """@grpc/grpc-js and @grpc/proto-loader from npm, in a directory kept between runs."""
     if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("Node.js (node and npm) is not installed on this machine; the cross-language test needs it")
+        pytest.skip(
+            "Node.js (node and npm) is not installed on this machine; the cross-language test needs it"
+        )
     cache = Path(tempfile.gettempdir()) / "cadence-grpc-node-client"
     if not (cache / "node_modules" / "@grpc" / "proto-loader").is_dir():
         cache.mkdir(exist_ok=True)
-        result = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(cache), *NODE_PACKAGES],
-                                capture_output=True, text=True, timeout=240)
+        result = subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(cache), *NODE_PACKAGES],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert result.returncode == 0, f"npm install failed:\n{result.stderr[-3000:]}"
     return cache
 
@@ -215,14 +247,26 @@ def test_node_client_tokenizes_and_streams(server, node_modules, tmp_path):
     script = tmp_path / "client.js"
     script.write_text(NODE_CLIENT)
     env = dict(os.environ, NODE_PATH=str(node_modules / "node_modules"))
-    result = subprocess.run(["node", str(script), str(PROTO), target(server)], capture_output=True, text=True,
-                            timeout=120, env=env)
+    result = subprocess.run(
+        ["node", str(script), str(PROTO), target(server)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout)
     with server.client() as http:
-        want = http.post("/tokenize", json={"prompt": "Hello from Node", "add_special_tokens": False}).json()
-        text = http.post("/generate", json={"text": "The capital of France is", "sampling_params": {
-            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}).json()["text"]
+        want = http.post(
+            "/tokenize", json={"prompt": "Hello from Node", "add_special_tokens": False}
+        ).json()
+        text = http.post(
+            "/generate",
+            json={
+                "text": "The capital of France is",
+                "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+            },
+        ).json()["text"]
     assert out["tokenize"]["tokens"] == want["tokens"] and out["tokenize"]["count"] == want["count"]
     chunks = out["chunks"]
     assert [c["finished"] for c in chunks] == [False] * (len(chunks) - 1) + [True]

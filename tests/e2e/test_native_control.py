@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-from pathlib import Path
 import os
+from pathlib import Path
 
 import httpx
 import pytest
@@ -57,11 +57,13 @@ def wait_running(server, n: int, min_tokens: int = 0, timeout: float = 60) -> di
 
 def test_abort_one_rid_mid_stream_leaves_the_other_running(server, client, pool):
     body = {"text": PROMPTS[0], "sampling_params": LONG, "stream": True}
-    with client.stream("POST", "/generate", json={**body, "rid": "to-abort"}) as doomed, \
-            client.stream("POST", "/generate", json={**body, "rid": "to-keep"}) as kept:
+    with (
+        client.stream("POST", "/generate", json={**body, "rid": "to-abort"}) as doomed,
+        client.stream("POST", "/generate", json={**body, "rid": "to-keep"}) as kept,
+    ):
         doomed_lines, kept_lines = doomed.iter_lines(), kept.iter_lines()
         for lines in (doomed_lines, kept_lines):
-            assert next(l for l in lines if l).startswith("data: {")
+            assert next(line for line in lines if line).startswith("data: {")
         r = client.post("/abort_request", json={"rid": "to-abort"})
         assert r.status_code == 200
         events = sse_events(doomed_lines)
@@ -69,7 +71,7 @@ def test_abort_one_rid_mid_stream_leaves_the_other_running(server, client, pool)
         assert events[-2]["meta_info"]["finish_reason"]["type"] == "abort"
         assert events[-2]["meta_info"]["id"] == "to-abort"
         # The other request still runs: one more chunk arrives after the abort.
-        assert next(l for l in kept_lines if l).startswith("data: {")
+        assert next(line for line in kept_lines if line).startswith("data: {")
         assert server.load()["num_running_reqs"] == 1
         client.post("/abort_request", json={"rid": "to-keep"})
         assert sse_events(kept_lines)[-1] == "[DONE]"
@@ -96,7 +98,9 @@ def test_abort_request_needs_a_rid_or_abort_all(client):
 
 def test_flush_cache_when_idle_and_refused_while_running(server, client, pool):
     assert client.post("/flush_cache").status_code == 200
-    future = post_later(pool, server, {"text": PROMPTS[0], "sampling_params": LONG, "rid": "flush-busy"})
+    future = post_later(
+        pool, server, {"text": PROMPTS[0], "sampling_params": LONG, "rid": "flush-busy"}
+    )
     wait_running(server, 1)
     busy = client.post("/flush_cache")
     assert busy.status_code == 400
@@ -112,7 +116,10 @@ def test_flush_cache_when_idle_and_refused_while_running(server, client, pool):
 
 def reference(client, max_new_tokens: int) -> list[list[int]]:
     params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
-    return [o["output_ids"] for o in client.post("/generate", json={"text": PROMPTS, "sampling_params": params}).json()]
+    return [
+        o["output_ids"]
+        for o in client.post("/generate", json={"text": PROMPTS, "sampling_params": params}).json()
+    ]
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
@@ -165,11 +172,15 @@ def test_pause_rejects_an_unknown_mode(client):
 def test_update_weights_from_disk_same_model_then_bad_path(client):
     model_path = client.get("/model_info").json()["model_path"]
     params = {"temperature": 0, "max_new_tokens": 8}
-    before = client.post("/generate", json={"text": PROMPTS[0], "sampling_params": params}).json()["output_ids"]
+    before = client.post("/generate", json={"text": PROMPTS[0], "sampling_params": params}).json()[
+        "output_ids"
+    ]
     r = client.post("/update_weights_from_disk", json={"model_path": model_path}, timeout=300)
     assert r.status_code == 200, r.text
     assert r.json()["success"] is True
-    after = client.post("/generate", json={"text": PROMPTS[0], "sampling_params": params}).json()["output_ids"]
+    after = client.post("/generate", json={"text": PROMPTS[0], "sampling_params": params}).json()[
+        "output_ids"
+    ]
     assert after == before
 
     bad = client.post("/update_weights_from_disk", json={"model_path": "/nonexistent/model.gguf"})
@@ -177,7 +188,9 @@ def test_update_weights_from_disk_same_model_then_bad_path(client):
     assert bad.json()["success"] is False and "/nonexistent/model.gguf" in bad.json()["message"]
     missing = client.post("/update_weights_from_disk", json={})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "model_path"
-    still = client.post("/generate", json={"text": PROMPTS[0], "sampling_params": params}).json()["output_ids"]
+    still = client.post("/generate", json={"text": PROMPTS[0], "sampling_params": params}).json()[
+        "output_ids"
+    ]
     assert still == before, "a failed reload keeps the old weights"
 
 
@@ -189,7 +202,9 @@ def test_profile_writes_a_trace_into_the_given_directory(client, server, tmp_pat
         assert r.status_code == 400 and r.json()["error"]["param"] == "output_dir", r.text
     r = client.post("/start_profile", json={"output_dir": "traces"})
     assert r.status_code == 200 and r.json()["success"] is True
-    assert client.post("/start_profile", json={"output_dir": "traces"}).status_code == 400  # one at a time
+    assert (
+        client.post("/start_profile", json={"output_dir": "traces"}).status_code == 400
+    )  # one at a time
     client.post("/generate", json={"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 3}})
     r = client.post("/stop_profile", timeout=300)
     assert r.status_code == 200 and r.json()["success"] is True
@@ -197,5 +212,7 @@ def test_profile_writes_a_trace_into_the_given_directory(client, server, tmp_pat
     assert len(traces) == 1 and str(traces[0]) in r.json()["message"]
     with open(traces[0]) as f:
         events = json.load(f)["traceEvents"]
-    assert any(e.get("name", "").startswith("aten::") for e in events), "the trace recorded the forward pass"
+    assert any(e.get("name", "").startswith("aten::") for e in events), (
+        "the trace recorded the forward pass"
+    )
     assert os.path.getsize(traces[0]) > 0

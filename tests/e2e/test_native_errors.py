@@ -60,7 +60,10 @@ BAD_GENERATE = [
     ("input_ids", {"input_ids": [5, 49152]}),
     ("input_ids", {"input_ids": [-3]}),
     ("text", {"text": "hello " * 9000}),  # at least the context length (8192)
-    ("max_new_tokens", {"text": "Hello", "sampling_params": {"max_new_tokens": 8192}}),  # prompt + max > context
+    (
+        "max_new_tokens",
+        {"text": "Hello", "sampling_params": {"max_new_tokens": 8192}},
+    ),  # prompt + max > context
     ("image_data", {"text": "Hello", "image_data": "http://example.com/cat.png"}),
     ("audio_data", {"text": "Hello", "audio_data": "clip.wav"}),
     ("video_data", {"text": "Hello", "video_data": "clip.mp4"}),
@@ -89,7 +92,9 @@ def stopped_scheduler(server):
     assert is_idle(server.wait_idle(5)), "a rejected request reached the scheduler"
 
 
-@pytest.mark.parametrize("param,body", BAD_GENERATE, ids=[f"{p}-{i}" for i, (p, _) in enumerate(BAD_GENERATE)])
+@pytest.mark.parametrize(
+    "param,body", BAD_GENERATE, ids=[f"{p}-{i}" for i, (p, _) in enumerate(BAD_GENERATE)]
+)
 def test_bad_generate_request_is_400_naming_the_field(stopped_scheduler, param, body):
     with stopped_scheduler.client(timeout=10) as client:
         r = client.post("/generate", json=body)
@@ -102,14 +107,18 @@ def test_bad_generate_request_is_400_naming_the_field(stopped_scheduler, param, 
 
 def test_bad_streaming_request_is_a_plain_400_not_a_stream(stopped_scheduler):
     with stopped_scheduler.client(timeout=10) as client:
-        r = client.post("/generate", json={"text": "Hello", "stream": True, "sampling_params": {"top_k": 0}})
+        r = client.post(
+            "/generate", json={"text": "Hello", "stream": True, "sampling_params": {"top_k": 0}}
+        )
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
     assert r.json()["error"]["param"] == "top_k"
 
 
 def test_body_that_is_not_json_is_400(stopped_scheduler):
     with stopped_scheduler.client(timeout=10) as client:
-        r = client.post("/generate", content=b"{text: oops", headers={"content-type": "application/json"})
+        r = client.post(
+            "/generate", content=b"{text: oops", headers={"content-type": "application/json"}
+        )
     assert r.status_code == 400
     assert "JSON" in r.json()["error"]["message"]
 

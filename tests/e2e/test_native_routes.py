@@ -65,12 +65,23 @@ def test_v1_loads_json_filter_and_prometheus(client):
     body = client.get("/v1/loads").json()
     assert {"timestamp", "version", "loads"} <= body.keys()
     (entry,) = body["loads"]
-    assert {"dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_cached_tokens",
-            "max_total_num_tokens", "token_usage", "gen_throughput", "cache_hit_rate"} <= entry.keys()
+    assert {
+        "dp_rank",
+        "num_running_reqs",
+        "num_waiting_reqs",
+        "num_used_tokens",
+        "num_cached_tokens",
+        "max_total_num_tokens",
+        "token_usage",
+        "gen_throughput",
+        "cache_hit_rate",
+    } <= entry.keys()
     assert entry["dp_rank"] == 0 and entry["max_total_num_tokens"] == 16384
     assert entry["num_used_tokens"] == 0 and entry["token_usage"] == 0.0
 
-    assert [e["dp_rank"] for e in client.get("/v1/loads", params={"dp_rank": 0}).json()["loads"]] == [0]
+    assert [
+        e["dp_rank"] for e in client.get("/v1/loads", params={"dp_rank": 0}).json()["loads"]
+    ] == [0]
     assert client.get("/v1/loads", params={"dp_rank": 3}).json()["loads"] == []
     bad = client.get("/v1/loads", params={"dp_rank": "first"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "dp_rank"
@@ -97,10 +108,15 @@ def test_generate_single_is_greedy_and_bounded(client):
     assert set(body) == {"text", "output_ids", "meta_info"}
     meta = body["meta_info"]
     assert 1 <= meta["completion_tokens"] == len(body["output_ids"]) <= GREEDY["max_new_tokens"]
-    assert meta["prompt_tokens"] == len(client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"])
+    assert meta["prompt_tokens"] == len(
+        client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    )
     assert meta["finish_reason"]["type"] in ("stop", "length")
     assert "Paris" in body["text"]
-    assert client.post("/detokenize", json={"tokens": body["output_ids"]}).json()["text"] == body["text"]
+    assert (
+        client.post("/detokenize", json={"tokens": body["output_ids"]}).json()["text"]
+        == body["text"]
+    )
     again = client.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY}).json()
     assert again["output_ids"] == body["output_ids"]  # greedy is deterministic
     assert again["meta_info"]["id"] != meta["id"]
@@ -108,27 +124,44 @@ def test_generate_single_is_greedy_and_bounded(client):
 
 def test_generate_input_ids_and_ignore_eos_length(client):
     ids = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
-    body = client.post("/generate", json={"input_ids": ids, "sampling_params": {
-        "temperature": 0, "max_new_tokens": 7, "ignore_eos": True}}).json()
+    body = client.post(
+        "/generate",
+        json={
+            "input_ids": ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 7, "ignore_eos": True},
+        },
+    ).json()
     assert len(body["output_ids"]) == 7
     assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 7}
 
 
 def test_generate_batch_answers_a_list_in_order(client):
     prompts = [PROMPT, "One, two, three,"]
-    batch = client.post("/generate", json={"text": prompts, "sampling_params": GREEDY, "rid": ["b-0", "b-1"]})
+    batch = client.post(
+        "/generate", json={"text": prompts, "sampling_params": GREEDY, "rid": ["b-0", "b-1"]}
+    )
     assert batch.status_code == 200
     out = batch.json()
     assert isinstance(out, list) and len(out) == 2
     assert [o["meta_info"]["id"] for o in out] == ["b-0", "b-1"]
-    singles = [client.post("/generate", json={"text": p, "sampling_params": GREEDY}).json() for p in prompts]
+    singles = [
+        client.post("/generate", json={"text": p, "sampling_params": GREEDY}).json()
+        for p in prompts
+    ]
     assert [o["output_ids"] for o in out] == [s["output_ids"] for s in singles]
 
 
 def test_generate_batch_with_per_item_sampling_params(client):
-    out = client.post("/generate", json={"text": [PROMPT, PROMPT], "sampling_params": [
-        {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True},
-        {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}]}).json()
+    out = client.post(
+        "/generate",
+        json={
+            "text": [PROMPT, PROMPT],
+            "sampling_params": [
+                {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True},
+                {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True},
+            ],
+        },
+    ).json()
     assert [len(o["output_ids"]) for o in out] == [2, 5]
     assert out[1]["output_ids"][:2] == out[0]["output_ids"]
 
@@ -141,17 +174,29 @@ def test_generate_n_samples_one_prompt(client):
     assert isinstance(out, list) and len(out) == 3
     assert [o["meta_info"]["id"] for o in out] == ["nsamp-0", "nsamp-1", "nsamp-2"]
     assert all(len(o["output_ids"]) == 6 for o in out)
-    assert len({tuple(o["output_ids"]) for o in out}) > 1, "n samples of one seeded prompt must differ"
+    assert len({tuple(o["output_ids"]) for o in out}) > 1, (
+        "n samples of one seeded prompt must differ"
+    )
     again = client.post("/generate", json={"text": PROMPT, "sampling_params": params}).json()
-    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in out], "a seed makes n samples reproducible"
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in out], (
+        "a seed makes n samples reproducible"
+    )
 
 
 def test_generate_logprobs(client):
     ids = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
-    r = client.post("/generate", json={
-        "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
-        "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3, "token_ids_logprob": [11, 42],
-        "return_text_in_logprobs": True})
+    r = client.post(
+        "/generate",
+        json={
+            "input_ids": ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 3,
+            "token_ids_logprob": [11, 42],
+            "return_text_in_logprobs": True,
+        },
+    )
     assert r.status_code == 200
     body = r.json()
     meta = body["meta_info"]
@@ -160,7 +205,9 @@ def test_generate_logprobs(client):
     assert all(lp <= 0 and isinstance(text, str) for lp, _, text in out)
     for (lp, token, _), top in zip(out, meta["output_top_logprobs"]):
         assert len(top) == 3
-        assert top[0][1] == token and math.isclose(top[0][0], lp, abs_tol=1e-4)  # greedy picks the top one
+        assert top[0][1] == token and math.isclose(
+            top[0][0], lp, abs_tol=1e-4
+        )  # greedy picks the top one
         assert [t[0] for t in top] == sorted((t[0] for t in top), reverse=True)
     assert [[t for _, t, _ in row] for row in meta["output_token_ids_logprobs"]] == [[11, 42]] * 4
     inp = meta["input_token_logprobs"]
@@ -171,7 +218,9 @@ def test_generate_logprobs(client):
 def test_generate_stream_is_sse_ending_with_done(client):
     params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
     whole = client.post("/generate", json={"text": PROMPT, "sampling_params": params}).json()
-    with client.stream("POST", "/generate", json={"text": PROMPT, "sampling_params": params, "stream": True}) as r:
+    with client.stream(
+        "POST", "/generate", json={"text": PROMPT, "sampling_params": params, "stream": True}
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
@@ -188,7 +237,12 @@ def test_generate_stream_is_sse_ending_with_done(client):
 
 def test_generate_stream_batch_and_logprob_deltas(client):
     params = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
-    body = {"text": [PROMPT, "Hello"], "sampling_params": params, "stream": True, "return_logprob": True}
+    body = {
+        "text": [PROMPT, "Hello"],
+        "sampling_params": params,
+        "stream": True,
+        "return_logprob": True,
+    }
     with client.stream("POST", "/generate", json=body) as r:
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]"
@@ -203,12 +257,17 @@ def test_generate_stream_batch_and_logprob_deltas(client):
 
 def test_stream_never_splits_a_multi_byte_character(client):
     """Byte-level tokens of CJK text: a chunk waits until its character is complete."""
-    body = {"text": "你好，我的朋友。今天天气", "sampling_params": {"temperature": 0, "max_new_tokens": 16}}
+    body = {
+        "text": "你好，我的朋友。今天天气",
+        "sampling_params": {"temperature": 0, "max_new_tokens": 16},
+    }
     whole = client.post("/generate", json=body).json()
     with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
         chunks = sse_events(r.iter_lines())[:-1]
     assert "".join(c["text"] for c in chunks) == whole["text"]
-    assert any(c["output_ids"] and not c["text"] for c in chunks), "no token was held back: not a multi-byte case"
+    assert any(c["output_ids"] and not c["text"] for c in chunks), (
+        "no token was held back: not a multi-byte case"
+    )
     assert all("\ufffd" not in c["text"] for c in chunks)
 
 
@@ -217,7 +276,9 @@ def test_stop_string_is_trimmed_and_reported(client):
     body = client.post("/generate", json={"text": PROMPT, "sampling_params": params}).json()
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": "answer"}
     assert "Paris" in body["text"] and "answer" not in body["text"]
-    kept = client.post("/generate", json={"text": PROMPT, "sampling_params": {**params, "no_stop_trim": True}}).json()
+    kept = client.post(
+        "/generate", json={"text": PROMPT, "sampling_params": {**params, "no_stop_trim": True}}
+    ).json()
     assert kept["text"].endswith("answer") and kept["text"].startswith(body["text"])
 
 
@@ -240,10 +301,14 @@ def test_tokenize_and_detokenize_round_trip(client, prefix):
 
 
 def test_tokenizer_routes_reject_bad_input(client):
-    cases = [("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"prompt": "x", "extra": 1}, "extra"),
-             ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
-             ("/detokenize", {"tokens": [1, 10**7]}, "tokens"), ("/detokenize", {"tokens": "abc"}, "tokens"),
-             ("/v1/detokenize", {"tokens": [[1], [-4]]}, "tokens")]
+    cases = [
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "x", "extra": 1}, "extra"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("/detokenize", {"tokens": [1, 10**7]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/v1/detokenize", {"tokens": [[1], [-4]]}, "tokens"),
+    ]
     for route, body, param in cases:
         r = client.post(route, json=body)
         assert r.status_code == 400, (route, body, r.text)

@@ -26,14 +26,23 @@ VOCAB = 49152  # SmolLM2's
 ATTACKS = [
     {"repetition_penalty": 0.0, "temperature": 1.0},
     {"repetition_penalty": 5e-324, "temperature": 0.7},
-    {"repetition_penalty": 0.0, "frequency_penalty": 2.0, "presence_penalty": 2.0, "temperature": 0.5},
+    {
+        "repetition_penalty": 0.0,
+        "frequency_penalty": 2.0,
+        "presence_penalty": 2.0,
+        "temperature": 0.5,
+    },
     {"logit_bias": {"1": 1e300, "2": 1e300}, "temperature": 1.0},
     {"logit_bias": {"1": -1e300, "2": 1e308}, "temperature": 1e-5},
     {"logit_bias": {"1": 1e300}, "temperature": 1e300},
     {"temperature": 1e308},
     {"top_p": 5e-324, "temperature": 1.0},
     {"top_p": 1e-300, "min_p": 1.0, "temperature": 3.0},
-    {"repetition_penalty": 0.0, "temperature": 1.0, "logit_bias": {str(t): -1e300 for t in range(0, 2000)}},
+    {
+        "repetition_penalty": 0.0,
+        "temperature": 1.0,
+        "logit_bias": {str(t): -1e300 for t in range(0, 2000)},
+    },
 ]
 
 
@@ -46,15 +55,35 @@ def srv(fuzz_server):
 @pytest.mark.parametrize("params", ATTACKS, ids=lambda p: ",".join(f"{k}" for k in p))
 def test_in_range_parameters_that_overflowed_are_served(srv, params):
     with srv.client() as client:
-        r = client.post("/generate", json={"text": "Once upon a time", "return_logprob": True,
-                                           "sampling_params": {"max_new_tokens": 6, **params}})
+        r = client.post(
+            "/generate",
+            json={
+                "text": "Once upon a time",
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 6, **params},
+            },
+        )
         assert r.status_code == 200, r.text
         meta = r.json()["meta_info"]
         assert meta["completion_tokens"] >= 1
         assert all(math.isfinite(lp) for lp, _, _ in meta["output_token_logprobs"])
-        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **{
-            k: v for k, v in params.items() if k in ("temperature", "top_p", "frequency_penalty", "presence_penalty",
-                                                     "repetition_penalty", "min_p")}}
+        chat = {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4,
+            **{
+                k: v
+                for k, v in params.items()
+                if k
+                in (
+                    "temperature",
+                    "top_p",
+                    "frequency_penalty",
+                    "presence_penalty",
+                    "repetition_penalty",
+                    "min_p",
+                )
+            },
+        }
         if chat.get("temperature", 0) <= 2:  # OpenAI's own range
             assert client.post("/v1/chat/completions", json=chat).status_code == 200
 
@@ -71,7 +100,11 @@ def test_in_range_parameters_that_overflowed_are_served_over_grpc(srv):
     for params in ATTACKS:
         fields = {k: _float32(v) for k, v in params.items() if k != "logit_bias"}
         sp = pb.SamplingParams(max_new_tokens=4, **fields)
-        out = list(rpc.TextGenerate(pb.TextGenerateRequest(text="Once upon a time", sampling_params=sp), timeout=60))
+        out = list(
+            rpc.TextGenerate(
+                pb.TextGenerateRequest(text="Once upon a time", sampling_params=sp), timeout=60
+            )
+        )
         assert out[-1].finished and json.loads(out[-1].meta_info["completion_tokens"]) >= 1, params
 
 
@@ -79,35 +112,55 @@ def test_in_range_parameters_that_overflowed_are_served_over_grpc(srv):
 
 FLOATS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),  # subnormals, huge, 0, -0, inf, NaN
-    st.sampled_from([0.0, -0.0, 5e-324, 1e-300, 1e-6, 1e-7, 0.5, 1.0, 2.0, 2.0000001, 1e30, 1e300, 1.8e308]),
+    st.sampled_from(
+        [0.0, -0.0, 5e-324, 1e-300, 1e-6, 1e-7, 0.5, 1.0, 2.0, 2.0000001, 1e30, 1e300, 1.8e308]
+    ),
 )
-INTS = st.one_of(st.integers(min_value=-(2**70), max_value=2**70), st.sampled_from([-1, 0, 1, 2, VOCAB - 1, VOCAB]))
+INTS = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([-1, 0, 1, 2, VOCAB - 1, VOCAB]),
+)
 TOKEN_KEYS = st.one_of(st.integers(min_value=-5, max_value=VOCAB + 5).map(str), st.text(max_size=4))
-SAMPLING = st.fixed_dictionaries({}, optional={
-    "temperature": FLOATS, "top_p": FLOATS, "top_k": INTS, "min_p": FLOATS,
-    "frequency_penalty": FLOATS, "presence_penalty": FLOATS, "repetition_penalty": FLOATS,
-    "logit_bias": st.dictionaries(TOKEN_KEYS, FLOATS, max_size=6),
-    "min_new_tokens": st.integers(min_value=-2, max_value=4),
-    "n": st.integers(min_value=-1, max_value=3),
-    "seed": INTS,
-    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3)),
-    "stop_token_ids": st.lists(INTS, max_size=3),
-    "ignore_eos": st.one_of(st.booleans(), st.just("true")),
-    "top_logprobs_num": st.integers(min_value=-1, max_value=5),
-})
+SAMPLING = st.fixed_dictionaries(
+    {},
+    optional={
+        "temperature": FLOATS,
+        "top_p": FLOATS,
+        "top_k": INTS,
+        "min_p": FLOATS,
+        "frequency_penalty": FLOATS,
+        "presence_penalty": FLOATS,
+        "repetition_penalty": FLOATS,
+        "logit_bias": st.dictionaries(TOKEN_KEYS, FLOATS, max_size=6),
+        "min_new_tokens": st.integers(min_value=-2, max_value=4),
+        "n": st.integers(min_value=-1, max_value=3),
+        "seed": INTS,
+        "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3)),
+        "stop_token_ids": st.lists(INTS, max_size=3),
+        "ignore_eos": st.one_of(st.booleans(), st.just("true")),
+        "top_logprobs_num": st.integers(min_value=-1, max_value=5),
+    },
+)
 
 
 def _post(client, body: dict):
     # json.dumps writes NaN and Infinity as bare words, as a careless client would.
-    return client.post("/generate", content=json.dumps(body), headers={"content-type": "application/json"})
+    return client.post(
+        "/generate", content=json.dumps(body), headers={"content-type": "application/json"}
+    )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
+)
 @given(params=SAMPLING, return_logprob=st.booleans())
 def test_fuzzed_sampling_parameters_never_get_a_server_error(fuzz_server, params, return_logprob):
     top = params.pop("top_logprobs_num", None)
-    body = {"text": "The weather today", "return_logprob": return_logprob,
-            "sampling_params": {**params, "max_new_tokens": 3}}
+    body = {
+        "text": "The weather today",
+        "return_logprob": return_logprob,
+        "sampling_params": {**params, "max_new_tokens": 3},
+    }
     if top is not None:
         body["top_logprobs_num"] = top
     with fuzz_server.client(timeout=60) as client:
@@ -119,12 +172,22 @@ def test_fuzzed_sampling_parameters_never_get_a_server_error(fuzz_server, params
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(temperature=FLOATS, top_p=FLOATS, min_p=FLOATS, repetition_penalty=FLOATS, frequency_penalty=FLOATS,
-       top_k=st.integers(min_value=-(2**31), max_value=2**31 - 1))
+@given(
+    temperature=FLOATS,
+    top_p=FLOATS,
+    min_p=FLOATS,
+    repetition_penalty=FLOATS,
+    frequency_penalty=FLOATS,
+    top_k=st.integers(min_value=-(2**31), max_value=2**31 - 1),
+)
 def test_fuzzed_grpc_sampling_parameters_never_get_an_internal_error(fuzz_server, **params):
     sp = pb.SamplingParams(max_new_tokens=2, **params)  # float32 on the wire: NaN and inf pass
     try:
-        out = list(stub(fuzz_server).TextGenerate(pb.TextGenerateRequest(text="Hi", sampling_params=sp), timeout=60))
+        out = list(
+            stub(fuzz_server).TextGenerate(
+                pb.TextGenerateRequest(text="Hi", sampling_params=sp), timeout=60
+            )
+        )
         assert out[-1].finished
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (params, e.code(), e.details())
@@ -133,6 +196,8 @@ def test_fuzzed_grpc_sampling_parameters_never_get_an_internal_error(fuzz_server
 def test_the_fuzzed_server_still_serves(fuzz_server):
     assert fuzz_server.proc.poll() is None, fuzz_server.log_tail()
     with fuzz_server.client() as client:
-        r = client.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}})
+        r = client.post(
+            "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}}
+        )
         assert r.status_code == 200
     assert is_idle(fuzz_server.wait_idle(timeout=30))

@@ -27,7 +27,9 @@ def check_error(error: openai.APIStatusError, status: int, param: str | None, *w
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_temperature_is_400_naming_it(client, model, stream):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=QUESTION, temperature=-1, stream=stream)
+        client.chat.completions.create(
+            model=model, messages=QUESTION, temperature=-1, stream=stream
+        )
     check_error(e.value, 400, "temperature", "temperature must be in [0, 2]")
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt="Hi", temperature=3, stream=stream)
@@ -43,23 +45,45 @@ async def test_unknown_model_is_404(aclient):
     check_error(e.value, 404, "model")
 
 
-@pytest.mark.parametrize("route, kwargs, param, words", [
-    ("chat", {"extra_body": {"temprature": 0.5}}, "temprature", ["unknown field 'temprature'"]),
-    ("chat", {"top_p": 1.5}, "top_p", ["top_p must be in (0, 1]"]),
-    ("chat", {"n": 0}, "n", ["n must be >= 1"]),
-    ("chat", {"max_tokens": 10_000}, "max_tokens", ["exceeds the context length (8192)"]),
-    ("chat", {"max_completion_tokens": -1}, "max_completion_tokens", ["max_completion_tokens must be >= 0"]),
-    ("chat", {"top_logprobs": 2}, "top_logprobs", ["needs logprobs"]),
-    ("chat", {"logit_bias": {"49152": 5}}, "logit_bias", ["[0, 49152)"]),
-    ("chat", {"extra_body": {"min_tokens": 9}, "max_tokens": 3}, "min_tokens", ["min_tokens must be <= max_tokens"]),
-    ("chat", {"extra_body": {"regex": "[a-z]+"}}, "regex", ["not supported"]),
-    ("chat", {"messages": [{"role": "user", "content": "Hi " * 9000}]}, "messages",
-     ["at least the context length (8192)"]),
-    ("chat", {"messages": []}, "messages", ["must not be empty"]),
-    ("completions", {"prompt": [49152]}, "prompt", ["outside the vocabulary"]),
-    ("completions", {"prompt": "Hi", "logprobs": 50}, "logprobs", ["logprobs must be in [0, 20]"]),
-    ("completions", {"prompt": "Hi", "suffix": "!"}, "suffix", ["not supported"]),
-])
+@pytest.mark.parametrize(
+    "route, kwargs, param, words",
+    [
+        ("chat", {"extra_body": {"temprature": 0.5}}, "temprature", ["unknown field 'temprature'"]),
+        ("chat", {"top_p": 1.5}, "top_p", ["top_p must be in (0, 1]"]),
+        ("chat", {"n": 0}, "n", ["n must be >= 1"]),
+        ("chat", {"max_tokens": 10_000}, "max_tokens", ["exceeds the context length (8192)"]),
+        (
+            "chat",
+            {"max_completion_tokens": -1},
+            "max_completion_tokens",
+            ["max_completion_tokens must be >= 0"],
+        ),
+        ("chat", {"top_logprobs": 2}, "top_logprobs", ["needs logprobs"]),
+        ("chat", {"logit_bias": {"49152": 5}}, "logit_bias", ["[0, 49152)"]),
+        (
+            "chat",
+            {"extra_body": {"min_tokens": 9}, "max_tokens": 3},
+            "min_tokens",
+            ["min_tokens must be <= max_tokens"],
+        ),
+        ("chat", {"extra_body": {"regex": "[a-z]+"}}, "regex", ["not supported"]),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "Hi " * 9000}]},
+            "messages",
+            ["at least the context length (8192)"],
+        ),
+        ("chat", {"messages": []}, "messages", ["must not be empty"]),
+        ("completions", {"prompt": [49152]}, "prompt", ["outside the vocabulary"]),
+        (
+            "completions",
+            {"prompt": "Hi", "logprobs": 50},
+            "logprobs",
+            ["logprobs must be in [0, 20]"],
+        ),
+        ("completions", {"prompt": "Hi", "suffix": "!"}, "suffix", ["not supported"]),
+    ],
+)
 def test_bad_requests_are_400_naming_the_field(client, model, route, kwargs, param, words):
     with pytest.raises(openai.BadRequestError) as e:
         if route == "chat":
@@ -72,13 +96,20 @@ def test_bad_requests_are_400_naming_the_field(client, model, route, kwargs, par
 def test_tokenize_and_detokenize_aliases(client):
     tokens = client.post("/tokenize", cast_to=httpx.Response, body={"prompt": "Hello world"}).json()
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 8192
-    text = client.post("/detokenize", cast_to=httpx.Response, body={"tokens": tokens["tokens"]}).json()["text"]
+    text = client.post(
+        "/detokenize", cast_to=httpx.Response, body={"tokens": tokens["tokens"]}
+    ).json()["text"]
     assert text == "Hello world"
 
 
 def test_leaving_a_stream_early_aborts_it(client, server, model):
-    stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2000, stream=True,
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=model,
+        messages=QUESTION,
+        max_tokens=2000,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     for _, chunk in zip(range(3), stream):
         assert chunk.choices
     stream.close()
@@ -87,6 +118,7 @@ def test_leaving_a_stream_early_aborts_it(client, server, model):
 
 def test_a_client_timing_out_aborts_its_request(client, server, model):
     with pytest.raises(openai.APITimeoutError):
-        client.with_options(timeout=1.5).completions.create(model=model, prompt="Hi", max_tokens=2000,
-                                                            extra_body={"ignore_eos": True})
+        client.with_options(timeout=1.5).completions.create(
+            model=model, prompt="Hi", max_tokens=2000, extra_body={"ignore_eos": True}
+        )
     assert is_idle(server.wait_idle(timeout=10))

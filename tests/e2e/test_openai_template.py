@@ -14,9 +14,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 SERVED_NAME = "cadence-e2e-chat"
 # ChatML like the model's own template, but with no default system turn and an optional
 # `preamble` variable, so its use shows in the prompt's token count.
-TEMPLATE = ("{% if preamble is defined %}{{ preamble }}\n{% endif %}"
-            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = (
+    "{% if preamble is defined %}{{ preamble }}\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 RENDERED = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
@@ -25,8 +27,20 @@ RENDERED = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_sta
 def template_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("chat_template") / "chatml.jinja"
     path.write_text(TEMPLATE)
-    srv = Server("openai_tpl", ["--chat-template", str(path), "--served-model-name", SERVED_NAME,
-                                "--api-key", API_KEY, "--max-total-tokens", "2048", "--skip-warmup"]).start()
+    srv = Server(
+        "openai_tpl",
+        [
+            "--chat-template",
+            str(path),
+            "--served-model-name",
+            SERVED_NAME,
+            "--api-key",
+            API_KEY,
+            "--max-total-tokens",
+            "2048",
+            "--skip-warmup",
+        ],
+    ).start()
     try:
         yield srv.wait_ready()
     finally:
@@ -35,7 +49,9 @@ def template_server(tmp_path_factory):
 
 @pytest.fixture
 def client(template_server):
-    with openai.OpenAI(base_url=template_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+    with openai.OpenAI(
+        base_url=template_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
+    ) as c:
         yield c
     headers = {"Authorization": f"Bearer {API_KEY}"}
     assert is_idle(template_server.wait_idle(headers=headers)), "a request outlived its test"
@@ -49,15 +65,20 @@ def num_tokens(client, text: str) -> int:
 def test_model_id_is_the_served_name(client):
     assert [m.id for m in client.models.list().data] == [SERVED_NAME]
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=QUESTION, max_tokens=1)
+        client.chat.completions.create(
+            model="SmolLM2-135M-Instruct.Q4_1", messages=QUESTION, max_tokens=1
+        )
 
 
 def test_chat_template_file_replaces_the_models_own(client):
-    out = client.chat.completions.create(model=SERVED_NAME, messages=QUESTION, temperature=0, max_tokens=1)
+    out = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0, max_tokens=1
+    )
     assert out.usage.prompt_tokens == num_tokens(client, RENDERED)
     kwargs = {"chat_template_kwargs": {"preamble": "Answer in one word."}}
-    out = client.chat.completions.create(model=SERVED_NAME, messages=QUESTION, temperature=0, max_tokens=1,
-                                         extra_body=kwargs)
+    out = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0, max_tokens=1, extra_body=kwargs
+    )
     assert out.usage.prompt_tokens == num_tokens(client, "Answer in one word.\n" + RENDERED)
 
 
@@ -71,5 +92,7 @@ def test_missing_or_wrong_api_key_is_401(template_server):
             bad.models.list()
     # The openai client refuses to run without a key, so no Authorization header at all
     # is checked with a plain HTTP client.
-    missing = httpx.post(url + "/chat/completions", json={"model": SERVED_NAME, "messages": QUESTION})
+    missing = httpx.post(
+        url + "/chat/completions", json={"model": SERVED_NAME, "messages": QUESTION}
+    )
     assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"

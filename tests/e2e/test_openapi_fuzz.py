@@ -32,11 +32,29 @@ def operations(fuzz_server):
     return {op.label: op for op in (result.ok() for result in schema.get_all_operations())}
 
 
-LABELS = ["GET /health", "GET /health_generate", "GET /model_info", "GET /server_info", "GET /get_load",
-          "GET /v1/loads", "GET /v1/models", "POST /generate", "POST /tokenize", "POST /v1/tokenize",
-          "POST /detokenize", "POST /v1/detokenize", "POST /abort_request", "POST /flush_cache",
-          "POST /pause_generation", "POST /continue_generation", "POST /start_profile", "POST /stop_profile",
-          "POST /update_weights_from_disk", "POST /v1/chat/completions", "POST /v1/completions"]
+LABELS = [
+    "GET /health",
+    "GET /health_generate",
+    "GET /model_info",
+    "GET /server_info",
+    "GET /get_load",
+    "GET /v1/loads",
+    "GET /v1/models",
+    "POST /generate",
+    "POST /tokenize",
+    "POST /v1/tokenize",
+    "POST /detokenize",
+    "POST /v1/detokenize",
+    "POST /abort_request",
+    "POST /flush_cache",
+    "POST /pause_generation",
+    "POST /continue_generation",
+    "POST /start_profile",
+    "POST /stop_profile",
+    "POST /update_weights_from_disk",
+    "POST /v1/chat/completions",
+    "POST /v1/completions",
+]
 
 
 def test_every_post_route_declares_its_request_body(fuzz_server):
@@ -46,21 +64,35 @@ def test_every_post_route_declares_its_request_body(fuzz_server):
     missing = [path for path, op in posts.items() if "requestBody" not in op]
     assert not missing, missing
     sampling = document["components"]["schemas"]["SamplingParams"]["properties"]
-    assert sampling["repetition_penalty"]["minimum"] == 0 and sampling["repetition_penalty"]["maximum"] == 2
+    assert (
+        sampling["repetition_penalty"]["minimum"] == 0
+        and sampling["repetition_penalty"]["maximum"] == 2
+    )
 
 
 # Invalid data only exists where there is something to get wrong: a request body.
-CASES = [(label, mode) for label in LABELS
-         for mode in ([GenerationMode.POSITIVE, GenerationMode.NEGATIVE] if label.startswith("POST")
-                      else [GenerationMode.POSITIVE])]
+CASES = [
+    (label, mode)
+    for label in LABELS
+    for mode in (
+        [GenerationMode.POSITIVE, GenerationMode.NEGATIVE]
+        if label.startswith("POST")
+        else [GenerationMode.POSITIVE]
+    )
+]
 
 
 @pytest.mark.parametrize("label,mode", CASES, ids=lambda v: getattr(v, "value", v))
 def test_no_generated_request_gets_a_server_error(fuzz_server, operations, label, mode):
     operation = operations[label]
 
-    @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES_PER_OPERATION,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case):
         response = case.call(base_url=fuzz_server.url, timeout=60)
@@ -76,6 +108,8 @@ def test_the_fuzzed_server_is_alive_and_idle(fuzz_server):
     with fuzz_server.client() as client:
         client.post("/continue_generation")  # the fuzzer may have paused it
         client.post("/stop_profile")  # ... or left a profile running
-        r = client.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}})
+        r = client.post(
+            "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}}
+        )
         assert r.status_code == 200, r.text
     assert is_idle(fuzz_server.wait_idle(timeout=30))

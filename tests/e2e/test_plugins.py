@@ -71,21 +71,44 @@ def sites(tmp_path_factory) -> dict[str, Path]:
     examples = tmp / "src"
     shutil.copytree(EXAMPLES, examples)  # builds write into the source tree; keep the repo clean
     installed = tmp / "installed"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(installed), str(examples / "request-counter"), str(examples / "cpu-alt")],
-                   check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(installed),
+            str(examples / "request-counter"),
+            str(examples / "cpu-alt"),
+        ],
+        check=True,
+        timeout=300,
+    )
     code = tmp / "code"
     code.mkdir()
     (code / "cadence_test_platforms.py").write_text(TEST_PLATFORMS)
     return {
         "examples": installed,
         "code": code,
-        "absent": _dist(tmp / "absent", "cadence_test_absent",
-                        "[cadence.platforms]\nabsent = cadence_test_platforms:activate_absent\n"),
-        "other": _dist(tmp / "other", "cadence_test_other",
-                       "[cadence.platforms]\nother = cadence_test_platforms:activate_other\n"),
-        "broken": _dist(tmp / "broken", "cadence_test_broken",
-                        "[cadence.plugins]\nbroken = cadence_test_platforms:register_broken\n"),
+        "absent": _dist(
+            tmp / "absent",
+            "cadence_test_absent",
+            "[cadence.platforms]\nabsent = cadence_test_platforms:activate_absent\n",
+        ),
+        "other": _dist(
+            tmp / "other",
+            "cadence_test_other",
+            "[cadence.platforms]\nother = cadence_test_platforms:activate_other\n",
+        ),
+        "broken": _dist(
+            tmp / "broken",
+            "cadence_test_broken",
+            "[cadence.plugins]\nbroken = cadence_test_platforms:register_broken\n",
+        ),
     }
 
 
@@ -97,16 +120,27 @@ def _env(sites: dict[str, Path], *names: str, **extra: str) -> dict[str, str]:
 
 
 def _serve(env: dict[str, str], *args: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "cadence.cli", "serve", *args], env=env, cwd=REPO,
-                            start_new_session=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "cadence.cli", "serve", *args],
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+        **popen,
+    )
 
 
 def _fails(env: dict[str, str], command: str = "serve") -> str:
     """Runs a command expected to stop during start-up; returns its stderr."""
     # A random high port plus 10000 is no port: serve must not rely on the default gRPC port.
     extra = ["--disable-grpc"] if command == "serve" else []
-    proc = subprocess.run([sys.executable, "-m", "cadence.cli", command, "--port", str(_free_port()), *extra],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cadence.cli", command, "--port", str(_free_port()), *extra],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0, proc.stderr
     return proc.stderr
 
@@ -157,17 +191,29 @@ def test_hooks_run_in_every_server_process_and_cadence_platform_picks_the_exampl
     log = tmp_path / "serve.log"
     port = _free_port()
     # Two out-of-tree platforms are active here (cpu-alt and other): CADENCE_PLATFORM decides.
-    env = _env(sites, "other", CADENCE_PLATFORM="cpu-alt", CADENCE_REQUEST_COUNTER_FILE=str(events_file))
+    env = _env(
+        sites, "other", CADENCE_PLATFORM="cpu-alt", CADENCE_REQUEST_COUNTER_FILE=str(events_file)
+    )
     base = f"http://127.0.0.1:{port}"
     with open(log, "wb") as out:
-        proc = _serve(env, "--port", str(port), "--disable-grpc", "--max-total-tokens", "2048",
-                      stdout=out, stderr=subprocess.STDOUT)
+        proc = _serve(
+            env,
+            "--port",
+            str(port),
+            "--disable-grpc",
+            "--max-total-tokens",
+            "2048",
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         _wait_healthy(proc, base, log)
         rids = []
         for prompt in ("The capital of France is", "One, two,"):
-            status, body = _request(f"{base}/generate", {"text": prompt, "sampling_params": {
-                "max_new_tokens": 3, "temperature": 0}})
+            status, body = _request(
+                f"{base}/generate",
+                {"text": prompt, "sampling_params": {"max_new_tokens": 3, "temperature": 0}},
+            )
             assert status == 200
             rids.append(body["meta_info"]["id"])
         status, info = _request(f"{base}/get_server_info")
@@ -181,11 +227,15 @@ def test_hooks_run_in_every_server_process_and_cadence_platform_picks_the_exampl
     events = [json.loads(line) for line in events_file.read_text().splitlines()]
     front = proc.pid
     loaded = {e["pid"] for e in events if e["event"] == "loaded"}
-    assert front in loaded and len(loaded) == 3  # front, scheduler, detokenizer: each loaded it once
+    assert (
+        front in loaded and len(loaded) == 3
+    )  # front, scheduler, detokenizer: each loaded it once
     assert len([e for e in events if e["event"] == "loaded"]) == 3
 
     [finalized] = [e for e in events if e["event"] == "server_args_finalized"]
-    assert finalized["pid"] == front and finalized["page_size"] == 32  # after the platform's defaults
+    assert (
+        finalized["pid"] == front and finalized["page_size"] == 32
+    )  # after the platform's defaults
 
     finished = [e for e in events if e["event"] == "request_finished"]
     assert {e["pid"] for e in finished} == {front}
@@ -198,7 +248,11 @@ def test_hooks_run_in_every_server_process_and_cadence_platform_picks_the_exampl
     assert len(scheduler_pids) == 1 and scheduler_pids < loaded - {front}
     for rid in rids:
         mine = [e for e in batches if rid in e["rids"]]
-        assert [e["is_prefill"] for e in mine] == [True, False, False]  # prefill (+ token 1), 2 decodes
+        assert [e["is_prefill"] for e in mine] == [
+            True,
+            False,
+            False,
+        ]  # prefill (+ token 1), 2 decodes
 
 
 def test_unknown_platform_name_fails_naming_it(sites):
@@ -213,7 +267,9 @@ def test_platform_whose_hardware_is_absent_fails_naming_it(sites):
 
 def test_two_active_platforms_without_cadence_platform_fail(sites):
     err = _fails(_env(sites, "other"))
-    assert "several platform plugins are active (cpu-alt, other)" in err and "CADENCE_PLATFORM" in err
+    assert (
+        "several platform plugins are active (cpu-alt, other)" in err and "CADENCE_PLATFORM" in err
+    )
 
 
 def test_a_plugin_that_fails_to_load_stops_serve_and_the_router(sites):

@@ -86,7 +86,9 @@ def _wait_ready(procs: dict[str, subprocess.Popen], urls: dict[str, str], path: 
     while pending:
         for name in list(pending):
             if procs[name].poll() is not None:
-                pytest.fail(f"{name} exited with {procs[name].returncode}:\n{logs[name].read_text()[-3000:]}")
+                pytest.fail(
+                    f"{name} exited with {procs[name].returncode}:\n{logs[name].read_text()[-3000:]}"
+                )
             try:
                 if _get(urls[name] + path, timeout=2)[0] == 200:
                     pending.discard(name)
@@ -121,11 +123,16 @@ class Fleet:
         self.logs: dict[str, Path] = {}
         self.has_openai_routes = False  # set once the replicas are up
 
-    def spawn(self, name: str, args: list[str], port: int, env: dict[str, str] | None = None) -> None:
+    def spawn(
+        self, name: str, args: list[str], port: int, env: dict[str, str] | None = None
+    ) -> None:
         self.logs[name] = self.tmp / f"{name}.log"
         with open(self.logs[name], "wb") as log:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                [sys.executable, *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 env={**os.environ, **(env or {})},
             )
         self.urls[name] = f"http://127.0.0.1:{port}"
@@ -145,8 +152,12 @@ def fleet(tmp_path_factory):
         for name in ("replica_a", "replica_b"):
             port = _free_port_pair()
             # With the fault-injection test plugin: a marked request fails inside the replica.
-            fleet.spawn(name, ["-m", "cadence.launch_server", *_default_model_args(), "--port", str(port)], port,
-                        env=fault_plugin_env())
+            fleet.spawn(
+                name,
+                ["-m", "cadence.launch_server", *_default_model_args(), "--port", str(port)],
+                port,
+                env=fault_plugin_env(),
+            )
         replicas = {n: fleet.urls[n] for n in ("replica_a", "replica_b")}
         _wait_ready(fleet.procs, replicas, "/health", REPLICA_START_DEADLINE_SECS, fleet.logs)
         fleet.has_openai_routes = _get(replicas["replica_a"] + "/v1/models")[0] != 404
@@ -168,7 +179,9 @@ def fleet(tmp_path_factory):
 
 
 def _client(fleet: Fleet, policy: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=fleet.urls[policy] + "/v1", api_key="unused", timeout=300, max_retries=0)
+    return openai.OpenAI(
+        base_url=fleet.urls[policy] + "/v1", api_key="unused", timeout=300, max_retries=0
+    )
 
 
 def _model_id(client: openai.OpenAI) -> str:
@@ -184,7 +197,9 @@ def _workers(fleet: Fleet, policy: str) -> dict[str, dict]:
 
 
 def _post(url: str, body: dict) -> tuple[int, dict[str, str], bytes]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=300) as resp:
             return resp.status, dict(resp.headers), resp.read()
@@ -215,11 +230,16 @@ def _ask(fleet: Fleet, policy: str, messages: list[dict]) -> str:
 
 def test_chat_and_streaming_chat_through_the_router(fleet):
     if not fleet.has_openai_routes:
-        pytest.skip("cadence serve has no OpenAI routes yet (GET /v1/models is 404); runs once they land")
+        pytest.skip(
+            "cadence serve has no OpenAI routes yet (GET /v1/models is 404); runs once they land"
+        )
     client = _client(fleet, "round_robin")
     model = _model_id(client)
     reply = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0
+        model=model,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
     )
     assert reply.choices[0].message.role == "assistant"
     assert isinstance(reply.choices[0].message.content, str)
@@ -227,7 +247,10 @@ def test_chat_and_streaming_chat_through_the_router(fleet):
     assert reply.usage is not None and reply.usage.completion_tokens > 0
 
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Count to three."}], max_tokens=8, stream=True
+        model=model,
+        messages=[{"role": "user", "content": "Count to three."}],
+        max_tokens=8,
+        stream=True,
     )
     chunks = list(stream)
     assert chunks, "the stream carried no chunk"
@@ -237,7 +260,9 @@ def test_chat_and_streaming_chat_through_the_router(fleet):
 
 def test_round_robin_sends_traffic_to_both_replicas(fleet):
     before = {url: w["num_requests"] for url, w in _workers(fleet, "round_robin").items()}
-    answered_by = [_ask(fleet, "round_robin", [{"role": "user", "content": f"Number {i}?"}]) for i in range(6)]
+    answered_by = [
+        _ask(fleet, "round_robin", [{"role": "user", "content": f"Number {i}?"}]) for i in range(6)
+    ]
     replicas = {fleet.urls["replica_a"], fleet.urls["replica_b"]}
     assert set(answered_by) == replicas
     after = _workers(fleet, "round_robin")
@@ -248,7 +273,11 @@ def test_round_robin_sends_traffic_to_both_replicas(fleet):
 def test_cache_aware_keeps_a_shared_long_prefix_on_one_replica(fleet):
     system = "You are a meticulous assistant for a shipping company. " * 40  # long shared prefix
     answered_by = [
-        _ask(fleet, "cache_aware", [{"role": "system", "content": system}, {"role": "user", "content": question}])
+        _ask(
+            fleet,
+            "cache_aware",
+            [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        )
         for question in ("Where is parcel 1?", "Where is parcel 2?", "What is a pallet?", "Hi.")
     ]
     assert len(set(answered_by)) == 1, answered_by
@@ -258,25 +287,35 @@ def test_a_request_that_fails_by_its_own_fault_reaches_one_replica_and_kills_non
     """The replica marks the failure as the request's own (x-cadence-fault: request): the
     router relays it instead of retrying it on the other replica, and both replicas live."""
     before = {url: w["num_requests"] for url, w in _workers(fleet, "round_robin").items()}
-    body = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 8, "stop": [SAMPLE_MARKER]}}
+    body = {
+        "text": "Tell me a story.",
+        "sampling_params": {"max_new_tokens": 8, "stop": [SAMPLE_MARKER]},
+    }
     status, headers, raw = _post(fleet.urls["round_robin"] + "/generate", body)
     assert status == 500, raw[:300]
     assert {k.lower(): v for k, v in headers.items()}.get("x-cadence-fault") == "request"
     assert "injected" in json.loads(raw)["error"]["message"]
     after = _workers(fleet, "round_robin")
-    assert sum(after[url]["num_requests"] - before[url] for url in before) == 1, "retried on another replica"
+    assert sum(after[url]["num_requests"] - before[url] for url in before) == 1, (
+        "retried on another replica"
+    )
     for name in ("replica_a", "replica_b"):
         assert fleet.procs[name].poll() is None, f"{name} died"
         assert _get(fleet.urls[name] + "/health")[0] == 200
         assert after[fleet.urls[name]]["health"] == "healthy"
-    answered_by = {_ask(fleet, "round_robin", [{"role": "user", "content": f"Fine {i}?"}]) for i in range(4)}
+    answered_by = {
+        _ask(fleet, "round_robin", [{"role": "user", "content": f"Fine {i}?"}]) for i in range(4)
+    }
     assert answered_by == {fleet.urls["replica_a"], fleet.urls["replica_b"]}
 
 
 def test_killed_replica_leaves_rotation_and_router_keeps_answering(fleet):
     fleet.kill("replica_b")
     survivor, killed = fleet.urls["replica_a"], fleet.urls["replica_b"]
-    answered_by = [_ask(fleet, "round_robin", [{"role": "user", "content": f"Still there {i}?"}]) for i in range(6)]
+    answered_by = [
+        _ask(fleet, "round_robin", [{"role": "user", "content": f"Still there {i}?"}])
+        for i in range(6)
+    ]
     assert set(answered_by) == {survivor}
     deadline = time.monotonic() + 30
     while _workers(fleet, "round_robin")[killed]["health"] != "unhealthy":

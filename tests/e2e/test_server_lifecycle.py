@@ -36,7 +36,9 @@ def test_health_is_503_while_loading_then_200(server):
     assert 503 in statuses, f"never saw the loading phase: {server.health_history[:5]}"
     assert 200 not in statuses[:-1]
     first_503 = statuses.index(503)
-    assert all(s == 503 for s in statuses[first_503:-1]), "once bound, /health answers 503 until ready"
+    assert all(s == 503 for s in statuses[first_503:-1]), (
+        "once bound, /health answers 503 until ready"
+    )
     status, body = server.early_responses["/generate"]
     assert status == 503 and "starting" in body
     status, _ = server.early_responses["/health"]
@@ -50,7 +52,11 @@ class InFlight:
     """A long /generate running on a thread; `outcome` is what the client finally got."""
 
     def __init__(self, srv, stream: bool):
-        self.body = {"text": "Hello", "stream": stream, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+        self.body = {
+            "text": "Hello",
+            "stream": stream,
+            "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+        }
         self.url = srv.url + "/generate"
         self.outcome: httpx.Response | Exception | None = None
         self.events: list = []  # SSE payloads of a stream that ended properly
@@ -119,7 +125,9 @@ def test_sigint_stops_everything(sigint_server):
     assert_nothing_left(srv, within=1.0)
 
 
-@pytest.mark.parametrize("role,sig", [("scheduler", signal.SIGKILL), ("detokenizer", signal.SIGTERM)])
+@pytest.mark.parametrize(
+    "role,sig", [("scheduler", signal.SIGKILL), ("detokenizer", signal.SIGTERM)]
+)
 def test_a_dead_child_stops_the_server_non_zero_naming_it(request, role, sig):
     srv = request.getfixturevalue(f"kill_{role}_server")
     plain = InFlight(srv, stream=False)
@@ -140,7 +148,9 @@ def test_sigkill_of_the_front_leaves_no_orphans(kill_front_server):
     assert len(children) >= 2
     srv.send_signal(signal.SIGKILL)
     assert srv.wait_exit(5) == -signal.SIGKILL
-    assert wait_until(lambda: not srv.leftover_pids(), 5), f"children outlived the front: {srv.leftover_pids()}"
+    assert wait_until(lambda: not srv.leftover_pids(), 5), (
+        f"children outlived the front: {srv.leftover_pids()}"
+    )
     # Nobody was left to remove the socket directory; the next server started here sweeps it.
     (left,) = srv.socket_dirs()
     srv.start()
@@ -165,8 +175,10 @@ def test_a_stopped_child_makes_the_server_unhealthy_fail_waiters_and_exit(stall_
     assert wait_until(lambda: srv.load()["num_running_reqs"] == 1, 30)
     scheduler = srv.child_pid("scheduler")
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target(srv)))
-    assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == \
-        health_pb2.HealthCheckResponse.SERVING
+    assert (
+        health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
     os.kill(scheduler, signal.SIGSTOP)
     try:
         stopped = time.monotonic()
@@ -174,14 +186,19 @@ def test_a_stopped_child_makes_the_server_unhealthy_fail_waiters_and_exit(stall_
         while time.monotonic() - stopped < 15:
             try:
                 status = httpx.get(srv.url + "/health", timeout=1).status_code
-            except httpx.HTTPError as e:  # the server already closed its port: down counts as unhealthy
+            except (
+                httpx.HTTPError
+            ) as e:  # the server already closed its port: down counts as unhealthy
                 status = type(e).__name__
             statuses.append((time.monotonic() - stopped, status))
             if status != 200 and srv.proc.poll() is not None:
                 break
             time.sleep(0.1)
         unhealthy = [t for t, status in statuses if status != 200]
-        assert unhealthy and unhealthy[0] < 3 + 2, (statuses, srv.log_tail())  # timeout + a check period + slack
+        assert unhealthy and unhealthy[0] < 3 + 2, (
+            statuses,
+            srv.log_tail(),
+        )  # timeout + a check period + slack
         code = srv.wait_exit(STOP_WITHIN_S + 10)
         assert code not in (0, None), f"exit code {code}\n{srv.log_tail()}"
         assert "made no progress" in srv.log_tail() and "scheduler" in srv.log_tail()
@@ -198,19 +215,43 @@ def test_a_non_latin1_api_key_is_refused_at_start_up():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "cadence.launch_server", "--api-key", "ключ", "--disable-grpc"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "api_key" in proc.stderr and "Latin-1" in proc.stderr, proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "cadence.launch_server", "--api-key", "ключ", "--disable-grpc"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "api_key" in proc.stderr and "Latin-1" in proc.stderr, (
+        proc.stderr
+    )
 
 
 # ---- API key --------------------------------------------------------------------------------
 
-GUARDED = [("GET", "/model_info"), ("GET", "/get_model_info"), ("GET", "/server_info"), ("GET", "/get_server_info"),
-           ("GET", "/get_load"), ("GET", "/v1/loads"), ("POST", "/generate"), ("POST", "/tokenize"),
-           ("POST", "/v1/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/detokenize"), ("POST", "/abort_request"),
-           ("POST", "/flush_cache"), ("POST", "/pause_generation"), ("POST", "/continue_generation"),
-           ("POST", "/start_profile"), ("POST", "/stop_profile"), ("POST", "/update_weights_from_disk"),
-           ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/no/such/route")]
+GUARDED = [
+    ("GET", "/model_info"),
+    ("GET", "/get_model_info"),
+    ("GET", "/server_info"),
+    ("GET", "/get_server_info"),
+    ("GET", "/get_load"),
+    ("GET", "/v1/loads"),
+    ("POST", "/generate"),
+    ("POST", "/tokenize"),
+    ("POST", "/v1/tokenize"),
+    ("POST", "/detokenize"),
+    ("POST", "/v1/detokenize"),
+    ("POST", "/abort_request"),
+    ("POST", "/flush_cache"),
+    ("POST", "/pause_generation"),
+    ("POST", "/continue_generation"),
+    ("POST", "/start_profile"),
+    ("POST", "/stop_profile"),
+    ("POST", "/update_weights_from_disk"),
+    ("GET", "/metrics"),
+    ("GET", "/v1/models"),
+    ("POST", "/v1/chat/completions"),
+    ("GET", "/no/such/route"),
+]
 
 
 def test_api_key_guards_every_route_but_health(api_key_server):
@@ -218,7 +259,12 @@ def test_api_key_guards_every_route_but_health(api_key_server):
     with srv.client(timeout=30) as client:
         for method, route in GUARDED:
             for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": API_KEY}):
-                r = client.request(method, route, headers=headers, json={"text": "hi"} if method == "POST" else None)
+                r = client.request(
+                    method,
+                    route,
+                    headers=headers,
+                    json={"text": "hi"} if method == "POST" else None,
+                )
                 assert r.status_code == 401, (method, route, headers, r.status_code)
                 assert r.json()["error"]["type"] == "authentication_error"
         assert client.get("/health").status_code == 200
@@ -227,7 +273,9 @@ def test_api_key_guards_every_route_but_health(api_key_server):
         assert client.get("/model_info", headers=auth).status_code == 200
         info = client.get("/server_info", headers=auth)
         assert info.status_code == 200 and API_KEY not in info.text
-        r = client.post("/generate", headers=auth, json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}})
+        r = client.post(
+            "/generate", headers=auth, json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
+        )
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] >= 1
 
 
@@ -242,7 +290,9 @@ async def test_overload_beyond_the_queue_is_429(overload_server):
         responses = await asyncio.gather(*(client.post("/generate", json=body) for _ in range(12)))
     statuses = sorted(r.status_code for r in responses)
     assert set(statuses) == {200, 429}, statuses
-    assert 1 <= statuses.count(200) <= 4  # one running + one queued, plus any that came after one finished
+    assert (
+        1 <= statuses.count(200) <= 4
+    )  # one running + one queued, plus any that came after one finished
     refused = next(r for r in responses if r.status_code == 429)
     assert refused.headers["Retry-After"] == "1"
     refused = refused.json()["error"]

@@ -30,7 +30,9 @@ def engine():
 
 @pytest.fixture(scope="session")
 def small_engine():
-    e = _load(chunked_prefill_size=SMALL_CHUNK, max_total_tokens=SMALL_POOL_TOKENS, max_running_requests=4)
+    e = _load(
+        chunked_prefill_size=SMALL_CHUNK, max_total_tokens=SMALL_POOL_TOKENS, max_running_requests=4
+    )
     yield e
     e.shutdown()
 
@@ -41,8 +43,11 @@ def engine_state(engine) -> dict:
     def read(s):
         alloc = s.allocator
         return {
-            "free_pages": alloc.num_free_pages, "num_pages": alloc.num_pages,
-            "waiting": len(s.waiting), "running": len(s.running), "chunked": s.chunked is not None,
+            "free_pages": alloc.num_free_pages,
+            "num_pages": alloc.num_pages,
+            "waiting": len(s.waiting),
+            "running": len(s.running),
+            "chunked": s.chunked is not None,
             "detokenizer_states": len(engine._worker.detokenizer.states),
             "decode_state_bytes": s.runner.attn.decode_state_bytes(),  # K/V copies kept between decode steps
         }
@@ -54,8 +59,16 @@ def engine_state(engine) -> dict:
 
 def idle_state(state: dict) -> dict:
     """What `state` must read once nothing is live: every page free, no queues."""
-    return {**state, "free_pages": state["num_pages"], "waiting": 0,
-            "running": 0, "chunked": False, "detokenizer_states": 0, "front_states": 0, "decode_state_bytes": 0}
+    return {
+        **state,
+        "free_pages": state["num_pages"],
+        "waiting": 0,
+        "running": 0,
+        "chunked": False,
+        "detokenizer_states": 0,
+        "front_states": 0,
+        "decode_state_bytes": 0,
+    }
 
 
 def wait_idle(engine, timeout: float = 10.0) -> dict:

@@ -23,26 +23,50 @@ BASE = "-O3 -fopenmp -ffast-math"
 def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+            return set(
+                next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
+            )
     except (OSError, StopIteration):
         return set()
 
 
-@pytest.mark.parametrize("isa,march", [
-    ("avx512-without-bf16", "-march=native -mno-avx512bf16"),
-    ("avx2", "-march=x86-64-v3"),
-])
+@pytest.mark.parametrize(
+    "isa,march",
+    [
+        ("avx512-without-bf16", "-march=native -mno-avx512bf16"),
+        ("avx2", "-march=x86-64-v3"),
+    ],
+)
 def test_kernels_built_for_another_instruction_set_pass_the_kernel_tests(isa, march, tmp_path):
     if not cpu_kernels_available():
-        pytest.skip("Cadence's CPU kernels could not be built on this machine (see the log for why)")
+        pytest.skip(
+            "Cadence's CPU kernels could not be built on this machine (see the log for why)"
+        )
     needed = {"avx512-without-bf16": {"avx512f", "avx512bw"}, "avx2": {"avx2", "fma"}}[isa]
     if not needed <= cpu_flags():
         pytest.skip(f"this CPU cannot run {isa} code")
-    env = dict(os.environ, CADENCE_CPU_KERNELS_CFLAGS=f"{BASE} {march}", CADENCE_CACHE_DIR=str(tmp_path))
+    env = dict(
+        os.environ, CADENCE_CPU_KERNELS_CFLAGS=f"{BASE} {march}", CADENCE_CACHE_DIR=str(tmp_path)
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_cpu_kernels.py",
-         "tests/unit/test_attention_backend.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/unit/test_cpu_kernels.py",
+            "tests/unit/test_attention_backend.py",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-1000:]  # the kernels were built and ran
+    assert "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[
+        -1000:
+    ]  # the kernels were built and ran
     assert os.listdir(tmp_path / "kernels"), "no kernel build in the test's cache directory"

@@ -13,8 +13,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 NEW = 16
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW, "min_new_tokens": NEW}
-SUBJECTS = ["the sea", "a lighthouse", "mountains", "a small robot", "bread", "the moon", "rivers", "chess",
-            "winter", "a library"]
+SUBJECTS = [
+    "the sea",
+    "a lighthouse",
+    "mountains",
+    "a small robot",
+    "bread",
+    "the moon",
+    "rivers",
+    "chess",
+    "winter",
+    "a library",
+]
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +36,27 @@ def bf16_engine():
     e.shutdown()
 
 
-def test_a_large_bfloat16_batch_decodes_like_requests_one_at_a_time(bf16_engine, assert_engine_idle):
+def test_a_large_bfloat16_batch_decodes_like_requests_one_at_a_time(
+    bf16_engine, assert_engine_idle
+):
     tok = bf16_engine.tokenizer
     # 40 prompts of different lengths: the batch attends over more than FLOAT32_DECODE_TOKENS
     # slots (bfloat16 matmuls), each request alone over fewer (float32).
-    prompts = [tok.encode(f"Write {'a very ' * (i % 7)}short note about {SUBJECTS[i % 10]} ({i}):")
-               for i in range(40)]
+    prompts = [
+        tok.encode(f"Write {'a very ' * (i % 7)}short note about {SUBJECTS[i % 10]} ({i}):")
+        for i in range(40)
+    ]
     lengths = [len(p) for p in prompts]
-    assert len(set(lengths)) > 5 and 40 * (max(lengths) + NEW) > TorchNativeBackend.FLOAT32_DECODE_TOKENS
-    batched = [r["output_ids"] for r in bf16_engine.generate(input_ids=prompts, sampling_params=GREEDY)]
-    alone = [bf16_engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
+    assert (
+        len(set(lengths)) > 5
+        and 40 * (max(lengths) + NEW) > TorchNativeBackend.FLOAT32_DECODE_TOKENS
+    )
+    batched = [
+        r["output_ids"] for r in bf16_engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    ]
+    alone = [
+        bf16_engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts
+    ]
     assert all(len(b) == NEW for b in batched)
     # Both paths round differently in bfloat16 (other matmul shapes), so a near-tie may
     # flip a late token; a broken batched path would disagree almost everywhere.
@@ -51,7 +72,8 @@ def test_bfloat16_chat_answers_paris(bf16_engine, assert_engine_idle):
     # bfloat16 dot products; asking for one sentence leaves a margin of ~1.5 on every path.
     question = "What is the capital of France? Answer in one sentence."
     prompt = bf16_engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
     out = bf16_engine.generate(prompt, {"temperature": 0.0, "max_new_tokens": 24})
     assert "Paris" in out["text"], out["text"]
     assert_engine_idle(bf16_engine)

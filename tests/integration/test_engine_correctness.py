@@ -28,14 +28,16 @@ def hf_model():
     from cadence.model_loader.locate import default_model_path
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
     return model.eval()
 
 
 def chat_prompt(engine, question: str) -> str:
-    return engine.tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                                add_generation_prompt=True, tokenize=False)
+    return engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +54,14 @@ def test_greedy_matches_transformers_token_for_token(engine, hf_model, prompt_id
     ours = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY_32)
     for ids, out in zip(prompt_ids, ours):
         with torch.inference_mode():
-            ref = hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NUM_NEW,
-                                    min_new_tokens=NUM_NEW, pad_token_id=min(eos))
-        expected = ref[0, len(ids):].tolist()
+            ref = hf_model.generate(
+                torch.tensor([ids]),
+                do_sample=False,
+                max_new_tokens=NUM_NEW,
+                min_new_tokens=NUM_NEW,
+                pad_token_id=min(eos),
+            )
+        expected = ref[0, len(ids) :].tolist()
         assert len(expected) == NUM_NEW
         assert out["output_ids"] == expected, engine.tokenizer.decode(ids)
         assert out["meta_info"]["completion_tokens"] == NUM_NEW
@@ -63,8 +70,13 @@ def test_greedy_matches_transformers_token_for_token(engine, hf_model, prompt_id
 
 def test_input_logprobs_match_transformers(engine, hf_model, prompt_ids):
     ids = prompt_ids[2]
-    out = engine.generate(input_ids=ids, sampling_params={"temperature": 0.0, "max_new_tokens": 1},
-                          return_logprob=True, logprob_start_len=0, top_logprobs_num=3)
+    out = engine.generate(
+        input_ids=ids,
+        sampling_params={"temperature": 0.0, "max_new_tokens": 1},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=3,
+    )
     meta = out["meta_info"]
     with torch.inference_mode():
         ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
@@ -79,7 +91,7 @@ def test_input_logprobs_match_transformers(engine, hf_model, prompt_ids):
         assert [v for v, _, _ in top] == pytest.approx(vals.tolist(), abs=2e-3)
         assert [t for _, t, _ in top] == idx.tolist()
     # The first output token's logprob comes from the last prompt position.
-    (value, token, _), = meta["output_token_logprobs"]
+    ((value, token, _),) = meta["output_token_logprobs"]
     assert token == int(ref[-1].argmax())
     assert value == pytest.approx(float(ref[-1, token]), abs=2e-3)
 
@@ -104,11 +116,13 @@ def test_chat_template_answers_paris(engine):
 
 
 def test_chunked_prefill_gives_the_same_tokens(engine, small_engine, monkeypatch):
-    text = ("Here is a short story about a lighthouse keeper who lived alone on a rocky island. "
-            "Every night he climbed the stairs, lit the lamp and watched the ships pass by. "
-            "He kept a logbook of every vessel, its flag, its heading and the weather, and he "
-            "wrote letters to his sister on the mainland that the supply boat carried away each "
-            "month. One stormy evening a small boat appeared near the rocks, and he")
+    text = (
+        "Here is a short story about a lighthouse keeper who lived alone on a rocky island. "
+        "Every night he climbed the stairs, lit the lamp and watched the ships pass by. "
+        "He kept a logbook of every vessel, its flag, its heading and the weather, and he "
+        "wrote letters to his sister on the mainland that the supply boat carried away each "
+        "month. One stormy evening a small boat appeared near the rocks, and he"
+    )
     ids = engine.tokenizer.encode(text)
     assert 80 < len(ids) < 150
     chunk = small_engine.args.chunked_prefill_size
@@ -138,8 +152,12 @@ def test_chunked_prefill_gives_the_same_tokens(engine, small_engine, monkeypatch
     assert [v for v, _, _ in a[1:]] == pytest.approx([v for v, _, _ in b[1:]], abs=1e-3)
     # Starting mid-prompt (inside the third chunk) gives the tail of the same list.
     start = 2 * chunk + 5
-    tail = small_engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                                 logprob_start_len=start)["meta_info"]["input_token_logprobs"]
+    tail = small_engine.generate(
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=start,
+    )["meta_info"]["input_token_logprobs"]
     assert [t for _, t, _ in tail] == ids[start:]
     assert [v for v, _, _ in tail] == pytest.approx([v for v, _, _ in b[start:]], abs=1e-3)
 

@@ -22,8 +22,11 @@ def where(engine, rid: str) -> tuple[str | None, int]:
     """(queue holding rid or None, tokens it has generated), read on the scheduler thread."""
 
     def read(s):
-        for name, reqs in (("waiting", list(s.waiting)), ("running", s.running),
-                           ("chunked", [s.chunked] if s.chunked else [])):
+        for name, reqs in (
+            ("waiting", list(s.waiting)),
+            ("running", s.running),
+            ("chunked", [s.chunked] if s.chunked else []),
+        ):
             for r in reqs:
                 if r.rid == rid:
                     return name, len(r.output_ids)
@@ -32,8 +35,9 @@ def where(engine, rid: str) -> tuple[str | None, int]:
     return engine.run_in_scheduler(read)
 
 
-async def wait_for(engine, task: asyncio.Task, rid: str, queue: str, min_tokens: int = 0,
-                   timeout: float = 30.0) -> None:
+async def wait_for(
+    engine, task: asyncio.Task, rid: str, queue: str, min_tokens: int = 0, timeout: float = 30.0
+) -> None:
     """Waits until `rid` sits in `queue` with at least `min_tokens` generated."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
@@ -49,7 +53,7 @@ async def wait_for(engine, task: asyncio.Task, rid: str, queue: str, min_tokens:
 
 async def final(engine, *args, **kwargs) -> dict | list:
     result = None
-    async for result in engine.async_generate(*args, **kwargs):
+    async for result in engine.async_generate(*args, **kwargs):  # noqa: B007 (the last one)
         pass
     return result
 
@@ -59,7 +63,9 @@ async def test_no_leak_after_finished_stopped_aborted_and_refused(engine, assert
     assert before == engine.run_in_scheduler(lambda s: s.allocator.num_pages)
 
     async def finished():
-        outs = await final(engine, [PROMPT, "Once upon a time"], {"temperature": 0.0, "max_new_tokens": 6})
+        outs = await final(
+            engine, [PROMPT, "Once upon a time"], {"temperature": 0.0, "max_new_tokens": 6}
+        )
         assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length", "length"]
 
     async def stopped_by_string():
@@ -67,7 +73,9 @@ async def test_no_leak_after_finished_stopped_aborted_and_refused(engine, assert
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "."}
 
     async def stopped_by_eos():
-        out = await final(engine, PROMPT, {"temperature": 0.0, "max_new_tokens": 30, "logit_bias": {EOS: 50.0}})
+        out = await final(
+            engine, PROMPT, {"temperature": 0.0, "max_new_tokens": 30, "logit_bias": {EOS: 50.0}}
+        )
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
 
     async def stream_left_by_break():
@@ -93,7 +101,9 @@ async def test_no_leak_after_finished_stopped_aborted_and_refused(engine, assert
         assert 0 < out["meta_info"]["completion_tokens"] < ENDLESS["max_new_tokens"]
 
     async def parallel_samples_aborted_by_parent_rid():
-        task = asyncio.create_task(final(engine, PROMPT, {**ENDLESS, "n": 2, "temperature": 1.0}, rid="pair"))
+        task = asyncio.create_task(
+            final(engine, PROMPT, {**ENDLESS, "n": 2, "temperature": 1.0}, rid="pair")
+        )
         await wait_for(engine, task, "pair-1", "running", min_tokens=1)
         engine.abort("pair")
         outs = await asyncio.wait_for(task, 30)
@@ -105,21 +115,43 @@ async def test_no_leak_after_finished_stopped_aborted_and_refused(engine, assert
         with pytest.raises(InvalidParameter):
             await final(engine, PROMPT, {"max_new_tokens": engine.info.context_len})
 
-    await asyncio.gather(finished(), stopped_by_string(), stopped_by_eos(), stream_left_by_break(),
-                         stream_closed(), aborted_by_rid(), parallel_samples_aborted_by_parent_rid(), refused())
+    await asyncio.gather(
+        finished(),
+        stopped_by_string(),
+        stopped_by_eos(),
+        stream_left_by_break(),
+        stream_closed(),
+        aborted_by_rid(),
+        parallel_samples_aborted_by_parent_rid(),
+        refused(),
+    )
     assert_engine_idle(engine)
 
 
-async def test_no_leak_after_aborts_while_waiting_and_during_chunked_prefill(small_engine, assert_engine_idle):
+async def test_no_leak_after_aborts_while_waiting_and_during_chunked_prefill(
+    small_engine, assert_engine_idle
+):
     engine = small_engine
     pages = engine.run_in_scheduler(lambda s: s.allocator.num_pages)
     page_size = engine.scheduler.runner.page_size
     # "hog" reserves 14 of the 16 pages; "waiter" needs 5 more, so it queues behind it.
-    hog = asyncio.create_task(final(engine, input_ids=[100] * 120,
-                                    sampling_params={**ENDLESS, "max_new_tokens": 100}, rid="hog"))
+    hog = asyncio.create_task(
+        final(
+            engine,
+            input_ids=[100] * 120,
+            sampling_params={**ENDLESS, "max_new_tokens": 100},
+            rid="hog",
+        )
+    )
     await wait_for(engine, hog, "hog", "running", min_tokens=1)
-    waiter = asyncio.create_task(final(engine, input_ids=[200] * 50,
-                                       sampling_params={**ENDLESS, "max_new_tokens": 24}, rid="waiter"))
+    waiter = asyncio.create_task(
+        final(
+            engine,
+            input_ids=[200] * 50,
+            sampling_params={**ENDLESS, "max_new_tokens": 24},
+            rid="waiter",
+        )
+    )
     await wait_for(engine, waiter, "waiter", "waiting")
     engine.abort("waiter")
     out = await asyncio.wait_for(waiter, 30)
@@ -134,9 +166,14 @@ async def test_no_leak_after_aborts_while_waiting_and_during_chunked_prefill(sma
 
     # A 200-token prompt takes 13 chunked prefill steps; abort it in the middle of them.
     prompt = [300 + i % 40 for i in range(200)]
-    chunky = asyncio.create_task(final(engine, input_ids=prompt,
-                                       sampling_params={**ENDLESS, "max_new_tokens": 40},
-                                       rid="chunky"))
+    chunky = asyncio.create_task(
+        final(
+            engine,
+            input_ids=prompt,
+            sampling_params={**ENDLESS, "max_new_tokens": 40},
+            rid="chunky",
+        )
+    )
     await wait_for(engine, chunky, "chunky", "chunked")
     engine.abort("chunky")
     out = await asyncio.wait_for(chunky, 30)
@@ -151,6 +188,8 @@ async def test_no_leak_after_aborts_while_waiting_and_during_chunked_prefill(sma
 
     # And the pool is whole: a request needing every page runs.
     total = engine.scheduler.runner.max_total_tokens
-    out = await final(engine, input_ids=[100] * (total - 8), sampling_params={**ENDLESS, "max_new_tokens": 8})
+    out = await final(
+        engine, input_ids=[100] * (total - 8), sampling_params={**ENDLESS, "max_new_tokens": 8}
+    )
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
     assert_engine_idle(engine)

@@ -22,8 +22,10 @@ def reference(engine):
 
 
 def test_same_seed_same_text_different_seeds_differ(engine):
-    params = [{"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "seed": s}
-              for s in (7, 7, 8, 9, 10, 11)]
+    params = [
+        {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "seed": s}
+        for s in (7, 7, 8, 9, 10, 11)
+    ]
     outs = engine.generate([PROMPT] * len(params), params)
     again = engine.generate(PROMPT, params[0])
     assert outs[0]["output_ids"] == outs[1]["output_ids"] == again["output_ids"]
@@ -36,7 +38,9 @@ def test_stop_string_trimmed_with_finish_reason(engine, reference):
     text = reference["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip() and text.index(stop) > 0
-    out = engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 16, "stop": [stop, "unlikely-stop-xyz"]})
+    out = engine.generate(
+        PROMPT, {**GREEDY, "max_new_tokens": 16, "stop": [stop, "unlikely-stop-xyz"]}
+    )
     assert out["text"] == text[: text.index(stop)]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert len(out["output_ids"]) < 16
@@ -46,7 +50,9 @@ def test_stop_string_trimmed_with_finish_reason(engine, reference):
 def test_stop_string_kept_with_no_stop_trim(engine, reference):
     text = reference["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    out = engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 16, "stop": stop, "no_stop_trim": True})
+    out = engine.generate(
+        PROMPT, {**GREEDY, "max_new_tokens": 16, "stop": stop, "no_stop_trim": True}
+    )
     assert out["text"].startswith(text[: text.index(stop) + len(stop)])
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
@@ -60,7 +66,9 @@ def test_stop_string_ignored_before_min_new_tokens(engine, reference):
     assert len(positions) >= 2, reference["text"]
     min_new = positions[0] + 2  # the first "\n" arrives as token number positions[0] + 1
     end = positions[1]
-    out = engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 16, "stop": "\n", "min_new_tokens": min_new})
+    out = engine.generate(
+        PROMPT, {**GREEDY, "max_new_tokens": 16, "stop": "\n", "min_new_tokens": min_new}
+    )
     assert out["output_ids"] == ids[: end + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "\n"}
     assert out["text"] == "".join(pieces[:end]) + pieces[end].split("\n")[0]
@@ -71,8 +79,10 @@ def test_stop_string_of_multibyte_characters(engine):
     # Japanese output: each character here takes two byte-level tokens, so a three-character
     # stop string spans six tokens.
     prompt = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Translate to Japanese: good morning"}], add_generation_prompt=True,
-        tokenize=False)
+        [{"role": "user", "content": "Translate to Japanese: good morning"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     params = {**GREEDY, "max_new_tokens": 16}
     whole = engine.generate(prompt, params)["text"].rstrip("\ufffd")
     stop = whole[3:6]
@@ -85,8 +95,12 @@ def test_stop_string_of_multibyte_characters(engine):
 async def test_stop_string_streamed_never_leaks(engine, reference):
     text = reference["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    chunks = [c async for c in engine.async_generate(PROMPT, {**GREEDY, "max_new_tokens": 16, "stop": stop},
-                                                     stream=True)]
+    chunks = [
+        c
+        async for c in engine.async_generate(
+            PROMPT, {**GREEDY, "max_new_tokens": 16, "stop": stop}, stream=True
+        )
+    ]
     assert "".join(c["text"] for c in chunks) == text[: text.index(stop)]
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
@@ -119,10 +133,20 @@ def test_length_finish_reason(engine):
 
 def test_logit_bias_forces_a_token(engine):
     token = engine.tokenizer.encode(" banana", add_special_tokens=False)[0]
-    out = engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 4, "logit_bias": {str(token): 100.0}})
+    out = engine.generate(
+        PROMPT, {**GREEDY, "max_new_tokens": 4, "logit_bias": {str(token): 100.0}}
+    )
     assert out["output_ids"] == [token] * 4
-    sampled = engine.generate(PROMPT, {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True,
-                                       "logit_bias": {token: 100.0}, "seed": 1})
+    sampled = engine.generate(
+        PROMPT,
+        {
+            "temperature": 1.0,
+            "max_new_tokens": 4,
+            "ignore_eos": True,
+            "logit_bias": {token: 100.0},
+            "seed": 1,
+        },
+    )
     assert sampled["output_ids"] == [token] * 4
 
 
@@ -150,12 +174,16 @@ def test_min_new_tokens_holds_off_stop_token_ids(engine, reference):
 
 
 def test_top_k_one_equals_greedy(engine, reference):
-    out = engine.generate(PROMPT, {"temperature": 1.5, "top_k": 1, "max_new_tokens": 16, "ignore_eos": True})
+    out = engine.generate(
+        PROMPT, {"temperature": 1.5, "top_k": 1, "max_new_tokens": 16, "ignore_eos": True}
+    )
     assert out["output_ids"] == reference["output_ids"]
 
 
 def test_tiny_top_p_equals_greedy(engine, reference):
-    out = engine.generate(PROMPT, {"temperature": 1.0, "top_p": 1e-6, "max_new_tokens": 16, "ignore_eos": True})
+    out = engine.generate(
+        PROMPT, {"temperature": 1.0, "top_p": 1e-6, "max_new_tokens": 16, "ignore_eos": True}
+    )
     assert out["output_ids"] == reference["output_ids"]
 
 
@@ -174,23 +202,36 @@ def test_penalties_break_a_repetition(engine, penalty):
 
 
 def test_negative_presence_penalty_keeps_repeating(engine):
-    out = engine.generate(REPETITIVE, {**GREEDY, "max_new_tokens": 8, "presence_penalty": -2.0,
-                                       "repetition_penalty": 0.5})
+    out = engine.generate(
+        REPETITIVE,
+        {**GREEDY, "max_new_tokens": 8, "presence_penalty": -2.0, "repetition_penalty": 0.5},
+    )
     la = engine.tokenizer.encode(" la", add_special_tokens=False)
     assert out["output_ids"] == la * 8
 
 
 def test_filtered_sampling_is_seeded_and_valid(engine):
-    params = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "max_new_tokens": 10,
-              "ignore_eos": True, "seed": 5, "frequency_penalty": 0.3}
+    params = {
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "max_new_tokens": 10,
+        "ignore_eos": True,
+        "seed": 5,
+        "frequency_penalty": 0.3,
+    }
     a, b = engine.generate([PROMPT, PROMPT], [params, params])
     assert a["output_ids"] == b["output_ids"]
     assert len(a["output_ids"]) == 10
 
 
 def test_n_two_returns_two_samples(engine):
-    outs = engine.generate(PROMPT, {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "n": 2,
-                                    "seed": 3}, rid="pair")
+    outs = engine.generate(
+        PROMPT,
+        {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "n": 2, "seed": 3},
+        rid="pair",
+    )
     assert isinstance(outs, list) and len(outs) == 2
     assert [o["meta_info"]["id"] for o in outs] == ["pair-0", "pair-1"]
     assert all(len(o["output_ids"]) == 12 for o in outs)
@@ -198,8 +239,14 @@ def test_n_two_returns_two_samples(engine):
 
 
 def test_logprobs_shape_and_greedy_consistency(engine):
-    out = engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 6}, return_logprob=True, top_logprobs_num=4,
-                          token_ids_logprob=[EOS, 11], return_text_in_logprobs=True)
+    out = engine.generate(
+        PROMPT,
+        {**GREEDY, "max_new_tokens": 6},
+        return_logprob=True,
+        top_logprobs_num=4,
+        token_ids_logprob=[EOS, 11],
+        return_text_in_logprobs=True,
+    )
     meta = out["meta_info"]
     n = meta["completion_tokens"]
     assert n == 6
@@ -210,7 +257,9 @@ def test_logprobs_shape_and_greedy_consistency(engine):
     for (value, token, text), top, ids in zip(chosen, tops, given):
         assert len(top) == 4
         assert [v for v, _, _ in top] == sorted((v for v, _, _ in top), reverse=True)
-        assert top[0][1] == token and top[0][0] == pytest.approx(value, abs=1e-5)  # greedy took the best
+        assert top[0][1] == token and top[0][0] == pytest.approx(
+            value, abs=1e-5
+        )  # greedy took the best
         assert value <= 0.0 and text == engine.tokenizer.decode([token])
         assert [t for _, t, _ in ids] == [EOS, 11]
         assert all(v <= 0.0 for v, _, _ in ids)
@@ -218,8 +267,11 @@ def test_logprobs_shape_and_greedy_consistency(engine):
 
 
 async def test_streaming_deltas_concatenate_to_the_whole_text(engine):
-    prompts = [PROMPT, "Écris une phrase en français à propos du café et des crêpes :",
-               "用中文写一句关于春天的话："]
+    prompts = [
+        PROMPT,
+        "Écris une phrase en français à propos du café et des crêpes :",
+        "用中文写一句关于春天的话：",
+    ]
     params = {**GREEDY, "max_new_tokens": 20}
     for prompt in prompts:
         chunks = [c async for c in engine.async_generate(prompt, params, stream=True)]
@@ -277,7 +329,9 @@ def scheduler_spy(engine, monkeypatch):
 
     def check():
         # run_in_scheduler queues behind anything already sent: a barrier on the inbox.
-        state = engine.run_in_scheduler(lambda s: (len(s.waiting), len(s.running), s.num_generated_tokens))
+        state = engine.run_in_scheduler(
+            lambda s: (len(s.waiting), len(s.running), s.num_generated_tokens)
+        )
         assert added == []
         assert state == (0, 0, before)
 
@@ -294,30 +348,44 @@ def test_invalid_sampling_value_rejected_before_the_scheduler(engine, scheduler_
     scheduler_spy()
 
 
-@pytest.mark.parametrize("field,kwargs", [
-    ("input_ids", {"input_ids": [1, 2, 49152]}),
-    ("input_ids", {"input_ids": [-1]}),
-    ("temprature", {"input_ids": [1, 2], "sampling_params": {"temprature": 0.5}}),
-    ("logprob_start_len", {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 3}),
-    ("top_logprobs_num", {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": -1}),
-    ("image_data", {"input_ids": [1, 2], "image_data": "http://example.com/cat.png"}),
-])
+@pytest.mark.parametrize(
+    "field,kwargs",
+    [
+        ("input_ids", {"input_ids": [1, 2, 49152]}),
+        ("input_ids", {"input_ids": [-1]}),
+        ("temprature", {"input_ids": [1, 2], "sampling_params": {"temprature": 0.5}}),
+        (
+            "logprob_start_len",
+            {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 3},
+        ),
+        ("top_logprobs_num", {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": -1}),
+        ("image_data", {"input_ids": [1, 2], "image_data": "http://example.com/cat.png"}),
+    ],
+)
 def test_invalid_request_rejected_before_the_scheduler(engine, scheduler_spy, field, kwargs):
     with pytest.raises(InvalidParameter) as info:
         engine.generate(**kwargs)
-    assert info.value.param is None or field.startswith(info.value.param) or info.value.param.startswith(field)
+    assert (
+        info.value.param is None
+        or field.startswith(info.value.param)
+        or info.value.param.startswith(field)
+    )
     scheduler_spy()
 
 
 def test_batch_with_one_bad_item_sends_nothing(engine, scheduler_spy):
     with pytest.raises(InvalidParameter) as info:
-        engine.generate([PROMPT, PROMPT, PROMPT], [{"max_new_tokens": 2}, {"max_new_tokens": 2}, {"top_k": 0}])
+        engine.generate(
+            [PROMPT, PROMPT, PROMPT], [{"max_new_tokens": 2}, {"max_new_tokens": 2}, {"top_k": 0}]
+        )
     assert info.value.param == "top_k"
     scheduler_spy()
 
 
 async def test_rid_of_a_live_request_is_refused(engine):
-    stream = engine.async_generate(PROMPT, {**GREEDY, "max_new_tokens": 200}, stream=True, rid="busy")
+    stream = engine.async_generate(
+        PROMPT, {**GREEDY, "max_new_tokens": 200}, stream=True, rid="busy"
+    )
     try:
         await anext(stream)
         with pytest.raises(InvalidParameter) as info:
@@ -338,7 +406,9 @@ def test_context_length_overflow_rejected(engine, scheduler_spy):
     scheduler_spy()
 
 
-def test_request_that_does_not_fit_now_waits_then_completes(small_engine, monkeypatch, assert_engine_idle):
+def test_request_that_does_not_fit_now_waits_then_completes(
+    small_engine, monkeypatch, assert_engine_idle
+):
     # Each request reserves prompt + max_new_tokens = 9 of the 16 pages: the second must wait.
     sched = small_engine.scheduler
     page = sched.runner.page_size
@@ -350,21 +420,31 @@ def test_request_that_does_not_fit_now_waits_then_completes(small_engine, monkey
     original = sched.step
 
     def recording_step():
-        snapshots.append(({r.rid for r in sched.waiting},
-                          {r.rid for r in sched.running} | ({sched.chunked.rid} if sched.chunked else set())))
+        snapshots.append(
+            (
+                {r.rid for r in sched.waiting},
+                {r.rid for r in sched.running} | ({sched.chunked.rid} if sched.chunked else set()),
+            )
+        )
         return original()
 
     monkeypatch.setattr(sched, "step", recording_step)
-    a, b = small_engine.generate(input_ids=[prompt, prompt], sampling_params=params, rid=["first", "second"])
+    a, b = small_engine.generate(
+        input_ids=[prompt, prompt], sampling_params=params, rid=["first", "second"]
+    )
     length_24 = {"type": "length", "length": 24}
     assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"] == length_24
     assert a["output_ids"] == b["output_ids"]
     assert any("second" in waiting and "first" in admitted for waiting, admitted in snapshots)
-    assert not any({"first", "second"} <= admitted for _, admitted in snapshots), "both held pages at once"
+    assert not any({"first", "second"} <= admitted for _, admitted in snapshots), (
+        "both held pages at once"
+    )
     assert_engine_idle(small_engine)
 
 
-def test_more_requests_than_batch_slots_queue_and_complete(small_engine, monkeypatch, assert_engine_idle):
+def test_more_requests_than_batch_slots_queue_and_complete(
+    small_engine, monkeypatch, assert_engine_idle
+):
     slots = small_engine.args.max_running_requests
     prompts = [[100 + i, 200 + i, 300 + i, 400 + i] * 4 for i in range(slots + 2)]
     params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}

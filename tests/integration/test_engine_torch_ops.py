@@ -12,8 +12,12 @@ import cadence.kernels
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 GREEDY_32 = {"temperature": 0.0, "max_new_tokens": 32, "min_new_tokens": 32}
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "List three primary colors:\n1."]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three primary colors:\n1.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +35,16 @@ def torch_ops_engine():
 
 
 def kinds(engine) -> tuple[str, str]:
-    return engine.run_in_scheduler(lambda s: (type(s.runner.attn).__name__, type(s.runner.model.ops).__name__))
+    return engine.run_in_scheduler(
+        lambda s: (type(s.runner.attn).__name__, type(s.runner.model.ops).__name__)
+    )
 
 
 def test_both_paths_generate_the_same_greedy_tokens(engine, torch_ops_engine, assert_engine_idle):
     if not cadence.kernels.cpu_kernels_available():
-        pytest.skip("Cadence's CPU kernels could not be built on this machine: only the torch path runs")
+        pytest.skip(
+            "Cadence's CPU kernels could not be built on this machine: only the torch path runs"
+        )
     assert kinds(engine) == ("CpuPagedBackend", "CpuFusedOps")
     assert kinds(torch_ops_engine) == ("TorchNativeBackend", "LayerOps")
     # A batch of prompts of different lengths, so decode attends over padded page tables.
@@ -62,7 +70,9 @@ def poison_next_pages(engine, count: int = 256) -> int:
 
 
 @pytest.mark.parametrize("which", ["cpu-kernels", "torch-ops"])
-def test_stale_nan_in_fresh_pages_changes_nothing(which, engine, torch_ops_engine, assert_engine_idle):
+def test_stale_nan_in_fresh_pages_changes_nothing(
+    which, engine, torch_ops_engine, assert_engine_idle
+):
     """The torch path reads whole pages and has the runner zero each fresh one; the kernel
     path reads only each sequence's own slots and skips the zeroing. Either way, NaN left
     in reused pages must not reach the output."""

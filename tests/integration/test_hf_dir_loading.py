@@ -25,17 +25,23 @@ def hf_dir(tmp_path_factory):
 
     gguf = default_model_path()
     out = tmp_path_factory.mktemp("hf-smollm2")
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.float32
+    )
     # transformers will not re-serialize a GGUF-loaded model, so write the checkpoint's two
     # halves the way a Hugging Face export has them: config.json and model.safetensors.
     from safetensors.torch import save_file
 
     model.config.save_pretrained(out)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()
-             if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    state = {
+        k: v.contiguous()
+        for k, v in model.state_dict().items()
+        if not (k == "lm_head.weight" and model.config.tie_word_embeddings)
+    }
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(out)
+    AutoTokenizer.from_pretrained(
+        os.path.dirname(gguf), gguf_file=os.path.basename(gguf)
+    ).save_pretrained(out)
     del model
     return str(out)
 
@@ -52,8 +58,11 @@ def test_hf_directory_generates_what_the_gguf_generates(engine, hf_dir):
         ref = [r["output_ids"] for r in engine.generate(PROMPTS, PARAMS)]
         assert ours == ref
         assert all(len(ids) == PARAMS["max_new_tokens"] for ids in ours)
-        chat = hf_engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                                       tokenize=False, add_generation_prompt=True)
+        chat = hf_engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         assert "Paris" in hf_engine.generate(chat, {"temperature": 0, "max_new_tokens": 24})["text"]
     finally:
         hf_engine.shutdown()

@@ -42,19 +42,26 @@ def attend(attn, q, kv, layer_id, batch):
 def make_backend(name: str, pool: KVPool):
     if name == "cpu-kernels":
         if not cpu_kernels_available():
-            pytest.skip("Cadence's CPU kernels could not be built on this machine (see the log for why)")
+            pytest.skip(
+                "Cadence's CPU kernels could not be built on this machine (see the log for why)"
+            )
         return CpuPagedBackend(pool, HEADS, KV_HEADS, DIM)
     return TorchNativeBackend(pool, HEADS, KV_HEADS, DIM)
 
 
-@pytest.mark.parametrize("backend,float32_tokens", [("torch", 0), ("torch", 1024), ("cpu-kernels", 0)],
-                         ids=["torch-kv-dtype-matmuls", "torch-float32-matmuls", "cpu-kernels"])
+@pytest.mark.parametrize(
+    "backend,float32_tokens",
+    [("torch", 0), ("torch", 1024), ("cpu-kernels", 0)],
+    ids=["torch-kv-dtype-matmuls", "torch-float32-matmuls", "cpu-kernels"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_and_extend_match_dense_attention(dtype, backend, float32_tokens, monkeypatch):
     # Small decode batches attend in float32, large ones in the cache's dtype: both paths.
     monkeypatch.setattr(TorchNativeBackend, "FLOAT32_DECODE_TOKENS", float32_tokens)
     torch.manual_seed(0)
-    pool = KVPool(num_pages=16, page_size=PAGE, num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=dtype)
+    pool = KVPool(
+        num_pages=16, page_size=PAGE, num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=dtype
+    )
     pool.kv_buffer[0].fill_(float("nan"))  # stale memory: nothing outside written slots may be read
     attn = make_backend(backend, pool)
     lens = [5, 11, 2]
@@ -74,7 +81,10 @@ def test_decode_and_extend_match_dense_attention(dtype, backend, float32_tokens,
         if split:
             loc = slots(i, range(split))
             pool.kv_buffer[0].view(-1, DIM).index_copy_(
-                0, pool.write_rows(loc), torch.stack([keys[i][:split], values[i][:split]], 1).reshape(-1, DIM))
+                0,
+                pool.write_rows(loc),
+                torch.stack([keys[i][:split], values[i][:split]], 1).reshape(-1, DIM),
+            )
         ext = n - 1 - split
         if ext == 0:
             continue
@@ -82,10 +92,17 @@ def test_decode_and_extend_match_dense_attention(dtype, backend, float32_tokens,
         loc = slots(i, range(split, n - 1))
         kv = torch.stack([keys[i][split : n - 1], values[i][split : n - 1]], 1)  # [ext, 2, KVH, D]
         rows = pool.page_rows(torch.tensor(pages[i][: -(-(n - 1) // PAGE)]))
-        batch = ForwardBatch(is_decode=False, input_ids=torch.zeros(ext, dtype=torch.int64),
-                             positions=torch.arange(split, n - 1), out_cache_loc=loc,
-                             kv_write_rows=pool.write_rows(loc), seq_lens=[n - 1], extend_lens=[ext],
-                             prefix_lens=[split], seq_page_rows=[rows if split else None])
+        batch = ForwardBatch(
+            is_decode=False,
+            input_ids=torch.zeros(ext, dtype=torch.int64),
+            positions=torch.arange(split, n - 1),
+            out_cache_loc=loc,
+            kv_write_rows=pool.write_rows(loc),
+            seq_lens=[n - 1],
+            extend_lens=[ext],
+            prefix_lens=[split],
+            seq_page_rows=[rows if split else None],
+        )
         out = attend(attn, q.reshape(ext, -1), kv, 0, batch)
         ref = dense_attention(q, keys[i][: n - 1], values[i][: n - 1], split)
         torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
@@ -98,10 +115,20 @@ def test_decode_and_extend_match_dense_attention(dtype, backend, float32_tokens,
     table = torch.tensor([p + [p[0]] * (max_pages - len(p)) for p in pages])
     lens_t = torch.tensor(lens)
     mask = (torch.arange(max_pages * PAGE)[None, :] >= lens_t[:, None]).view(1, len(lens), 1, -1)
-    batch = ForwardBatch(is_decode=True, input_ids=torch.zeros(len(lens), dtype=torch.int64),
-                         positions=lens_t - 1, out_cache_loc=loc, kv_write_rows=pool.write_rows(loc),
-                         seq_lens=lens, extend_lens=[1] * len(lens), prefix_lens=[n - 1 for n in lens],
-                         page_table=table, kv_lens=lens_t, page_rows=pool.page_rows(table), kv_mask=mask)
+    batch = ForwardBatch(
+        is_decode=True,
+        input_ids=torch.zeros(len(lens), dtype=torch.int64),
+        positions=lens_t - 1,
+        out_cache_loc=loc,
+        kv_write_rows=pool.write_rows(loc),
+        seq_lens=lens,
+        extend_lens=[1] * len(lens),
+        prefix_lens=[n - 1 for n in lens],
+        page_table=table,
+        kv_lens=lens_t,
+        page_rows=pool.page_rows(table),
+        kv_mask=mask,
+    )
     out = attend(attn, q.reshape(len(lens), -1), kv, 0, batch)
     assert not out.isnan().any()
     for i, n in enumerate(lens):
@@ -109,13 +136,27 @@ def test_decode_and_extend_match_dense_attention(dtype, backend, float32_tokens,
         torch.testing.assert_close(out[i : i + 1].double(), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("backend,keep_blocks,float32_tokens", [
-    ("torch", True, 0), ("torch", True, 1024), ("torch", False, 0), ("torch", False, 1024), ("cpu-kernels", False, 0)],
-    ids=["torch-kept-blocks-kv-dtype", "torch-kept-blocks-float32", "torch-gather-kv-dtype", "torch-gather-float32",
-         "cpu-kernels"])
+@pytest.mark.parametrize(
+    "backend,keep_blocks,float32_tokens",
+    [
+        ("torch", True, 0),
+        ("torch", True, 1024),
+        ("torch", False, 0),
+        ("torch", False, 1024),
+        ("cpu-kernels", False, 0),
+    ],
+    ids=[
+        "torch-kept-blocks-kv-dtype",
+        "torch-kept-blocks-float32",
+        "torch-gather-kv-dtype",
+        "torch-gather-float32",
+        "cpu-kernels",
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_steps_over_a_changing_batch_match_dense_attention(dtype, backend, keep_blocks, float32_tokens,
-                                                                   monkeypatch):
+def test_decode_steps_over_a_changing_batch_match_dense_attention(
+    dtype, backend, keep_blocks, float32_tokens, monkeypatch
+):
     """Many decode steps: the batch continues (the torch backend's kept blocks get each new
     token), crosses page boundaries, loses a request and gains one; every step matches dense
     attention. The CPU kernel keeps nothing between steps."""
@@ -123,7 +164,9 @@ def test_decode_steps_over_a_changing_batch_match_dense_attention(dtype, backend
     if not keep_blocks:
         monkeypatch.setattr(TorchNativeBackend, "DECODE_BLOCK_BYTES", 0)
     torch.manual_seed(1)
-    pool = KVPool(num_pages=32, page_size=PAGE, num_layers=2, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=dtype)
+    pool = KVPool(
+        num_pages=32, page_size=PAGE, num_layers=2, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=dtype
+    )
     for buf in pool.kv_buffer:
         buf.fill_(float("nan"))
     attn = make_backend(backend, pool)
@@ -140,7 +183,9 @@ def test_decode_steps_over_a_changing_batch_match_dense_attention(dtype, backend
         k, v = torch.randn(2, n, KV_HEADS, DIM, dtype=dtype)
         loc = torch.tensor([slot(r, i) for i in range(n)])
         for buf in pool.kv_buffer:
-            buf.view(-1, DIM).index_copy_(0, pool.write_rows(loc), torch.stack([k, v], 1).reshape(-1, DIM))
+            buf.view(-1, DIM).index_copy_(
+                0, pool.write_rows(loc), torch.stack([k, v], 1).reshape(-1, DIM)
+            )
         seqs[r] = {"k": k, "v": v}
 
     prefill("a", 3), prefill("b", 6), prefill("c", 1)
@@ -157,26 +202,52 @@ def test_decode_steps_over_a_changing_batch_match_dense_attention(dtype, backend
         k_new, v_new = torch.randn(2, len(names), KV_HEADS, DIM, dtype=dtype)
         loc = torch.tensor([slot(r, n - 1) for r, n in zip(names, lens)])
         max_pages = -(-max(lens) // PAGE)
-        table = torch.tensor([(pages[r][: -(-n // PAGE)] + [pages[r][0]] * max_pages)[:max_pages]
-                              for r, n in zip(names, lens)])
+        table = torch.tensor(
+            [
+                (pages[r][: -(-n // PAGE)] + [pages[r][0]] * max_pages)[:max_pages]
+                for r, n in zip(names, lens)
+            ]
+        )
         lens_t = torch.tensor(lens)
         mask = None
         if min(lens) != max_pages * PAGE:
-            mask = (torch.arange(max_pages * PAGE)[None, :] >= lens_t[:, None]).view(1, len(names), 1, -1)
-        batch = ForwardBatch(is_decode=True, input_ids=torch.zeros(len(names), dtype=torch.int64),
-                             positions=lens_t - 1, out_cache_loc=loc, kv_write_rows=pool.write_rows(loc),
-                             seq_lens=lens, extend_lens=[1] * len(names), prefix_lens=[n - 1 for n in lens],
-                             page_table=table, kv_lens=lens_t, page_rows=pool.page_rows(table), kv_mask=mask,
-                             decode_continues=continues)
+            mask = (torch.arange(max_pages * PAGE)[None, :] >= lens_t[:, None]).view(
+                1, len(names), 1, -1
+            )
+        batch = ForwardBatch(
+            is_decode=True,
+            input_ids=torch.zeros(len(names), dtype=torch.int64),
+            positions=lens_t - 1,
+            out_cache_loc=loc,
+            kv_write_rows=pool.write_rows(loc),
+            seq_lens=lens,
+            extend_lens=[1] * len(names),
+            prefix_lens=[n - 1 for n in lens],
+            page_table=table,
+            kv_lens=lens_t,
+            page_rows=pool.page_rows(table),
+            kv_mask=mask,
+            decode_continues=continues,
+        )
         for r, k, v in zip(names, k_new, v_new):
-            seqs[r] = {"k": torch.cat([seqs[r]["k"], k[None]]), "v": torch.cat([seqs[r]["v"], v[None]])}
+            seqs[r] = {
+                "k": torch.cat([seqs[r]["k"], k[None]]),
+                "v": torch.cat([seqs[r]["v"], v[None]]),
+            }
         for layer in range(2):
             q = torch.randn(len(names), HEADS, DIM, dtype=dtype)
-            out = attend(attn, q.reshape(len(names), -1), torch.stack([k_new, v_new], 1), layer, batch)
+            out = attend(
+                attn, q.reshape(len(names), -1), torch.stack([k_new, v_new], 1), layer, batch
+            )
             for i, (r, n) in enumerate(zip(names, lens)):
                 ref = dense_attention(q[i : i + 1], seqs[r]["k"], seqs[r]["v"], n - 1)
-                torch.testing.assert_close(out[i : i + 1].double(), ref, atol=2e-2, rtol=2e-2,
-                                           msg=lambda m: f"step {step}, layer {layer}, request {r}: {m}")
+                torch.testing.assert_close(
+                    out[i : i + 1].double(),
+                    ref,
+                    atol=2e-2,
+                    rtol=2e-2,
+                    msg=lambda m: f"step {step}, layer {layer}, request {r}: {m}",
+                )
     assert (attn.decode_state_bytes() > 0) == keep_blocks
     attn.release_decode_state()
     assert attn.decode_state_bytes() == 0

@@ -10,8 +10,10 @@ from cadence.kernels import cpu_kernels_available
 from cadence.layers.layer_ops import CpuFusedOps, LayerOps
 
 if not cpu_kernels_available():
-    pytest.skip("Cadence's CPU kernels could not be built on this machine (see the log for why)",
-                allow_module_level=True)
+    pytest.skip(
+        "Cadence's CPU kernels could not be built on this machine (see the log for why)",
+        allow_module_level=True,
+    )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS = 1e-5
@@ -34,8 +36,12 @@ def test_rms_norm_and_its_fused_residual_add_match_torch(dtype, rows):
     eager, fused = LayerOps(), CpuFusedOps()
     x = strided_rows(rows, 576, dtype, 0)
     weight = torch.randn(576).to(dtype)
-    torch.testing.assert_close(fused.rms_norm(x, weight, EPS), eager.rms_norm(x, weight, EPS),
-                               rtol=ulps(dtype), atol=ulps(dtype))
+    torch.testing.assert_close(
+        fused.rms_norm(x, weight, EPS),
+        eager.rms_norm(x, weight, EPS),
+        rtol=ulps(dtype),
+        atol=ulps(dtype),
+    )
     residual = torch.randn(rows, 576).to(dtype) * 4
     res_eager, res_fused = residual.clone(), residual.clone()
     out_eager = eager.add_rms_norm_(res_eager, x, weight, EPS)
@@ -51,7 +57,9 @@ def test_silu_and_mul_matches_torch(dtype, rows):
     got = CpuFusedOps().silu_and_mul(gate_up)
     assert got.shape == (rows, 1536) and got.dtype == dtype
     # Two roundings (silu, then the product), as torch's two ops do: one step apart at most.
-    torch.testing.assert_close(got, LayerOps().silu_and_mul(gate_up), rtol=2 * ulps(dtype), atol=ulps(dtype))
+    torch.testing.assert_close(
+        got, LayerOps().silu_and_mul(gate_up), rtol=2 * ulps(dtype), atol=ulps(dtype)
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -83,7 +91,9 @@ def paged_case(dtype, lens, num_heads=9, kv_heads=3, dim=64, page=16, seed=3):
     qkv = torch.randn(len(lens), (heads + kv_heads) * dim, generator=g).to(dtype)
     angles = torch.rand(len(lens), heads, dim // 2, generator=g) * 6.3
     scales = torch.tensor([dim**-0.5] * num_heads + [1.0] * kv_heads).view(1, -1, 1)
-    factors = torch.polar(scales.expand_as(angles).contiguous(), angles)  # rotation times softmax scale
+    factors = torch.polar(
+        scales.expand_as(angles).contiguous(), angles
+    )  # rotation times softmax scale
     rotated = qkv.clone()
     LayerOps().rotary_(rotated[:, : heads * dim], factors)
     table, slots, dense = [], [], []
@@ -96,7 +106,14 @@ def paged_case(dtype, lens, num_heads=9, kv_heads=3, dim=64, page=16, seed=3):
         table.append(pages + [pages[0]] * (max_pages - len(pages)))
         slots.append(pages[(n - 1) // page] * page + (n - 1) % page)
         dense.append(kv)
-    args = (qkv, torch.view_as_real(factors), pool, torch.tensor(slots), torch.tensor(table), torch.tensor(lens))
+    args = (
+        qkv,
+        torch.view_as_real(factors),
+        pool,
+        torch.tensor(slots),
+        torch.tensor(table),
+        torch.tensor(lens),
+    )
     return args, rotated[:, : num_heads * dim], dense
 
 
@@ -117,12 +134,18 @@ def test_decode_attention_rotates_stores_and_reads_only_each_sequences_pages(dty
     args, q, dense = paged_case(dtype, lens)
     out = torch.ops.cadence.decode_attention(*args, 9)
     assert out.shape == q.shape and out.dtype == dtype and not out.isnan().any()
-    torch.testing.assert_close(out.double(), reference_attention(q, dense, 9, 3, 64),
-                               rtol=4 * ulps(dtype), atol=4 * ulps(dtype))
+    torch.testing.assert_close(
+        out.double(),
+        reference_attention(q, dense, 9, 3, 64),
+        rtol=4 * ulps(dtype),
+        atol=4 * ulps(dtype),
+    )
     pool, slots = args[2], args[3]
     for b, kv in enumerate(dense):  # the new token's rotated K, and its V, are in the pool
         page, offset = divmod(int(slots[b]), 16)
-        torch.testing.assert_close(pool[:, :, page, offset], kv[:, :, -1], rtol=ulps(dtype), atol=ulps(dtype))
+        torch.testing.assert_close(
+            pool[:, :, page, offset], kv[:, :, -1], rtol=ulps(dtype), atol=ulps(dtype)
+        )
 
 
 def test_decode_attention_takes_strided_rows_any_head_dim_and_group_size():
@@ -131,7 +154,9 @@ def test_decode_attention_takes_strided_rows_any_head_dim_and_group_size():
     wide = torch.zeros(2, qkv.shape[1] + 50)
     wide[:, : qkv.shape[1]] = qkv
     out = torch.ops.cadence.decode_attention(wide[:, : qkv.shape[1]], *args[1:], 8)
-    torch.testing.assert_close(out.double(), reference_attention(q, dense, 8, 2, 24), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out.double(), reference_attention(q, dense, 8, 2, 24), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_decode_attention_rejects_bad_tables_and_shapes():
@@ -141,7 +166,9 @@ def test_decode_attention_rejects_bad_tables_and_shapes():
     with pytest.raises(RuntimeError, match="outside the pool"):
         torch.ops.cadence.decode_attention(qkv, factors, pool, slots, bad, lens, 9)
     with pytest.raises(RuntimeError, match="seq_lens out of range"):
-        torch.ops.cadence.decode_attention(qkv, factors, pool, slots, table, torch.tensor([5, 10_000]), 9)
+        torch.ops.cadence.decode_attention(
+            qkv, factors, pool, slots, table, torch.tensor([5, 10_000]), 9
+        )
     with pytest.raises(RuntimeError, match="last position"):
         torch.ops.cadence.decode_attention(qkv, factors, pool, slots + 1, table, lens, 9)
     with pytest.raises(RuntimeError, match="same dtype"):
@@ -157,14 +184,18 @@ def test_refined_logits_match_torch_and_recover_the_exact_greedy_token(dtype, vo
     recomputed: the float64 argmax, the same values as the torch path, in one kernel."""
     g = torch.Generator().manual_seed(vocab)
     hidden = torch.randn(40, 64 + 9, generator=g).to(dtype)[:, 9:]  # strided rows
-    weight = (torch.randn(vocab, 64, generator=g) * 3).to(dtype)  # logits of a few tens: coarse steps
+    weight = (torch.randn(vocab, 64, generator=g) * 3).to(
+        dtype
+    )  # logits of a few tens: coarse steps
     exact = hidden.double() @ weight.double().T
     rounded = torch.nn.functional.linear(hidden, weight)
     got = CpuFusedOps().refined_logits(rounded, hidden, weight)
     assert got.dtype == torch.float32 and got.shape == (40, vocab)
     assert torch.equal(got.argmax(-1), exact.argmax(-1))
     if dtype == torch.bfloat16 and vocab > 1000:
-        assert (rounded.float().argmax(-1) != exact.argmax(-1)).any()  # without it, greedy picks flip
+        assert (
+            rounded.float().argmax(-1) != exact.argmax(-1)
+        ).any()  # without it, greedy picks flip
     want = LayerOps().refined_logits(rounded, hidden, weight)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     untouched = got == rounded.float()

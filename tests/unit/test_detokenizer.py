@@ -18,11 +18,17 @@ def tokenizer():
 def batch(rids, ids, reasons=None, stops=None, skip=True, no_trim=False) -> BatchTokenIDOutput:
     n = len(rids)
     return BatchTokenIDOutput(
-        rids=list(rids), http_worker_ipcs=[None] * n,
-        finished_reasons=reasons or [None] * n, output_ids=ids,
-        skip_special_tokens=[skip] * n, spaces_between_special_tokens=[True] * n,
-        no_stop_trim=[no_trim] * n, stop_strs=stops or [None] * n,
-        prompt_tokens=[1] * n, completion_tokens=[len(i) for i in ids], cached_tokens=[0] * n,
+        rids=list(rids),
+        http_worker_ipcs=[None] * n,
+        finished_reasons=reasons or [None] * n,
+        output_ids=ids,
+        skip_special_tokens=[skip] * n,
+        spaces_between_special_tokens=[True] * n,
+        no_stop_trim=[no_trim] * n,
+        stop_strs=stops or [None] * n,
+        prompt_tokens=[1] * n,
+        completion_tokens=[len(i) for i in ids],
+        cached_tokens=[0] * n,
     )
 
 
@@ -31,7 +37,9 @@ def stream(detok, ids, reason, stop=None, skip=True, no_trim=False, rid="r") -> 
     deltas = []
     for k, token in enumerate(ids):
         last = k == len(ids) - 1
-        out = detok.process(batch([rid], [[token]], [reason if last else None], [stop], skip, no_trim))
+        out = detok.process(
+            batch([rid], [[token]], [reason if last else None], [stop], skip, no_trim)
+        )
         assert out.rids == [rid] and out.output_ids == [[token]]
         deltas.append(out.output_strs[0])
     return deltas
@@ -106,14 +114,16 @@ def test_stop_string_trimmed_without_streaming(tokenizer):
     ids = tokenizer.encode("The answer is 42. Done", add_special_tokens=False)
     ids = ids[: next(k for k in range(len(ids)) if "42" in tokenizer.decode(ids[: k + 1])) + 1]
     out = Detokenizer(tokenizer).process(
-        batch(["r"], [ids], [{"type": "stop", "matched": "42"}], [["42"]]))
+        batch(["r"], [ids], [{"type": "stop", "matched": "42"}], [["42"]])
+    )
     assert out.output_strs == ["The answer is "]
 
 
 def test_stop_string_kept_with_no_stop_trim(tokenizer):
     ids = tokenizer.encode("x. y", add_special_tokens=False)[:2]
     out = Detokenizer(tokenizer).process(
-        batch(["r"], [ids], [{"type": "stop", "matched": "."}], [["."]], no_trim=True))
+        batch(["r"], [ids], [{"type": "stop", "matched": "."}], [["."]], no_trim=True)
+    )
     assert out.output_strs == ["x."]
 
 
@@ -123,7 +133,8 @@ def test_stop_string_cut_at_the_matched_occurrence(tokenizer):
     ids = tokenizer.encode("x. y. z", add_special_tokens=False)
     assert [tokenizer.decode([i]) for i in ids] == ["x", ".", " y", ".", " z"]
     out = Detokenizer(tokenizer).process(
-        batch(["r"], [ids[:4]], [{"type": "stop", "matched": "."}], [["."]]))
+        batch(["r"], [ids[:4]], [{"type": "stop", "matched": "."}], [["."]])
+    )
     assert out.output_strs == ["x. y"]
     deltas = stream(Detokenizer(tokenizer), ids[:4], {"type": "stop", "matched": "."}, stop=["."])
     assert "".join(deltas) == "x. y"
@@ -133,13 +144,16 @@ def test_stop_string_inside_the_last_token(tokenizer):
     ids = tokenizer.encode("A\n\nB", add_special_tokens=False)
     text = tokenizer.decode(ids)
     out = Detokenizer(tokenizer).process(
-        batch(["r"], [ids], [{"type": "stop", "matched": "\n"}], [["\n"]]))
+        batch(["r"], [ids], [{"type": "stop", "matched": "\n"}], [["\n"]])
+    )
     assert out.output_strs == [text[: text.index("\n")]]
 
 
 def test_held_back_text_released_when_request_ends_otherwise(tokenizer):
     ids = tokenizer.encode("going to the", add_special_tokens=False)
-    deltas = stream(Detokenizer(tokenizer), ids, {"type": "length", "length": len(ids)}, stop=["the end"])
+    deltas = stream(
+        Detokenizer(tokenizer), ids, {"type": "length", "length": len(ids)}, stop=["the end"]
+    )
     assert deltas[-1].endswith("the")  # held back until the end, then delivered
     assert "".join(deltas) == "going to the"
 

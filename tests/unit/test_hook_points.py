@@ -9,12 +9,12 @@ import asyncio
 import pytest
 
 from cadence import hooks
-from cadence.io_struct import BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
-from cadence.plugins import HookRegistry, HookType
 from cadence.errors import RequestError
 from cadence.front.engine_client import ModelInfo
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.front.tokenizer_manager import TokenizerManager
+from cadence.io_struct import BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
+from cadence.plugins import HookRegistry, HookType
 
 
 class _Tokenizer:
@@ -35,24 +35,44 @@ def registry():
 @pytest.fixture
 def manager():
     sent = []
-    info = ModelInfo(model_path="m", tokenizer_path=None, served_model_name="m", context_len=64, vocab_size=100,
-                     max_total_tokens=1024)
+    info = ModelInfo(
+        model_path="m",
+        tokenizer_path=None,
+        served_model_name="m",
+        context_len=64,
+        vocab_size=100,
+        max_total_tokens=1024,
+    )
     return TokenizerManager(FrontTokenizer(_Tokenizer()), info, sent.append), sent
 
 
 def _finish(tm: TokenizerManager, rid: str) -> None:
-    tm.handle_output(BatchStrOutput(rids=[rid], http_worker_ipcs=[None], finished_reasons=[{"type": "length"}],
-                                    output_strs=["AB"], output_ids=[[1, 2]], prompt_tokens=[3],
-                                    completion_tokens=[2], cached_tokens=[0]))
+    tm.handle_output(
+        BatchStrOutput(
+            rids=[rid],
+            http_worker_ipcs=[None],
+            finished_reasons=[{"type": "length"}],
+            output_strs=["AB"],
+            output_ids=[[1, 2]],
+            prompt_tokens=[3],
+            completion_tokens=[2],
+            cached_tokens=[0],
+        )
+    )
 
 
 def _record(registry: HookRegistry) -> list:
     events = []
-    registry.register("cadence.hooks.request_received", lambda r, req: events.append(("received", req.rid)),
-                      HookType.AFTER)
-    registry.register("cadence.hooks.request_finished",
-                      lambda r, rid, meta: events.append(("finished", rid, meta["finish_reason"]["type"])),
-                      HookType.AFTER)
+    registry.register(
+        "cadence.hooks.request_received",
+        lambda r, req: events.append(("received", req.rid)),
+        HookType.AFTER,
+    )
+    registry.register(
+        "cadence.hooks.request_finished",
+        lambda r, rid, meta: events.append(("finished", rid, meta["finish_reason"]["type"])),
+        HookType.AFTER,
+    )
     return events
 
 
@@ -74,7 +94,9 @@ async def test_received_then_finished_once_each(manager, registry):
 async def test_a_client_that_goes_away_still_gets_request_finished(manager, registry):
     tm, sent = manager
     events = _record(registry)
-    gen = tm.generate_request(GenerateReqInput(input_ids=[[1, 2], [3, 4]], sampling_params={"max_new_tokens": 2}))
+    gen = tm.generate_request(
+        GenerateReqInput(input_ids=[[1, 2], [3, 4]], sampling_params={"max_new_tokens": 2})
+    )
     task = asyncio.ensure_future(gen.__anext__())
     while len(sent) < 2:
         await asyncio.sleep(0)
@@ -82,8 +104,12 @@ async def test_a_client_that_goes_away_still_gets_request_finished(manager, regi
     with pytest.raises(asyncio.CancelledError):
         await task
     rids = [m.rid for m in sent if isinstance(m, TokenizedGenerateReqInput)]
-    assert events == [("received", rids[0]), ("received", rids[1]),
-                      ("finished", rids[0], "abort"), ("finished", rids[1], "abort")]
+    assert events == [
+        ("received", rids[0]),
+        ("received", rids[1]),
+        ("finished", rids[0], "abort"),
+        ("finished", rids[1], "abort"),
+    ]
     assert tm.states == {}
 
 
@@ -95,7 +121,9 @@ async def test_request_received_can_refuse_before_anything_is_sent(manager, regi
 
     registry.register("cadence.hooks.request_received", refuse, HookType.BEFORE, plugin="quota")
     with pytest.raises(RequestError) as info:
-        async for _ in tm.generate_request(GenerateReqInput(text="abc", sampling_params={"max_new_tokens": 2})):
+        async for _ in tm.generate_request(
+            GenerateReqInput(text="abc", sampling_params={"max_new_tokens": 2})
+        ):
             pass
     assert info.value.status == 403 and sent == [] and tm.states == {}
 
@@ -121,7 +149,9 @@ def test_server_args_finalized_may_return_new_arguments(registry):
     from cadence.server_args import ServerArgs
 
     target = "cadence.hooks.server_args_finalized"
-    registry.register(target, lambda result, args: result.replace(max_running_requests=3), HookType.AFTER)
+    registry.register(
+        target, lambda result, args: result.replace(max_running_requests=3), HookType.AFTER
+    )
     assert hooks.finalize_server_args(ServerArgs()).max_running_requests == 3
     registry.clear()
     registry.register(target, lambda result, args: {"port": 1}, HookType.AFTER)

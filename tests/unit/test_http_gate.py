@@ -7,7 +7,6 @@ from starlette.testclient import TestClient
 from cadence.entrypoints.http_server import build_app
 from cadence.server_args import ServerArgs
 from cadence.serving.state import ServerState
-from cadence.server_args import ServerArgs
 
 
 def client(ready=True, shutting_down=False, **args) -> TestClient:
@@ -18,7 +17,12 @@ def client(ready=True, shutting_down=False, **args) -> TestClient:
 
 def test_requests_during_shutdown_get_the_json_503():
     c = client(shutting_down=True)
-    for method, route in (("POST", "/generate"), ("GET", "/v1/models"), ("GET", "/health"), ("POST", "/tokenize")):
+    for method, route in (
+        ("POST", "/generate"),
+        ("GET", "/v1/models"),
+        ("GET", "/health"),
+        ("POST", "/tokenize"),
+    ):
         r = c.request(method, route, json={"text": "hi"})
         assert r.status_code == 503 and r.json()["error"]["code"] == 503, (route, r.text)
         assert "shutting down" in r.json()["error"]["message"]
@@ -58,12 +62,16 @@ def test_chunked_body_over_the_limit_is_413():
 
 def test_bad_content_length_is_400():
     r = client().post("/generate", content=b"{}", headers={"content-length": "abc"})
-    assert r.status_code in (400, 422) and r.headers["content-type"].startswith(("application/json", "text/plain"))
+    assert r.status_code in (400, 422) and r.headers["content-type"].startswith(
+        ("application/json", "text/plain")
+    )
 
 
 @pytest.mark.parametrize("route", ["/generate", "/tokenize", "/abort_request", "/v1/completions"])
 def test_invalid_utf8_is_a_400_naming_it(route):
-    r = client().post(route, content=b'{"text": "\xff"}', headers={"content-type": "application/json"})
+    r = client().post(
+        route, content=b'{"text": "\xff"}', headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"], r.text
 
 
@@ -79,8 +87,16 @@ def test_unknown_routes_are_json_404():
     assert r.status_code == 404 and r.json()["error"]["code"] == 404
 
 
-@pytest.mark.parametrize("bad", [{"api_key": "ключ"}, {"api_key": ""}, {"max_request_body_mb": 0},
-                                 {"watchdog_timeout": 0}, {"request_timeout_s": -1}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"api_key": "ключ"},
+        {"api_key": ""},
+        {"max_request_body_mb": 0},
+        {"watchdog_timeout": 0},
+        {"request_timeout_s": -1},
+    ],
+)
 def test_bad_server_arguments_name_the_field(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         ServerArgs(**bad)

@@ -8,6 +8,9 @@ import msgspec
 import pytest
 
 from cadence import io_struct
+from cadence.errors import InvalidParameter
+from cadence.front.normalize import from_json_dict, item, normalize_batch_and_arguments
+from cadence.front.sampling_checks import parse_sampling_params
 from cadence.io_struct import (
     MESSAGE_TYPES,
     AbortReq,
@@ -25,6 +28,7 @@ from cadence.io_struct import (
     PauseGenerationReqInput,
     ProfileReq,
     ProfileReqOutput,
+    SamplingParams,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     UpdateWeightFromDiskReqInput,
@@ -32,10 +36,6 @@ from cadence.io_struct import (
     decode,
     encode,
 )
-from cadence.errors import InvalidParameter
-from cadence.front.normalize import from_json_dict, item, normalize_batch_and_arguments
-from cadence.front.sampling_checks import parse_sampling_params
-from cadence.io_struct import SamplingParams
 
 UUID_HEX = re.compile(r"^[0-9a-f]{32}$")
 

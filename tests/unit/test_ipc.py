@@ -36,7 +36,9 @@ def test_created_directories_carry_the_pid_and_are_private(tmp_path, monkeypatch
     paths = IpcPaths.create()
     try:
         name = os.path.basename(paths.directory)
-        assert name.startswith(f"cadence-ipc-{os.getpid()}-") and os.path.dirname(paths.directory) == str(tmp_path)
+        assert name.startswith(f"cadence-ipc-{os.getpid()}-") and os.path.dirname(
+            paths.directory
+        ) == str(tmp_path)
         assert os.stat(paths.directory).st_mode & 0o777 == 0o700
     finally:
         paths.remove()

@@ -147,13 +147,21 @@ def test_page_allocator_is_a_kv_allocator_that_counts_pages_for_tokens():
 
 
 def test_kv_pool_budget_matches_its_buffers():
-    pool = KVPool(num_pages=4, page_size=16, num_layers=2, num_kv_heads=3, head_dim=8, dtype=torch.float32)
+    pool = KVPool(
+        num_pages=4, page_size=16, num_layers=2, num_kv_heads=3, head_dim=8, dtype=torch.float32
+    )
     assert pool.num_slots == 64
     per_token = KVPool.bytes_per_token(2, 3, 8, torch.float32)
     assert per_token == 2 * 2 * 3 * 8 * 4  # K and V, every layer, float32
     assert KVPool.bytes_per_token(2, 3, 8, torch.bfloat16) == per_token // 2
     # Whatever the buffer layout, the pool holds exactly per_token bytes for every slot.
-    tensors = [t for t in vars(pool).values() if isinstance(t, list) for t in t if isinstance(t, torch.Tensor)]
+    tensors = [
+        t
+        for t in vars(pool).values()
+        if isinstance(t, list)
+        for t in t
+        if isinstance(t, torch.Tensor)
+    ]
     assert sum(t.numel() * t.element_size() for t in tensors) == per_token * pool.num_slots
     with pytest.raises(ValueError, match="max_total_tokens"):
         KVPool(0, 16, 1, 1, 8, torch.float32)

@@ -14,15 +14,30 @@ from cadence.models.llama import LlamaForCausalLM
 from cadence.platforms.cpu import CpuPlatform
 from cadence.platforms.interface import Platform
 
-needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+needs_mkldnn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+)
 # oneDNN packs bfloat16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT.
-HAS_PACKED_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-needs_packed_bf16 = pytest.mark.skipif(not HAS_PACKED_BF16, reason="this CPU has no packed bfloat16 kernel")
+HAS_PACKED_BF16 = (
+    torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+)
+needs_packed_bf16 = pytest.mark.skipif(
+    not HAS_PACKED_BF16, reason="this CPU has no packed bfloat16 kernel"
+)
 
 
 def tiny_config(**kw) -> ModelConfig:
-    base = dict(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    base = dict(
+        architecture="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -36,8 +51,9 @@ def random_model(config: ModelConfig, seed: int) -> LlamaForCausalLM:
 
 
 @needs_mkldnn
-@pytest.mark.parametrize("dtype,tol", [pytest.param(torch.bfloat16, 0.0, marks=needs_packed_bf16),
-                                       (torch.float32, 1e-5)])
+@pytest.mark.parametrize(
+    "dtype,tol", [pytest.param(torch.bfloat16, 0.0, marks=needs_packed_bf16), (torch.float32, 1e-5)]
+)
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_packed_linear_matches_f_linear(dtype, tol, rows):
     torch.manual_seed(rows)
@@ -47,10 +63,13 @@ def test_packed_linear_matches_f_linear(dtype, tol, rows):
     lin = pack_or_plain(w, b)
     assert isinstance(lin, MkldnnPackedLinear) and not lin.holds_weight
     assert (lin.out_features, lin.in_features) == (96, 40)
+
     def check(x):
         got, want = lin(x), F.linear(x, w, b)
         assert got.dtype == dtype and got.shape == want.shape
-        torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=0)
+        torch.testing.assert_close(
+            got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=0
+        )
         return got
 
     got = check(x)
@@ -118,9 +137,13 @@ def test_packed_model_releases_weights_and_adopts_new_ones(tied):
     assert not torch.allclose(new_logits, want_logits)
 
     with pytest.raises(ValueError, match="intermediate_size"):
-        runner.adopt_weights(tiny_config(tie_word_embeddings=tied, intermediate_size=64),
-                             random_model(tiny_config(tie_word_embeddings=tied, intermediate_size=64), 2))
-    torch.testing.assert_close(packed.compute_logits(hidden), new_logits, atol=1e-5, rtol=1e-5)  # unchanged
+        runner.adopt_weights(
+            tiny_config(tie_word_embeddings=tied, intermediate_size=64),
+            random_model(tiny_config(tie_word_embeddings=tied, intermediate_size=64), 2),
+        )
+    torch.testing.assert_close(
+        packed.compute_logits(hidden), new_logits, atol=1e-5, rtol=1e-5
+    )  # unchanged
 
 
 @pytest.mark.parametrize("vocab", [50, 640, 1000])

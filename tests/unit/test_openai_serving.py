@@ -13,17 +13,19 @@ import jinja2
 import msgspec
 import pytest
 
-from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing, OpenAIStream, StreamFailed
-from cadence.io_struct import AbortReq, BatchStrOutput, Logprobs, TokenizedGenerateReqInput
 from cadence.front.client import FrontClient
 from cadence.front.engine_client import ModelInfo
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.front.tokenizer_manager import TokenizerManager
+from cadence.io_struct import AbortReq, BatchStrOutput, Logprobs, TokenizedGenerateReqInput
+from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing, OpenAIStream, StreamFailed
 
 MODEL = "tiny-chat"
 EOS = 3  # the stand-in's end-of-sequence token: decodes to nothing
-DEFAULT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-                    "{% if add_generation_prompt %}<assistant>{% endif %}")
+DEFAULT_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 class CharTokenizer:
@@ -35,11 +37,20 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(i) for i in ids if i != EOS)
 
-    def apply_chat_template(self, messages, tokenize=True, chat_template=None, add_generation_prompt=False,
-                            continue_final_message=False, **kwargs):
+    def apply_chat_template(
+        self,
+        messages,
+        tokenize=True,
+        chat_template=None,
+        add_generation_prompt=False,
+        continue_final_message=False,
+        **kwargs,
+    ):
         assert tokenize is False
         template = jinja2.Environment().from_string(chat_template or DEFAULT_TEMPLATE)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **kwargs
+        )
 
 
 class ScriptedEngine:
@@ -77,22 +88,35 @@ class ScriptedEngine:
                 reason = {"type": "length", "length": limit}
             else:
                 reason = None
-            self.tm.handle_output(BatchStrOutput(
-                rids=[req.rid], http_worker_ipcs=[None], finished_reasons=[reason],
-                output_strs=["" if token == EOS else chr(token)], output_ids=[[token]],
-                prompt_tokens=[len(req.input_ids)], completion_tokens=[k + 1], cached_tokens=[0],
-                logprobs=[self._logprobs(req, token, first=k == 0)] if req.return_logprob else None))
+            self.tm.handle_output(
+                BatchStrOutput(
+                    rids=[req.rid],
+                    http_worker_ipcs=[None],
+                    finished_reasons=[reason],
+                    output_strs=["" if token == EOS else chr(token)],
+                    output_ids=[[token]],
+                    prompt_tokens=[len(req.input_ids)],
+                    completion_tokens=[k + 1],
+                    cached_tokens=[0],
+                    logprobs=[self._logprobs(req, token, first=k == 0)]
+                    if req.return_logprob
+                    else None,
+                )
+            )
             if reason is not None:
                 return
 
     @staticmethod
     def _logprobs(req, token: int, first: bool) -> Logprobs:
         num = req.top_logprobs_num
-        lp = Logprobs(output_token_logprobs_val=[-0.5], output_token_logprobs_idx=[token],
-                      output_top_logprobs_val=[[-0.5, -1.5, -2.5][:num]],
-                      output_top_logprobs_idx=[[token, token + 1, token + 2][:num]])
+        lp = Logprobs(
+            output_token_logprobs_val=[-0.5],
+            output_token_logprobs_idx=[token],
+            output_top_logprobs_val=[[-0.5, -1.5, -2.5][:num]],
+            output_top_logprobs_idx=[[token, token + 1, token + 2][:num]],
+        )
         if first and req.logprob_start_len >= 0:
-            prompt = req.input_ids[req.logprob_start_len:]
+            prompt = req.input_ids[req.logprob_start_len :]
             lp.input_token_logprobs_val = [None] + [-1.0] * (len(prompt) - 1)
             lp.input_token_logprobs_idx = prompt
             lp.input_top_logprobs_val = [None] + [[-1.0] * min(num, 1) for _ in prompt[1:]]
@@ -102,11 +126,19 @@ class ScriptedEngine:
 
 def make_serving(reply="Paris.", context_len=256, chat_template=None):
     engine = ScriptedEngine(reply)
-    info = ModelInfo(model_path="/models/tiny", tokenizer_path=None, served_model_name=MODEL,
-                     context_len=context_len, vocab_size=0x3000, max_total_tokens=4096)
+    info = ModelInfo(
+        model_path="/models/tiny",
+        tokenizer_path=None,
+        served_model_name=MODEL,
+        context_len=context_len,
+        vocab_size=0x3000,
+        max_total_tokens=4096,
+    )
     client = FrontClient(FrontTokenizer(CharTokenizer()), info, engine.send, max_pending=1088)
     engine.tm = client.tm
-    state = SimpleNamespace(args=SimpleNamespace(chat_template=chat_template), client=client, started=1000.0)
+    state = SimpleNamespace(
+        args=SimpleNamespace(chat_template=chat_template), client=client, started=1000.0
+    )
     return OpenAIServing(state), engine
 
 
@@ -140,14 +172,27 @@ async def test_models():
 
 async def test_chat_completion_renders_the_template_and_counts_exactly():
     serving, engine = make_serving()
-    out = decoded(await serving.chat_completions(body(model=MODEL, messages=USER, max_tokens=20, seed=5)))
+    out = decoded(
+        await serving.chat_completions(body(model=MODEL, messages=USER, max_tokens=20, seed=5))
+    )
     prompt = "<user>Capital of France?<assistant>"
     assert engine.requests[0].input_ids == [ord(c) for c in prompt]
     assert engine.requests[0].sampling_params.max_new_tokens == 20
     assert engine.requests[0].sampling_params.seed == 5
-    assert out["object"] == "chat.completion" and out["model"] == MODEL and out["id"].startswith("chatcmpl-")
-    assert out["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Paris.", "refusal": None},
-                               "logprobs": None, "finish_reason": "stop", "matched_stop": EOS}]
+    assert (
+        out["object"] == "chat.completion"
+        and out["model"] == MODEL
+        and out["id"].startswith("chatcmpl-")
+    )
+    assert out["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Paris.", "refusal": None},
+            "logprobs": None,
+            "finish_reason": "stop",
+            "matched_stop": EOS,
+        }
+    ]
     assert out["usage"]["prompt_tokens"] == len(prompt)
     assert out["usage"]["completion_tokens"] == len("Paris.") + 1  # EOS counts
     assert out["usage"]["total_tokens"] == len(prompt) + 7
@@ -156,21 +201,35 @@ async def test_chat_completion_renders_the_template_and_counts_exactly():
 async def test_chat_default_max_tokens_is_what_the_context_leaves():
     serving, engine = make_serving(context_len=100)
     await serving.chat_completions(body(messages=USER))
-    assert engine.requests[0].sampling_params.max_new_tokens == 100 - len("<user>Capital of France?<assistant>")
+    assert engine.requests[0].sampling_params.max_new_tokens == 100 - len(
+        "<user>Capital of France?<assistant>"
+    )
 
 
 async def test_chat_template_file_and_kwargs(tmp_path):
     path = tmp_path / "t.jinja"
-    path.write_text("{{ greeting }}{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}"
-                    "{% if add_generation_prompt %}[assistant:{% endif %}")
+    path.write_text(
+        "{{ greeting }}{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}"
+        "{% if add_generation_prompt %}[assistant:{% endif %}"
+    )
     serving, engine = make_serving(chat_template=str(path))
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
-                {"role": "assistant", "content": "A"}, {"role": "user", "content": "V"}]
-    await serving.chat_completions(body(messages=messages, max_tokens=1, chat_template_kwargs={"greeting": "hi"}))
-    await serving.chat_completions(body(messages=messages, max_tokens=1, add_generation_prompt=False))
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "V"},
+    ]
+    await serving.chat_completions(
+        body(messages=messages, max_tokens=1, chat_template_kwargs={"greeting": "hi"})
+    )
+    await serving.chat_completions(
+        body(messages=messages, max_tokens=1, add_generation_prompt=False)
+    )
     rendered = ["".join(map(chr, r.input_ids)) for r in engine.requests]
-    assert rendered == ["hi[system:S][user:U][assistant:A][user:V][assistant:",
-                        "[system:S][user:U][assistant:A][user:V]"]
+    assert rendered == [
+        "hi[system:S][user:U][assistant:A][user:V][assistant:",
+        "[system:S][user:U][assistant:A][user:V]",
+    ]
 
 
 def test_unreadable_or_invalid_chat_template_stops_start_up(tmp_path):
@@ -184,21 +243,35 @@ def test_unreadable_or_invalid_chat_template_stops_start_up(tmp_path):
 
 async def test_chat_logprobs():
     serving, _ = make_serving(reply="ab")
-    out = decoded(await serving.chat_completions(body(messages=USER, logprobs=True, top_logprobs=2)))
+    out = decoded(
+        await serving.chat_completions(body(messages=USER, logprobs=True, top_logprobs=2))
+    )
     content = out["choices"][0]["logprobs"]["content"]
     assert [c["token"] for c in content] == ["a", "b", ""]
-    assert content[0]["top_logprobs"] == [{"token": "a", "logprob": -0.5, "bytes": [97]},
-                                          {"token": "b", "logprob": -1.5, "bytes": [98]}]
+    assert content[0]["top_logprobs"] == [
+        {"token": "a", "logprob": -0.5, "bytes": [97]},
+        {"token": "b", "logprob": -1.5, "bytes": [98]},
+    ]
     assert len(content) == out["usage"]["completion_tokens"]
 
 
 async def test_chat_stream_role_first_finish_last_then_usage():
     serving, _ = make_serving(reply="Hi!")
-    stream = await serving.chat_completions(body(messages=USER, stream=True, stream_options={"include_usage": True}))
+    stream = await serving.chat_completions(
+        body(messages=USER, stream=True, stream_options={"include_usage": True})
+    )
     events = await sse_events(stream)
-    assert events[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                     "finish_reason": None}]
-    assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events)
+    assert events[0]["choices"] == [
+        {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+    ]
+    assert all(
+        e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events
+    )
     deltas = [e["choices"][0] for e in events[1:-1]]
     assert "".join(d["delta"].get("content", "") for d in deltas) == "Hi!"
     assert [d["finish_reason"] for d in deltas] == [None] * (len(deltas) - 1) + ["stop"]
@@ -234,9 +307,12 @@ async def test_completion_with_echo_and_logprobs_matches_its_stream():
     assert engine.requests[0].logprob_start_len == 0
     choice = out["choices"][0]
     assert choice["text"] == "abcd" and choice["finish_reason"] == "length"
-    assert choice["logprobs"] == {"tokens": ["a", "b", "c", "d"], "token_logprobs": [None, -1.0, -0.5, -0.5],
-                                  "top_logprobs": [None, {"b": -1.0}, {"c": -0.5}, {"d": -0.5}],
-                                  "text_offset": [0, 1, 2, 3]}
+    assert choice["logprobs"] == {
+        "tokens": ["a", "b", "c", "d"],
+        "token_logprobs": [None, -1.0, -0.5, -0.5],
+        "top_logprobs": [None, {"b": -1.0}, {"c": -0.5}, {"d": -0.5}],
+        "text_offset": [0, 1, 2, 3],
+    }
     events = await sse_events(await serving.completions(body(**request, stream=True)))
     assert "".join(e["choices"][0]["text"] for e in events) == "abcd"
     streamed = [e["choices"][0]["logprobs"] for e in events]
@@ -250,8 +326,12 @@ async def test_completion_prompt_list_gives_a_choice_per_prompt_and_sample():
     out = decoded(await serving.completions(body(prompt=["ab", "cde"], n=2, max_tokens=1)))
     assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
     assert [len(r.input_ids) for r in engine.requests] == [2, 2, 3, 3]
-    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9,
-                            "prompt_tokens_details": {"cached_tokens": 0}}
+    assert out["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 4,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     out = decoded(await serving.completions(body(prompt=[[104, 105]], max_tokens=1, echo=True)))
     assert out["choices"][0]["text"] == "hix"
 
@@ -260,26 +340,70 @@ async def test_completion_default_max_tokens_is_16():
     serving, engine = make_serving(reply="y" * 40)
     out = decoded(await serving.completions(body(prompt="a")))
     assert engine.requests[0].sampling_params.max_new_tokens == 16
-    assert out["usage"]["completion_tokens"] == 16 and out["choices"][0]["finish_reason"] == "length"
+    assert (
+        out["usage"]["completion_tokens"] == 16 and out["choices"][0]["finish_reason"] == "length"
+    )
 
 
-@pytest.mark.parametrize("route, fields, status, param, words", [
-    ("chat", {"messages": USER, "temperature": -1}, 400, "temperature", "temperature must be in [0, 2]"),
-    ("chat", {"messages": USER, "model": "gpt-4"}, 404, "model", "does not exist"),
-    ("chat", {"messages": USER, "max_tokens": 1000}, 400, "max_tokens", "plus max_tokens (1000) exceeds"),
-    ("chat", {"messages": USER, "max_completion_tokens": 1000}, 400, "max_completion_tokens",
-     "plus max_completion_tokens (1000)"),
-    ("chat", {"messages": USER, "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens", "min_tokens must be <="),
-    ("chat", {"messages": [{"role": "user", "content": "x" * 300}]}, 400, "messages",
-     "at least the context length (256)"),
-    ("chat", {"messages": USER, "top_p": 0}, 400, "top_p", "top_p must be in (0, 1]"),
-    ("chat", {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format",
-     "response_format: constrained decoding is not supported"),
-    ("completions", {"prompt": ""}, 400, "prompt", "prompt"),
-    ("completions", {"prompt": [0x3000]}, 400, "prompt", "outside the vocabulary"),
-    ("completions", {"prompt": "a", "stop_token_ids": [-1]}, 400, "stop_token_ids", "stop_token_ids[0]"),
-    ("completions", {"prompt": "a", "n": 0}, 400, "n", "n must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "route, fields, status, param, words",
+    [
+        (
+            "chat",
+            {"messages": USER, "temperature": -1},
+            400,
+            "temperature",
+            "temperature must be in [0, 2]",
+        ),
+        ("chat", {"messages": USER, "model": "gpt-4"}, 404, "model", "does not exist"),
+        (
+            "chat",
+            {"messages": USER, "max_tokens": 1000},
+            400,
+            "max_tokens",
+            "plus max_tokens (1000) exceeds",
+        ),
+        (
+            "chat",
+            {"messages": USER, "max_completion_tokens": 1000},
+            400,
+            "max_completion_tokens",
+            "plus max_completion_tokens (1000)",
+        ),
+        (
+            "chat",
+            {"messages": USER, "min_tokens": 5, "max_tokens": 2},
+            400,
+            "min_tokens",
+            "min_tokens must be <=",
+        ),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "x" * 300}]},
+            400,
+            "messages",
+            "at least the context length (256)",
+        ),
+        ("chat", {"messages": USER, "top_p": 0}, 400, "top_p", "top_p must be in (0, 1]"),
+        (
+            "chat",
+            {"messages": USER, "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+            "response_format: constrained decoding is not supported",
+        ),
+        ("completions", {"prompt": ""}, 400, "prompt", "prompt"),
+        ("completions", {"prompt": [0x3000]}, 400, "prompt", "outside the vocabulary"),
+        (
+            "completions",
+            {"prompt": "a", "stop_token_ids": [-1]},
+            400,
+            "stop_token_ids",
+            "stop_token_ids[0]",
+        ),
+        ("completions", {"prompt": "a", "n": 0}, 400, "n", "n must be >= 1"),
+    ],
+)
 async def test_errors_have_openai_shape_and_field_names(route, fields, status, param, words):
     serving, engine = make_serving()
     call = serving.chat_completions if route == "chat" else serving.completions
@@ -316,8 +440,14 @@ async def test_failure_mid_stream_is_an_error_event_then_done():
     serving, engine = make_serving(reply="abcdef")
     engine.fail_after = 2
     events = await sse_events(await serving.chat_completions(body(messages=USER, stream=True)))
-    assert events[-1] == {"error": {"message": "the model step failed", "type": "internal_error", "param": None,
-                                    "code": 500}}
+    assert events[-1] == {
+        "error": {
+            "message": "the model step failed",
+            "type": "internal_error",
+            "param": None,
+            "code": 500,
+        }
+    }
     engine2_serving, engine2 = make_serving(reply="abcdef")
     engine2.fail_after = 2
     with pytest.raises(StreamFailed) as info:

@@ -46,8 +46,10 @@ def activate_bogus():
     return f"{__name__}.NotAPlatform"
 """
 
-BUILTINS = [EntryPoint("cpu", "cadence.platforms.builtin:activate_cpu", platforms.PLATFORM_GROUP),
-            EntryPoint("cuda", "cadence.platforms.builtin:activate_cuda", platforms.PLATFORM_GROUP)]
+BUILTINS = [
+    EntryPoint("cpu", "cadence.platforms.builtin:activate_cpu", platforms.PLATFORM_GROUP),
+    EntryPoint("cuda", "cadence.platforms.builtin:activate_cuda", platforms.PLATFORM_GROUP),
+]
 
 
 @pytest.fixture
@@ -59,7 +61,9 @@ def installed(monkeypatch):
     monkeypatch.delenv("CADENCE_PLATFORM", raising=False)
 
     def install(*names: str) -> None:
-        eps = BUILTINS + [EntryPoint(n, f"{MODULE}:activate_{n}", platforms.PLATFORM_GROUP) for n in names]
+        eps = BUILTINS + [
+            EntryPoint(n, f"{MODULE}:activate_{n}", platforms.PLATFORM_GROUP) for n in names
+        ]
         monkeypatch.setattr(platforms, "_entry_points", lambda: eps)
 
     install()
@@ -88,7 +92,9 @@ def test_inactive_out_of_tree_platforms_leave_the_builtin(installed):
 
 def test_several_active_platforms_are_an_error_asking_for_cadence_platform(installed):
     installed("alt", "other")
-    with pytest.raises(PlatformError, match=r"several platform plugins are active \(alt, other\).*CADENCE_PLATFORM"):
+    with pytest.raises(
+        PlatformError, match=r"several platform plugins are active \(alt, other\).*CADENCE_PLATFORM"
+    ):
         platforms.resolve_platform()
 
 
@@ -131,7 +137,9 @@ def test_a_failing_or_bogus_plugin_is_an_error_naming_it(installed, monkeypatch)
     with pytest.raises(PlatformError, match="platform plugin 'boom'.*driver version mismatch"):
         platforms.resolve_platform()
     installed("bogus")
-    with pytest.raises(PlatformError, match="platform 'bogus'.*not a subclass of cadence.platforms.Platform"):
+    with pytest.raises(
+        PlatformError, match="platform 'bogus'.*not a subclass of cadence.platforms.Platform"
+    ):
         platforms.resolve_platform()
 
 
@@ -167,11 +175,25 @@ def test_base_platform_claims_nothing_and_provides_no_factories():
         device_type = "bare"
 
     bare = Bare()
-    assert not any([bare.supports_graph_capture(), bare.supports_fp8(), bare.supports_bf16(),
-                    bare.supports_pinned_memory(), bare.is_cuda(), bare.is_cpu(), bare.is_out_of_tree()])
-    for make, args in [(bare.make_attention_backend, (None, 1, 1, 1)), (bare.make_kv_pool, (1, 1, 1, 1, 1, None)),
-                       (bare.make_allocator, (1,)), (bare.make_graph_runner, (None, 1)),
-                       (bare.available_memory_bytes, ()), (bare.total_memory_bytes, ())]:
+    assert not any(
+        [
+            bare.supports_graph_capture(),
+            bare.supports_fp8(),
+            bare.supports_bf16(),
+            bare.supports_pinned_memory(),
+            bare.is_cuda(),
+            bare.is_cpu(),
+            bare.is_out_of_tree(),
+        ]
+    )
+    for make, args in [
+        (bare.make_attention_backend, (None, 1, 1, 1)),
+        (bare.make_kv_pool, (1, 1, 1, 1, 1, None)),
+        (bare.make_allocator, (1,)),
+        (bare.make_graph_runner, (None, 1)),
+        (bare.available_memory_bytes, ()),
+        (bare.total_memory_bytes, ()),
+    ]:
         with pytest.raises(NotImplementedError, match="'bare'"):
             make(*args)
     assert bare.resolve_dtype("auto") == torch.float32  # no bf16 claimed
@@ -190,8 +212,16 @@ def test_cpu_platform_decisions():
     assert cpu.resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert cpu.resolve_kv_cache_dtype("bfloat16", torch.float32) == torch.bfloat16
     assert 0 < cpu.available_memory_bytes() <= cpu.total_memory_bytes()
-    pool = cpu.make_kv_pool(num_pages=2, page_size=4, num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32)
-    assert pool.kv_buffer[0].shape == (2, 2, 2, 4, 8)  # [K/V, kv heads, pages, page, head dim] and pool.kv_buffer[0].device == cpu.device
+    pool = cpu.make_kv_pool(
+        num_pages=2, page_size=4, num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32
+    )
+    assert pool.kv_buffer[0].shape == (
+        2,
+        2,
+        2,
+        4,
+        8,
+    )  # [K/V, kv heads, pages, page, head dim] and pool.kv_buffer[0].device == cpu.device
     assert cpu.make_allocator(2).num_free_pages == 2
     assert isinstance(cpu.make_attention_backend(pool, 4, 2, 8), TorchNativeBackend)
     a, b = cpu.make_generator(7), cpu.make_generator(7)
@@ -217,7 +247,9 @@ else:
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc tuning is Linux-only")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="glibc's malloc tuning is Linux-only"
+)
 def test_cpu_backend_serves_step_sized_tensors_from_the_heap_not_fresh_mmaps():
     """A 20 MiB activation comes from the heap once the CPU platform has settled it after a
     load (freed, it stays mapped for the next step), and from a fresh mmap, faulted in page
@@ -228,6 +260,10 @@ def test_cpu_backend_serves_step_sized_tensors_from_the_heap_not_fresh_mmaps():
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("the C library is not glibc")
-    where = {mode: subprocess.run([sys.executable, "-c", HEAP_PROBE, mode], capture_output=True, text=True,
-                                  check=True).stdout.strip() for mode in ("tuned", "default")}
+    where = {
+        mode: subprocess.run(
+            [sys.executable, "-c", HEAP_PROBE, mode], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for mode in ("tuned", "default")
+    }
     assert where == {"tuned": "heap", "default": "mmap"}

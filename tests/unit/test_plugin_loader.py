@@ -15,8 +15,7 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from cadence.plugins import HookRegistry, PluginError, load_plugins
-from cadence.plugins import loader
+from cadence.plugins import HookRegistry, PluginError, load_plugins, loader
 
 MODULE = "cadence_test_loader_plugins"
 
@@ -46,11 +45,15 @@ def plugins(monkeypatch):
     module = types.ModuleType(MODULE)
     sys.modules[MODULE] = module
     exec(textwrap.dedent(SOURCE), module.__dict__)
-    eps = [EntryPoint(name, f"{MODULE}:register_{name}", loader.PLUGIN_GROUP) for name in ("a", "b")]
+    eps = [
+        EntryPoint(name, f"{MODULE}:register_{name}", loader.PLUGIN_GROUP) for name in ("a", "b")
+    ]
 
     def install(*extra: str) -> None:
         found = eps + [EntryPoint(n, f"{MODULE}:register_{n}", loader.PLUGIN_GROUP) for n in extra]
-        monkeypatch.setattr(loader, "entry_points", lambda group: [e for e in found if e.group == group])
+        monkeypatch.setattr(
+            loader, "entry_points", lambda group: [e for e in found if e.group == group]
+        )
 
     install()
     monkeypatch.setattr(loader, "_loaded_pid", None)
@@ -114,7 +117,12 @@ def test_a_forked_child_loads_again_and_registers_each_hook_once(plugins):
     if pid == 0:  # the child: report what loading did here, then leave without pytest's cleanup
         try:
             names = load_plugins()
-            report = {"names": names, "calls": module.calls, "result": module.target(1), "pid": os.getpid()}
+            report = {
+                "names": names,
+                "calls": module.calls,
+                "result": module.target(1),
+                "pid": os.getpid(),
+            }
         except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
             report = {"error": repr(e)}
         os.write(writer, json.dumps(report).encode())

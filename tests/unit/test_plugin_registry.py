@@ -83,7 +83,12 @@ def _call(targets, kind: str, x: int):
     return asyncio.run(targets.Calc().adouble(x))
 
 
-PATHS = {"function": "double", "async function": "adouble", "method": "Calc.double", "async method": "Calc.adouble"}
+PATHS = {
+    "function": "double",
+    "async function": "adouble",
+    "method": "Calc.double",
+    "async method": "Calc.adouble",
+}
 
 
 def _hook(kind: str, hook_type: HookType):
@@ -93,20 +98,26 @@ def _hook(kind: str, hook_type: HookType):
         return lambda *args, **kwargs: (args[:-1] + (args[-1] + 1,), kwargs)
     if hook_type is HookType.AFTER:
         if is_async:
+
             async def after(result, *args, **kwargs):
                 assert isinstance(result, int)  # the awaited result, not a coroutine
                 return result + 1000
+
             return after
         return lambda result, *args, **kwargs: result + 1000
     if hook_type is HookType.AROUND:
         if is_async:
+
             async def around(original, *args, **kwargs):
                 return await original(*args, **kwargs) * 10
+
             return around
         return lambda original, *args, **kwargs: original(*args, **kwargs) * 10
     if is_async:
+
         async def replacement(*args, **kwargs):
             return -args[-1]
+
         return replacement
     return lambda *args, **kwargs: -args[-1]
 
@@ -126,8 +137,12 @@ def test_each_hook_type_on_each_kind_of_target(targets, registry, kind, hook_typ
 
 def test_hooks_returning_none_change_nothing(targets, registry):
     seen = []
-    registry.register(f"{TARGETS}.double", lambda *a, **k: seen.append(("before", a)), HookType.BEFORE)
-    registry.register(f"{TARGETS}.double", lambda r, *a, **k: seen.append(("after", r, a)), HookType.AFTER)
+    registry.register(
+        f"{TARGETS}.double", lambda *a, **k: seen.append(("before", a)), HookType.BEFORE
+    )
+    registry.register(
+        f"{TARGETS}.double", lambda r, *a, **k: seen.append(("after", r, a)), HookType.AFTER
+    )
     assert targets.double(5) == 10
     assert seen == [("before", (5,)), ("after", 10, (5,))]
 
@@ -212,12 +227,15 @@ def test_replace_a_class_keeps_isinstance_working(targets, registry):
 
 
 def test_patches_reach_names_imported_before_the_hook(targets, registry):
-    consumer = _module(CONSUMER, f"""
+    consumer = _module(
+        CONSUMER,
+        f"""
         from {TARGETS} import double, adouble
 
         def use(x):
             return double(x)
-        """)
+        """,
+    )
     registry.register(f"{TARGETS}.double", lambda r, x: r + 1, HookType.AFTER)
     registry.register(f"{TARGETS}.adouble", lambda r, x: r + 1, HookType.AFTER)
     assert consumer.use(2) == 5 and consumer.double(2) == 5
@@ -228,12 +246,15 @@ def test_patches_reach_names_imported_before_the_hook(targets, registry):
 
 def test_a_hooks_own_module_keeps_the_original(targets, registry):
     """A replacement calling the original by its imported name does not call itself."""
-    plugin = _module("cadence_test_plugin_module", f"""
+    plugin = _module(
+        "cadence_test_plugin_module",
+        f"""
         from {TARGETS} import double
 
         def doubled_twice(x):
             return double(double(x))
-        """)
+        """,
+    )
     try:
         registry.register(f"{TARGETS}.double", plugin.doubled_twice, HookType.REPLACE)
         assert targets.double(1) == 4

@@ -6,25 +6,43 @@ from collections import Counter
 import pytest
 import torch
 
-from cadence.layers.sampler import LOGIT_LIMIT, SamplingInput, adjust_logits, argmax, sample
 from cadence.front.sampling_checks import check_sampling_params
 from cadence.io_struct import SamplingParams
+from cadence.layers.sampler import LOGIT_LIMIT, SamplingInput, adjust_logits, argmax, sample
 
 VOCAB = 8
 
 
-def row(prompt=(0,), output=(), seed=None, suppress=None, top_logprobs_num=0, token_ids_logprob=None,
-        return_logprob=False, **params) -> SamplingInput:
+def row(
+    prompt=(0,),
+    output=(),
+    seed=None,
+    suppress=None,
+    top_logprobs_num=0,
+    token_ids_logprob=None,
+    return_logprob=False,
+    **params,
+) -> SamplingInput:
     p = SamplingParams(**params)
     check_sampling_params(p, VOCAB)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    return SamplingInput(p, list(prompt), list(output), gen, suppress, top_logprobs_num,
-                         token_ids_logprob, return_logprob)
+    return SamplingInput(
+        p,
+        list(prompt),
+        list(output),
+        gen,
+        suppress,
+        top_logprobs_num,
+        token_ids_logprob,
+        return_logprob,
+    )
 
 
 def logits_of(*probs) -> torch.Tensor:
     """A batch of logits whose softmax is exactly the given probability rows."""
-    return torch.tensor([[math.log(p) if p > 0 else -1e9 for p in r] for r in probs], dtype=torch.float32)
+    return torch.tensor(
+        [[math.log(p) if p > 0 else -1e9 for p in r] for r in probs], dtype=torch.float32
+    )
 
 
 # A distribution with a clear order: token 0 best, then 1, 2, ...
@@ -121,7 +139,8 @@ def test_negative_logit_bias_bans_a_token():
 
 def test_suppress_ids_are_never_picked():
     counts = Counter(
-        sample(logits_of(P), [row(seed=i, temperature=1.0, suppress=[0, 1])]).next_ids[0] for i in range(100)
+        sample(logits_of(P), [row(seed=i, temperature=1.0, suppress=[0, 1])]).next_ids[0]
+        for i in range(100)
     )
     assert 0 not in counts and 1 not in counts
     greedy = sample(logits_of(P), [row(temperature=0.0, suppress=[0])])
@@ -129,14 +148,18 @@ def test_suppress_ids_are_never_picked():
 
 
 def test_frequency_penalty_lowers_repeated_tokens_by_count():
-    logits = adjust_logits(torch.zeros(1, VOCAB), [row(temperature=0.0, output=[2, 2, 3], frequency_penalty=0.5)])
+    logits = adjust_logits(
+        torch.zeros(1, VOCAB), [row(temperature=0.0, output=[2, 2, 3], frequency_penalty=0.5)]
+    )
     assert logits[0, 2].item() == pytest.approx(-1.0)
     assert logits[0, 3].item() == pytest.approx(-0.5)
     assert logits[0, 0].item() == 0.0
 
 
 def test_presence_penalty_is_flat_per_present_token():
-    logits = adjust_logits(torch.zeros(1, VOCAB), [row(temperature=0.0, output=[2, 2, 3], presence_penalty=0.7)])
+    logits = adjust_logits(
+        torch.zeros(1, VOCAB), [row(temperature=0.0, output=[2, 2, 3], presence_penalty=0.7)]
+    )
     assert logits[0, 2].item() == pytest.approx(-0.7)
     assert logits[0, 3].item() == pytest.approx(-0.7)
     assert logits[0, 4].item() == 0.0
@@ -158,7 +181,9 @@ def test_penalties_change_the_greedy_choice():
 
 def test_repetition_penalty_pushes_seen_tokens_toward_less_likely():
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 0, 0, 0, 0]])
-    logits = adjust_logits(logits, [row(prompt=[0], output=[1], temperature=0.0, repetition_penalty=2.0)])
+    logits = adjust_logits(
+        logits, [row(prompt=[0], output=[1], temperature=0.0, repetition_penalty=2.0)]
+    )
     # Seen tokens (0 in the prompt, 1 in the output) move toward -inf: positive divided,
     # negative multiplied; unseen ones (2, 3) are untouched.
     assert logits[0].tolist()[:4] == [1.0, -4.0, 2.0, -2.0]
@@ -171,7 +196,10 @@ def test_repetition_penalty_below_one_encourages_seen_tokens():
 
 
 def test_penalties_apply_only_to_rows_that_ask():
-    rows = [row(temperature=0.0, output=[1]), row(temperature=0.0, output=[1], presence_penalty=1.0)]
+    rows = [
+        row(temperature=0.0, output=[1]),
+        row(temperature=0.0, output=[1], presence_penalty=1.0),
+    ]
     logits = adjust_logits(torch.zeros(2, VOCAB), rows)
     assert logits[0, 1].item() == 0.0
     assert logits[1, 1].item() == pytest.approx(-1.0)
@@ -205,19 +233,30 @@ def test_no_logprobs_unless_asked():
 
 
 def test_mixed_batch_greedy_and_sampled_rows():
-    rows = [row(temperature=0.0), row(seed=1, temperature=1.0, top_k=1),
-            row(seed=2, temperature=1.0, suppress=[0])]
+    rows = [
+        row(temperature=0.0),
+        row(seed=1, temperature=1.0, top_k=1),
+        row(seed=2, temperature=1.0, suppress=[0]),
+    ]
     out = sample(logits_of(P, P[::-1], P), rows)
     assert out.next_ids[0] == 0
     assert out.next_ids[1] == VOCAB - 1
     assert out.next_ids[2] != 0
 
 
-@pytest.mark.parametrize("params", [
-    {"temperature": 0.0, "logit_bias": {3: 5.0}},
-    {"temperature": 0.0, "frequency_penalty": 1.0, "presence_penalty": 0.5, "repetition_penalty": 1.5},
-    {"temperature": 1.0, "top_k": 3, "top_p": 0.9, "min_p": 0.1},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.0, "logit_bias": {3: 5.0}},
+        {
+            "temperature": 0.0,
+            "frequency_penalty": 1.0,
+            "presence_penalty": 0.5,
+            "repetition_penalty": 1.5,
+        },
+        {"temperature": 1.0, "top_k": 3, "top_p": 0.9, "min_p": 0.1},
+    ],
+)
 def test_logits_from_an_inference_mode_forward(params):
     # The model runs under torch.inference_mode(); its logits are inference tensors, which
     # refuse in-place updates outside that mode. The sampler edits logits in place.
@@ -248,8 +287,20 @@ def test_blocked_argmax_answers_exactly_like_torch_argmax(vocab):
 def test_sample_leaves_the_callers_logits_unchanged():
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 0, 0, 0, 0]])
     before = logits.clone()
-    sample(logits, [row(prompt=[0], output=[1], temperature=1.0, seed=0, repetition_penalty=2.0,
-                        logit_bias={"3": 5.0}, frequency_penalty=1.0)])
+    sample(
+        logits,
+        [
+            row(
+                prompt=[0],
+                output=[1],
+                temperature=1.0,
+                seed=0,
+                repetition_penalty=2.0,
+                logit_bias={"3": 5.0},
+                frequency_penalty=1.0,
+            )
+        ],
+    )
     assert torch.equal(logits, before)
 
 
@@ -258,7 +309,12 @@ def test_sample_leaves_the_callers_logits_unchanged():
 EXTREMES = [
     {"repetition_penalty": 0.0, "temperature": 1.0},
     {"repetition_penalty": 5e-324, "temperature": 0.7},
-    {"repetition_penalty": 0.0, "frequency_penalty": 2.0, "presence_penalty": 2.0, "temperature": 0.5},
+    {
+        "repetition_penalty": 0.0,
+        "frequency_penalty": 2.0,
+        "presence_penalty": 2.0,
+        "temperature": 0.5,
+    },
     {"logit_bias": {"1": 1e300, "2": 1e300}, "temperature": 1.0},
     {"logit_bias": {"1": -1e300, "2": 1e308}, "temperature": 1e-5},
     {"logit_bias": {"1": 1e300}, "temperature": 1e300},
@@ -271,10 +327,21 @@ EXTREMES = [
 ]
 
 
-@pytest.mark.parametrize("params", EXTREMES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+@pytest.mark.parametrize(
+    "params", EXTREMES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items())
+)
 def test_extreme_parameters_keep_the_math_finite(params):
-    rows = [row(prompt=[0, 1, 2], output=[1, 2], seed=s, return_logprob=True, top_logprobs_num=3, **params)
-            for s in range(4)]
+    rows = [
+        row(
+            prompt=[0, 1, 2],
+            output=[1, 2],
+            seed=s,
+            return_logprob=True,
+            top_logprobs_num=3,
+            **params,
+        )
+        for s in range(4)
+    ]
     logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(0)) * 4
     out = sample(logits, rows)
     assert all(0 <= t < VOCAB for t in out.next_ids)

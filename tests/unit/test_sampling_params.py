@@ -150,9 +150,7 @@ def test_min_new_tokens_checked_against_given_max():
 
 
 def test_token_ids_only_bounded_below_without_vocab():
-    assert check({"stop_token_ids": [10**9], "logit_bias": {"123456": 1}}).stop_token_ids == [
-        10**9
-    ]
+    assert check({"stop_token_ids": [10**9], "logit_bias": {"123456": 1}}).stop_token_ids == [10**9]
     with pytest.raises(ValueError, match="^stop_token_ids"):
         check({"stop_token_ids": [-1]})
 

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from cadence.io_struct import AbortReq, BatchStrOutput, GenerateReqInput
 from cadence.errors import RequestError
 from cadence.front.engine_client import ModelInfo
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.front.tokenizer_manager import TokenizerManager
+from cadence.io_struct import AbortReq, BatchStrOutput, GenerateReqInput
 
 
 class _Tokenizer:
@@ -23,16 +23,29 @@ class _Tokenizer:
 
 
 def _output(rid: str, reason, text: str) -> BatchStrOutput:
-    return BatchStrOutput(rids=[rid], http_worker_ipcs=[None], finished_reasons=[reason], output_strs=[text],
-                          output_ids=[[1] * len(text)], prompt_tokens=[2], completion_tokens=[len(text)],
-                          cached_tokens=[0])
+    return BatchStrOutput(
+        rids=[rid],
+        http_worker_ipcs=[None],
+        finished_reasons=[reason],
+        output_strs=[text],
+        output_ids=[[1] * len(text)],
+        prompt_tokens=[2],
+        completion_tokens=[len(text)],
+        cached_tokens=[0],
+    )
 
 
 @pytest.mark.parametrize("n", [1, 2])
 async def test_failure_mid_stream_raises_in_the_consumer(n):
     sent = []
-    info = ModelInfo(model_path="m", tokenizer_path=None, served_model_name="m", context_len=256, vocab_size=100,
-                     max_total_tokens=1024)
+    info = ModelInfo(
+        model_path="m",
+        tokenizer_path=None,
+        served_model_name="m",
+        context_len=256,
+        vocab_size=100,
+        max_total_tokens=1024,
+    )
     tm = TokenizerManager(FrontTokenizer(_Tokenizer()), info, sent.append)
     gen = tm.generate_request(GenerateReqInput(text="hi", stream=True, sampling_params={"n": n}))
     first = asyncio.ensure_future(gen.__anext__())
@@ -53,8 +66,14 @@ async def test_outputs_after_the_finish_do_not_change_the_outcome():
     """The front ends a stream (a 503 on shutdown) while the scheduler's outputs for it are
     still in flight: the consumer, even a slow one, still gets the 503."""
     sent = []
-    info = ModelInfo(model_path="m", tokenizer_path=None, served_model_name="m", context_len=256, vocab_size=100,
-                     max_total_tokens=1024)
+    info = ModelInfo(
+        model_path="m",
+        tokenizer_path=None,
+        served_model_name="m",
+        context_len=256,
+        vocab_size=100,
+        max_total_tokens=1024,
+    )
     tm = TokenizerManager(FrontTokenizer(_Tokenizer()), info, sent.append)
     gen = tm.generate_request(GenerateReqInput(text="hi", stream=True))
     first = asyncio.ensure_future(gen.__anext__())
@@ -63,7 +82,11 @@ async def test_outputs_after_the_finish_do_not_change_the_outcome():
     tm.handle_output(_output(rid, None, "a"))
     assert (await asyncio.wait_for(first, 2))["text"] == "a"
     # The consumer is busy: the front's 503, then late scheduler outputs, arrive before it reads on.
-    tm.handle_output(_output(rid, {"type": "abort", "message": "the server is shutting down", "status_code": 503}, ""))
+    tm.handle_output(
+        _output(
+            rid, {"type": "abort", "message": "the server is shutting down", "status_code": 503}, ""
+        )
+    )
     tm.handle_output(_output(rid, None, "b"))
     tm.handle_output(_output(rid, {"type": "abort", "message": "aborted"}, ""))
     with pytest.raises(RequestError, match="shutting down") as info:

@@ -60,8 +60,6 @@ async def make_router() -> Callable[..., Awaitable[Router]]:
 
 @pytest.fixture
 async def client() -> aiohttp.ClientSession:
-    session = aiohttp.ClientSession(
-        auto_decompress=False, timeout=aiohttp.ClientTimeout(total=10)
-    )
+    session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=10))
     yield session
     await session.close()

@@ -80,7 +80,9 @@ class FakeWorker:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        self.received.append(Received(request.method, request.raw_path, dict(request.headers), body))
+        self.received.append(
+            Received(request.method, request.raw_path, dict(request.headers), body)
+        )
         self.handler_started.set()
         if self.mode == "hang":
             await asyncio.sleep(3600)
@@ -89,7 +91,9 @@ class FakeWorker:
         if self.mode in ("sse", "break"):
             return await self._stream(request)
         if self.mode == "echo":  # answer with the very bytes received
-            return web.Response(status=self.status, body=body, headers={"Content-Type": "application/octet-stream"})
+            return web.Response(
+                status=self.status, body=body, headers={"Content-Type": "application/octet-stream"}
+            )
         headers = {"Content-Type": self.content_type, **self.extra_headers}
         return web.Response(status=self.status, body=self.body, headers=headers)
 
@@ -114,7 +118,9 @@ class FakeWorker:
         return response
 
 
-async def raw_exchange(url: str, data: bytes, timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
+async def raw_exchange(
+    url: str, data: bytes, timeout: float = 5.0
+) -> tuple[int, dict[str, str], bytes]:
     """Send `data` as it is on a fresh connection to `url`'s host; the answer's status, headers, body.
 
     For requests an HTTP client library would not send (raw header bytes, a body cut
@@ -163,7 +169,9 @@ def closed_port_url() -> str:
     return f"http://127.0.0.1:{port}"
 
 
-async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+async def wait_for(
+    predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition"
+) -> None:
     """Poll `predicate` every 10 ms; fail the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -52,7 +52,9 @@ async def test_workers_crud_by_id_and_validation(make_worker, make_router, clien
         assert resp.status == 400
     async with client.put(router.url + "/workers/" + wid, json={"bogus": True}) as resp:
         assert resp.status == 400 and "bogus" in (await resp.json())["error"]["message"]
-    async with client.put(router.url + "/workers/" + wid, json={"capabilities": ["embedding"]}) as resp:
+    async with client.put(
+        router.url + "/workers/" + wid, json={"capabilities": ["embedding"]}
+    ) as resp:
         assert (await resp.json())["capabilities"] == ["embedding"]
     async with client.post(router.url + CHAT, data=b"{}") as resp:
         assert resp.status == 503  # it no longer does chat
@@ -69,7 +71,9 @@ async def test_disable_takes_worker_out_while_probes_continue(make_worker, make_
     wid = router.registry.get(a.url).id
     async with client.put(router.url + "/workers/" + wid, json={"disabled": True}) as resp:
         body = await resp.json()
-        assert body["disabled"] is True and body["routable"] is False and body["health"] == "healthy"
+        assert (
+            body["disabled"] is True and body["routable"] is False and body["health"] == "healthy"
+        )
     for _ in range(3):
         async with client.post(router.url + CHAT, data=b"{}") as resp:
             assert await resp.read() == b"b"
@@ -103,7 +107,9 @@ async def test_dead_is_a_quarantine_until_recovered(make_worker, make_router, cl
     await assert_idle(router)
 
 
-async def test_models_are_merged_deduplicated_and_failures_detailed(make_worker, make_router, client):
+async def test_models_are_merged_deduplicated_and_failures_detailed(
+    make_worker, make_router, client
+):
     a = await make_worker(models=[{"id": "m1", "owned_by": "a"}, {"id": "shared", "owned_by": "a"}])
     b = await make_worker(models=[{"id": "shared", "owned_by": "b"}, {"id": "m2"}])
     broken = await make_worker(models=None)  # answers 500
@@ -119,7 +125,9 @@ async def test_models_are_merged_deduplicated_and_failures_detailed(make_worker,
         assert details == [{"worker": broken.url, "error": "answered 500"}]
 
 
-async def test_metrics_report_requests_selections_health_retries_active(make_worker, make_router, client):
+async def test_metrics_report_requests_selections_health_retries_active(
+    make_worker, make_router, client
+):
     worker = await make_worker()
     router = await make_router([worker.url, closed_port_url()], wait_healthy=False)
     await wait_for(lambda: router.registry.get(worker.url).is_routable, what="healthy")
@@ -147,14 +155,25 @@ async def test_api_key_guards_everything_but_liveness(make_worker, make_router, 
     for path in ("/live", "/ready", "/health"):
         async with client.get(router.url + path) as resp:
             assert resp.status == 200, path
-    for method, path in (("POST", CHAT), ("GET", "/workers"), ("GET", "/metrics"), ("GET", "/v1/models")):
+    for method, path in (
+        ("POST", CHAT),
+        ("GET", "/workers"),
+        ("GET", "/metrics"),
+        ("GET", "/v1/models"),
+    ):
         async with client.request(method, router.url + path, data=b"{}") as resp:
             assert resp.status == 401, path
-        async with client.request(method, router.url + path, headers={"Authorization": "Bearer nope"}) as resp:
+        async with client.request(
+            method, router.url + path, headers={"Authorization": "Bearer nope"}
+        ) as resp:
             assert resp.status == 401, path
-    async with client.post(router.url + CHAT, data=b"{}", headers={"Authorization": "Bearer s3cret"}) as resp:
+    async with client.post(
+        router.url + CHAT, data=b"{}", headers={"Authorization": "Bearer s3cret"}
+    ) as resp:
         assert resp.status == 200
-    async with client.get(router.url + "/workers", headers={"Authorization": "Bearer s3cret"}) as resp:
+    async with client.get(
+        router.url + "/workers", headers={"Authorization": "Bearer s3cret"}
+    ) as resp:
         assert resp.status == 200
     assert worker.received[0].headers["Authorization"] == "Bearer s3cret"  # passed on to the worker
     assert worker.num_requests == 1

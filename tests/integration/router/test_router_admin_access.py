@@ -40,7 +40,9 @@ async def _admin_calls(client, router, worker_url: str, headers: dict[str, str])
     return statuses
 
 
-async def test_admin_routes_are_off_by_default_and_say_how_to_turn_them_on(make_worker, make_router, client):
+async def test_admin_routes_are_off_by_default_and_say_how_to_turn_them_on(
+    make_worker, make_router, client
+):
     worker = await make_worker()
     router = await make_router([worker.url], api_key=CLIENT_KEY)
     for headers in ({}, _bearer(CLIENT_KEY)):
@@ -64,8 +66,16 @@ async def test_admin_key_opens_admin_routes_and_nothing_else_does(make_worker, m
         assert resp.headers["WWW-Authenticate"] == "Bearer"
         assert "admin key" in (await resp.json())["error"]["message"]
     assert len(router.registry) == 1
-    assert await _admin_calls(client, router, worker.url, _bearer(ADMIN_KEY)) == [200, 200, 201, 200, 200]
-    async with client.get(router.url + "/workers", headers={"Authorization": f"bearer  {ADMIN_KEY}"}) as resp:
+    assert await _admin_calls(client, router, worker.url, _bearer(ADMIN_KEY)) == [
+        200,
+        200,
+        201,
+        200,
+        200,
+    ]
+    async with client.get(
+        router.url + "/workers", headers={"Authorization": f"bearer  {ADMIN_KEY}"}
+    ) as resp:
         assert resp.status == 200  # the scheme is case-insensitive
     async with client.post(router.url + CHAT, data=b"{}", headers=_bearer(ADMIN_KEY)) as resp:
         assert resp.status == 401  # the admin key is not a client key
@@ -73,7 +83,9 @@ async def test_admin_key_opens_admin_routes_and_nothing_else_does(make_worker, m
         assert resp.status == 200
 
 
-async def test_admin_key_without_client_key_leaves_client_routes_open(make_worker, make_router, client):
+async def test_admin_key_without_client_key_leaves_client_routes_open(
+    make_worker, make_router, client
+):
     worker = await make_worker()
     router = await make_router([worker.url], admin_api_key=ADMIN_KEY)
     async with client.post(router.url + CHAT, data=b"{}") as resp:
@@ -89,17 +101,23 @@ async def test_enable_admin_api_serves_it_open_without_any_key(make_worker, make
 
 
 @pytest.mark.parametrize("sent", [b"cl\xe9-key", b"cl\xc3\xa9-key"], ids=["latin-1", "utf-8"])
-async def test_a_latin1_admin_key_is_accepted_in_either_byte_spelling(make_worker, make_router, sent):
+async def test_a_latin1_admin_key_is_accepted_in_either_byte_spelling(
+    make_worker, make_router, sent
+):
     worker = await make_worker()
     router = await make_router([worker.url], admin_api_key="cl\u00e9-key")
-    request = b"GET /workers HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer %s\r\n\r\n"
+    request = (
+        b"GET /workers HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer %s\r\n\r\n"
+    )
     status, _, body = await raw_exchange(router.url, request % sent)
     assert status == 200 and worker.url.encode() in body
     status, _, _ = await raw_exchange(router.url, request % b"cl\xe9-kez")
     assert status == 401
 
 
-async def test_worker_ids_accept_the_url_itself_and_the_encoded_id(make_worker, make_router, client):
+async def test_worker_ids_accept_the_url_itself_and_the_encoded_id(
+    make_worker, make_router, client
+):
     a, b = await make_worker(), await make_worker()
     router = await make_router([a.url, b.url], admin_api_key=ADMIN_KEY)
     auth = _bearer(ADMIN_KEY)
@@ -109,29 +127,42 @@ async def test_worker_ids_accept_the_url_itself_and_the_encoded_id(make_worker, 
         async with client.get(router.url + "/workers/" + form, headers=auth) as resp:
             assert resp.status == 200, form
             assert (await resp.json())["url"] == a.url
-    async with client.put(router.url + "/workers/" + a.url, json={"disabled": True}, headers=auth) as resp:
+    async with client.put(
+        router.url + "/workers/" + a.url, json={"disabled": True}, headers=auth
+    ) as resp:
         assert resp.status == 200 and (await resp.json())["disabled"] is True
     encoded = "/workers/" + quote(a.url, safe="")
     async with client.put(router.url + encoded, json={"disabled": False}, headers=auth) as resp:
         assert resp.status == 200 and (await resp.json())["disabled"] is False
     async with client.delete(router.url + "/workers/" + a.url, headers=auth) as resp:
         assert resp.status == 200
-    async with client.delete(router.url + "/workers/" + quote(b.url, safe=""), headers=auth) as resp:
+    async with client.delete(
+        router.url + "/workers/" + quote(b.url, safe=""), headers=auth
+    ) as resp:
         assert resp.status == 200
     assert len(router.registry) == 0
     for missing in (a.url, "http://169.254.169.254", "not a url"):
-        async with client.get(router.url + "/workers/" + quote(missing, safe=""), headers=auth) as resp:
-            assert resp.status == 404 and "GET /workers lists them" in (await resp.json())["error"]["message"]
+        async with client.get(
+            router.url + "/workers/" + quote(missing, safe=""), headers=auth
+        ) as resp:
+            assert (
+                resp.status == 404
+                and "GET /workers lists them" in (await resp.json())["error"]["message"]
+            )
 
 
 async def test_admin_body_over_the_cap_is_refused_from_its_content_length(make_router):
     router = await make_router([], wait_healthy=False, enable_admin_api=True)
     # A body announced at 10 MiB of which only a few bytes ever come: 413 without waiting for it.
     head = b"POST /workers HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-    status, headers, body = await raw_exchange(router.url, head % (10 << 20) + b'{"url": ', timeout=2.0)
+    status, headers, body = await raw_exchange(
+        router.url, head % (10 << 20) + b'{"url": ', timeout=2.0
+    )
     assert status == 413 and b"65536 bytes" in body
     assert headers["Connection"] == "close"
-    status, _, _ = await raw_exchange(router.url, head % (MAX_ADMIN_BODY_BYTES + 1) + b"{", timeout=2.0)
+    status, _, _ = await raw_exchange(
+        router.url, head % (MAX_ADMIN_BODY_BYTES + 1) + b"{", timeout=2.0
+    )
     assert status == 413
     assert len(router.registry) == 0
 
@@ -176,7 +207,13 @@ async def test_admin_body_of_exactly_the_cap_is_accepted(make_worker, make_route
         (b'{"url": "http://[fe80::1]:8000"}', "link-local"),
         (b'{"url": "http://127.0.0.1:1/' + b"p" * 3000 + b'"}', "the limit is 2048"),
         (b'{"url": "http://127.0.0.1:1", "model": "' + b"m" * 300 + b'"}', "model: 300 characters"),
-        (b'{"url": "http://127.0.0.1:1", "capabilities": ' + b'[' + b'"chat", ' * 20 + b'"chat"]}', "at most 9"),
+        (
+            b'{"url": "http://127.0.0.1:1", "capabilities": '
+            + b"["
+            + b'"chat", ' * 20
+            + b'"chat"]}',
+            "at most 9",
+        ),
         (b'{"url": "http://127.0.0.1:1", "model": 5}', "model"),
     ],
 )

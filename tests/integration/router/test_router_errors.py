@@ -45,12 +45,16 @@ async def test_unexpected_exception_is_a_logged_json_500(make_worker, make_route
     router.forwarder.forward = broken_forward
     router.update_worker = broken_update
     with caplog.at_level(logging.ERROR, logger="cadence.router"):
-        async with client.post(router.url + CHAT, data=b"{}", headers={"x-request-id": "rid-1"}) as resp:
+        async with client.post(
+            router.url + CHAT, data=b"{}", headers={"x-request-id": "rid-1"}
+        ) as resp:
             assert resp.status == 500
             error = await _json_error(resp)
             assert resp.headers["x-cadence-request-id"] == "rid-1" and "rid-1" in error["message"]
             assert "bug" not in error["message"]  # internals stay in the log
-        async with client.put(router.url + "/workers/" + worker.url, json={"disabled": True}) as resp:
+        async with client.put(
+            router.url + "/workers/" + worker.url, json={"disabled": True}
+        ) as resp:
             assert resp.status == 500
             await _json_error(resp)
     logged = [r for r in caplog.records if r.exc_info]

@@ -17,7 +17,9 @@ CHAT = "/v1/chat/completions"
 EVENTS = [b"data: %d\n\n" % i for i in range(10)]
 
 
-async def test_retry_on_connection_refused_reaches_the_live_worker(make_worker, make_router, client):
+async def test_retry_on_connection_refused_reaches_the_live_worker(
+    make_worker, make_router, client
+):
     doomed = await make_worker(body=b"doomed")
     live = await make_worker(body=b"live")
     # Probes only at startup: the stopped worker stays routable until requests fail.
@@ -35,7 +37,9 @@ async def test_retry_on_connection_refused_reaches_the_live_worker(make_worker, 
     await assert_idle(router)
 
 
-async def test_all_attempts_refused_gives_502_and_marks_worker_unhealthy(make_worker, make_router, client):
+async def test_all_attempts_refused_gives_502_and_marks_worker_unhealthy(
+    make_worker, make_router, client
+):
     doomed = await make_worker()
     router = await make_router([doomed.url], retry_max_retries=2, health_failure_threshold=3,
                                health_check_interval_secs=60)  # fmt: skip
@@ -68,7 +72,9 @@ async def test_5xx_is_retried_elsewhere_and_final_5xx_is_relayed(make_worker, ma
     await assert_idle(solo)
 
 
-async def test_a_5xx_the_replica_blames_on_the_request_is_relayed_not_retried(make_worker, make_router, client):
+async def test_a_5xx_the_replica_blames_on_the_request_is_relayed_not_retried(
+    make_worker, make_router, client
+):
     answer = b'{"error": {"message": "prompt breaks the tokenizer", "code": 500}}'
     fault = {"X-Cadence-Fault": "request", "X-Upstream": "kept"}
     a = await make_worker(status=500, body=answer, extra_headers=fault)
@@ -79,7 +85,10 @@ async def test_a_5xx_the_replica_blames_on_the_request_is_relayed_not_retried(ma
             assert resp.status == 500
             assert await resp.read() == answer
             assert resp.headers["Content-Type"] == "application/json"
-            assert resp.headers["X-Cadence-Fault"] == "request" and resp.headers["X-Upstream"] == "kept"
+            assert (
+                resp.headers["X-Cadence-Fault"] == "request"
+                and resp.headers["X-Upstream"] == "kept"
+            )
         assert a.num_requests + b.num_requests == i + 1  # exactly one worker per request
     assert a.num_requests == b.num_requests == 2  # round robin, no retries in between
     for worker in (a, b):
@@ -120,17 +129,23 @@ async def test_a_plain_500_is_still_retried_on_another_worker(make_worker, make_
         (503, {"x-cadence-fault": " Request "}, False),
     ],
 )
-async def test_which_answers_are_retried(make_worker, make_router, client, status, headers, is_retried):
+async def test_which_answers_are_retried(
+    make_worker, make_router, client, status, headers, is_retried
+):
     first = await make_worker(status=status, body=b"first", extra_headers=headers)
     second = await make_worker(body=b"second")
     router = await make_router([first.url, second.url])
     async with client.post(router.url + CHAT, data=b"{}") as resp:
-        assert (resp.status, await resp.read()) == ((200, b"second") if is_retried else (status, b"first"))
+        assert (resp.status, await resp.read()) == (
+            (200, b"second") if is_retried else (status, b"first")
+        )
     assert (first.num_requests, second.num_requests) == (1, int(is_retried))
     await assert_idle(router)
 
 
-async def test_started_stream_is_never_replayed_and_cut_is_visible(make_worker, make_router, client):
+async def test_started_stream_is_never_replayed_and_cut_is_visible(
+    make_worker, make_router, client
+):
     breaking = await make_worker(mode="break", events=EVENTS)
     other = await make_worker(mode="sse", events=EVENTS)
     router = await make_router([breaking.url, other.url])

@@ -42,7 +42,9 @@ def _free_port() -> int:
 
 
 def test_router_modules_and_a_running_router_do_not_import_torch():
-    out = subprocess.run([sys.executable, "-c", NO_TORCH_SCRIPT], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", NO_TORCH_SCRIPT], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "HEAVY:\n" in out.stdout, out.stdout  # none of them loaded
 

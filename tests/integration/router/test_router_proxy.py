@@ -55,7 +55,10 @@ async def test_hop_by_hop_headers_are_stripped_both_ways(make_worker, make_route
 
 
 async def test_sse_stream_is_relayed_byte_exact_and_unframed(make_worker, make_router, client):
-    events = [b"data: {\"i\": %d}\n\n" % i for i in range(20)] + [b": comment\r\n\r\n", b"data: [DONE]\n\n"]
+    events = [b'data: {"i": %d}\n\n' % i for i in range(20)] + [
+        b": comment\r\n\r\n",
+        b"data: [DONE]\n\n",
+    ]
     worker = await make_worker(mode="sse", events=events, event_gap_secs=0.001)
     router = await make_router([worker.url])
     received = bytearray()
@@ -75,14 +78,18 @@ async def test_compressed_answer_is_relayed_compressed(make_worker, make_router,
     payload = gzip.compress(b'{"a": 1}' * 100)
     worker = await make_worker(body=payload, extra_headers={"Content-Encoding": "gzip"})
     router = await make_router([worker.url])
-    async with client.post(router.url + CHAT, data=b"{}", headers={"Accept-Encoding": "gzip"}) as resp:
+    async with client.post(
+        router.url + CHAT, data=b"{}", headers={"Accept-Encoding": "gzip"}
+    ) as resp:
         assert resp.headers["Content-Encoding"] == "gzip"
         assert await resp.read() == payload
     assert worker.received[0].headers["Accept-Encoding"] == "gzip"
     await assert_idle(router)
 
 
-async def test_413_with_content_length_before_any_worker_is_chosen(make_worker, make_router, client):
+async def test_413_with_content_length_before_any_worker_is_chosen(
+    make_worker, make_router, client
+):
     worker = await make_worker()
     router = await make_router([worker.url], max_payload_size=1000)
     async with client.post(router.url + CHAT, data=b"x" * 1001) as resp:
@@ -132,7 +139,9 @@ async def _until(predicate) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_503_when_no_worker_fits_model_or_capabilities(make_worker, make_router, client, tmp_path):
+async def test_503_when_no_worker_fits_model_or_capabilities(
+    make_worker, make_router, client, tmp_path
+):
     chat_worker = await make_worker(body=b'{"who": "chat"}')
     embed_worker = await make_worker(body=b'{"who": "embed"}')
     config = tmp_path / "workers.yaml"
@@ -144,14 +153,18 @@ async def test_503_when_no_worker_fits_model_or_capabilities(make_worker, make_r
     await _wait_routable(router, 2)
     async with client.post(router.url + CHAT, json={"model": "small", "stream": True}) as resp:
         assert (await resp.read()) == b'{"who": "chat"}'
-    async with client.post(router.url + "/v1/embeddings", json={"model": "embedder", "input": "x"}) as resp:
+    async with client.post(
+        router.url + "/v1/embeddings", json={"model": "embedder", "input": "x"}
+    ) as resp:
         assert (await resp.read()) == b'{"who": "embed"}'
     async with client.post(router.url + CHAT, json={"model": "other"}) as resp:
         assert resp.status == 503
         assert "'other'" in (await resp.json())["error"]["message"]
     async with client.post(router.url + CHAT, json={"model": "x" * 100000}) as resp:
         assert resp.status == 503
-        assert len((await resp.json())["error"]["message"]) < 400  # the name is cut, not echoed whole
+        assert (
+            len((await resp.json())["error"]["message"]) < 400
+        )  # the name is cut, not echoed whole
     async with client.post(router.url + "/v1/embeddings", json={"model": "small"}) as resp:
         assert resp.status == 503  # right model, missing capability
     image_chat = {"model": "small", "messages": [{"role": "user", "content": [
@@ -200,12 +213,18 @@ async def test_worker_4xx_is_relayed_and_never_counts_as_failure(make_worker, ma
             assert resp.status == 400
             assert await resp.read() == b'{"error": "bad"}'
     state = router.registry.routable[0]
-    assert state.health.value == "healthy" and state.consecutive_failures == 0 and state.num_failures == 0
+    assert (
+        state.health.value == "healthy"
+        and state.consecutive_failures == 0
+        and state.num_failures == 0
+    )
     assert worker.num_requests == 3  # 4xx is never retried either
     await assert_idle(router)
 
 
-async def test_route_log_lines_and_write_failures_do_not_fail_requests(make_worker, make_router, client, tmp_path):
+async def test_route_log_lines_and_write_failures_do_not_fail_requests(
+    make_worker, make_router, client, tmp_path
+):
     worker = await make_worker()
     log = tmp_path / "routes.jsonl"
     router = await make_router([worker.url], route_log=str(log))
@@ -243,14 +262,23 @@ async def test_large_bodies_both_ways_are_exact(make_worker, make_router, client
         b'{"model": "m\xff\xfe", "messages": [{"role": "user", "content": "hi"}]}',  # invalid UTF-8
         b"\xff\xfe{\x00}\x00",  # UTF-16
         b'{"model": "m", "messages": [',  # cut short
-        b'{"model": "m", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",  # nested past the parser's limit
+        b'{"model": "m", "x": '
+        + b"[" * 100000
+        + b"]" * 100000
+        + b"}",  # nested past the parser's limit
     ],
     ids=["invalid-utf8", "utf16", "truncated", "deep"],
 )
-async def test_bodies_the_router_cannot_read_are_forwarded_unchanged(make_worker, make_router, client, body):
-    worker = await make_worker(mode="echo", status=400)  # the worker judges the body and answers 400
+async def test_bodies_the_router_cannot_read_are_forwarded_unchanged(
+    make_worker, make_router, client, body
+):
+    worker = await make_worker(
+        mode="echo", status=400
+    )  # the worker judges the body and answers 400
     router = await make_router([worker.url])
-    async with client.post(router.url + CHAT, data=body, headers={"Content-Type": "application/json"}) as resp:
+    async with client.post(
+        router.url + CHAT, data=body, headers={"Content-Type": "application/json"}
+    ) as resp:
         assert resp.status == 400
         assert await resp.read() == body  # what the worker received, echoed back
         assert resp.headers["x-cadence-worker"] == worker.url

@@ -66,7 +66,7 @@ async def test_a_reader_that_stops_reading_is_ended_with_resource_exhausted_and_
 
 async def test_leaving_early_closes_the_source():
     src = Source(1000, gap=0.001)
-    async for batch in buffered(src.gen(), limit=8):
+    async for _ in buffered(src.gen(), limit=8):
         break
     await asyncio.sleep(0.01)
     assert src.closed
@@ -104,7 +104,10 @@ async def test_backlog_watch_ends_only_the_stream_that_falls_behind():
         ended.append((name, error))
 
     watch = BacklogWatch(limit=10, interval=0.01)
-    keys = {name: watch.watch(lambda name=name: held[name], lambda e, name=name: end(name, e)) for name in held}
+    keys = {
+        name: watch.watch(lambda name=name: held[name], lambda e, name=name: end(name, e))
+        for name in held
+    }
     held["slow"], held["fast"] = 11, 10  # fast is at the limit, not beyond
     await asyncio.sleep(0.05)
     assert [name for name, _ in ended] == ["slow"]

@@ -17,14 +17,18 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def _gen_script():
-    spec = importlib.util.spec_from_file_location("gen_grpc_stubs", REPO / "scripts" / "gen_grpc_stubs.py")
+    spec = importlib.util.spec_from_file_location(
+        "gen_grpc_stubs", REPO / "scripts" / "gen_grpc_stubs.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_checked_in_stubs_match_the_proto():
-    pytest.importorskip("grpc_tools", reason="grpcio-tools (a test dependency) regenerates the stubs to compare")
+    pytest.importorskip(
+        "grpc_tools", reason="grpcio-tools (a test dependency) regenerates the stubs to compare"
+    )
     problems = _gen_script().stale_stubs()
     assert not problems, "\n".join(problems) + "\nrun: python scripts/gen_grpc_stubs.py"
 
@@ -36,44 +40,106 @@ def test_stubs_import_without_protoc():
     assert hasattr(sglang_pb2_grpc, "SglangServiceStub")
 
 
-S, I32, I64, FL, B, BY, MSG, MAP = "string", "int32", "int64", "float", "bool", "bytes", "message", "map"
+S, I32, I64, FL, B, BY, MSG, MAP = (
+    "string",
+    "int32",
+    "int64",
+    "float",
+    "bool",
+    "bytes",
+    "message",
+    "map",
+)
 OPT, REP = "optional", "repeated"
 # each field: (number, type, label), label "" for a plain proto3 singular field
 
 CONTRACT: dict[str, dict[str, tuple]] = {
     "SamplingParams": {
-        "temperature": (1, FL, OPT), "top_p": (2, FL, OPT), "top_k": (3, I32, OPT), "min_p": (4, FL, OPT),
-        "frequency_penalty": (5, FL, OPT), "presence_penalty": (6, FL, OPT), "repetition_penalty": (7, FL, OPT),
-        "max_new_tokens": (8, I32, OPT), "min_new_tokens": (9, I32, OPT), "stop": (10, S, REP),
-        "stop_token_ids": (11, I32, REP), "ignore_eos": (12, B, OPT), "n": (13, I32, OPT),
-        "json_schema": (14, S, OPT), "regex": (15, S, OPT)},
-    "DisaggregatedParams": {"bootstrap_host": (1, S, ""), "bootstrap_port": (2, I32, ""),
-                            "bootstrap_room": (3, I64, "")},
+        "temperature": (1, FL, OPT),
+        "top_p": (2, FL, OPT),
+        "top_k": (3, I32, OPT),
+        "min_p": (4, FL, OPT),
+        "frequency_penalty": (5, FL, OPT),
+        "presence_penalty": (6, FL, OPT),
+        "repetition_penalty": (7, FL, OPT),
+        "max_new_tokens": (8, I32, OPT),
+        "min_new_tokens": (9, I32, OPT),
+        "stop": (10, S, REP),
+        "stop_token_ids": (11, I32, REP),
+        "ignore_eos": (12, B, OPT),
+        "n": (13, I32, OPT),
+        "json_schema": (14, S, OPT),
+        "regex": (15, S, OPT),
+    },
+    "DisaggregatedParams": {
+        "bootstrap_host": (1, S, ""),
+        "bootstrap_port": (2, I32, ""),
+        "bootstrap_room": (3, I64, ""),
+    },
     "TextGenerateRequest": {
-        "text": (1, S, ""), "sampling_params": (2, MSG, OPT), "stream": (3, B, OPT), "return_logprob": (4, B, OPT),
-        "top_logprobs_num": (5, I32, OPT), "logprob_start_len": (6, I32, OPT),
-        "return_text_in_logprobs": (7, B, OPT), "rid": (8, S, OPT), "lora_path": (9, S, OPT),
-        "routing_key": (10, S, OPT), "routed_dp_rank": (11, I32, OPT), "trace_headers": (12, MAP, ""),
-        "disaggregated_params": (13, MSG, OPT)},
+        "text": (1, S, ""),
+        "sampling_params": (2, MSG, OPT),
+        "stream": (3, B, OPT),
+        "return_logprob": (4, B, OPT),
+        "top_logprobs_num": (5, I32, OPT),
+        "logprob_start_len": (6, I32, OPT),
+        "return_text_in_logprobs": (7, B, OPT),
+        "rid": (8, S, OPT),
+        "lora_path": (9, S, OPT),
+        "routing_key": (10, S, OPT),
+        "routed_dp_rank": (11, I32, OPT),
+        "trace_headers": (12, MAP, ""),
+        "disaggregated_params": (13, MSG, OPT),
+    },
     "TextGenerateResponse": {"text": (1, S, ""), "meta_info": (2, MAP, ""), "finished": (3, B, "")},
     "GenerateRequest": {
-        "input_ids": (1, I32, REP), "sampling_params": (2, MSG, OPT), "stream": (3, B, OPT),
-        "return_logprob": (4, B, OPT), "top_logprobs_num": (5, I32, OPT), "logprob_start_len": (6, I32, OPT),
-        "rid": (7, S, OPT), "lora_path": (8, S, OPT), "routing_key": (9, S, OPT), "routed_dp_rank": (10, I32, OPT),
-        "trace_headers": (11, MAP, ""), "disaggregated_params": (12, MSG, OPT)},
-    "GenerateResponse": {"output_ids": (1, I32, REP), "meta_info": (2, MAP, ""), "finished": (3, B, "")},
-    "TextEmbedRequest": {"text": (1, S, ""), "rid": (2, S, OPT), "routing_key": (3, S, OPT),
-                         "trace_headers": (4, MAP, "")},
+        "input_ids": (1, I32, REP),
+        "sampling_params": (2, MSG, OPT),
+        "stream": (3, B, OPT),
+        "return_logprob": (4, B, OPT),
+        "top_logprobs_num": (5, I32, OPT),
+        "logprob_start_len": (6, I32, OPT),
+        "rid": (7, S, OPT),
+        "lora_path": (8, S, OPT),
+        "routing_key": (9, S, OPT),
+        "routed_dp_rank": (10, I32, OPT),
+        "trace_headers": (11, MAP, ""),
+        "disaggregated_params": (12, MSG, OPT),
+    },
+    "GenerateResponse": {
+        "output_ids": (1, I32, REP),
+        "meta_info": (2, MAP, ""),
+        "finished": (3, B, ""),
+    },
+    "TextEmbedRequest": {
+        "text": (1, S, ""),
+        "rid": (2, S, OPT),
+        "routing_key": (3, S, OPT),
+        "trace_headers": (4, MAP, ""),
+    },
     "TextEmbedResponse": {"embedding": (1, FL, REP), "meta_info": (2, MAP, "")},
     "EmbedResponse": {"embedding": (1, FL, REP), "meta_info": (2, MAP, "")},
     "ClassifyResponse": {"embedding": (1, FL, REP), "meta_info": (2, MAP, "")},
-    "EmbedRequest": {"input_ids": (1, I32, REP), "rid": (2, S, OPT), "routing_key": (3, S, OPT),
-                     "trace_headers": (4, MAP, "")},
-    "ClassifyRequest": {"text": (1, S, ""), "input_ids": (2, I32, REP), "rid": (3, S, OPT),
-                        "routing_key": (4, S, OPT), "trace_headers": (5, MAP, "")},
+    "EmbedRequest": {
+        "input_ids": (1, I32, REP),
+        "rid": (2, S, OPT),
+        "routing_key": (3, S, OPT),
+        "trace_headers": (4, MAP, ""),
+    },
+    "ClassifyRequest": {
+        "text": (1, S, ""),
+        "input_ids": (2, I32, REP),
+        "rid": (3, S, OPT),
+        "routing_key": (4, S, OPT),
+        "trace_headers": (5, MAP, ""),
+    },
     "TokenizeRequest": {"text": (1, S, ""), "add_special_tokens": (2, B, OPT)},
-    "TokenizeResponse": {"tokens": (1, I32, REP), "count": (2, I32, ""), "max_model_len": (3, I32, ""),
-                         "input_text": (4, S, "")},
+    "TokenizeResponse": {
+        "tokens": (1, I32, REP),
+        "count": (2, I32, ""),
+        "max_model_len": (3, I32, ""),
+        "input_text": (4, S, ""),
+    },
     "DetokenizeRequest": {"tokens": (1, I32, REP)},
     "DetokenizeResponse": {"text": (1, S, "")},
     "HealthCheckRequest": {},
@@ -84,7 +150,12 @@ CONTRACT: dict[str, dict[str, tuple]] = {
     "GetServerInfoResponse": {"json_info": (1, S, "")},
     "ListModelsRequest": {},
     "ListModelsResponse": {"models": (1, MSG, REP)},
-    "ModelCard": {"id": (1, S, ""), "root": (2, S, ""), "parent": (3, S, OPT), "max_model_len": (4, I32, OPT)},
+    "ModelCard": {
+        "id": (1, S, ""),
+        "root": (2, S, ""),
+        "parent": (3, S, OPT),
+        "max_model_len": (4, I32, OPT),
+    },
     "GetLoadRequest": {"dp_rank": (1, I32, OPT)},
     "GetLoadResponse": {"json_info": (1, S, "")},
     "AbortRequest": {"rid": (1, S, ""), "abort_all": (2, B, "")},
@@ -134,8 +205,15 @@ METHODS = {
     "UpdateWeightsFromDisk": ("UpdateWeightsRequest", "UpdateWeightsResponse", False),
 }
 
-_TYPES = {F.TYPE_STRING: S, F.TYPE_INT32: I32, F.TYPE_INT64: I64, F.TYPE_FLOAT: FL, F.TYPE_BOOL: B,
-          F.TYPE_BYTES: BY, F.TYPE_MESSAGE: MSG}
+_TYPES = {
+    F.TYPE_STRING: S,
+    F.TYPE_INT32: I32,
+    F.TYPE_INT64: I64,
+    F.TYPE_FLOAT: FL,
+    F.TYPE_BOOL: B,
+    F.TYPE_BYTES: BY,
+    F.TYPE_MESSAGE: MSG,
+}
 
 
 def _describe(field) -> tuple:
@@ -162,7 +240,9 @@ def test_maps_are_string_to_string():
         for field in sglang_pb2.DESCRIPTOR.message_types_by_name[name].fields:
             if _describe(field)[1] == MAP:
                 key, value = field.message_type.fields
-                assert (key.type, value.type) == (F.TYPE_STRING, F.TYPE_STRING), f"{name}.{field.name}"
+                assert (key.type, value.type) == (F.TYPE_STRING, F.TYPE_STRING), (
+                    f"{name}.{field.name}"
+                )
 
 
 def test_service_methods_match_the_contract():
@@ -170,6 +250,8 @@ def test_service_methods_match_the_contract():
 
     service = sglang_pb2.DESCRIPTOR.services_by_name["SglangService"]
     assert service.full_name == "sglang.runtime.v1.SglangService"
-    got = {m.name: (m.input_type.name, m.output_type.name, m.server_streaming) for m in service.methods}
+    got = {
+        m.name: (m.input_type.name, m.output_type.name, m.server_streaming) for m in service.methods
+    }
     assert got == METHODS
     assert not any(m.client_streaming for m in service.methods)

@@ -69,7 +69,9 @@ def test_duplicates_after_normalization_are_rejected_naming_the_field():
 
 def test_worker_id_is_stable_and_url_encoded():
     assert worker_id("http://127.0.0.1:8000") == "http%3A%2F%2F127.0.0.1%3A8000"
-    assert worker_id("http://127.0.0.1:8000") == worker_id(normalize_worker_url("http://127.0.0.1:8000/"))
+    assert worker_id("http://127.0.0.1:8000") == worker_id(
+        normalize_worker_url("http://127.0.0.1:8000/")
+    )
 
 
 @pytest.mark.parametrize(
@@ -114,13 +116,17 @@ def test_admin_key_must_differ_from_the_client_key_and_is_never_echoed():
     with pytest.raises(ValueError) as info:
         RouterConfig(admin_api_key="s\u00e9cret\u2713")
     assert "cret" not in str(info.value)
-    latin1 = RouterConfig(api_key="client", admin_api_key="cl\u00e9")  # Latin-1 beyond ASCII is fine
+    latin1 = RouterConfig(
+        api_key="client", admin_api_key="cl\u00e9"
+    )  # Latin-1 beyond ASCII is fine
     assert latin1.is_admin_api_enabled
 
 
 def test_admin_api_is_off_unless_a_key_or_the_switch_turns_it_on():
     assert not RouterConfig().is_admin_api_enabled
-    assert not RouterConfig(api_key="k").is_admin_api_enabled  # the client key alone does not open it
+    assert not RouterConfig(
+        api_key="k"
+    ).is_admin_api_enabled  # the client key alone does not open it
     assert RouterConfig(enable_admin_api=True).is_admin_api_enabled
     assert RouterConfig(admin_api_key="a").is_admin_api_enabled
 
@@ -128,8 +134,14 @@ def test_admin_api_is_off_unless_a_key_or_the_switch_turns_it_on():
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
-        ({"url": "http://a:1", "model": "m" * (MAX_MODEL_NAME_LENGTH + 1)}, "model: 257 characters long"),
-        ({"url": "http://a:1", "capabilities": ["chat"] * 10}, "capabilities: 10 entries; at most 9"),
+        (
+            {"url": "http://a:1", "model": "m" * (MAX_MODEL_NAME_LENGTH + 1)},
+            "model: 257 characters long",
+        ),
+        (
+            {"url": "http://a:1", "capabilities": ["chat"] * 10},
+            "capabilities: 10 entries; at most 9",
+        ),
         ({"url": "http://a:1", "capabilities": "chat" * 1000}, "got 'chatchat"),
         ({"url": "http://a:1", 1: 2, "gpu": 3}, r"unknown worker keys \['1', 'gpu'\]"),
     ],
@@ -163,13 +175,17 @@ def test_worker_file_json_and_yaml_merge_with_flags(tmp_path):
     json_file = tmp_path / "workers.json"
     json_file.write_text(json.dumps({"workers": [
         {"url": "http://a:1", "model": "m", "capabilities": ["chat", "streaming"]}, "http://b:2"]}))  # fmt: skip
-    specs = load_worker_specs(RouterConfig(worker_urls=("http://c:3",), worker_config=str(json_file)))
+    specs = load_worker_specs(
+        RouterConfig(worker_urls=("http://c:3",), worker_config=str(json_file))
+    )
     assert [s.url for s in specs] == ["http://c:3", "http://a:1", "http://b:2"]
     assert specs[1].model == "m" and specs[1].capabilities == frozenset({"chat", "streaming"})
     assert specs[2].model is None and specs[2].capabilities is None
     yaml_file = tmp_path / "workers.yaml"
     yaml_file.write_text("- url: http://a:1\n  capabilities: [embedding]\n")
-    assert load_worker_specs(RouterConfig(worker_config=str(yaml_file)))[0].capabilities == {"embedding"}
+    assert load_worker_specs(RouterConfig(worker_config=str(yaml_file)))[0].capabilities == {
+        "embedding"
+    }
 
 
 @pytest.mark.parametrize(
@@ -195,7 +211,12 @@ def test_cli_flags_map_onto_the_config():
     config = parse_config(["--port", "0", "--worker-urls", "http://a:1", "http://b:2", "--policy",
                            "cache_aware", "--cache-threshold", "0.25", "--api-key", "k"])  # fmt: skip
     assert config.worker_urls == ("http://a:1", "http://b:2")
-    assert (config.port, config.policy, config.cache_threshold, config.api_key) == (0, "cache_aware", 0.25, "k")
+    assert (config.port, config.policy, config.cache_threshold, config.api_key) == (
+        0,
+        "cache_aware",
+        0.25,
+        "k",
+    )
     assert parse_config([]) == RouterConfig()
     admin = parse_config(["--admin-api-key", "a", "--enable-admin-api"])
     assert admin.admin_api_key == "a" and admin.enable_admin_api is True

@@ -16,8 +16,17 @@ def meta(path: str, body: dict | bytes):
 
 
 def test_chat_model_stream_and_prefix():
-    m = meta(CHAT, {"model": "m", "stream": True, "messages": [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]})
+    m = meta(
+        CHAT,
+        {
+            "model": "m",
+            "stream": True,
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+            ],
+        },
+    )
     assert m.model == "m" and m.is_stream
     assert m.capabilities == {"chat", "streaming"}
     assert m.prefix_text == "Be brief.\nHi"
@@ -37,15 +46,22 @@ def test_content_parts_require_input_capabilities(part, capability):
 
 
 def test_audio_output_and_native_generate_media():
-    assert "audio_output" in meta(CHAT, {"modalities": ["text", "audio"], "messages": []}).capabilities
+    assert (
+        "audio_output" in meta(CHAT, {"modalities": ["text", "audio"], "messages": []}).capabilities
+    )
     m = meta("/generate", {"text": "hello", "image_data": "b64", "audio_data": None})
     assert m.capabilities == {"completion", "image_input"} and m.prefix_text == "hello"
 
 
 @pytest.mark.parametrize(
     ("path", "capabilities"),
-    [("/v1/completions", {"completion"}), ("/v1/embeddings", {"embedding"}),
-     ("/v1/audio/speech", {"speech"}), ("/v1/rerank", set()), ("/v1/score", set())],
+    [
+        ("/v1/completions", {"completion"}),
+        ("/v1/embeddings", {"embedding"}),
+        ("/v1/audio/speech", {"speech"}),
+        ("/v1/rerank", set()),
+        ("/v1/score", set()),
+    ],
 )
 def test_route_implies_capabilities(path, capabilities):
     assert meta(path, {"model": "x"}).capabilities == capabilities
@@ -62,14 +78,23 @@ def test_prompt_forms_give_a_prefix():
 
 @pytest.mark.parametrize(
     "body",
-    [b"", b"not json", b"[1, 2]", b'{"messages": "oops"}', b'{"messages": [{"content": 5}]}',
-     b'{"model": 7, "stream": "yes"}',
-     b'{"model": "m\xff", "messages": []}',  # invalid UTF-8 inside a string
-     b'{"messages": [{"content": "caf\xc3"}]}',  # truncated UTF-8 sequence
-     b'\xff\xfe{\x00}\x00',  # UTF-16 with a byte order mark
-     b'{"model": "\\ud800"}',  # an escaped lone surrogate
-     b'{"model": "m", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",  # past msgspec's depth limit
-     b'{"stream": true, "model": "m", "messages": [{"content": "a"}]'],  # cut short
+    [
+        b"",
+        b"not json",
+        b"[1, 2]",
+        b'{"messages": "oops"}',
+        b'{"messages": [{"content": 5}]}',
+        b'{"model": 7, "stream": "yes"}',
+        b'{"model": "m\xff", "messages": []}',  # invalid UTF-8 inside a string
+        b'{"messages": [{"content": "caf\xc3"}]}',  # truncated UTF-8 sequence
+        b"\xff\xfe{\x00}\x00",  # UTF-16 with a byte order mark
+        b'{"model": "\\ud800"}',  # an escaped lone surrogate
+        b'{"model": "m", "x": '
+        + b"[" * 100000
+        + b"]" * 100000
+        + b"}",  # past msgspec's depth limit
+        b'{"stream": true, "model": "m", "messages": [{"content": "a"}]',
+    ],  # cut short
 )
 def test_unreadable_bodies_route_on_the_path_alone(body):
     m = parse_route_meta(CHAT, body)

@@ -59,7 +59,11 @@ def test_a_5xx_blamed_on_the_request_is_not_a_failure_and_breaks_the_streak():
     registry.record_request(worker, 503)
     for _ in range(5):
         registry.record_request(worker, 500, is_request_fault=True)
-    assert worker.health is HealthState.HEALTHY and worker.consecutive_failures == 0 and worker.num_failures == 1
+    assert (
+        worker.health is HealthState.HEALTHY
+        and worker.consecutive_failures == 0
+        and worker.num_failures == 1
+    )
 
 
 @pytest.mark.parametrize(("status", "is_failure"), [(408, True), (429, True), (500, True), (503, True),
@@ -96,7 +100,9 @@ def test_disabled_is_independent_of_health():
     registry, worker = make(success=1)
     registry.record_probe(worker, 200, None)
     registry.update(worker, {"disabled": True})
-    assert worker.health is HealthState.HEALTHY and not worker.is_routable and registry.routable == ()
+    assert (
+        worker.health is HealthState.HEALTHY and not worker.is_routable and registry.routable == ()
+    )
     registry.update(worker, {"disabled": False})
     assert registry.routable == (worker,)
 
@@ -111,7 +117,9 @@ def test_update_validates_fields_and_values():
         registry.update(worker, {"capabilities": ["flying"]})
     registry.update(worker, {"capabilities": ["chat"], "model": "m"})
     assert worker.capabilities == {"chat"} and worker.model == "m"
-    assert worker.can_serve("m", frozenset({"chat"})) and not worker.can_serve("m", frozenset({"embedding"}))
+    assert worker.can_serve("m", frozenset({"chat"})) and not worker.can_serve(
+        "m", frozenset({"embedding"})
+    )
     assert not worker.can_serve("other", frozenset()) and worker.can_serve(None, frozenset())
 
 

@@ -7,10 +7,21 @@ from __future__ import annotations
 
 import pytest
 
-from cadence.io_struct import (AbortReq, ContinueGenerationReqInput, FlushCacheReqInput, FlushCacheReqOutput,
-                               GetLoadReqInput, GetLoadReqOutput, PauseGenerationReqInput, ProfileReq,
-                               ProfileReqOutput, SamplingParams, TokenizedGenerateReqInput,
-                               UpdateWeightFromDiskReqInput, UpdateWeightFromDiskReqOutput)
+from cadence.io_struct import (
+    AbortReq,
+    ContinueGenerationReqInput,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    GetLoadReqInput,
+    GetLoadReqOutput,
+    PauseGenerationReqInput,
+    ProfileReq,
+    ProfileReqOutput,
+    SamplingParams,
+    TokenizedGenerateReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
+)
 from cadence.mem_cache.allocator import PageAllocator
 from cadence.model_executor.runner import ItemResult, Runner, ScheduleBatch
 from cadence.scheduler.scheduler import Scheduler
@@ -37,14 +48,24 @@ class ScriptedRunner(Runner):
         self.batches.append(batch)
         results = []
         for item in batch.items:
-            result = ItemResult(input_logprobs=[(-1.0, t) for t in item.logprob_targets],
-                                input_top=[[] for _ in item.logprob_rows], input_given=[[] for _ in item.logprob_rows])
+            result = ItemResult(
+                input_logprobs=[(-1.0, t) for t in item.logprob_targets],
+                input_top=[[] for _ in item.logprob_rows],
+                input_given=[[] for _ in item.logprob_rows],
+            )
             if item.sampling is not None:
                 if item.rid in self.fail_rids:
-                    result.error, result.error_stage = RuntimeError("boom"), "sampling its next token"
+                    result.error, result.error_stage = (
+                        RuntimeError("boom"),
+                        "sampling its next token",
+                    )
                 else:
                     position = item.start + len(item.token_ids)
-                    result.next_id = EOS if self.eos_at is not None and position >= self.eos_at else 10 + position
+                    result.next_id = (
+                        EOS
+                        if self.eos_at is not None and position >= self.eos_at
+                        else 10 + position
+                    )
                     result.logprob = -0.5
             results.append(result)
         return results
@@ -64,16 +85,28 @@ class CharTokenizer:
 
 
 def make(num_pages=8, chunk=64, max_running=8, runner=None, tmp_path=None):
-    args = ServerArgs(chunked_prefill_size=chunk, max_running_requests=max_running, page_size=PAGE,
-                      profile_dir=str(tmp_path) if tmp_path else None)
+    args = ServerArgs(
+        chunked_prefill_size=chunk,
+        max_running_requests=max_running,
+        page_size=PAGE,
+        profile_dir=str(tmp_path) if tmp_path else None,
+    )
     runner = runner or ScriptedRunner()
     alloc = PageAllocator(num_pages, PAGE)
-    return Scheduler(args, runner, alloc, StopChecker(CharTokenizer(), {EOS}, runner.context_len)), runner, alloc
+    return (
+        Scheduler(args, runner, alloc, StopChecker(CharTokenizer(), {EOS}, runner.context_len)),
+        runner,
+        alloc,
+    )
 
 
 def request(rid, prompt_len=4, max_new=4, **params) -> TokenizedGenerateReqInput:
-    return TokenizedGenerateReqInput(rid=rid, input_text=None, input_ids=list(range(3, 3 + prompt_len)),
-                                     sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0, **params))
+    return TokenizedGenerateReqInput(
+        rid=rid,
+        input_text=None,
+        input_ids=list(range(3, 3 + prompt_len)),
+        sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0, **params),
+    )
 
 
 def run_until_idle(s: Scheduler, max_steps=100) -> list:
@@ -202,7 +235,11 @@ def test_a_failing_request_fails_alone():
     s.handle(request("bad", max_new=3))
     outputs = run_until_idle(s)
     reason = final(outputs, "bad").finished_reason
-    assert reason["status_code"] == 500 and reason["request_fault"] is True and "boom" in reason["message"]
+    assert (
+        reason["status_code"] == 500
+        and reason["request_fault"] is True
+        and "boom" in reason["message"]
+    )
     assert final(outputs, "good").finished_reason == {"type": "length", "length": 3}
     assert s.num_failed_requests == 1
     assert_pool_full(s, alloc)
@@ -225,12 +262,20 @@ def test_a_request_that_cannot_be_seeded_fails_alone():
 def test_control_messages_through_one_table(tmp_path):
     s, runner, alloc = make(num_pages=32, tmp_path=tmp_path)
     reply = s.handle(FlushCacheReqInput(http_worker_ipc="front-0"))
-    assert isinstance(reply, FlushCacheReqOutput) and reply.success and reply.http_worker_ipc == "front-0"
+    assert (
+        isinstance(reply, FlushCacheReqOutput)
+        and reply.success
+        and reply.http_worker_ipc == "front-0"
+    )
     s.handle(request("a", max_new=50))
     s.step()
     assert not s.handle(FlushCacheReqInput()).success  # refused while requests run
     load = s.handle(GetLoadReqInput())
-    assert isinstance(load, GetLoadReqOutput) and load.num_running_reqs == 1 and load.num_used_tokens > 0
+    assert (
+        isinstance(load, GetLoadReqOutput)
+        and load.num_running_reqs == 1
+        and load.num_used_tokens > 0
+    )
     assert load.max_total_num_tokens == alloc.num_pages * PAGE
     # pause in place: nothing runs, nothing is freed
     s.handle(PauseGenerationReqInput(mode="in_place"))
@@ -253,7 +298,11 @@ def test_control_messages_through_one_table(tmp_path):
     s.handle(ContinueGenerationReqInput())
     # weights: the runner's refusal is the answer, the server keeps serving
     out = s.handle(UpdateWeightFromDiskReqInput(model_path="/nowhere"))
-    assert isinstance(out, UpdateWeightFromDiskReqOutput) and not out.success and "no weights" in out.message
+    assert (
+        isinstance(out, UpdateWeightFromDiskReqOutput)
+        and not out.success
+        and "no weights" in out.message
+    )
     # profile: start, stop after num_steps by itself, refuse a stop with nothing running
     started = s.handle(ProfileReq(action="start", output_dir="run1", num_steps=1))
     assert isinstance(started, ProfileReqOutput) and started.success

@@ -6,29 +6,32 @@ from cadence.errors import InvalidParameter
 from cadence.serving import control
 
 
-@pytest.mark.parametrize("cls,body,param", [
-    (control.AbortBody, [], None),
-    (control.AbortBody, "rid", None),
-    (control.AbortBody, None, None),
-    (control.AbortBody, {"rid": 5}, "rid"),
-    (control.AbortBody, {"abort_all": "true"}, "abort_all"),
-    (control.AbortBody, {"abort_all": 1}, "abort_all"),
-    (control.AbortBody, {}, "rid"),
-    (control.AbortBody, {"rid": ""}, "rid"),
-    (control.AbortBody, {"rid": "a", "abort_all": True}, "rid"),
-    (control.PauseBody, {"mode": "later"}, "mode"),
-    (control.PauseBody, {"mode": None}, "mode"),
-    (control.ProfileBody, {"output_dir": "/abs"}, "output_dir"),
-    (control.ProfileBody, {"output_dir": ".."}, "output_dir"),
-    (control.ProfileBody, {"output_dir": "a/b"}, "output_dir"),
-    (control.ProfileBody, {"output_dir": "a\\\\b"}, "output_dir"),
-    (control.ProfileBody, {"output_dir": "x\x00"}, "output_dir"),
-    (control.ProfileBody, {"num_steps": 0}, "num_steps"),
-    (control.ProfileBody, {"num_steps": True}, "num_steps"),
-    (control.UpdateWeightsBody, {}, "model_path"),
-    (control.UpdateWeightsBody, {"model_path": 3}, "model_path"),
-    (control.UpdateWeightsBody, {"model_path": "m", "load_format": []}, "load_format"),
-])
+@pytest.mark.parametrize(
+    "cls,body,param",
+    [
+        (control.AbortBody, [], None),
+        (control.AbortBody, "rid", None),
+        (control.AbortBody, None, None),
+        (control.AbortBody, {"rid": 5}, "rid"),
+        (control.AbortBody, {"abort_all": "true"}, "abort_all"),
+        (control.AbortBody, {"abort_all": 1}, "abort_all"),
+        (control.AbortBody, {}, "rid"),
+        (control.AbortBody, {"rid": ""}, "rid"),
+        (control.AbortBody, {"rid": "a", "abort_all": True}, "rid"),
+        (control.PauseBody, {"mode": "later"}, "mode"),
+        (control.PauseBody, {"mode": None}, "mode"),
+        (control.ProfileBody, {"output_dir": "/abs"}, "output_dir"),
+        (control.ProfileBody, {"output_dir": ".."}, "output_dir"),
+        (control.ProfileBody, {"output_dir": "a/b"}, "output_dir"),
+        (control.ProfileBody, {"output_dir": "a\\\\b"}, "output_dir"),
+        (control.ProfileBody, {"output_dir": "x\x00"}, "output_dir"),
+        (control.ProfileBody, {"num_steps": 0}, "num_steps"),
+        (control.ProfileBody, {"num_steps": True}, "num_steps"),
+        (control.UpdateWeightsBody, {}, "model_path"),
+        (control.UpdateWeightsBody, {"model_path": 3}, "model_path"),
+        (control.UpdateWeightsBody, {"model_path": "m", "load_format": []}, "load_format"),
+    ],
+)
 def test_bad_bodies_name_the_field(cls, body, param):
     with pytest.raises(InvalidParameter) as e:
         control.parse(cls, body)
@@ -40,6 +43,8 @@ def test_good_bodies_parse_and_unknown_fields_are_ignored():
     assert control.parse(control.AbortBody, {"abort_all": True}).abort_all is True
     assert control.parse(control.PauseBody, {}).mode == "abort"
     assert control.parse(control.PauseBody, {"mode": "in_place"}).mode == "in_place"
-    body = control.parse(control.ProfileBody, {"output_dir": "run-1", "num_steps": 3, "activities": ["CPU"]})
+    body = control.parse(
+        control.ProfileBody, {"output_dir": "run-1", "num_steps": 3, "activities": ["CPU"]}
+    )
     assert (body.output_dir, body.num_steps) == ("run-1", 3)
     assert control.parse(control.UpdateWeightsBody, {"model_path": "/m.gguf"}).load_format is None

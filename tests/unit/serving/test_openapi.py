@@ -22,7 +22,9 @@ def test_every_post_route_has_a_request_body(document):
     posts = {path: ops["post"] for path, ops in document["paths"].items() if "post" in ops}
     assert len(posts) >= 14
     assert [path for path, op in posts.items() if "requestBody" not in op] == []
-    generate = document["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    generate = document["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"][
+        "schema"
+    ]
     assert generate == {"$ref": "#/components/schemas/GenerateReqInput"}
     props = document["components"]["schemas"]["GenerateReqInput"]["properties"]
     assert "is_single" not in props and "type" not in props and "sampling_params" in props

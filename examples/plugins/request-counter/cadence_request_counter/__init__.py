@@ -47,10 +47,19 @@ def register() -> None:
             count = _num_finished
         reason = (meta_info.get("finish_reason") or {}).get("type")
         logger.info("request %s finished (%s); %d finished so far", rid, reason, count)
-        _record("request_finished", rid=rid, count=count, finish_reason=reason,
-                completion_tokens=meta_info.get("completion_tokens"))
+        _record(
+            "request_finished",
+            rid=rid,
+            count=count,
+            finish_reason=reason,
+            completion_tokens=meta_info.get("completion_tokens"),
+        )
 
     @plugin_hook("cadence.hooks.batch_scheduled", type=HookType.AFTER)
     def on_batch(_result, batch_info):
-        _record("batch_scheduled", is_prefill=batch_info.is_prefill, rids=list(batch_info.rids),
-                num_tokens=batch_info.num_tokens)
+        _record(
+            "batch_scheduled",
+            is_prefill=batch_info.is_prefill,
+            rids=list(batch_info.rids),
+            num_tokens=batch_info.num_tokens,
+        )
