@@ -10,19 +10,32 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
 
-from cadence.router.access import Handler, admin_only
-from cadence.router.config import short_repr, worker_spec_from_dict
-from cadence.router.metrics import CONTENT_TYPE
+from cadence.router.access import AccessControl, Handler, admin_only
+from cadence.router.config import RouterConfig, WorkerSpec, short_repr, worker_spec_from_dict
+from cadence.router.metrics import CONTENT_TYPE, RouterMetrics
 from cadence.router.proxy import error_response, payload_too_large, read_body, request_id
-from cadence.router.workers import HealthState, Worker
+from cadence.router.workers import HealthState, Worker, WorkerRegistry
 
-if TYPE_CHECKING:
-    from cadence.router.server import Router
+
+class Router(Protocol):
+    """What the admin routes need of the router (cadence.router.server.Router)."""
+
+    config: RouterConfig
+    access: AccessControl
+    registry: WorkerRegistry
+    metrics: RouterMetrics
+    session: aiohttp.ClientSession | None
+
+    def add_worker(self, spec: WorkerSpec) -> Worker: ...
+
+    def update_worker(self, worker: Worker, changes: dict) -> None: ...
+
+    async def remove_worker(self, worker: Worker) -> None: ...
 
 
 MAX_ADMIN_BODY_BYTES = 64 * 1024
