@@ -35,10 +35,10 @@ from cadence.io_struct import (
     ProfileReq,
     UpdateWeightFromDiskReqInput,
 )
-from cadence.model_loader.loader import load_tokenizer
-from cadence.model_loader.locate import model_name, resolve_model_path
+from cadence.model_loader.loader import load_tokenizer, tokenizer_dir
+from cadence.model_loader.locate import resolve_model_path
 from cadence.plugins import load_plugins
-from cadence.scheduler.process import build_scheduler
+from cadence.scheduler.process import build_scheduler, runtime_facts
 from cadence.scheduler.req import to_batch_output
 from cadence.scheduler.scheduler import Scheduler
 from cadence.server_args import ServerArgs
@@ -133,14 +133,12 @@ class Engine:
             lambda: build_scheduler(self.args, path, self.tokenizer), Detokenizer(self.tokenizer)
         )
         self.scheduler = self._worker.scheduler
-        runner = self.scheduler.runner
-        self.info = ModelInfo(
-            model_path=path,
-            tokenizer_path=self.args.tokenizer_path or path,
-            served_model_name=self.args.served_model_name or model_name(path),
-            context_len=runner.context_len,
-            vocab_size=runner.config.vocab_size,
-            max_total_tokens=runner.max_total_tokens,
+        self.info = ModelInfo.from_facts(
+            path,
+            self.args.tokenizer_path or path,
+            self.args.served_model_names(path),
+            tokenizer_dir(path, self.args.tokenizer_path),
+            runtime_facts(self.scheduler),
         )
         self.loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(

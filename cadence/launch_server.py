@@ -92,8 +92,7 @@ async def _serve(
     from cadence.front.engine_client import ModelInfo
     from cadence.front.ipc_client import IpcEngineClient
     from cadence.front.tokenizer import FrontTokenizer
-    from cadence.model_loader.loader import load_tokenizer
-    from cadence.model_loader.locate import model_name
+    from cadence.model_loader.loader import load_tokenizer, tokenizer_dir
     from cadence.serving.state import ServerState
 
     class Server(uvicorn.Server):
@@ -166,13 +165,12 @@ async def _serve(
             await serve_task
             return exit_code
         tokenizer = await tokenizer_future
-        info = ModelInfo(
-            model_path=model_path,
-            tokenizer_path=args.tokenizer_path or model_path,
-            served_model_name=args.served_model_name or model_name(model_path),
-            context_len=ready["context_len"],
-            vocab_size=ready["vocab_size"],
-            max_total_tokens=ready["max_total_tokens"],
+        info = ModelInfo.from_facts(
+            model_path,
+            args.tokenizer_path or model_path,
+            args.served_model_names(model_path),
+            tokenizer_dir(model_path, args.tokenizer_path),
+            ready,
         )
         state.runtime = {k: v for k, v in ready.items() if k != "status"}
         client = IpcEngineClient(

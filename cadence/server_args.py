@@ -22,7 +22,9 @@ class ServerArgs:
     tokenizer_path: str | None = None
     """Tokenizer to use instead of the model's own (a directory with tokenizer.json, or a .gguf)."""
     served_model_name: str | None = None
-    """Model id reported by the API; default: the model path's name."""
+    """Model id reported by the API, or several aliases separated by commas (the first is the id); default: the model path's name. Requests may name any model unless --strict-model-name."""
+    strict_model_name: bool = False
+    """Refuse (404) a request whose `model` is not one of the served names, instead of serving it with the one model as SGLang does."""
     chat_template: str | None = None
     """A Jinja chat template file overriding the model's own."""
     host: str = "127.0.0.1"
@@ -171,6 +173,16 @@ class ServerArgs:
             )
         if self.grpc_stream_buffer < 1:
             raise ValueError(f"grpc_stream_buffer must be ≥ 1, got {self.grpc_stream_buffer}")
+
+    def served_model_names(self, model_path: str) -> list[str]:
+        """The names the model answers to: --served-model-name's, or the model file's name."""
+        if self.served_model_name:
+            names = [n.strip() for n in self.served_model_name.split(",") if n.strip()]
+            if names:
+                return names
+        from cadence.model_loader.locate import model_name
+
+        return [model_name(model_path)]
 
     @property
     def effective_profile_dir(self) -> str:

@@ -27,6 +27,37 @@ class ModelInfo:
     vocab_size: int
     max_total_tokens: int
     is_generation: bool = True
+    eos_token_ids: tuple[int, ...] = ()  # the model's and the tokenizer's end-of-sequence ids
+    bos_token_id: int | None = None
+    architecture: str = ""  # e.g. "llama"
+    tokenizer_dir: str | None = None  # a local directory with tokenizer.json and its config
+    # Every name the model answers to (--served-model-name a,b); the first is its id.
+    served_model_names: tuple[str, ...] = ()
+
+    @classmethod
+    def from_facts(
+        cls,
+        model_path: str,
+        tokenizer_path: str | None,
+        served_model_names: list[str],
+        tokenizer_dir: str | None,
+        facts: dict,
+    ) -> ModelInfo:
+        """The front's view of a loaded model: its paths and names, and the facts the
+        scheduler reported once the weights were in place (scheduler.process.runtime_facts)."""
+        return cls(
+            model_path=model_path,
+            tokenizer_path=tokenizer_path,
+            served_model_name=served_model_names[0],
+            context_len=facts["context_len"],
+            vocab_size=facts["vocab_size"],
+            max_total_tokens=facts["max_total_tokens"],
+            eos_token_ids=tuple(facts.get("eos_token_ids", ())),
+            bos_token_id=facts.get("bos_token_id"),
+            architecture=facts.get("architecture", ""),
+            tokenizer_dir=tokenizer_dir,
+            served_model_names=tuple(served_model_names),
+        )
 
 
 class EngineClient(ABC):

@@ -67,11 +67,15 @@ def load_model(
     return config, model
 
 
+def tokenizer_dir(path: str, tokenizer_path: str | None = None) -> str:
+    """A local directory holding the model's tokenizer files (tokenizer.json, its config and
+    chat template): the model's own, or the converted one of a GGUF file."""
+    source = tokenizer_path or path
+    return gguf_loader.converted_tokenizer_dir(source) if is_gguf(source) else source
+
+
 def load_tokenizer(path: str, tokenizer_path: str | None = None):
     """The model's own tokenizer (with its chat template) as a transformers fast tokenizer."""
     from transformers import AutoTokenizer
 
-    source = tokenizer_path or path
-    if is_gguf(source):
-        source = gguf_loader.converted_tokenizer_dir(source)
-    return AutoTokenizer.from_pretrained(source)
+    return AutoTokenizer.from_pretrained(tokenizer_dir(path, tokenizer_path))

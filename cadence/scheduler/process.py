@@ -149,6 +149,9 @@ def runtime_facts(scheduler: Scheduler) -> dict:
     """What the front learns about the loaded model once the scheduler is up."""
     runner = scheduler.runner
     return {
+        "eos_token_ids": sorted(scheduler.stops.eos_ids),
+        "bos_token_id": runner.config.bos_token_id,
+        "architecture": runner.config.architecture,
         "context_len": runner.context_len,
         "vocab_size": runner.config.vocab_size,
         "max_total_tokens": runner.max_total_tokens,
