@@ -70,6 +70,11 @@ def generate_input(req: pb.TextGenerateRequest | pb.GenerateRequest) -> Generate
             "disaggregated_params: this server does not run "
             "prefill/decode disaggregation; leave the field unset",
         )
+    if req.HasField("session_id"):
+        raise InvalidParameter(
+            "session_id",
+            "session_id: sessions are not served by this server yet; leave the field unset",
+        )
     if req.HasField("routed_dp_rank") and req.routed_dp_rank != 0:
         raise InvalidParameter(
             "routed_dp_rank",

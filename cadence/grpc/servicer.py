@@ -268,10 +268,9 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     @rpc
     async def Abort(self, request, context):
-        is_live = self._client().abort(
-            request.rid or None, request.abort_all, "aborted by the Abort RPC"
-        )
-        return pb.AbortResponse(success=is_live)
+        # As upstream: success once the abort is sent, whether or not the rid was still live.
+        self._client().abort(request.rid or None, request.abort_all, "aborted by the Abort RPC")
+        return pb.AbortResponse(success=True)
 
     @rpc
     async def FlushCache(self, request, context):

@@ -51,7 +51,7 @@ class DisaggregatedParams(_message.Message):
     def __init__(self, bootstrap_host: _Optional[str] = ..., bootstrap_port: _Optional[int] = ..., bootstrap_room: _Optional[int] = ...) -> None: ...
 
 class TextGenerateRequest(_message.Message):
-    __slots__ = ("text", "sampling_params", "stream", "return_logprob", "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs", "rid", "lora_path", "routing_key", "routed_dp_rank", "trace_headers", "disaggregated_params")
+    __slots__ = ("text", "sampling_params", "stream", "return_logprob", "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs", "rid", "lora_path", "routing_key", "routed_dp_rank", "trace_headers", "session_id", "disaggregated_params")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class TextGenerateRequest(_message.Message):
     ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
     ROUTED_DP_RANK_FIELD_NUMBER: _ClassVar[int]
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATED_PARAMS_FIELD_NUMBER: _ClassVar[int]
     text: str
     sampling_params: SamplingParams
@@ -84,8 +85,9 @@ class TextGenerateRequest(_message.Message):
     routing_key: str
     routed_dp_rank: int
     trace_headers: _containers.ScalarMap[str, str]
+    session_id: str
     disaggregated_params: DisaggregatedParams
-    def __init__(self, text: _Optional[str] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., return_text_in_logprobs: _Optional[bool] = ..., rid: _Optional[str] = ..., lora_path: _Optional[str] = ..., routing_key: _Optional[str] = ..., routed_dp_rank: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., disaggregated_params: _Optional[_Union[DisaggregatedParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., return_text_in_logprobs: _Optional[bool] = ..., rid: _Optional[str] = ..., lora_path: _Optional[str] = ..., routing_key: _Optional[str] = ..., routed_dp_rank: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., session_id: _Optional[str] = ..., disaggregated_params: _Optional[_Union[DisaggregatedParams, _Mapping]] = ...) -> None: ...
 
 class TextGenerateResponse(_message.Message):
     __slots__ = ("text", "meta_info", "finished")
@@ -105,7 +107,7 @@ class TextGenerateResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., meta_info: _Optional[_Mapping[str, str]] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("input_ids", "sampling_params", "stream", "return_logprob", "top_logprobs_num", "logprob_start_len", "rid", "lora_path", "routing_key", "routed_dp_rank", "trace_headers", "disaggregated_params")
+    __slots__ = ("input_ids", "sampling_params", "stream", "return_logprob", "top_logprobs_num", "logprob_start_len", "rid", "lora_path", "routing_key", "routed_dp_rank", "trace_headers", "session_id", "disaggregated_params")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +126,7 @@ class GenerateRequest(_message.Message):
     ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
     ROUTED_DP_RANK_FIELD_NUMBER: _ClassVar[int]
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATED_PARAMS_FIELD_NUMBER: _ClassVar[int]
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
@@ -136,8 +139,9 @@ class GenerateRequest(_message.Message):
     routing_key: str
     routed_dp_rank: int
     trace_headers: _containers.ScalarMap[str, str]
+    session_id: str
     disaggregated_params: DisaggregatedParams
-    def __init__(self, input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., rid: _Optional[str] = ..., lora_path: _Optional[str] = ..., routing_key: _Optional[str] = ..., routed_dp_rank: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., disaggregated_params: _Optional[_Union[DisaggregatedParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., rid: _Optional[str] = ..., lora_path: _Optional[str] = ..., routing_key: _Optional[str] = ..., routed_dp_rank: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., session_id: _Optional[str] = ..., disaggregated_params: _Optional[_Union[DisaggregatedParams, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("output_ids", "meta_info", "finished")

@@ -68,6 +68,10 @@ BAD_TEXT_REQUESTS = {
         ),
         "disaggregated_params",
     ),
+    "a session (upstream field 13)": (
+        pb.TextGenerateRequest(text="hi", session_id="s-1"),
+        "session_id",
+    ),
     "logprob start beyond the prompt": (
         pb.TextGenerateRequest(text="hi", return_logprob=True, logprob_start_len=50),
         "logprob_start_len",
@@ -75,6 +79,10 @@ BAD_TEXT_REQUESTS = {
 }
 
 BAD_IDS_REQUESTS = {
+    "a session (upstream field 12)": (
+        pb.GenerateRequest(input_ids=[1, 2], session_id="s"),
+        "session_id",
+    ),
     "empty input_ids": (pb.GenerateRequest(), "input_ids"),
     "negative token id": (pb.GenerateRequest(input_ids=[1, -5, 2]), "input_ids"),
     "token id outside the vocabulary": (pb.GenerateRequest(input_ids=[1, 10**8]), "vocabulary"),

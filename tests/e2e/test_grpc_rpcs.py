@@ -193,7 +193,8 @@ def test_abort_one_rid_ends_its_stream_with_cancelled(server, rpc):
         for _ in call:
             pass
     assert e.value.code() == grpc.StatusCode.CANCELLED and "Abort" in e.value.details()
-    assert rpc.Abort(pb.AbortRequest(rid="no-such-request")).success is False
+    # As upstream SGLang: an unknown rid is not an error.
+    assert rpc.Abort(pb.AbortRequest(rid="no-such-request")).success is True
 
 
 def test_abort_needs_a_rid_or_abort_all(rpc):

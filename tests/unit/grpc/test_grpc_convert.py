@@ -83,6 +83,12 @@ def test_unservable_fields_are_invalid_arguments():
         convert.generate_input(
             pb.TextGenerateRequest(text="x", disaggregated_params=pb.DisaggregatedParams())
         )
+    for request in (
+        pb.TextGenerateRequest(text="x", session_id="s"),
+        pb.GenerateRequest(input_ids=[1], session_id="s"),
+    ):
+        with pytest.raises(InvalidParameter, match="session_id: sessions are not served"):
+            convert.generate_input(request)
     with pytest.raises(InvalidParameter, match="one data-parallel rank"):
         convert.generate_input(pb.GenerateRequest(input_ids=[1], routed_dp_rank=3))
     assert convert.generate_input(
@@ -149,3 +155,17 @@ def test_abort_reasons_are_recognised():
 )
 def test_http_statuses_map_to_grpc_codes(status, code):
     assert code_for_http_status(status) == code
+
+
+def test_upstream_field_numbers_of_session_id_and_disaggregated_params():
+    """A client generated from today's upstream proto puts session_id at 13 (12) and
+    disaggregated_params at 14 (13): both decode to the fields they mean."""
+    text_fields = pb.TextGenerateRequest.DESCRIPTOR.fields_by_name
+    ids_fields = pb.GenerateRequest.DESCRIPTOR.fields_by_name
+    assert (text_fields["session_id"].number, text_fields["disaggregated_params"].number) == (
+        13,
+        14,
+    )
+    assert (ids_fields["session_id"].number, ids_fields["disaggregated_params"].number) == (12, 13)
+    wire = b"\x0a\x02hi" + b"\x6a\x03s-1"  # text = 1, then field 13 (string) = "s-1"
+    assert pb.TextGenerateRequest.FromString(wire).session_id == "s-1"

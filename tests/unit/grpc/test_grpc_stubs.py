@@ -89,7 +89,8 @@ CONTRACT: dict[str, dict[str, tuple]] = {
         "routing_key": (10, S, OPT),
         "routed_dp_rank": (11, I32, OPT),
         "trace_headers": (12, MAP, ""),
-        "disaggregated_params": (13, MSG, OPT),
+        "session_id": (13, S, OPT),
+        "disaggregated_params": (14, MSG, OPT),
     },
     "TextGenerateResponse": {"text": (1, S, ""), "meta_info": (2, MAP, ""), "finished": (3, B, "")},
     "GenerateRequest": {
@@ -104,7 +105,8 @@ CONTRACT: dict[str, dict[str, tuple]] = {
         "routing_key": (9, S, OPT),
         "routed_dp_rank": (10, I32, OPT),
         "trace_headers": (11, MAP, ""),
-        "disaggregated_params": (12, MSG, OPT),
+        "session_id": (12, S, OPT),
+        "disaggregated_params": (13, MSG, OPT),
     },
     "GenerateResponse": {
         "output_ids": (1, I32, REP),
