@@ -159,6 +159,30 @@ class OpenAIServing:
     async def completions(self, body: bytes) -> OpenAIResult:
         return await self._serve(body, proto.CompletionRequest)
 
+    # ---- shared with the other OpenAI APIs (serving.responses) -----------------------------
+
+    def check_model(self, model: str | None) -> None:
+        """Raises the 404 RequestError (param `model`) if this server refuses the name."""
+        self._check_model(model)
+
+    async def render_chat(
+        self, messages: list[dict], template_options: dict[str, Any], prompt_field: str
+    ) -> list[int]:
+        """The prompt's token ids: `messages` (content as strings) rendered with the chat
+        template (--chat-template, else the model's own). Errors name `prompt_field`."""
+        try:
+            prompt = self.client.tokenizer.apply_chat_template(
+                messages, tokenize=False, chat_template=self.chat_template, **template_options
+            )
+        except Exception as e:  # a template's raise_exception, or a malformed conversation
+            raise InvalidParameter(
+                prompt_field, f"the chat template rejected the {prompt_field}: {e}"
+            ) from None
+        # The template writes the special tokens itself.
+        return await self.client.tokenize(
+            prompt, add_special_tokens=False, prompt_field=prompt_field
+        )
+
     # ---- one request --------------------------------------------------------------------
 
     async def _serve(self, body: bytes, cls: type) -> OpenAIResult:
@@ -212,21 +236,7 @@ class OpenAIServing:
 
     async def _chat_job(self, req: proto.ChatCompletionRequest) -> _Job:
         messages = proto.chat_messages(req.messages)
-        try:
-            prompt = self.client.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                chat_template=self.chat_template,
-                **proto.template_options(req),
-            )
-        except Exception as e:  # a template's raise_exception, or a malformed conversation
-            raise InvalidParameter(
-                "messages", f"the chat template rejected the messages: {e}"
-            ) from None
-        # The template writes the special tokens itself.
-        input_ids = await self.client.tokenize(
-            prompt, add_special_tokens=False, prompt_field="messages"
-        )
+        input_ids = await self.render_chat(messages, proto.template_options(req), "messages")
         _, max_tokens = proto.requested_max_tokens(req)
         if max_tokens is None:  # OpenAI's default: whatever the context leaves
             max_tokens = max(self.client.info.context_len - len(input_ids), 1)
@@ -441,6 +451,12 @@ class OpenAIServing:
 
 def _ok(obj: dict) -> OpenAIResponse:
     return OpenAIResponse(200, msgspec.json.encode(obj))
+
+
+def error_response(e: Exception, names: dict[str, str] | None = None) -> OpenAIResponse:
+    """The OpenAI error answer for an InvalidParameter or RequestError; `names` maps native
+    field names to the request's own (see `_error`)."""
+    return OpenAIResponse(*_error(e, names))
 
 
 def _error(e: Exception, names: dict[str, str] | None = None) -> tuple[int, bytes, bool]:
