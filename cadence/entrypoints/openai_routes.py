@@ -1,9 +1,11 @@
-"""The OpenAI routes over HTTP: a thin layer over `OpenAIServing`.
+"""The OpenAI routes over HTTP: a thin layer over `OpenAIServing` and `ResponsesServing`.
 
 Each route hands the raw body to the serving module and writes back what it returns;
 the gRPC pass-through RPCs call the same module, so both protocols answer alike.
 /v1/tokenize and /v1/detokenize are the native routes' aliases (one implementation, in
-native_api). The API key and readiness checks are the app's middleware.
+native_api). /invocations (SageMaker's route, as SGLang serves it) is chat completions:
+the same handler, and like every route here it reads the body whatever its content type.
+The API key and readiness checks are the app's middleware.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from starlette.responses import Response, StreamingResponse
 
 from cadence.entrypoints.http_io import error_headers, until_disconnected
 from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing
+from cadence.serving.responses import ResponsesServing
 from cadence.serving.state import ServerState
 
 
@@ -28,6 +31,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> OpenAIServing:
         return _to_http(serving.retrieve_model(model_id))
 
     @app.post("/v1/chat/completions")
+    @app.post("/invocations")
     async def chat_completions(request: Request):
         body = await request.body()
         return _to_http(await until_disconnected(request, serving.chat_completions(body)))
@@ -36,6 +40,25 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> OpenAIServing:
     async def completions(request: Request):
         body = await request.body()
         return _to_http(await until_disconnected(request, serving.completions(body)))
+
+    responses = ResponsesServing(serving)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        body = await request.body()
+        return _to_http(await until_disconnected(request, responses.create(body)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return _to_http(responses.retrieve(response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):  # the body, if any, is not read
+        return _to_http(responses.cancel(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return _to_http(responses.delete(response_id))
 
     return serving
 

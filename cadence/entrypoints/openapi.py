@@ -24,6 +24,7 @@ from cadence.front.sampling_checks import (
 from cadence.io_struct import GenerateReqInput, SamplingParams
 from cadence.serving import control
 from cadence.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from cadence.serving.responses import ResponsesRequest
 
 REF = "#/components/schemas/{name}"
 
@@ -76,6 +77,7 @@ _ANY_OBJECT = {
     "type": "object",
     "description": "Any JSON object (ignored); the body may also be empty.",
 }
+_UNREAD = {"description": "Not read: send none (any body is ignored)."}
 
 # route -> (the body's struct or schema, whether a body is required)
 BODIES: dict[str, tuple[Any, bool]] = {
@@ -93,6 +95,9 @@ BODIES: dict[str, tuple[Any, bool]] = {
     "/update_weights_from_disk": (control.UpdateWeightsBody, True),
     "/v1/chat/completions": (ChatCompletionRequest, True),
     "/v1/completions": (CompletionRequest, True),
+    "/invocations": (ChatCompletionRequest, True),
+    "/v1/responses": (ResponsesRequest, True),
+    "/v1/responses/{response_id}/cancel": (_UNREAD, False),
 }
 
 # Fields of the structs that the server derives itself: never part of a request.
