@@ -24,6 +24,7 @@ from typing import Any
 from cadence.detokenizer.detokenizer import Detokenizer
 from cadence.front.client import FrontClient
 from cadence.front.engine_client import ModelInfo
+from cadence.front.request_checks import RequestOptions
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.hooks import finalize_server_args
 from cadence.io_struct import (
@@ -151,6 +152,7 @@ class Engine:
             self._send,
             max_pending=self.args.max_queued_requests + self.args.max_running_requests,
             request_timeout_s=self.args.request_timeout_s,
+            options=RequestOptions.of(self.args),
         )
         self._worker.deliver = lambda msg: self.loop.call_soon_threadsafe(
             self.client.on_message, msg

@@ -112,6 +112,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int | None = None
     """Seed of this request's random generator, for reproducible sampling."""
 
+    stop_regex: list[str] | None = None
+    """Regular expressions that end generation when one matches the tail of the output text
+    (the finish reason's `matched` is the pattern; the text is not trimmed). A single pattern
+    is accepted on input."""
+
+    custom_params: dict[str, Any] | None = None
+    """Parameters handed to the request's custom logit processor."""
+
     @property
     def is_greedy(self) -> bool:
         """Whether sampling reduces to argmax (then seeds and n > 1 make no difference)."""
@@ -164,6 +172,13 @@ class GenerateReqInput(_Message, kw_only=True):
     video_data: Any = None
     lora_path: str | list[str | None] | None = None  # adapter for all items, or one per item
     routing_key: str | None = None  # opaque key for routers that pin related requests
+    # Scheduling priority (with --enable-priority-scheduling; higher runs first by default).
+    priority: int | None = None
+    # Final hidden states in meta_info["hidden_states"] (with --enable-return-hidden-states).
+    return_hidden_states: bool | list[bool] | None = None
+    # A logit processor registered by a plugin, by name (with --enable-custom-logit-processor);
+    # never code: a request cannot carry something to run.
+    custom_logit_processor: str | list[str | None] | None = None
 
     # Derived by normalize_batch_and_arguments(); never set by the user.
     is_single: bool = True  # answer with one object, not a list
@@ -206,6 +221,9 @@ class TokenizedGenerateReqInput(_Message, kw_only=True):
     stream: bool = False  # the front wants every step's delta, not only the final output
     lora_path: str | None = None  # adapter to apply, if any
     http_worker_ipc: str | None = None  # ZMQ address of the front process that owns the rid
+    priority: int | None = None  # scheduling priority; None: the lowest
+    return_hidden_states: bool = False  # report the final hidden states of every position
+    custom_logit_processor: str | None = None  # name of a registered logit processor
 
 
 class TokenizedEmbeddingReqInput(_Message, kw_only=True):
@@ -278,6 +296,9 @@ class BatchTokenIDOutput(_Message, kw_only=True):
     completion_tokens: list[int]  # tokens generated so far (all, not the delta)
     cached_tokens: list[int]  # prompt tokens served from the prefix cache
     logprobs: list[Logprobs | None] | None = None  # None when no request in the batch asked
+    # Final hidden states since the rid's previous output, per request: [positions][hidden]
+    # float; None when no request in the batch asked.
+    hidden_states: list[list[list[float]] | None] | None = None
 
 
 class BatchStrOutput(_Message, kw_only=True):
@@ -292,6 +313,7 @@ class BatchStrOutput(_Message, kw_only=True):
     completion_tokens: list[int]  # generated so far
     cached_tokens: list[int]
     logprobs: list[Logprobs | None] | None = None  # passed through from BatchTokenIDOutput
+    hidden_states: list[list[list[float]] | None] | None = None  # passed through as well
 
 
 class BatchEmbeddingOutput(_Message, kw_only=True):

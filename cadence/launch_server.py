@@ -91,6 +91,7 @@ async def _serve(
     from cadence.entrypoints.http_server import build_app
     from cadence.front.engine_client import ModelInfo
     from cadence.front.ipc_client import IpcEngineClient
+    from cadence.front.request_checks import RequestOptions
     from cadence.front.tokenizer import FrontTokenizer
     from cadence.model_loader.loader import load_tokenizer, tokenizer_dir
     from cadence.serving.state import ServerState
@@ -179,6 +180,7 @@ async def _serve(
             FrontTokenizer(tokenizer),
             args.max_queued_requests + args.max_running_requests,
             request_timeout_s=args.request_timeout_s,
+            options=RequestOptions.of(args),
         )
         client.start()
         state.client = client

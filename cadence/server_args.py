@@ -57,6 +57,16 @@ class ServerArgs:
     """Logging level: debug, info, warning, error."""
     skip_warmup: bool = False
     """Report healthy without running the warm-up generation first."""
+    enable_priority_scheduling: bool = False
+    """Admit waiting requests by their `priority` (higher first) instead of in arrival order; equal priorities stay in arrival order."""
+    schedule_low_priority_values_first: bool = False
+    """With --enable-priority-scheduling: lower `priority` values run first."""
+    enable_custom_logit_processor: bool = False
+    """Let requests name a logit processor registered by a plugin (`custom_logit_processor`); never code from the request."""
+    enable_return_hidden_states: bool = False
+    """Let requests ask for the final hidden states of their positions (`return_hidden_states`)."""
+    incremental_streaming_output: bool = False
+    """Stream /generate as deltas (each event only the new text and ids) instead of SGLang's default, where every event carries the text and output ids so far."""
     max_request_body_mb: float = 32.0
     """Largest HTTP request body, in MiB; a larger one gets 413 before it is read whole."""
     watchdog_timeout: float = 30.0

@@ -105,6 +105,7 @@ class Detokenizer:
             completion_tokens=batch.completion_tokens,
             cached_tokens=batch.cached_tokens,
             logprobs=batch.logprobs,
+            hidden_states=batch.hidden_states,
         )
 
     def _process_one(self, batch: BatchTokenIDOutput, i: int, rid: str) -> str:

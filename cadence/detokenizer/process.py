@@ -35,6 +35,9 @@ def _split_by_front(out: BatchStrOutput) -> dict[str | None, BatchStrOutput]:
             completion_tokens=[out.completion_tokens[i] for i in idx],
             cached_tokens=[out.cached_tokens[i] for i in idx],
             logprobs=None if out.logprobs is None else [out.logprobs[i] for i in idx],
+            hidden_states=(
+                None if out.hidden_states is None else [out.hidden_states[i] for i in idx]
+            ),
         )
     return parts
 

@@ -113,7 +113,7 @@ class Gate:
                 if not message.get("more_body"):
                     break
             body = decode_json(b"".join(chunks))
-            out = msgspec.json.encode(await handler(self.state.client, body))
+            out = msgspec.json.encode(await handler(self.state, body))
         except BodyTooLarge as e:
             status, out = 413, msgspec.json.encode(error_body(413, str(e)))
         except InvalidParameter as e:
@@ -194,7 +194,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.add_middleware(Gate, state=state)
     register_native_routes(app, state)
-    register_openai_routes(app, state)
+    state.chat_template = register_openai_routes(app, state).chat_template
     openapi.install(app)
     return app
 
@@ -232,7 +232,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info():
-        return json_response(native_api.server_info(state))
+        return json_response(await native_api.server_info(state))
 
     @app.get("/get_load")
     async def get_load():
@@ -271,6 +271,8 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
         obj = native_api.generate_input(await read_json(request))
         gen = client().generate(obj)
         if obj.stream:
+            if not state.args.incremental_streaming_output:
+                gen = native_api.cumulative(gen)
             return await stream_response(gen)
         return json_response(await until_disconnected(request, native_api.last_result(gen)))
 
@@ -279,12 +281,12 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(request: Request):
-        return json_response(await native_api.tokenize_body(client(), await read_json(request)))
+        return json_response(await native_api.tokenize_body(state, await read_json(request)))
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     async def detokenize(request: Request):
-        return json_response(await native_api.detokenize_body(client(), await read_json(request)))
+        return json_response(await native_api.detokenize_body(state, await read_json(request)))
 
     @app.post("/abort_request")
     async def abort_request(request: Request):

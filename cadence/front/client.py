@@ -16,6 +16,7 @@ from typing import Any
 
 from cadence.errors import InvalidParameter, RequestError
 from cadence.front.engine_client import EngineClient, ModelInfo
+from cadence.front.request_checks import RequestOptions
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.front.tokenizer_manager import TokenizerManager
 from cadence.io_struct import (
@@ -38,6 +39,7 @@ class FrontClient(EngineClient):
         max_pending: int,
         address: str | None = None,
         request_timeout_s: float | None = None,
+        options: RequestOptions | None = None,
     ):
         self.info = info
         self.address = address  # where answers for this client go (its `http_worker_ipc`)
@@ -49,6 +51,7 @@ class FrontClient(EngineClient):
             max_pending=max_pending,
             worker_ipc=address,
             request_timeout_s=request_timeout_s,
+            options=options,
         )
         self._waiters: dict[type, deque[asyncio.Future]] = defaultdict(deque)
         self._control_lock: dict[type, asyncio.Lock] = defaultdict(asyncio.Lock)

@@ -14,6 +14,7 @@ import zmq.asyncio
 from cadence import io_struct
 from cadence.front.client import FrontClient
 from cadence.front.engine_client import ModelInfo
+from cadence.front.request_checks import RequestOptions
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.ipc import IpcPaths
 
@@ -29,6 +30,7 @@ class IpcEngineClient(FrontClient):
         max_pending: int,
         index: int = 0,
         request_timeout_s: float | None = None,
+        options: RequestOptions | None = None,
     ):
         address = paths.front_address(index)
         self.ctx = zmq.asyncio.Context()
@@ -40,7 +42,9 @@ class IpcEngineClient(FrontClient):
         self.to_scheduler = self._sync_ctx.socket(zmq.PUSH)
         self.to_scheduler.setsockopt(zmq.LINGER, 0)
         self.to_scheduler.connect(paths.scheduler_input)
-        super().__init__(tokenizer, info, self._push, max_pending, address, request_timeout_s)
+        super().__init__(
+            tokenizer, info, self._push, max_pending, address, request_timeout_s, options
+        )
         self._task = None
 
     def _push(self, msg) -> None:

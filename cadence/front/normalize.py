@@ -16,6 +16,7 @@ sampling_params; `parallel_sample_num` keeps the original n.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
@@ -24,6 +25,8 @@ import msgspec
 from cadence.errors import InvalidParameter, readable
 from cadence.front.sampling_checks import coerce_field
 from cadence.io_struct import EmbeddingReqInput, GenerateReqInput
+
+logger = logging.getLogger(__name__)
 
 Request = GenerateReqInput | EmbeddingReqInput
 
@@ -71,8 +74,16 @@ def _normalize_generate(obj: GenerateReqInput, max_items: int | None) -> None:
             ("logprob_start_len", -1, _check_start_len),
             ("top_logprobs_num", 0, _check_top_num),
             ("lora_path", None, _check_str),
+            ("return_hidden_states", False, _check_bool),
+            ("custom_logit_processor", None, _check_str),
         )
     }
+    if obj.priority is not None and (
+        type(obj.priority) is not int or not -(2**63) <= obj.priority < 2**63
+    ):
+        raise InvalidParameter(
+            "priority", f"priority must be a signed 64-bit integer, got {obj.priority!r}"
+        )
     per_item["token_ids_logprob"] = _per_item_token_ids(obj.token_ids_logprob, num_prompts)
     modalities = {
         name: _per_item_data(name, getattr(obj, name), num_prompts, is_batch)
@@ -128,14 +139,14 @@ def _generate_item(obj: GenerateReqInput, i: int) -> GenerateReqInput:
         video_data=None if obj.video_data is None else obj.video_data[i],
         lora_path=obj.lora_path[i],
         routing_key=obj.routing_key,
+        priority=obj.priority,
+        return_hidden_states=obj.return_hidden_states[i],
+        custom_logit_processor=obj.custom_logit_processor[i],
         is_single=True,
         batch_size=1,
         parallel_sample_num=1,
         is_normalized=True,
     )
-
-
-__getitem__ = item
 
 
 def _normalize_embedding(obj: EmbeddingReqInput, max_items: int | None) -> None:
@@ -170,9 +181,6 @@ def _embedding_item(obj: EmbeddingReqInput, i: int) -> EmbeddingReqInput:
     )
 
 
-__getitem__ = item
-
-
 def _check_num_items(num_prompts: int, n: int, max_items: int | None, prompt_field: str) -> None:
     if max_items is not None and num_prompts * n > max_items:
         raise InvalidParameter(
@@ -182,19 +190,33 @@ def _check_num_items(num_prompts: int, n: int, max_items: int | None, prompt_fie
         )
 
 
+_logged_unknown: set[tuple[str, str]] = set()
+
+
+def drop_unknown(body: dict, known: Any, where: str) -> dict:
+    """`body` without the fields this server does not implement. Like OpenAI, SGLang and
+    vLLM, unknown fields are accepted and ignored (each name logged once, at debug level);
+    the fields it does implement are checked strictly by the caller."""
+    unknown = [key for key in body if key not in known]
+    if not unknown:
+        return body
+    for key in unknown:
+        if (where, str(key)) not in _logged_unknown:
+            _logged_unknown.add((where, str(key)))
+            logger.debug(
+                "%s: ignoring the field %r, which this server does not implement", where, key
+            )
+    return {key: value for key, value in body.items() if key in known}
+
+
 def _from_json_dict(cls: type, d: Any) -> Any:
     if not isinstance(d, dict):
         raise InvalidParameter(
             None, f"the request body must be a JSON object, got {type(d).__name__}"
         )
-    known = [f for f in cls.__struct_fields__ if f not in cls._DERIVED]
-    for key in d:
-        if key not in known:
-            raise InvalidParameter(
-                str(key), f"unknown field {key!r}; valid fields are: {', '.join(known)}"
-            )
+    known = {f for f in cls.__struct_fields__ if f not in cls._DERIVED and f != "type"}
     try:
-        return msgspec.convert(d, cls)
+        return msgspec.convert(drop_unknown(d, known, cls.__name__), cls)
     except msgspec.ValidationError as e:
         raise readable(e) from None
 

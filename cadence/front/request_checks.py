@@ -8,12 +8,15 @@ naming the field; the scheduler trusts what passes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from cadence.errors import InvalidParameter
 from cadence.front.engine_client import ModelInfo
 from cadence.front.normalize import items, normalize_batch_and_arguments
 from cadence.front.sampling_checks import check_sampling_params, parse_sampling_params
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.io_struct import GenerateReqInput, SamplingParams, TokenizedGenerateReqInput
+from cadence.plugins import logit_processors
 
 # Response size: a request may ask for at most this many logprob entries in all (top-k
 # alternatives and given ids, per prompt and output position); each costs front CPU.
@@ -21,11 +24,34 @@ MAX_LOGPROB_ENTRIES = 1 << 20
 MAX_TOP_LOGPROBS_NUM = 256  # top-k alternatives per position
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """What the server lets a request ask for (its flags)."""
+
+    enable_custom_logit_processor: bool = False
+    enable_return_hidden_states: bool = False
+
+    @classmethod
+    def of(cls, args) -> RequestOptions:
+        """The options of a server's arguments (ServerArgs)."""
+        return cls(
+            enable_custom_logit_processor=args.enable_custom_logit_processor,
+            enable_return_hidden_states=args.enable_return_hidden_states,
+        )
+
+
 class RequestChecker:
-    def __init__(self, tokenizer: FrontTokenizer, info: ModelInfo, max_items: int):
+    def __init__(
+        self,
+        tokenizer: FrontTokenizer,
+        info: ModelInfo,
+        max_items: int,
+        options: RequestOptions | None = None,
+    ):
         self.tokenizer = tokenizer
         self.info = info
         self.max_items = max_items  # requests the server holds at once: a bigger batch never fits
+        self.options = options or RequestOptions()
 
     async def check_generate(
         self, obj: GenerateReqInput, worker_ipc: str | None
@@ -76,6 +102,7 @@ class RequestChecker:
                 f"{name}: constrained decoding is not supported by this server yet; "
                 "remove the field",
             )
+        self._check_extras(item, params)
         input_ids = await self._input_ids(item)
         self._check_length(item, input_ids, params)
         start_len = item.logprob_start_len
@@ -99,7 +126,33 @@ class RequestChecker:
             stream=item.stream,
             lora_path=item.lora_path,
             http_worker_ipc=worker_ipc,
+            priority=item.priority,
+            return_hidden_states=bool(item.return_hidden_states),
+            custom_logit_processor=item.custom_logit_processor,
         )
+
+    def _check_extras(self, item: GenerateReqInput, params: SamplingParams) -> None:
+        name = item.custom_logit_processor
+        if name is not None:
+            if not self.options.enable_custom_logit_processor:
+                raise InvalidParameter(
+                    "custom_logit_processor",
+                    "custom_logit_processor needs the server flag --enable-custom-logit-processor",
+                )
+            if name not in logit_processors.names():
+                known = ", ".join(sorted(logit_processors.names())) or "none is installed"
+                raise InvalidParameter(
+                    "custom_logit_processor",
+                    f"custom_logit_processor names a processor registered by a plugin "
+                    f"({known}); serialized code is never run. Got {name[:80]!r}",
+                )
+        elif params.custom_params is not None:
+            raise InvalidParameter("custom_params", "custom_params needs a custom_logit_processor")
+        if item.return_hidden_states and not self.options.enable_return_hidden_states:
+            raise InvalidParameter(
+                "return_hidden_states",
+                "return_hidden_states needs the server flag --enable-return-hidden-states",
+            )
 
     async def _input_ids(self, item: GenerateReqInput) -> list[int]:
         if item.text is not None:

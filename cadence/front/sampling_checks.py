@@ -21,6 +21,8 @@ import operator
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+import regex
+
 from cadence.errors import InvalidParameter
 from cadence.io_struct import SamplingParams
 
@@ -29,6 +31,9 @@ from cadence.io_struct import SamplingParams
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
+# Stop regexes are searched on the tail of the output text at every step, as SGLang bounds them.
+MAX_STOP_REGEXES = 32
+MAX_STOP_REGEX_CHARS = 256
 
 # Every integer crosses ZMQ as msgpack, which cannot carry more than 64 bits; a larger
 # value must be refused here rather than crash the encoder in the front process.
@@ -70,6 +75,7 @@ def check_sampling_params(p: SamplingParams, vocab_size: int | None = None) -> N
     _check_distributions(p)
     _check_penalties(p)
     _check_stops(p, vocab_size)
+    _check_stop_regex(p)
     _check_constraints(p)
 
 
@@ -151,6 +157,27 @@ def _check_stops(p: SamplingParams, vocab_size: int | None) -> None:
                 "logit_bias",
                 f"logit_bias keys must be token ids {valid}, got {token_id}",
             )
+
+
+def _check_stop_regex(p: SamplingParams) -> None:
+    patterns = p.stop_regex or ()
+    if len(patterns) > MAX_STOP_REGEXES:
+        raise InvalidParameter(
+            "stop_regex", f"stop_regex has {len(patterns)} patterns; at most {MAX_STOP_REGEXES}"
+        )
+    for i, pattern in enumerate(patterns):
+        if not pattern or len(pattern) > MAX_STOP_REGEX_CHARS:
+            raise InvalidParameter(
+                "stop_regex",
+                f"stop_regex[{i}] must have 1 to {MAX_STOP_REGEX_CHARS} characters, "
+                f"got {len(pattern)}",
+            )
+        try:
+            regex.compile(pattern)
+        except regex.error as e:
+            raise InvalidParameter(
+                "stop_regex", f"stop_regex[{i}] is not a valid regular expression: {e}"
+            ) from None
 
 
 def _check_constraints(p: SamplingParams) -> None:
@@ -243,6 +270,12 @@ def _as_token_ids(param: str, value: Any) -> list[int]:
     return [_as_int(param, t, f"{param}[{i}]") for i, t in enumerate(value)]
 
 
+def _as_params(param: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidParameter(param, f"{param} must be an object, got {_describe(value)}")
+    return value
+
+
 def _as_logit_bias(param: str, value: Any) -> dict[int, float]:
     if not isinstance(value, dict):
         raise InvalidParameter(
@@ -286,7 +319,13 @@ _COERCERS: dict[str, Callable[[str, Any], Any]] = {
     "spaces_between_special_tokens": _as_bool,
     "no_stop_trim": _as_bool,
     "seed": _as_int,
+    "stop_regex": _as_stop,
+    "custom_params": _as_params,
 }
+
+# SGLang sampling parameters this server accepts and does not use (the client's request is
+# served as if they were absent); any other unknown name is a 400 that suggests a known one.
+IGNORED_SGLANG_PARAMS = frozenset({"stream_interval"})
 
 # Fields whose default is None: None is a value for them, not a missing one.
 _OPTIONAL_FIELDS = frozenset(
@@ -311,6 +350,8 @@ def coerce_field(name: str, value: Any) -> Any:
     """
     coercer = _COERCERS.get(name)
     if coercer is None:
+        if name in IGNORED_SGLANG_PARAMS:
+            return None
         raise InvalidParameter(name, _unknown_message(name))
     if value is None:
         return None

@@ -20,7 +20,7 @@ from cadence import hooks
 from cadence.errors import InvalidParameter, RequestError
 from cadence.front.engine_client import ModelInfo
 from cadence.front.normalize import items as normalized_items
-from cadence.front.request_checks import RequestChecker
+from cadence.front.request_checks import RequestChecker, RequestOptions
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.io_struct import (
     AbortReq,
@@ -47,6 +47,7 @@ class _ReqState:
     logprobs: dict[str, list] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     logprobs_sent: dict[str, int] = field(default_factory=dict)  # stream: entries already yielded
+    hidden: list[list[float]] = field(default_factory=list)  # final hidden states, per position
 
 
 _LP_FIELDS = (
@@ -68,6 +69,7 @@ class TokenizerManager:
         max_pending: int = 1088,
         worker_ipc: str | None = None,
         request_timeout_s: float | None = None,
+        options: RequestOptions | None = None,
     ):
         self.tokenizer = tokenizer
         self.info = info
@@ -75,7 +77,7 @@ class TokenizerManager:
         self.max_pending = max_pending
         self.worker_ipc = worker_ipc
         self.request_timeout_s = request_timeout_s
-        self.checker = RequestChecker(tokenizer, info, max_pending)
+        self.checker = RequestChecker(tokenizer, info, max_pending, options)
         self.states: dict[str, _ReqState] = {}
         # Requests that ended in an internal error of their own, by where it happened.
         self.num_request_faults: dict[str, int] = {"scheduler": 0, "detokenizer": 0, "front": 0}
@@ -228,6 +230,11 @@ class TokenizerManager:
                     values, st.obj.return_text_in_logprobs, nested="top" in name or "ids" in name
                 )
         reason = meta.get("finish_reason")
+        if st.obj.return_hidden_states and reason is not None:
+            # SGLang's shape: the prompt's block [prompt_len][hidden], then one vector per
+            # decode step (the last prompt position already produced the first token).
+            num_prompt = meta.get("prompt_tokens", 0)
+            meta["hidden_states"] = [st.hidden[:num_prompt], *st.hidden[num_prompt:]]
         if reason and reason.get("type") == "abort" and reason.get("status_code", 200) >= 400:
             raise RequestError(
                 reason["status_code"],
@@ -300,6 +307,8 @@ class TokenizerManager:
         )
         if out.logprobs and out.logprobs[i] is not None:
             self._add_logprobs(st, out.logprobs[i])
+        if out.hidden_states and out.hidden_states[i]:
+            st.hidden.extend(out.hidden_states[i])
         if reason is not None:
             st.finished = True
             hooks.notify(hooks.request_finished, rid, dict(st.meta))

@@ -241,7 +241,8 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     @rpc
     async def GetServerInfo(self, request, context):
-        return pb.GetServerInfoResponse(json_info=_json(native_api.server_info(self.state)))
+        info = await native_api.server_info(self.state)
+        return pb.GetServerInfoResponse(json_info=_json(info))
 
     @rpc
     async def ListModels(self, request, context):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from cadence.io_struct import SamplingParams
+from cadence.plugins import logit_processors
 
 
 @dataclass
@@ -35,6 +36,7 @@ class SamplingInput:
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
     return_logprob: bool = False
+    logit_processor: str | None = None  # a plugin's processor (cadence.plugins.logit_processors)
 
 
 @dataclass
@@ -112,6 +114,7 @@ def _needs_adjusting(r: SamplingInput) -> bool:
         or p.repetition_penalty != 1.0
         or p.logit_bias
         or r.suppress_ids
+        or r.logit_processor
     )
 
 
@@ -121,9 +124,19 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingInput]) -> torch.Tens
     logits = logits.clone()
     _apply_penalties(logits, rows)
     _apply_bias_and_masks(logits, rows)
+    _apply_processors(logits, rows)
     return torch.nan_to_num_(
         logits, nan=float("-inf"), posinf=LOGIT_LIMIT, neginf=float("-inf")
     ).clamp_(max=LOGIT_LIMIT)
+
+
+def _apply_processors(logits: torch.Tensor, rows: list[SamplingInput]) -> None:
+    """Each named processor, once, on the rows that named it (see cadence.plugins.logit_processors)."""
+    for name in {r.logit_processor for r in rows if r.logit_processor}:
+        index = [i for i, r in enumerate(rows) if r.logit_processor == name]
+        sub = logits[index]
+        out = logit_processors.load(name)(sub, [rows[i].params.custom_params for i in index])
+        logits[index] = sub if out is None else out.to(logits.dtype)
 
 
 def _filter_probs(

@@ -135,12 +135,15 @@ class ModelRunner(Runner):
 
     def run(self, batch: ScheduleBatch) -> list[ItemResult]:
         self._zero_fresh_pages(batch.new_pages)
-        logits = (
-            self._forward_decode(batch.items)
-            if batch.is_decode
-            else self._forward_extend(batch.items)
-        )
-        return self._postprocess(batch.items, logits)
+        hidden: dict[int, list[list[float]]] = {}  # item -> its rows' hidden states, when asked
+        if batch.is_decode:
+            logits = self._forward_decode(batch.items, hidden)
+        else:
+            logits = self._forward_extend(batch.items, hidden)
+        results = self._postprocess(batch.items, logits)
+        for i, states in hidden.items():
+            results[i].hidden_states = states
+        return results
 
     def _slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -151,10 +154,13 @@ class ModelRunner(Runner):
         return -(-num_tokens // self.page_size)
 
     @torch.inference_mode()
-    def _forward_extend(self, items: list[BatchItem]) -> torch.Tensor | None:
+    def _forward_extend(
+        self, items: list[BatchItem], hidden_out: dict[int, list[list[float]]]
+    ) -> torch.Tensor | None:
         """Prefill each item's tokens after its computed prefix. Returns the logits of each
         item's logprob rows then its sampling row (when it samples), item by item:
         [num_rows, vocab] float32 on the host."""
+        hidden_rows: list[range] = []
         ids, positions, locs, seq_pages, prefix_lens, seq_lens, logits_idx = (
             [],
             [],
@@ -182,6 +188,8 @@ class ModelRunner(Runner):
             logits_idx.extend(offset + r for r in item.logprob_rows)
             if item.sampling is not None:
                 logits_idx.append(offset + n - 1)
+            if item.return_hidden_states:
+                hidden_rows.append(range(offset, offset + n))
             offset += n
         dev = self.device
         out_loc = torch.cat(locs).to(dev)
@@ -197,11 +205,32 @@ class ModelRunner(Runner):
             seq_page_rows=seq_pages,
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
         )
+        if hidden_rows:
+            return self._extend_with_hidden(batch, items, logits_idx, hidden_rows, hidden_out)
         hidden = self.model(batch)
         return self._to_host(self.model.compute_logits(hidden)) if logits_idx else None
 
+    def _extend_with_hidden(self, batch, items, logits_idx, hidden_rows, hidden_out):
+        """The forward pass keeps the final hidden states of the logit rows and of every row
+        of the items that asked for theirs; logits are computed for the logit rows only."""
+        rows = sorted({*logits_idx, *(r for span in hidden_rows for r in span)})
+        where = {row: k for k, row in enumerate(rows)}
+        batch.logits_indices = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        hidden = self.model(batch)
+        spans = iter(hidden_rows)
+        for i, item in enumerate(items):
+            if item.return_hidden_states:
+                span = next(spans)
+                hidden_out[i] = hidden[[where[r] for r in span]].float().cpu().tolist()
+        if not logits_idx:
+            return None
+        picked = hidden[[where[r] for r in logits_idx]]
+        return self._to_host(self.model.compute_logits(picked))
+
     @torch.inference_mode()
-    def _forward_decode(self, items: list[BatchItem]) -> torch.Tensor:
+    def _forward_decode(
+        self, items: list[BatchItem], hidden_out: dict[int, list[list[float]]]
+    ) -> torch.Tensor:
         """One new token per item. Returns logits [batch, vocab] float32 on the host."""
         seq_lens = [item.start + 1 for item in items]
         uids = [item.uid for item in items]
@@ -247,7 +276,11 @@ class ModelRunner(Runner):
             kv_mask=kv_mask,
             decode_continues=continues,
         )
-        return self._to_host(self.model.compute_logits(self.model(batch)))
+        hidden = self.model(batch)
+        for i, item in enumerate(items):
+            if item.return_hidden_states:
+                hidden_out[i] = [hidden[i].float().cpu().tolist()]
+        return self._to_host(self.model.compute_logits(hidden))
 
     def release_decode_state(self) -> None:
         """The running batch has emptied: forget it, and let the attention backend drop what it

@@ -35,6 +35,7 @@ class BatchItem:
     token_ids_logprob: list[int] | None = None  # ids whose logprobs are reported at each position
     # Sample the next token from the last row (None: a prefill chunk that is not the last).
     sampling: SamplingInput | None = None
+    return_hidden_states: bool = False  # report the final hidden state of every row
 
 
 @dataclass
@@ -65,6 +66,7 @@ class ItemResult:
     input_logprobs: list[TokenLogprob] = field(default_factory=list)
     input_top: list[list[TokenLogprob]] = field(default_factory=list)
     input_given: list[list[TokenLogprob]] = field(default_factory=list)
+    hidden_states: list[list[float]] | None = None  # per row, when asked: [rows][hidden]
     error: BaseException | None = None  # this request failed alone; the others are valid
     error_stage: str = ""  # what it was doing, for the error message
 

@@ -38,6 +38,7 @@ class ReqOutput:
     input_logprobs: list[tuple[float | None, int]] | None = None  # prompt tokens, sent once
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
     input_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
+    hidden_states: list[list[float]] | None = None  # new positions' final hidden states
 
 
 @dataclass
@@ -54,6 +55,9 @@ class Req:
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
     stream: bool = False
+    priority: int | None = None  # None: the lowest (see Scheduler.add_request)
+    return_hidden_states: bool = False
+    logit_processor: str | None = None  # a registered processor's name
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict[str, Any] | None = None
@@ -74,6 +78,8 @@ class Req:
     input_top: list[list[tuple[float, int]]] | None = None
     input_given: list[list[tuple[float, int]]] | None = None
     input_logprobs_sent: bool = False
+    pending_hidden: list[list[float]] = field(default_factory=list)  # not reported yet
+    num_hidden_positions: int = 0  # positions whose hidden state was recorded
 
     @property
     def fill_ids(self) -> list[int]:
@@ -109,6 +115,9 @@ def req_from_tokenized(t: TokenizedGenerateReqInput) -> Req:
         top_logprobs_num=t.top_logprobs_num,
         token_ids_logprob=t.token_ids_logprob,
         stream=t.stream,
+        priority=t.priority,
+        return_hidden_states=t.return_hidden_states,
+        logit_processor=t.custom_logit_processor,
     )
 
 
@@ -160,4 +169,7 @@ def to_batch_output(outs: list[ReqOutput]) -> BatchTokenIDOutput:
         completion_tokens=[o.completion_tokens for o in outs],
         cached_tokens=[o.cached_tokens for o in outs],
         logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+        hidden_states=(
+            [o.hidden_states for o in outs] if any(o.hidden_states for o in outs) else None
+        ),
     )

@@ -171,7 +171,25 @@ class Scheduler:
                 RuntimeError(f"it needs {need} KV pages, the pool has {self.allocator.num_pages}"),
                 "being admitted",
             )
+        if self.args.enable_priority_scheduling:
+            self._enqueue_by_priority(req)
+        else:
+            self.waiting.append(req)
+
+    def _enqueue_by_priority(self, req: Req) -> None:
+        """Behind every waiting request of the same or a higher priority (higher values first,
+        or lower with --schedule-low-priority-values-first; no priority is the lowest)."""
+        rank = self._priority_rank(req)
+        for i, other in enumerate(self.waiting):
+            if self._priority_rank(other) < rank:
+                self.waiting.insert(i, req)
+                return
         self.waiting.append(req)
+
+    def _priority_rank(self, req: Req) -> float:
+        if req.priority is None:
+            return float("-inf")
+        return -req.priority if self.args.schedule_low_priority_values_first else req.priority
 
     def abort(
         self, rid: str | None = None, abort_all: bool = False, message: str = "aborted"
@@ -316,6 +334,7 @@ class Scheduler:
             req.pages,
             top_logprobs_num=req.top_logprobs_num,
             token_ids_logprob=req.token_ids_logprob,
+            return_hidden_states=req.return_hidden_states,
         )
         if req.wants_input_logprobs:
             # Rows whose logits give the logprob of the following prompt token.
@@ -327,7 +346,14 @@ class Scheduler:
 
     def _decode_item(self, req: Req, new_pages: list[int]) -> BatchItem:
         self._grow(req, req.seq_len, new_pages)
-        return BatchItem(req.rid, req.uid, [req.output_ids[-1]], req.seq_len - 1, req.pages)
+        return BatchItem(
+            req.rid,
+            req.uid,
+            [req.output_ids[-1]],
+            req.seq_len - 1,
+            req.pages,
+            return_hidden_states=req.return_hidden_states,
+        )
 
     def _prepare_sampling(self, batch: ScheduleBatch, reqs: list[Req]) -> None:
         """The sampling input of every item that samples this step: a decode, or the last
@@ -348,6 +374,7 @@ class Scheduler:
                     req.top_logprobs_num,
                     req.token_ids_logprob,
                     req.return_logprob,
+                    req.logit_processor,
                 )
             except Exception as e:
                 self.fail(req, e, "preparing its sampling")
@@ -370,6 +397,8 @@ class Scheduler:
             return self.fail(req, result.error, result.error_stage)
         if item.logprob_rows:
             self._record_input_logprobs(req, result)
+        if result.hidden_states:
+            self._record_hidden_states(req, item.start, result.hidden_states)
         req.num_computed = item.start + len(item.token_ids)
         if not batch.is_decode:
             if req.num_computed < len(req.fill_ids):
@@ -393,6 +422,14 @@ class Scheduler:
             self._end(req, reason)
         elif req.stream:
             self.outputs.append(self._output(req))
+
+    @staticmethod
+    def _record_hidden_states(req: Req, start: int, states: list[list[float]]) -> None:
+        """Keeps the hidden states of positions not recorded yet (a retracted request
+        computes its earlier positions again)."""
+        skip = max(req.num_hidden_positions - start, 0)
+        req.pending_hidden.extend(states[skip:])
+        req.num_hidden_positions = max(req.num_hidden_positions, start + len(states))
 
     def _record_input_logprobs(self, req: Req, result: ItemResult) -> None:
         if req.input_logprobs is None:
@@ -440,6 +477,8 @@ class Scheduler:
             req.params,
             req.return_logprob,
         )
+        if req.pending_hidden:
+            out.hidden_states, req.pending_hidden = req.pending_hidden, []
         if req.return_logprob:
             out.output_logprobs, req.pending_logprobs = req.pending_logprobs, []
             out.output_top_logprobs, req.pending_top = req.pending_top, []

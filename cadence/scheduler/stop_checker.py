@@ -7,9 +7,21 @@ later trims the matched stop string from the text.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import regex
+
 from cadence.scheduler.req import Req
+
+# Stop regexes look at the text of this many newest tokens, each search for at most this long.
+STOP_REGEX_TAIL_TOKENS = 64
+STOP_REGEX_TIMEOUT_S = 0.05
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled(pattern: str) -> regex.Pattern:
+    return regex.compile(pattern)
 
 
 class StopChecker:
@@ -38,8 +50,24 @@ class StopChecker:
                 matched = self._match_stop_string(req)
                 if matched is not None:
                     return {"type": "stop", "matched": matched}
+            if p.stop_regex:
+                matched = self._match_stop_regex(req)
+                if matched is not None:
+                    return {"type": "stop", "matched": matched}
         if num_out >= p.max_new_tokens or req.seq_len >= self.context_len:
             return {"type": "length", "length": num_out}
+        return None
+
+    def _match_stop_regex(self, req: Req) -> str | None:
+        """The first pattern that matches the tail of the output text (as SGLang: the last
+        STOP_REGEX_TAIL_TOKENS tokens). Each search has a time limit, so a pattern that
+        backtracks without end fails its own request instead of stalling the batch."""
+        tail = self.tokenizer.decode(
+            req.output_ids[-STOP_REGEX_TAIL_TOKENS:], skip_special_tokens=False
+        )
+        for pattern in req.params.stop_regex:
+            if _compiled(pattern).search(tail, timeout=STOP_REGEX_TIMEOUT_S) is not None:
+                return pattern
         return None
 
     def _match_stop_string(self, req: Req) -> str | None:

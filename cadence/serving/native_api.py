@@ -17,7 +17,7 @@ from typing import Any
 from cadence.errors import InvalidParameter
 from cadence.front.engine_client import EngineClient, ModelInfo
 from cadence.front.normalize import from_json_dict
-from cadence.io_struct import GenerateReqInput
+from cadence.io_struct import GenerateReqInput, GetLoadReqInput
 from cadence.version import __version__
 
 LOAD_FIELDS = (
@@ -47,6 +47,40 @@ def generate_input(body: Any) -> GenerateReqInput:
     return from_json_dict(GenerateReqInput, body)
 
 
+_LOGPROB_FIELDS = (
+    "input_token_logprobs",
+    "input_top_logprobs",
+    "input_token_ids_logprobs",
+    "output_token_logprobs",
+    "output_top_logprobs",
+    "output_token_ids_logprobs",
+)
+
+
+async def cumulative(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """A /generate stream as SGLang sends it by default: each event carries the text, the
+    output ids and the logprob lists so far (per `index` for a batch), not only what is
+    new. The engine yields deltas; `--incremental-streaming-output` sends those as they are."""
+    so_far: dict[int, dict] = {}
+    try:
+        async for chunk in chunks:
+            index = chunk.get("index", 0)
+            total = so_far.setdefault(index, {"text": "", "output_ids": [], "logprobs": {}})
+            total["text"] += chunk["text"]
+            total["output_ids"].extend(chunk["output_ids"])
+            meta = dict(chunk["meta_info"])
+            for name in _LOGPROB_FIELDS:
+                if name in meta:
+                    meta[name] = total["logprobs"].setdefault(name, []) + list(meta[name] or [])
+                    total["logprobs"][name] = meta[name]
+            out = {"text": total["text"], "output_ids": list(total["output_ids"]), "meta_info": meta}
+            if "index" in chunk:
+                out["index"] = index
+            yield out
+    finally:
+        await chunks.aclose()
+
+
 def probe_request(text: str | None = None) -> GenerateReqInput:
     """A one-token greedy generation through the whole pipeline: the warm-up, /health_generate
     and gRPC HealthCheck all send this."""
@@ -67,16 +101,30 @@ def model_info(info: ModelInfo) -> dict[str, Any]:
     }
 
 
-def server_info(state) -> dict[str, Any]:
-    """GET /server_info; GetServerInfo's json_info: the effective arguments and runtime facts."""
+async def server_info(state) -> dict[str, Any]:
+    """GET /server_info; GetServerInfo's json_info, in SGLang's shape: the effective server
+    arguments at the top level, the scheduler's facts (`max_total_num_tokens`,
+    `max_req_input_len`, ...), `internal_states` (one dict per data-parallel rank) and
+    `version`."""
     body = dataclasses.asdict(state.args)
     body.pop("api_key", None)  # never echo a secret
-    body.update(
-        version=__version__,
-        is_ready=state.is_ready,
-        uptime_s=time.time() - state.started,
-        **state.runtime,
-    )
+    runtime = dict(state.runtime)
+    body.update(version=__version__, is_ready=state.is_ready, uptime_s=time.time() - state.started)
+    body.update(runtime)
+    if "max_total_tokens" in runtime:
+        body["max_total_num_tokens"] = runtime["max_total_tokens"]
+        body["max_req_input_len"] = runtime["context_len"] - 1
+    body["status"] = "ready" if state.is_ready else "starting"
+    rank = {"dp_rank": 0, "memory_usage": {"token_capacity": runtime.get("max_total_tokens")}}
+    if state.is_ready and state.client is not None and not state.is_shutting_down:
+        load = await state.client.control(GetLoadReqInput(), timeout=10)
+        rank.update(
+            last_gen_throughput=load.gen_throughput,
+            num_running_reqs=load.num_running_reqs,
+            num_waiting_reqs=load.num_waiting_reqs,
+            token_usage=load.token_usage,
+        )
+    body["internal_states"] = [rank]
     return body
 
 
@@ -101,18 +149,27 @@ def load_entries(load, dp_rank: int | None = None) -> list[dict[str, Any]]:
     return entries
 
 
-async def tokenize_body(client: EngineClient, body: Any) -> dict[str, Any]:
-    """POST /tokenize: {"prompt": str | [str], "add_special_tokens"?, "model"?} -> the answer."""
+async def tokenize_body(state, body: Any) -> dict[str, Any]:
+    """POST /tokenize (and /v1/tokenize), SGLang's shape: exactly one of `prompt` (a string
+    or a list of strings) and `messages` (a chat, rendered with the chat template as a chat
+    completion's prompt is), `add_special_tokens` (default true; a rendered chat already
+    holds its special tokens). Answers {"tokens", "count", "max_model_len"}."""
     if not isinstance(body, dict):
         raise InvalidParameter(None, "the request body must be a JSON object")
-    unknown = set(body) - {"prompt", "add_special_tokens", "model"}
-    if unknown:
-        raise InvalidParameter(sorted(unknown)[0], f"unknown field {sorted(unknown)[0]!r}")
-    prompt = body.get("prompt")
+    client: EngineClient = state.client
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise InvalidParameter("prompt", "give exactly one of prompt and messages")
     add_special = body.get("add_special_tokens", True)
     if not isinstance(add_special, bool):
-        raise InvalidParameter("add_special_tokens", "add_special_tokens must be a boolean")
+        raise InvalidParameter(
+            "add_special_tokens", f"add_special_tokens must be true or false, got {add_special!r}"
+        )
     max_len = client.info.context_len
+    if messages is not None:
+        text = _render_chat(state, body)
+        tokens = await client.tokenize(text, add_special_tokens=False)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": max_len}
     if isinstance(prompt, str):
         tokens = await client.tokenize(prompt, add_special)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": max_len}
@@ -122,7 +179,33 @@ async def tokenize_body(client: EngineClient, body: Any) -> dict[str, Any]:
     raise InvalidParameter("prompt", "prompt must be a string or a non-empty list of strings")
 
 
-async def detokenize_body(client: EngineClient, body: Any) -> dict[str, Any]:
+def _render_chat(state, body: dict) -> str:
+    from cadence.serving import openai_protocol as proto
+
+    messages = proto.chat_messages(body["messages"] if isinstance(body["messages"], list) else None)
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise InvalidParameter("chat_template_kwargs", "chat_template_kwargs must be an object")
+    options = {**kwargs}
+    for name in ("add_generation_prompt", "continue_final_message"):
+        value = body.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise InvalidParameter(name, f"{name} must be true or false, got {value!r}")
+        options.setdefault(name, value)
+    if options["continue_final_message"]:
+        options["add_generation_prompt"] = False
+    elif options["add_generation_prompt"] is None:
+        options["add_generation_prompt"] = True
+    options["continue_final_message"] = bool(options["continue_final_message"])
+    try:
+        return state.client.tokenizer.apply_chat_template(
+            messages, tokenize=False, chat_template=getattr(state, "chat_template", None), **options
+        )
+    except Exception as e:  # a template's raise_exception, or a malformed conversation
+        raise InvalidParameter("messages", f"the chat template rejected the messages: {e}") from None
+
+
+async def detokenize_body(state, body: Any) -> dict[str, Any]:
     """POST /detokenize: {"tokens": [int] | [[int]], "skip_special_tokens"?} -> {"text": ...}."""
     if not isinstance(body, dict):
         raise InvalidParameter(None, "the request body must be a JSON object")
@@ -133,8 +216,8 @@ async def detokenize_body(client: EngineClient, body: Any) -> dict[str, Any]:
             "skip_special_tokens", f"skip_special_tokens must be true or false, got {skip!r}"
         )
     if isinstance(tokens, list) and tokens and all(isinstance(t, list) for t in tokens):
-        return {"text": [await detokenize(client, t, skip) for t in tokens]}
-    return {"text": await detokenize(client, tokens, skip)}
+        return {"text": [await detokenize(state.client, t, skip) for t in tokens]}
+    return {"text": await detokenize(state.client, tokens, skip)}
 
 
 async def detokenize(client: EngineClient, ids: Any, skip_special_tokens: bool = True) -> str:

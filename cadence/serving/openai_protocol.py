@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from cadence.errors import InvalidParameter, readable
+from cadence.front.normalize import drop_unknown
 from cadence.serving.errors import decode_json
 
 MAX_TOP_LOGPROBS = 20
@@ -47,8 +48,9 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = None  # add a last chunk with the usage of the whole request
+    continuous_usage_stats: bool | None = None  # the usage so far on every content chunk
     include_obfuscation: bool | None = None  # accepted; this server never pads chunks
 
 
@@ -80,6 +82,13 @@ class _Request(msgspec.Struct, kw_only=True):
     regex: str | None = None
     json_schema: str | dict[str, Any] | None = None  # a schema object or its JSON text
     ebnf: str | None = None
+    stop_regex: str | list[str] | None = None
+    # SGLang's request extras
+    rid: str | list[str] | None = None  # the request id(s), for /abort_request and logs
+    priority: int | None = None  # with --enable-priority-scheduling
+    return_hidden_states: bool | None = None  # with --enable-return-hidden-states
+    custom_logit_processor: str | None = None  # a plugin's processor, by name
+    custom_params: dict[str, Any] | None = None  # for the custom logit processor
 
     @property
     def is_stream(self) -> bool:
@@ -105,6 +114,10 @@ class ChatCompletionRequest(_Request, kw_only=True):
     store: bool | None = None  # accepted, not used
     metadata: dict[str, Any] | None = None  # accepted, not used
     service_tier: str | None = None  # accepted, not used
+    # Reasoning output (`reasoning_content`) comes with a --reasoning-parser; without one these
+    # change nothing.
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
 
 
 class CompletionRequest(_Request, kw_only=True):
@@ -126,12 +139,7 @@ def parse_request(cls: type, body: bytes | str | dict) -> Any:
         raise InvalidParameter(
             None, f"the request body must be a JSON object, got {type(body).__name__}"
         )
-    known = cls.__struct_fields__
-    for key in body:
-        if key not in known:
-            raise InvalidParameter(
-                str(key), f"unknown field {key!r}; this server accepts: {', '.join(sorted(known))}"
-            )
+    body = drop_unknown(body, cls.__struct_fields__, cls.__name__)
     required = "messages" if cls is ChatCompletionRequest else "prompt"
     if body.get(required) is None:
         raise InvalidParameter(required, f"{required} is required")
@@ -337,6 +345,8 @@ def sampling_params(req: _Request, max_new_tokens: int) -> dict[str, Any]:
         "regex": req.regex,
         "json_schema": _json_schema(req),
         "ebnf": req.ebnf,
+        "stop_regex": req.stop_regex,
+        "custom_params": req.custom_params,
     }
     return {k: v for k, v in params.items() if v is not None}
 
@@ -352,6 +362,38 @@ def _json_schema(req: _Request) -> str | None:
     if isinstance(schema, dict):
         return msgspec.json.encode(schema).decode()
     return schema
+
+
+def extras(req: _Request) -> dict[str, Any]:
+    """The GenerateReqInput fields of SGLang's request extras that the client set."""
+    fields = {
+        "priority": req.priority,
+        "return_hidden_states": req.return_hidden_states,
+        "custom_logit_processor": req.custom_logit_processor,
+    }
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def single_rid(req: _Request) -> str | None:
+    """A chat request's own rid (one string: a chat is one prompt)."""
+    if req.rid is not None and not isinstance(req.rid, str):
+        raise InvalidParameter("rid", "rid must be a string for a chat completion")
+    if req.rid == "":
+        raise InvalidParameter("rid", "rid must not be empty")
+    return req.rid
+
+
+def completion_rids(req: _Request, num_prompts: int, is_batch: bool) -> str | list[str]:
+    """A completion's rids: one string for one prompt, or one per prompt of a batch."""
+    if not is_batch:
+        return single_rid(req)
+    if isinstance(req.rid, str):
+        return [f"{req.rid}-p{i}" for i in range(num_prompts)]
+    if len(req.rid) != num_prompts:
+        raise InvalidParameter(
+            "rid", f"rid has {len(req.rid)} entries but the request has {num_prompts} prompts"
+        )
+    return list(req.rid)
 
 
 def requested_max_tokens(req: _Request) -> tuple[str, int | None]:

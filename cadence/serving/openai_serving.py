@@ -144,14 +144,21 @@ class OpenAIServing:
     # ---- routes ---------------------------------------------------------------------------
 
     def list_models(self) -> OpenAIResponse:
-        return _ok({"object": "list", "data": [self._model_card()]})
+        names = self.client.info.served_model_names or (self.client.info.served_model_name,)
+        return _ok({"object": "list", "data": [self._model_card(name) for name in names]})
 
     def retrieve_model(self, model_id: str) -> OpenAIResponse:
-        try:
-            self._check_model(model_id)
-        except RequestError as e:
-            return OpenAIResponse(*_error(e))
-        return _ok(self._model_card())
+        """A served name's card; any other name is 404 (a model list is a contract, even when
+        requests naming other models are served)."""
+        if model_id not in self._served_names():
+            error = RequestError(
+                404,
+                f"The model {model_id!r} does not exist; this server serves "
+                f"{', '.join(map(repr, self._served_names()))}",
+                "model",
+            )
+            return OpenAIResponse(*_error(error))
+        return _ok(self._model_card(model_id))
 
     async def chat_completions(self, body: bytes) -> OpenAIResult:
         return await self._serve(body, proto.ChatCompletionRequest)
@@ -215,21 +222,29 @@ class OpenAIServing:
                 500, msgspec.json.encode(error_body(500, "internal error; see the server log"))
             )
 
+    def _served_names(self) -> tuple[str, ...]:
+        info = self.client.info
+        return info.served_model_names or (info.served_model_name,)
+
     def _check_model(self, model: str | None) -> None:
-        served = self.client.info.served_model_name
-        if model is not None and model != served:
+        """Any model name is served by the one model, as SGLang does; with
+        --strict-model-name a name that is not served is a 404."""
+        if model is None or not getattr(self.state.args, "strict_model_name", False):
+            return
+        if model not in self._served_names():
+            served = ", ".join(map(repr, self._served_names()))
             raise RequestError(
-                404, f"The model {model!r} does not exist; this server serves {served!r}", "model"
+                404, f"The model {model!r} does not exist; this server serves {served}", "model"
             )
 
-    def _model_card(self) -> dict:
+    def _model_card(self, name: str) -> dict:
         info = self.client.info
         return {
-            "id": info.served_model_name,
+            "id": name,
             "object": "model",
             "created": int(getattr(self.state, "started", 0)),
             "owned_by": "cadence",
-            "root": info.model_path,
+            "root": info.served_model_name,
             "parent": None,
             "max_model_len": info.context_len,
         }
@@ -240,7 +255,7 @@ class OpenAIServing:
         _, max_tokens = proto.requested_max_tokens(req)
         if max_tokens is None:  # OpenAI's default: whatever the context leaves
             max_tokens = max(self.client.info.context_len - len(input_ids), 1)
-        rid = uuid.uuid4().hex
+        rid = proto.single_rid(req) or uuid.uuid4().hex
         obj = GenerateReqInput(
             input_ids=input_ids,
             sampling_params=proto.sampling_params(req, max_tokens),
@@ -249,12 +264,13 @@ class OpenAIServing:
             top_logprobs_num=req.top_logprobs or 0,
             return_text_in_logprobs=True,
             stream=req.is_stream,
+            **proto.extras(req),
         )
         return _Job(
             req,
             obj,
             f"chatcmpl-{rid}",
-            self.client.info.served_model_name,
+            req.model or self.client.info.served_model_name,  # echoed, as SGLang does
             proto.native_names(req),
             num_choices=req.n or 1,
         )
@@ -269,23 +285,27 @@ class OpenAIServing:
             req.max_tokens if req.max_tokens is not None else proto.COMPLETION_DEFAULT_MAX_TOKENS
         )
         base = uuid.uuid4().hex
+        rids = [f"{base}-p{i}" for i in range(num_prompts)] if is_batch else base
+        if req.rid is not None:  # SGLang's extra: the client names its request(s)
+            rids = proto.completion_rids(req, num_prompts, is_batch)
         # With logprobs and echo, the prompt's own logprobs come first (from position 0).
         wants_logprobs = req.logprobs is not None
         obj = GenerateReqInput(
             **prompt,
             sampling_params=proto.sampling_params(req, max_tokens),
-            rid=[f"{base}-p{i}" for i in range(num_prompts)] if is_batch else base,
+            rid=rids,
             return_logprob=wants_logprobs,
             top_logprobs_num=req.logprobs or 0,
             logprob_start_len=0 if wants_logprobs and req.echo else -1,
             return_text_in_logprobs=True,
             stream=req.is_stream,
+            **proto.extras(req),
         )
         job = _Job(
             req,
             obj,
             f"cmpl-{base}",
-            self.client.info.served_model_name,
+            req.model or self.client.info.served_model_name,  # echoed, as SGLang does
             proto.native_names(req),
             num_choices=num_prompts * (req.n or 1),
         )
@@ -330,6 +350,12 @@ class OpenAIServing:
             choice["logprobs"] = self._completion_logprobs(job, meta, 0, with_prompt=True)
         choice["finish_reason"] = proto.finish_reason(reason)
         choice["matched_stop"] = proto.matched_stop(reason)
+        hidden = meta.get("hidden_states")
+        if job.req.return_hidden_states and hidden:
+            # As SGLang: the last position's hidden state (the prompt block's last row when
+            # nothing was decoded after the first token).
+            last = hidden[-1]
+            choice["hidden_states"] = last[-1] if last and isinstance(last[0], list) else last
         return choice
 
     def _chat_logprobs(self, job: _Job, meta: dict) -> dict | None:
@@ -382,7 +408,11 @@ class OpenAIServing:
                         [
                             {
                                 "index": i,
-                                "delta": {"role": "assistant", "content": ""},
+                                "delta": {
+                                    "role": "assistant",
+                                    "content": "",
+                                    "reasoning_content": None,
+                                },
                                 "logprobs": None,
                                 "finish_reason": None,
                             }
@@ -399,9 +429,10 @@ class OpenAIServing:
                         break
                 index = delta.get("index", 0)
                 counts[index] = delta["meta_info"]
-                choice = self._delta_choice(job, index, delta, offsets)
-                if choice is not None:
-                    yield chunk([choice])
+                usage = self._continuous_usage(job, delta["meta_info"])
+                for choice in self._delta_choices(job, index, delta, offsets):
+                    extra = {"usage": usage} if usage and choice["finish_reason"] is None else {}
+                    yield chunk([choice], **extra)
             if job.req.include_usage:
                 metas = [counts[i] for i in sorted(counts)]
                 firsts = metas[:: job.n]
@@ -416,34 +447,77 @@ class OpenAIServing:
         finally:
             await gen.aclose()
 
+    @staticmethod
+    def _continuous_usage(job: _Job, meta: dict) -> dict | None:
+        """stream_options.continuous_usage_stats: the usage so far on every content chunk."""
+        options = job.req.stream_options
+        if not (options and options.continuous_usage_stats):
+            return None
+        return proto.usage(
+            meta["prompt_tokens"], meta["completion_tokens"], meta.get("cached_tokens", 0)
+        )
+
+    def _delta_choices(
+        self, job: _Job, index: int, delta: dict, offsets: dict[int, int]
+    ) -> list[dict]:
+        """The choices a delta becomes: none (nothing to say yet), its text, and for chat a
+        separate closing choice whose delta carries SGLang's null fields (content,
+        reasoning_content, tool_calls), so typed clients see those attributes."""
+        meta = delta["meta_info"]
+        reason = meta.get("finish_reason")
+        if not job.is_chat:
+            choice = self._delta_choice(job, index, delta, offsets)
+            return [] if choice is None else [choice]
+        choices = []
+        text = delta["text"]
+        logprobs = self._chat_logprobs(job, meta)
+        if text or (logprobs and logprobs["content"]):
+            delta_fields = {"content": text} if text else {}
+            delta_fields["reasoning_content"] = None
+            choices.append(
+                {
+                    "index": index,
+                    "delta": delta_fields,
+                    "logprobs": logprobs,
+                    "finish_reason": None,
+                    "matched_stop": None,
+                }
+            )
+        if reason is not None:
+            choices.append(
+                {
+                    "index": index,
+                    "delta": {"content": None, "reasoning_content": None, "tool_calls": None},
+                    "logprobs": None,
+                    "finish_reason": proto.finish_reason(reason),
+                    "matched_stop": proto.matched_stop(reason),
+                }
+            )
+        offsets[index] = offsets.get(index, 0) + len(text)
+        return choices
+
     def _delta_choice(
         self, job: _Job, index: int, delta: dict, offsets: dict[int, int]
     ) -> dict | None:
+        """A completions delta as its choice (None: nothing to say yet)."""
         meta = delta["meta_info"]
         reason = meta.get("finish_reason")
         text = delta["text"]
         is_first = index not in offsets
-        if job.is_chat:
-            logprobs = self._chat_logprobs(job, meta)
-            if not text and reason is None and not (logprobs and logprobs["content"]):
-                return None  # nothing to say yet (e.g. half a multi-byte character)
-            choice = {
-                "index": index,
-                "delta": {"content": text} if text else {},
-                "logprobs": logprobs,
-            }
-        else:
-            if is_first:
-                text = job.echo_text(index) + text
-            offset = offsets.get(index, 0)
-            logprobs = self._completion_logprobs(job, meta, offset, with_prompt=is_first)
-            if not text and reason is None and not (logprobs and logprobs["tokens"]):
-                return None
-            choice = {"index": index, "text": text, "logprobs": logprobs}
-        offsets[index] = offsets.get(index, 0) + len(text)
-        choice["finish_reason"] = proto.finish_reason(reason)
-        choice["matched_stop"] = proto.matched_stop(reason)
-        return choice
+        if is_first:
+            text = job.echo_text(index) + text
+        offset = offsets.get(index, 0)
+        logprobs = self._completion_logprobs(job, meta, offset, with_prompt=is_first)
+        if not text and reason is None and not (logprobs and logprobs["tokens"]):
+            return None
+        offsets[index] = offset + len(text)
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": proto.finish_reason(reason),
+            "matched_stop": proto.matched_stop(reason),
+        }
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -20,3 +20,4 @@ class ServerState:
     is_ready: bool = False  # loaded and warmed up
     is_shutting_down: bool = False
     started: float = dataclasses.field(default_factory=time.time)
+    chat_template: str | None = None  # the --chat-template text, read at start-up

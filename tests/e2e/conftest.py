@@ -44,8 +44,14 @@ SERVER_SPECS: dict[str, list[str]] = {
     "kill_detokenizer_server": _SMALL,
     "kill_front_server": _SMALL,
     # The hardening tests: the fault-injection plugin (a marked request fails inside the
-    # server), a short server-side deadline so fuzzed requests stay short, small pools.
-    "fuzz_server": ["--max-total-tokens", "4096", "--request-timeout-s", "5", "--skip-warmup"],
+    # server) and two test logit processors, a short server-side deadline so fuzzed requests
+    # stay short, small pools; and the flags of SGLang's extras the shared server keeps off.
+    "fuzz_server": [
+        "--max-total-tokens", "4096", "--request-timeout-s", "5", "--skip-warmup",
+        "--enable-custom-logit-processor", "--enable-return-hidden-states",
+        "--enable-priority-scheduling", "--incremental-streaming-output", "--strict-model-name",
+        "--served-model-name", "tiny,tiny-alias",
+    ],  # fmt: skip
     # A short watchdog: SIGSTOP of a child must bring the server down within seconds.
     "stall_server": ["--watchdog-timeout", "3", *_SMALL],
 }

@@ -330,7 +330,11 @@ def fault_plugin_env() -> dict[str, str]:
     with open(os.path.join(info, "METADATA"), "w") as f:
         f.write("Metadata-Version: 2.1\nName: cadence-fault-injection\nVersion: 0.0.0\n")
     with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[cadence.plugins]\nfault_injection = cadence_fault_injection:register\n")
+        f.write(
+            "[cadence.plugins]\nfault_injection = cadence_fault_injection:register\n\n"
+            "[cadence.logit_processors]\nban_tokens = cadence_test_processors:ban_tokens\n"
+            "explode = cadence_test_processors:explode\n"
+        )
     path = os.pathsep.join(p for p in (root, PLUGINS_DIR, os.environ.get("PYTHONPATH")) if p)
     return {"PYTHONPATH": path, "CADENCE_PLUGINS": "fault_injection"}
 

@@ -54,6 +54,8 @@ LABELS = [
     "POST /update_weights_from_disk",
     "POST /v1/chat/completions",
     "POST /v1/completions",
+    "POST /v1/responses",
+    "POST /invocations",
 ]
 
 

@@ -124,7 +124,7 @@ class ScriptedEngine:
         return lp
 
 
-def make_serving(reply="Paris.", context_len=256, chat_template=None):
+def make_serving(reply="Paris.", context_len=256, chat_template=None, strict_model_name=False):
     engine = ScriptedEngine(reply)
     info = ModelInfo(
         model_path="/models/tiny",
@@ -136,9 +136,8 @@ def make_serving(reply="Paris.", context_len=256, chat_template=None):
     )
     client = FrontClient(FrontTokenizer(CharTokenizer()), info, engine.send, max_pending=1088)
     engine.tm = client.tm
-    state = SimpleNamespace(
-        args=SimpleNamespace(chat_template=chat_template), client=client, started=1000.0
-    )
+    args = SimpleNamespace(chat_template=chat_template, strict_model_name=strict_model_name)
+    state = SimpleNamespace(args=args, client=client, started=1000.0)
     return OpenAIServing(state), engine
 
 
@@ -264,7 +263,7 @@ async def test_chat_stream_role_first_finish_last_then_usage():
     assert events[0]["choices"] == [
         {
             "index": 0,
-            "delta": {"role": "assistant", "content": ""},
+            "delta": {"role": "assistant", "content": "", "reasoning_content": None},
             "logprobs": None,
             "finish_reason": None,
         }
@@ -273,8 +272,11 @@ async def test_chat_stream_role_first_finish_last_then_usage():
         e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events
     )
     deltas = [e["choices"][0] for e in events[1:-1]]
-    assert "".join(d["delta"].get("content", "") for d in deltas) == "Hi!"
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Hi!"
     assert [d["finish_reason"] for d in deltas] == [None] * (len(deltas) - 1) + ["stop"]
+    # The closing delta carries SGLang's null fields, so typed clients see the attributes.
+    assert deltas[-1]["delta"] == {"content": None, "reasoning_content": None, "tool_calls": None}
+    assert all("reasoning_content" in d["delta"] for d in deltas)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
     assert all(e["usage"] is None for e in events[:-1])
 
@@ -286,8 +288,8 @@ async def test_stream_with_n_2_streams_each_choice_with_its_index():
     assert len(engine.requests) == 2
     for index in (0, 1):
         mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == index]
-        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
-        assert "".join(c["delta"].get("content", "") for c in mine[1:]) == "ok"
+        assert mine[0]["delta"] == {"role": "assistant", "content": "", "reasoning_content": None}
+        assert "".join(c["delta"].get("content") or "" for c in mine[1:]) == "ok"
         assert mine[-1]["finish_reason"] == "stop"
     assert "usage" not in events[-1]
 
@@ -355,7 +357,6 @@ async def test_completion_default_max_tokens_is_16():
             "temperature",
             "temperature must be in [0, 2]",
         ),
-        ("chat", {"messages": USER, "model": "gpt-4"}, 404, "model", "does not exist"),
         (
             "chat",
             {"messages": USER, "max_tokens": 1000},
@@ -463,3 +464,27 @@ def test_server_args_refuse_a_missing_chat_template_file(tmp_path):
         ServerArgs(chat_template=str(tmp_path / "missing.jinja"))
     (tmp_path / "t.jinja").write_text("{{ messages }}")
     assert ServerArgs(chat_template=str(tmp_path / "t.jinja")).chat_template.endswith("t.jinja")
+
+
+async def test_any_model_name_is_served_and_echoed_unless_strict():
+    serving, _ = make_serving()
+    out = decoded(await serving.chat_completions(body(messages=USER, model="gpt-4")))
+    assert out["model"] == "gpt-4" and out["choices"][0]["message"]["content"]
+    strict, _ = make_serving(strict_model_name=True)
+    refused = await strict.chat_completions(body(messages=USER, model="gpt-4"))
+    assert refused.status == 404 and decoded(refused)["error"]["param"] == "model"
+    assert "does not exist" in decoded(refused)["error"]["message"]
+    assert decoded(await strict.chat_completions(body(messages=USER, model=MODEL)))["model"] == MODEL
+
+
+async def test_continuous_usage_stats_put_the_usage_on_every_content_chunk():
+    serving, _ = make_serving(reply="Hi!")
+    stream = await serving.chat_completions(
+        body(messages=USER, stream=True, stream_options={"continuous_usage_stats": True})
+    )
+    events = await sse_events(stream)
+    content = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
+    assert content and all(e["usage"]["completion_tokens"] >= 1 for e in content)
+    assert [e["usage"]["completion_tokens"] for e in content] == sorted(
+        e["usage"]["completion_tokens"] for e in content
+    )
