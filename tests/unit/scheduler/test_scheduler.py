@@ -84,12 +84,13 @@ class CharTokenizer:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
-def make(num_pages=8, chunk=64, max_running=8, runner=None, tmp_path=None):
+def make(num_pages=8, chunk=64, max_running=8, runner=None, tmp_path=None, **flags):
     args = ServerArgs(
         chunked_prefill_size=chunk,
         max_running_requests=max_running,
         page_size=PAGE,
         profile_dir=str(tmp_path) if tmp_path else None,
+        **flags,
     )
     runner = runner or ScriptedRunner()
     alloc = PageAllocator(num_pages, PAGE)
@@ -319,3 +320,56 @@ def test_a_control_message_that_fails_is_answered_not_raised(tmp_path):
     out = s.handle(ProfileReq(action="start", output_dir="../escape"))
     assert isinstance(out, ProfileReqOutput) and not out.success and "internal error" in out.message
     assert s.handle(object()) is None  # not a message: logged and dropped
+
+
+def order_of_admission(flags, priorities):
+    s, runner, alloc = make(num_pages=3, max_running=1, **flags)  # one request at a time
+    s.handle(request("first", max_new=1))
+    s.step()  # "first" runs; the others queue behind it
+    for rid, priority in priorities:
+        msg = request(rid, max_new=1)
+        msg.priority = priority
+        s.handle(msg)
+    run_until_idle(s)
+    return [b.items[0].rid for b in runner.batches if not b.is_decode][1:]
+
+
+def test_priority_scheduling_admits_higher_priorities_first():
+    asked = [("low", 1), ("none", None), ("high", 9), ("high-too", 9), ("mid", 5)]
+    assert order_of_admission({}, asked) == ["low", "none", "high", "high-too", "mid"]
+    on = {"enable_priority_scheduling": True}
+    assert order_of_admission(on, asked) == ["high", "high-too", "mid", "low", "none"]
+    low_first = {**on, "schedule_low_priority_values_first": True}
+    assert order_of_admission(low_first, asked) == ["low", "mid", "high", "high-too", "none"]
+
+
+def test_stop_regex_ends_a_request_and_a_runaway_pattern_fails_it_alone():
+    s, runner, alloc = make()
+    # Outputs are tokens 14, 15, ... which CharTokenizer decodes to "o", "p", ...
+    s.handle(request("stops", max_new=8, stop_regex=["p.r"]))
+    s.handle(request("plain", max_new=3))
+    outputs = run_until_idle(s)
+    assert final(outputs, "stops").finished_reason == {"type": "stop", "matched": "p.r"}
+    assert final(outputs, "stops").completion_tokens == 4  # o p q r
+    assert final(outputs, "plain").finished_reason["type"] == "length"
+    assert_pool_full(s, alloc)
+
+
+def test_hidden_states_are_recorded_once_per_position():
+    class WithHidden(ScriptedRunner):
+        def run(self, batch):
+            results = super().run(batch)
+            for item, result in zip(batch.items, results):
+                if item.return_hidden_states:
+                    result.hidden_states = [
+                        [float(item.start + k)] for k in range(len(item.token_ids))
+                    ]
+            return results
+
+    s, runner, alloc = make(runner=WithHidden(), chunk=4)
+    msg = request("h", prompt_len=6, max_new=3)
+    msg.return_hidden_states = True
+    s.handle(msg)
+    outputs = run_until_idle(s)
+    states = [v for o in outputs if o.rid == "h" and o.hidden_states for v in o.hidden_states]
+    assert states == [[float(p)] for p in range(6 + 3 - 1)]  # prompt positions, then each decode
