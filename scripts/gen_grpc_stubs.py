@@ -1,12 +1,22 @@
-"""Regenerate the checked-in gRPC stubs from proto/sglang/runtime/v1/sglang.proto.
+"""Regenerate the checked-in gRPC stubs from the protos under proto/.
 
-    python scripts/gen_grpc_stubs.py            # rewrite cadence/grpc/sglang_pb2*.py(i)
+    python scripts/gen_grpc_stubs.py            # rewrite cadence/grpc/*_pb2*.py(i)
     python scripts/gen_grpc_stubs.py --check    # exit 1 if the checked-in stubs are stale
 
 Needs grpcio-tools (a build/test dependency; users of the package never run protoc).
-protoc names the generated modules after the proto's path (`sglang.runtime.v1`), so the
-import in sglang_pb2_grpc.py is rewritten to point at `cadence.grpc`. The descriptor keeps
-the canonical file name `sglang/runtime/v1/sglang.proto`, which reflection reports.
+The protos and the stub modules generated from them:
+
+- sglang/runtime/v1/sglang.proto (`sglang.runtime.v1.SglangService`): sglang_pb2*.
+- sglang/grpc/scheduler/sglang_scheduler.proto (`sglang.grpc.scheduler.SglangScheduler`,
+  the service SGLang's model gateway drives): sglang_scheduler_pb2*.
+- smg/grpc/common/common.proto (the messages that service shares with the gateway's other
+  backends): smg_common_pb2* (named for its package: a bare `common_pb2` says nothing).
+
+protoc names the generated modules after the proto's path (`sglang.runtime.v1`, ...), so
+the imports between them are rewritten to point at `cadence.grpc`. Each descriptor keeps
+its proto's path as its file name (`sglang/runtime/v1/sglang.proto`, ...), which
+reflection reports. The modules of the scheduler service start with a line that keeps
+ruff's linter and formatter off them (pyproject.toml's exclude list names the older ones).
 """
 
 from __future__ import annotations
@@ -19,11 +29,34 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO / "proto"
-PROTO_FILE = "sglang/runtime/v1/sglang.proto"
+PROTO_FILES = (
+    "sglang/runtime/v1/sglang.proto",
+    "smg/grpc/common/common.proto",
+    "sglang/grpc/scheduler/sglang_scheduler.proto",
+)
 PACKAGE_DIR = REPO / "cadence" / "grpc"
-STUBS = ("sglang_pb2.py", "sglang_pb2.pyi", "sglang_pb2_grpc.py")
-_GENERATED_IMPORT = "from sglang.runtime.v1 import sglang_pb2 as"
-_PACKAGE_IMPORT = "from cadence.grpc import sglang_pb2 as"
+# generated file (relative to the output directory) -> its name in cadence/grpc
+STUBS = {
+    "sglang/runtime/v1/sglang_pb2.py": "sglang_pb2.py",
+    "sglang/runtime/v1/sglang_pb2.pyi": "sglang_pb2.pyi",
+    "sglang/runtime/v1/sglang_pb2_grpc.py": "sglang_pb2_grpc.py",
+    "smg/grpc/common/common_pb2.py": "smg_common_pb2.py",
+    "smg/grpc/common/common_pb2.pyi": "smg_common_pb2.pyi",
+    "sglang/grpc/scheduler/sglang_scheduler_pb2.py": "sglang_scheduler_pb2.py",
+    "sglang/grpc/scheduler/sglang_scheduler_pb2.pyi": "sglang_scheduler_pb2.pyi",
+    "sglang/grpc/scheduler/sglang_scheduler_pb2_grpc.py": "sglang_scheduler_pb2_grpc.py",
+}
+# (import protoc writes, the same import of the module in cadence.grpc)
+_IMPORTS = (
+    ("from sglang.runtime.v1 import sglang_pb2 as", "from cadence.grpc import sglang_pb2 as"),
+    ("from smg.grpc.common import common_pb2 as", "from cadence.grpc import smg_common_pb2 as"),
+    (
+        "from sglang.grpc.scheduler import sglang_scheduler_pb2 as",
+        "from cadence.grpc import sglang_scheduler_pb2 as",
+    ),
+)
+_UNLINTED = ("smg_common_pb2", "sglang_scheduler_pb2")
+_HEADER = "# ruff: noqa\n# fmt: off\n"
 
 
 def generate(out_dir: Path) -> dict[str, str]:
@@ -40,16 +73,19 @@ def generate(out_dir: Path) -> dict[str, str]:
             f"--python_out={out_dir}",
             f"--pyi_out={out_dir}",
             f"--grpc_python_out={out_dir}",
-            str(PROTO_ROOT / PROTO_FILE),
+            *(str(PROTO_ROOT / name) for name in PROTO_FILES),
         ]
     )
     if code != 0:
-        raise RuntimeError(f"protoc failed (exit {code}) on {PROTO_FILE}")
-    gen_dir = out_dir / Path(PROTO_FILE).parent
-    stubs = {name: (gen_dir / name).read_text() for name in STUBS}
-    stubs["sglang_pb2_grpc.py"] = stubs["sglang_pb2_grpc.py"].replace(
-        _GENERATED_IMPORT, _PACKAGE_IMPORT
-    )
+        raise RuntimeError(f"protoc failed (exit {code}) on {', '.join(PROTO_FILES)}")
+    stubs = {}
+    for generated, name in STUBS.items():
+        text = (out_dir / generated).read_text()
+        for written, ours in _IMPORTS:
+            text = text.replace(written, ours)
+        if name.startswith(_UNLINTED):
+            text = _HEADER + text
+        stubs[name] = text
     return stubs
 
 
