@@ -1,10 +1,11 @@
 """The gRPC server of the front process (grpc.aio, on the same event loop as HTTP).
 
-Serves `sglang.runtime.v1.SglangService`, the standard `grpc.health.v1.Health` (the empty
-name and the service's name: NOT_SERVING until the engine is warmed up, SERVING then,
-NOT_SERVING again while stopping) and server reflection (v1alpha). With --api-key, every
-SglangService call but HealthCheck must carry `authorization: Bearer <key>`; health and
-reflection stay open, as /health does over HTTP.
+Serves `sglang.runtime.v1.SglangService`, SGLang's scheduler service
+`sglang.grpc.scheduler.SglangScheduler` (what SGLang's gateway SMG drives), the standard
+`grpc.health.v1.Health` (the empty name and each service's name: NOT_SERVING until the
+engine is warmed up, SERVING then, NOT_SERVING again while stopping) and server reflection
+(v1alpha). With --api-key, every call of either service but its HealthCheck must carry
+`authorization: Bearer <key>`; health and reflection stay open, as /health does over HTTP.
 
 Transport settings, and why:
 - keepalive: clients may ping every --grpc-min-ping-interval-s even with no call and no
@@ -26,13 +27,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from cadence.grpc import SERVICE_NAME, sglang_pb2
+from cadence.grpc import SERVICE_NAME, scheduler_servicer, sglang_pb2
+from cadence.grpc.scheduler_servicer import SERVICE_NAME as SCHEDULER_SERVICE_NAME
+from cadence.grpc.scheduler_servicer import SglangSchedulerServicer
 from cadence.grpc.servicer import SglangServicer
 from cadence.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-_OPEN_METHODS = (f"/{SERVICE_NAME}/HealthCheck",)
+_OPEN_METHODS = (f"/{SERVICE_NAME}/HealthCheck", f"/{SCHEDULER_SERVICE_NAME}/HealthCheck")
 _OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
@@ -178,11 +181,20 @@ class GrpcServer:
             sglang_pb2.DESCRIPTOR.services_by_name["SglangService"],
             sglang_pb2,
         )
+        # One limit on generation calls in flight for both services.
+        self.scheduler_servicer = SglangSchedulerServicer(state, calls=self.servicer)
+        add_service(
+            self.server,
+            self.scheduler_servicer,
+            scheduler_servicer.SERVICE,
+            scheduler_servicer.MESSAGE_TYPES,
+        )
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,
+                SCHEDULER_SERVICE_NAME,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),
@@ -211,7 +223,7 @@ class GrpcServer:
         logger.info("gRPC is serving: %s (%s)", self.address, "TLS" if self.is_tls else "plaintext")
 
     async def _set_status(self, status) -> None:
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, SCHEDULER_SERVICE_NAME):
             await self.health.set(name, status)
 
     def begin_stop(self, grace: float = 2.0) -> asyncio.Task:

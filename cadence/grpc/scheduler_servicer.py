@@ -1,0 +1,493 @@
+"""`sglang.grpc.scheduler.SglangScheduler`: the service SGLang's gateway (SMG) drives.
+
+With it, SMG does the HTTP side itself (OpenAI and native parsing, chat templates,
+tokenization, detokenization, stop strings) and sends token ids; Cadence runs only the
+scheduler path. Like `SglangServicer`, it reaches the engine through the front's one
+`EngineClient`: a Generate call becomes the `GenerateReqInput` /generate builds from
+token ids, so the front's checks apply, and its failures become status codes through
+`errors.rpc` (never inside a message). A call that ends early (client cancel, deadline,
+error) closes its result iterator, which aborts the request in the engine.
+
+Served: Generate, HealthCheck, Abort, GetModelInfo, GetServerInfo, GetLoads, FlushCache,
+StartProfile/StopProfile, GetTokenizer. UNIMPLEMENTED: Embed (with the embeddings
+support), SubscribeKvEvents, the LoRA RPCs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+import types
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+from google.protobuf.struct_pb2 import Struct
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from cadence.errors import CadenceError, InvalidParameter
+from cadence.front.engine_client import EngineClient, ModelInfo
+from cadence.grpc import scheduler_convert as convert
+from cadence.grpc import sglang_scheduler_pb2 as pb
+from cadence.grpc import sglang_scheduler_pb2_grpc
+from cadence.grpc import smg_common_pb2 as common
+from cadence.grpc.errors import RpcError, rpc
+from cadence.grpc.streams import BacklogWatch
+from cadence.grpc.tokenizer_archive import TokenizerArchive, chunks
+from cadence.io_struct import FlushCacheReqInput, GenerateReqInput, GetLoadReqInput, ProfileReq
+from cadence.serving import control
+from cadence.serving.state import ServerState
+from cadence.version import __version__
+
+logger = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["SglangScheduler"]
+SERVICE_NAME = SERVICE.full_name  # sglang.grpc.scheduler.SglangScheduler
+# The service's message classes by name, from both of its proto modules (for add_service).
+MESSAGE_TYPES = types.SimpleNamespace(
+    **{
+        name: getattr(module, name)
+        for module in (common, pb)
+        for name in module.DESCRIPTOR.message_types_by_name
+    }
+)
+# SMG gives a health check 5 s; a probe that has not answered by then is unhealthy.
+HEALTH_PROBE_TIMEOUT_S = 4.0
+MAX_FLUSH_WAIT_S = 600.0
+LOAD_SECTIONS = frozenset(("core", "memory", "spec", "lora", "disagg", "queues", "all"))
+# GGUF architecture -> the Hugging Face class SGLang reports (when no config.json says it)
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+
+
+class _Calls:
+    """Generation calls in flight, against the most allowed (--grpc-max-concurrent-requests)."""
+
+    def __init__(self, max_active: int):
+        self.max_active = max_active
+        self.num_active = 0
+
+
+class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
+    """`state` is the front's ServerState (shared with HTTP). `calls` counts the gRPC
+    generation calls in flight (`num_active`, `max_active`): pass SglangService's servicer
+    so both services share one limit; by default this service counts its own."""
+
+    def __init__(self, state: ServerState, calls=None):
+        self.state = state
+        self.args = state.args
+        self.calls = calls or _Calls(self.args.effective_grpc_max_concurrent_requests)
+        self.backlogs = BacklogWatch(self.args.grpc_stream_buffer)
+        self.last_output_at = 0.0  # wall clock of the last result a Generate call received
+        self._archives: dict[str, TokenizerArchive] = {}
+        self._config: dict[str, Any] | None = None  # the model's config.json, once read
+
+    # ---- gates -------------------------------------------------------------------------
+
+    def _client(self) -> EngineClient:
+        """The engine client, or UNAVAILABLE while the server starts or stops."""
+        state = self.state
+        if state.is_shutting_down:
+            raise RpcError(503, "the server is shutting down")
+        if not state.is_ready or state.client is None:
+            raise RpcError(
+                503, "the server is starting: the model is loading; retry once HealthCheck passes"
+            )
+        return state.client
+
+    def _admit(self, client: EngineClient) -> None:
+        if client.is_paused:
+            raise RpcError(409, "generation is paused; continue it (/continue_generation) first")
+        if self.calls.num_active >= self.calls.max_active:
+            raise RpcError(
+                429,
+                f"the server is overloaded: {self.calls.max_active} gRPC generation calls are in "
+                "flight (--grpc-max-concurrent-requests); retry later",
+            )
+
+    # ---- generation --------------------------------------------------------------------
+
+    @rpc
+    async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
+        client = self._client()
+        request_id = request.request_id or uuid.uuid4().hex
+        obj = convert.generate_input(request, client.info, request_id)
+        self._admit(client)
+        self.calls.num_active += 1
+        try:
+            results = client.generate(obj)
+            if obj.stream:
+                messages = self._stream(client, obj, results, request_id, context)
+            else:
+                messages = self._final(results, request_id)
+            try:
+                async for msg in messages:
+                    yield msg
+            finally:
+                await messages.aclose()
+        finally:
+            self.calls.num_active -= 1
+
+    async def _final(self, results: AsyncIterator, request_id: str):
+        """Without `stream`: one GenerateComplete per sample, once all have ended."""
+        async with contextlib.aclosing(results):
+            async for result in results:
+                self.last_output_at = time.time()
+                samples = result if isinstance(result, list) else [result]
+                for index, sample in enumerate(samples):
+                    yield convert.complete_response(request_id, sample, index)
+
+    async def _stream(
+        self, client: EngineClient, obj: GenerateReqInput, results, request_id: str, context
+    ):
+        """One GenerateStreamChunk per delta, and a GenerateComplete when a sample ends. The
+        backlog watch ends the call if the client stops reading."""
+        totals: dict[int, convert.Totals] = {}
+        num_sent = 0
+
+        def rids() -> list[str]:
+            if not obj.is_normalized:  # the rids are known once the front has checked it
+                return []
+            return [obj.rid] if obj.is_single else list(obj.rid)
+
+        async def overflow(error: RpcError):
+            for rid in rids():  # the engine stops at once, whatever becomes of this handler
+                client.abort(rid, message="the gRPC client stopped reading its stream")
+            await context.abort(error.code, str(error))
+
+        watch = self.backlogs.watch(lambda: client.backlog(rids(), num_sent), overflow)
+        try:
+            async for chunk in results:
+                self.last_output_at = time.time()
+                index = chunk.get("index", 0)
+                total = totals.setdefault(index, convert.Totals())
+                total.add(chunk)
+                msg = convert.chunk_response(request_id, chunk, index)
+                if msg is not None:
+                    yield msg
+                num_sent += len(chunk["output_ids"])
+                if convert.is_finished(chunk):
+                    yield convert.complete_response(request_id, total.result(), index)
+        finally:
+            self.backlogs.unwatch(watch)
+            await results.aclose()  # aborts what still runs
+
+    @rpc
+    async def Abort(self, request, context):
+        """Ends the request (and its n > 1 samples); success whether or not it was live."""
+        if not request.request_id:
+            raise InvalidParameter("request_id", "request_id is required: the request to abort")
+        reason = request.reason or "aborted by the Abort RPC"
+        was_live = self._client().abort(request.request_id, message=reason)
+        message = "aborted" if was_live else "no live request has this id; nothing to abort"
+        return pb.AbortResponse(success=True, message=message)
+
+    @rpc
+    async def Embed(self, request, context):
+        raise RpcError(
+            501,
+            "Embed: this server does not serve embeddings yet; the loaded model "
+            f"{self._client().info.served_model_name!r} serves Generate",
+        )
+
+    # ---- health and information --------------------------------------------------------
+
+    @rpc
+    async def HealthCheck(self, request, context):
+        """Healthy when a one-token probe generation passes through the whole pipeline, or,
+        while the probe waits for room (a full KV pool), when the scheduler answers that it
+        is running requests: a busy engine is a live one. Within HEALTH_PROBE_TIMEOUT_S."""
+        state = self.state
+        if state.is_shutting_down:
+            return pb.HealthCheckResponse(healthy=False, message="the server is shutting down")
+        if not state.is_ready or state.client is None:
+            return pb.HealthCheckResponse(healthy=False, message="the model is loading")
+        client = state.client
+        if client.is_paused:  # up by choice
+            return pb.HealthCheckResponse(healthy=True, message="generation is paused")
+        probe = GenerateReqInput(
+            input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}
+        )
+        task = asyncio.ensure_future(_drain(client.generate(probe)))
+        deadline = time.monotonic() + HEALTH_PROBE_TIMEOUT_S
+        try:
+            await asyncio.wait({task}, timeout=HEALTH_PROBE_TIMEOUT_S / 4)
+            if not task.done():
+                load = await client.control(
+                    GetLoadReqInput(), timeout=max(deadline - time.monotonic(), 0.1)
+                )
+                if load.num_running_reqs > 0:
+                    return pb.HealthCheckResponse(
+                        healthy=True,
+                        message=f"the engine is busy ({load.num_running_reqs} requests running)",
+                    )
+                await asyncio.wait({task}, timeout=max(deadline - time.monotonic(), 0))
+            if not task.done():
+                return pb.HealthCheckResponse(
+                    healthy=False,
+                    message=f"the probe generation did not end in {HEALTH_PROBE_TIMEOUT_S:g}s",
+                )
+            task.result()
+        except CadenceError as e:
+            logger.warning("HealthCheck: the probe generation failed: %s", e)
+            return pb.HealthCheckResponse(
+                healthy=False, message=f"the engine failed the probe: {e}"
+            )
+        finally:
+            task.cancel()  # aborts the probe if it still runs
+            await asyncio.gather(task, return_exceptions=True)
+        return pb.HealthCheckResponse(healthy=True, message="the probe generation passed")
+
+    @rpc
+    async def GetModelInfo(self, request, context):
+        info = self._client().info
+        config = self._model_config(info)
+        architectures = config.get("architectures") or (
+            [_HF_ARCHITECTURES[info.architecture]] if info.architecture in _HF_ARCHITECTURES else []
+        )
+        return pb.GetModelInfoResponse(
+            model_path=info.model_path,
+            tokenizer_path=info.tokenizer_dir or "",
+            is_generation=info.is_generation,
+            preferred_sampling_params="",
+            default_sampling_params_json="",  # no defaults beyond the native API's
+            served_model_name=info.served_model_name,
+            max_context_length=info.context_len,
+            vocab_size=info.vocab_size,
+            model_type=config.get("model_type") or info.architecture,
+            eos_token_ids=list(info.eos_token_ids),
+            bos_token_id=info.bos_token_id or 0,
+            max_req_input_len=_max_input_len(info),
+            architectures=[str(a) for a in architectures],
+        )
+
+    def _model_config(self, info: ModelInfo) -> dict[str, Any]:
+        """The model's config.json beside its tokenizer files, if it has one ({} if not)."""
+        if self._config is None:
+            self._config = {}
+            path = os.path.join(info.tokenizer_dir or "", "config.json")
+            if info.tokenizer_dir and os.path.isfile(path):
+                try:
+                    with open(path) as f:
+                        config = json.load(f)
+                    self._config = config if isinstance(config, dict) else {}
+                except (OSError, ValueError) as e:
+                    logger.warning("cannot read %s: %s", path, e)
+        return self._config
+
+    @rpc
+    async def GetServerInfo(self, request, context):
+        client = self._client()
+        info, args = client.info, self.args
+        server_args = dataclasses.asdict(args)
+        server_args.pop("api_key", None)  # never echo a secret
+        server_args.update(
+            model_path=info.model_path,
+            served_model_name=info.served_model_name,
+            tokenizer_path=info.tokenizer_dir,
+            tp_size=1,
+            dp_size=1,
+            context_length=info.context_len,
+            max_total_tokens=info.max_total_tokens,
+            max_running_requests=args.max_running_requests,
+            is_embedding=not info.is_generation,
+            vocab_size=info.vocab_size,
+        )
+        scheduler_info = {
+            **self.state.runtime,
+            "max_total_num_tokens": info.max_total_tokens,
+            "max_req_input_len": _max_input_len(info),
+            "max_running_requests": args.max_running_requests,
+            "is_generation": info.is_generation,
+        }
+        start_time = Timestamp()
+        start_time.FromNanoseconds(int(self.state.started * 1e9))
+        return pb.GetServerInfoResponse(
+            server_args=_struct(server_args),
+            scheduler_info=_struct(scheduler_info),
+            active_requests=client.stats().get("num_live_requests", 0),
+            is_paused=client.is_paused,
+            last_receive_timestamp=self.last_output_at,
+            uptime_seconds=time.time() - self.state.started,
+            sglang_version=__version__,
+            server_type="grpc",
+            start_time=start_time,
+            max_total_num_tokens=info.max_total_tokens,
+        )
+
+    @rpc
+    async def GetLoads(self, request, context):
+        sections = set(request.include) or {"all"}
+        unknown = sorted(sections - LOAD_SECTIONS)
+        if unknown:
+            raise InvalidParameter(
+                "include",
+                f"include: unknown section {unknown[0]!r}; use {', '.join(sorted(LOAD_SECTIONS))}",
+            )
+        load = await self._client().control(GetLoadReqInput())
+        loads = [_scheduler_load(load, self.args.max_running_requests, sections)]
+        if request.HasField("dp_rank"):
+            loads = [entry for entry in loads if entry.dp_rank == request.dp_rank]
+        return pb.GetLoadsResponse(
+            timestamp=datetime.now(UTC).isoformat(),
+            version=__version__,
+            dp_rank_count=len(loads),
+            loads=loads,
+            aggregate=_aggregate(loads),
+        )
+
+    # ---- control -----------------------------------------------------------------------
+
+    @rpc
+    async def FlushCache(self, request, context):
+        """Flushes the prefix cache, once no request runs: at once (timeout_s 0), or as soon
+        as the running ones have ended within timeout_s. Not flushed: success false."""
+        wait = request.timeout_s
+        if not math.isfinite(wait) or not 0 <= wait <= MAX_FLUSH_WAIT_S:
+            raise InvalidParameter(
+                "timeout_s", f"timeout_s must be in [0, {MAX_FLUSH_WAIT_S:g}] seconds, got {wait}"
+            )
+        client = self._client()
+        deadline = time.monotonic() + wait
+        while True:
+            out = await client.control(FlushCacheReqInput())
+            remaining = deadline - time.monotonic()
+            if out.success or remaining <= 0:
+                break
+            await asyncio.sleep(min(0.1, remaining))
+        if not out.success:
+            return common.FlushCacheResponse(
+                success=False, message=f"cannot flush the cache: {out.message}"
+            )
+        return common.FlushCacheResponse(success=True, message="Cache flushed.")
+
+    @rpc
+    async def StartProfile(self, request, context):
+        """Starts the torch profiler; traces go under the server's --profile-dir (a client
+        names a subdirectory at most). activities, with_stack, record_shapes and
+        profile_by_stage are the profiler's own choice here and are ignored."""
+        output_dir = request.output_dir if request.HasField("output_dir") else None
+        control.check_profile_name(output_dir)
+        if request.HasField("start_step"):
+            raise InvalidParameter(
+                "start_step", "start_step: profiling starts at once here; leave it unset"
+            )
+        num_steps = request.num_steps if request.HasField("num_steps") else None
+        if num_steps is not None and num_steps < 1:
+            raise InvalidParameter("num_steps", f"num_steps must be >= 1, got {num_steps}")
+        out = await self._client().control(
+            ProfileReq(action="start", output_dir=output_dir, num_steps=num_steps)
+        )
+        return common.ProfileResponse(
+            success=out.success, message=out.message or "profiling started"
+        )
+
+    @rpc
+    async def StopProfile(self, request, context):
+        out = await self._client().control(ProfileReq(action="stop"))
+        return common.ProfileResponse(
+            success=out.success, message=out.message or "profiling stopped"
+        )
+
+    @rpc
+    async def GetTokenizer(self, request, context) -> AsyncIterator[common.GetTokenizerChunk]:
+        """The tokenizer directory as a zip archive in 64 KiB chunks; the last carries the
+        archive's SHA-256."""
+        directory = self._client().info.tokenizer_dir
+        if not directory:
+            raise RpcError(409, "this server has no local tokenizer directory to send")
+        archive = self._archives.get(directory)
+        if archive is None:
+            archive = self._archives[directory] = TokenizerArchive(directory)
+        try:
+            data, sha256 = await archive.get()
+        except (OSError, ValueError) as e:
+            raise RpcError(409, f"cannot send the tokenizer: {e}") from None
+        for piece, digest in chunks(data, sha256):
+            yield common.GetTokenizerChunk(data=piece, sha256=digest)
+
+    # ---- not served ----------------------------------------------------------------------
+
+    @rpc
+    async def SubscribeKvEvents(self, request, context) -> AsyncIterator[common.KvEventBatch]:
+        raise RpcError(
+            501, "SubscribeKvEvents: this server publishes no KV-cache events; poll GetLoads"
+        )
+        yield  # an async generator, as the streaming RPC requires
+
+    @rpc
+    async def LoadLoRAAdapter(self, request, context):
+        raise RpcError(501, "LoadLoRAAdapter: this server serves no LoRA adapters")
+
+    @rpc
+    async def UnloadLoRAAdapter(self, request, context):
+        raise RpcError(501, "UnloadLoRAAdapter: this server serves no LoRA adapters")
+
+    @rpc
+    async def ListLoadedLoRAAdapters(self, request, context):
+        raise RpcError(501, "ListLoadedLoRAAdapters: this server serves no LoRA adapters")
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+async def _drain(results: AsyncIterator) -> None:
+    async with contextlib.aclosing(results):
+        async for _ in results:
+            pass
+
+
+def _max_input_len(info: ModelInfo) -> int:
+    """The longest prompt that leaves room for one output token in the context and the pool."""
+    return max(min(info.context_len, info.max_total_tokens) - 1, 0)
+
+
+def _struct(values: dict[str, Any]) -> Struct:
+    """A protobuf Struct of `values`, made JSON-safe first (tuples, paths, ...)."""
+    struct = Struct()
+    struct.update(msgspec.json.decode(msgspec.json.encode(values, enc_hook=str)))
+    return struct
+
+
+def _scheduler_load(load, max_running: int, sections: set[str]) -> pb.SchedulerLoad:
+    """SGLang's per-rank load record from the scheduler's GetLoadReqOutput. `utilization`
+    is the larger of the KV pool's use and the running batch's share of its maximum."""
+    entry = pb.SchedulerLoad(
+        dp_rank=load.dp_rank,
+        num_running_reqs=load.num_running_reqs,
+        num_waiting_reqs=load.num_waiting_reqs,
+        num_total_reqs=load.num_running_reqs + load.num_waiting_reqs,
+        num_used_tokens=load.num_used_tokens,
+        max_total_num_tokens=load.max_total_num_tokens,
+        token_usage=load.token_usage,
+        gen_throughput=load.gen_throughput,
+        cache_hit_rate=load.cache_hit_rate,
+        utilization=max(load.token_usage, load.num_running_reqs / max(max_running, 1)),
+        max_running_requests=max_running,
+    )
+    if sections & {"memory", "all"}:
+        entry.memory.token_capacity = load.max_total_num_tokens
+    if sections & {"queues", "all"}:
+        entry.queues.waiting = load.num_waiting_reqs
+    return entry
+
+
+def _aggregate(loads: list[pb.SchedulerLoad]) -> pb.AggregateMetrics:
+    if not loads:
+        return pb.AggregateMetrics()
+    n = len(loads)
+    return pb.AggregateMetrics(
+        total_running_reqs=sum(x.num_running_reqs for x in loads),
+        total_waiting_reqs=sum(x.num_waiting_reqs for x in loads),
+        total_reqs=sum(x.num_total_reqs for x in loads),
+        avg_token_usage=sum(x.token_usage for x in loads) / n,
+        avg_throughput=sum(x.gen_throughput for x in loads) / n,
+        avg_utilization=sum(x.utilization for x in loads) / n,
+    )
