@@ -54,6 +54,8 @@ SERVER_SPECS: dict[str, list[str]] = {
     ],  # fmt: skip
     # A short watchdog: SIGSTOP of a child must bring the server down within seconds.
     "stall_server": ["--watchdog-timeout", "3", *_SMALL],
+    # SGLang's gateway (SMG) in front of Cadence, over gRPC and HTTP (test_smg_*.py).
+    "smg_server": ["--max-total-tokens", "4096", "--skip-warmup"],
 }
 SERVER_ENVS = {"fuzz_server": fault_plugin_env}
 
