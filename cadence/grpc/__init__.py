@@ -12,6 +12,11 @@ Generated stubs ship in this package, so clients need neither protoc nor grpcio-
 The stubs come from `proto/sglang/runtime/v1/sglang.proto`; after changing the proto, run
 `python scripts/gen_grpc_stubs.py` (a unit test fails while they are stale).
 
+The same port serves SGLang's scheduler service `sglang.grpc.scheduler.SglangScheduler`,
+which SGLang's model gateway (SMG) drives with token ids (`scheduler_servicer`; stubs
+`sglang_scheduler_pb2*` and `smg_common_pb2`, from proto/sglang/grpc/scheduler/ and
+proto/smg/grpc/common/; docs/grpc.md, "SGLang's scheduler service").
+
 This module imports nothing: `server` (grpc.aio) is loaded by the front process only.
 """
 
