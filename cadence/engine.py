@@ -28,10 +28,12 @@ from cadence.front.request_checks import RequestOptions
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.hooks import finalize_server_args
 from cadence.io_struct import (
+    CloseSessionReqInput,
     ContinueGenerationReqInput,
     FlushCacheReqInput,
     GenerateReqInput,
     GetLoadReqInput,
+    OpenSessionReqInput,
     PauseGenerationReqInput,
     ProfileReq,
     UpdateWeightFromDiskReqInput,
@@ -259,6 +261,31 @@ class Engine:
         return self.control(
             UpdateWeightFromDiskReqInput(model_path=model_path, load_format=load_format)
         )
+
+    def open_session(
+        self,
+        capacity_of_str_len: int = 0,
+        session_id: str | None = None,
+        streaming: bool = False,
+        timeout: float | None = None,
+    ) -> str:
+        """Opens a session (see `/open_session`); returns its id. Raises ValueError when the
+        session cannot be opened (its id is taken)."""
+        out = self.control(
+            OpenSessionReqInput(
+                capacity_of_str_len=capacity_of_str_len,
+                session_id=session_id,
+                streaming=streaming,
+                timeout=timeout,
+            )
+        )
+        if not out.success:
+            raise ValueError(f"cannot open the session: {out.message}")
+        return out.session_id
+
+    def close_session(self, session_id: str) -> bool:
+        """Closes a session, unpinning its KV; False when no such session was open."""
+        return self.control(CloseSessionReqInput(session_id=session_id)).success
 
     def run_in_scheduler(self, fn, timeout: float = 60):
         """Runs fn(scheduler) on the scheduler thread and returns its result (tests, admin)."""

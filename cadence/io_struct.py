@@ -129,6 +129,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 # -- user-facing requests ------------------------------------------------------------------
 
 
+class SessionParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Where a request continues a session (SGLang's `session_params`)."""
+
+    id: str  # the session, from /open_session
+    rid: str | None = None  # the earlier request of the session to continue; None: see below
+    # Keep only this many tokens of the earlier request's prompt + output before appending
+    # the new input (None or 0: keep all).
+    offset: int | None = None
+    # Replace what followed `rid` in the session (a branch); with no rid, start the session over.
+    replace: bool | None = None
+    drop_previous_output: bool | None = None  # continue from the earlier prompt only
+
+
 class GenerateReqInput(_Message, kw_only=True):
     """The native /generate body, single or batch; what both adapters build.
 
@@ -179,6 +192,8 @@ class GenerateReqInput(_Message, kw_only=True):
     # A logit processor registered by a plugin, by name (with --enable-custom-logit-processor);
     # never code: a request cannot carry something to run.
     custom_logit_processor: str | list[str | None] | None = None
+    # Continue an open session (see SessionParams): one dict for every item, or one per prompt.
+    session_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
 
     # Derived by normalize_batch_and_arguments(); never set by the user.
     is_single: bool = True  # answer with one object, not a list
@@ -224,6 +239,8 @@ class TokenizedGenerateReqInput(_Message, kw_only=True):
     priority: int | None = None  # scheduling priority; None: the lowest
     return_hidden_states: bool = False  # report the final hidden states of every position
     custom_logit_processor: str | None = None  # name of a registered logit processor
+    # Continue an open session: the scheduler prepends the session's earlier tokens.
+    session_params: SessionParams | None = None
 
 
 class TokenizedEmbeddingReqInput(_Message, kw_only=True):
@@ -365,6 +382,32 @@ PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = typing.get_args(PauseMode)
 
 
+class OpenSessionReqInput(_ControlMessage, kw_only=True):
+    """Open a session whose requests continue each other, their KV kept pinned meanwhile."""
+
+    capacity_of_str_len: int = 0  # SGLang's capacity hint; accepted, not enforced
+    session_id: str | None = None  # None: the front picks a fresh one
+    streaming: bool = False  # every request appends to the session's latest one
+    timeout: float | None = None  # seconds idle before the server closes it; None: the default
+
+
+class OpenSessionReqOutput(_ControlMessage, kw_only=True):
+    session_id: str | None
+    success: bool
+    message: str = ""  # why it failed
+
+
+class CloseSessionReqInput(_ControlMessage, kw_only=True):
+    """Close a session: its pinned KV becomes ordinary (evictable) prefix cache."""
+
+    session_id: str
+
+
+class CloseSessionReqOutput(_ControlMessage, kw_only=True):
+    success: bool  # False when no such session was open
+    message: str = ""
+
+
 class PauseGenerationReqInput(_ControlMessage, kw_only=True):
     """Stop scheduling until ContinueGenerationReqInput."""
 
@@ -451,6 +494,10 @@ Message = (
     | ProfileReqOutput
     | UpdateWeightFromDiskReqInput
     | UpdateWeightFromDiskReqOutput
+    | OpenSessionReqInput
+    | OpenSessionReqOutput
+    | CloseSessionReqInput
+    | CloseSessionReqOutput
 )
 MESSAGE_TYPES: tuple[type, ...] = typing.get_args(Message)
 
@@ -460,6 +507,8 @@ REPLY_TYPES: dict[type, type] = {
     GetLoadReqInput: GetLoadReqOutput,
     ProfileReq: ProfileReqOutput,
     UpdateWeightFromDiskReqInput: UpdateWeightFromDiskReqOutput,
+    OpenSessionReqInput: OpenSessionReqOutput,
+    CloseSessionReqInput: CloseSessionReqOutput,
 }
 
 _encoder = msgspec.msgpack.Encoder()

@@ -49,6 +49,12 @@ class ServerArgs:
     """Tokens per KV page."""
     chunked_prefill_size: int = 2048
     """Most prompt tokens prefilled in one step; longer prompts are split over steps."""
+    disable_radix_cache: bool = False
+    """Keep no prefix cache: every request prefills its whole prompt (sessions then pin nothing)."""
+    schedule_policy: str | None = None
+    """Order of admission among waiting requests: lpm (longest cached prefix first; the default with the prefix cache) or fcfs (arrival order; the default without it)."""
+    session_timeout_s: float | None = 600.0
+    """Seconds a session (/open_session) may stay idle before the server closes it and unpins its KV; a session may ask for its own timeout. 0: never."""
     random_seed: int | None = None
     """Seed of the server's own sampling randomness (requests with a `seed` use their own)."""
     api_key: str | None = None
@@ -123,6 +129,10 @@ class ServerArgs:
             raise ValueError(
                 f"max_total_tokens must be ≥ page_size ({self.page_size}), got {self.max_total_tokens}"
             )
+        if self.schedule_policy not in (None, "lpm", "fcfs"):
+            raise ValueError(f"schedule_policy must be lpm or fcfs, got {self.schedule_policy!r}")
+        if self.session_timeout_s is not None and self.session_timeout_s < 0:
+            raise ValueError(f"session_timeout_s must be ≥ 0, got {self.session_timeout_s}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(
                 f"log_level must be debug, info, warning or error, got {self.log_level!r}"
@@ -195,6 +205,16 @@ class ServerArgs:
         return [model_name(model_path)]
 
     @property
+    def effective_schedule_policy(self) -> str:
+        if self.schedule_policy is not None:
+            return self.schedule_policy
+        return "fcfs" if self.disable_radix_cache else "lpm"
+
+    @property
+    def effective_session_timeout_s(self) -> float | None:
+        return self.session_timeout_s or None
+
+    @property
     def effective_profile_dir(self) -> str:
         if self.profile_dir is not None:
             return os.path.abspath(self.profile_dir)
@@ -240,6 +260,8 @@ def add_cli_args(parser: argparse.ArgumentParser, cls: type = ServerArgs) -> Non
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
         conv = int if "int" in kind else float if "float" in kind else str
         kwargs = {"choices": DTYPES} if f.name in ("dtype", "kv_cache_dtype") else {}
+        if f.name == "schedule_policy":
+            kwargs = {"choices": ("lpm", "fcfs")}
         parser.add_argument(flag, type=conv, default=f.default, help=help_text, **kwargs)
 
 

@@ -29,9 +29,11 @@ from cadence.entrypoints.http_io import (
 from cadence.entrypoints.openai_routes import register_openai_routes
 from cadence.errors import CadenceError, InvalidParameter
 from cadence.io_struct import (
+    CloseSessionReqInput,
     ContinueGenerationReqInput,
     FlushCacheReqInput,
     GetLoadReqInput,
+    OpenSessionReqInput,
     PauseGenerationReqInput,
     ProfileReq,
     UpdateWeightFromDiskReqInput,
@@ -301,6 +303,27 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
         if not out.success:
             return error_response(400, f"cannot flush the cache: {out.message}")
         return PlainTextResponse("Cache flushed.\n")
+
+    @app.api_route("/open_session", methods=["GET", "POST"])
+    async def open_session(request: Request):
+        body = control.parse(control.OpenSessionBody, await read_json(request))
+        out = await client().control(
+            OpenSessionReqInput(
+                capacity_of_str_len=body.capacity_of_str_len,
+                session_id=body.session_id,
+                streaming=body.streaming,
+                timeout=body.timeout,
+            )
+        )
+        if not out.success:
+            return error_response(400, f"cannot open the session: {out.message}")
+        return json_response(out.session_id)
+
+    @app.api_route("/close_session", methods=["GET", "POST"])
+    async def close_session(request: Request):
+        body = control.parse(control.CloseSessionBody, await read_json(request))
+        await client().control(CloseSessionReqInput(session_id=body.session_id))
+        return Response(status_code=200)  # closing an unknown session is not an error (SGLang)
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):

@@ -93,6 +93,8 @@ BODIES: dict[str, tuple[Any, bool]] = {
     "/start_profile": (control.ProfileBody, False),
     "/stop_profile": (_ANY_OBJECT, False),
     "/update_weights_from_disk": (control.UpdateWeightsBody, True),
+    "/open_session": (control.OpenSessionBody, False),
+    "/close_session": (control.CloseSessionBody, True),
     "/v1/chat/completions": (ChatCompletionRequest, True),
     "/v1/completions": (CompletionRequest, True),
     "/invocations": (ChatCompletionRequest, True),

@@ -24,7 +24,7 @@ import msgspec
 
 from cadence.errors import InvalidParameter, readable
 from cadence.front.sampling_checks import coerce_field
-from cadence.io_struct import EmbeddingReqInput, GenerateReqInput
+from cadence.io_struct import EmbeddingReqInput, GenerateReqInput, SessionParams
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ def _normalize_generate(obj: GenerateReqInput, max_items: int | None) -> None:
             ("lora_path", None, _check_str),
             ("return_hidden_states", False, _check_bool),
             ("custom_logit_processor", None, _check_str),
+            ("session_params", None, _check_session_params),
         )
     }
     if obj.priority is not None and (
@@ -142,6 +143,7 @@ def _generate_item(obj: GenerateReqInput, i: int) -> GenerateReqInput:
         priority=obj.priority,
         return_hidden_states=obj.return_hidden_states[i],
         custom_logit_processor=obj.custom_logit_processor[i],
+        session_params=obj.session_params[i],
         is_single=True,
         batch_size=1,
         parallel_sample_num=1,
@@ -430,6 +432,15 @@ def _check_str(param: str, label: str, value: Any) -> str:
 def _check_dict(param: str, label: str, value: Any) -> dict:
     if not isinstance(value, dict):
         raise InvalidParameter(param, f"{label} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _check_session_params(param: str, label: str, value: Any) -> dict:
+    """A dict that makes a `SessionParams` (kept as a dict: the request stays JSON-shaped)."""
+    try:
+        msgspec.convert(_check_dict(param, label, value), SessionParams)
+    except msgspec.ValidationError as e:
+        raise InvalidParameter(param, f"{label}: {readable(e)}") from None
     return value
 
 

@@ -10,12 +10,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from cadence.errors import InvalidParameter
 from cadence.front.engine_client import ModelInfo
 from cadence.front.normalize import items, normalize_batch_and_arguments
 from cadence.front.sampling_checks import check_sampling_params, parse_sampling_params
 from cadence.front.tokenizer import FrontTokenizer
-from cadence.io_struct import GenerateReqInput, SamplingParams, TokenizedGenerateReqInput
+from cadence.io_struct import (
+    GenerateReqInput,
+    SamplingParams,
+    SessionParams,
+    TokenizedGenerateReqInput,
+)
 from cadence.plugins import logit_processors
 
 # Response size: a request may ask for at most this many logprob entries in all (top-k
@@ -129,6 +136,11 @@ class RequestChecker:
             priority=item.priority,
             return_hidden_states=bool(item.return_hidden_states),
             custom_logit_processor=item.custom_logit_processor,
+            session_params=(
+                None
+                if item.session_params is None
+                else msgspec.convert(item.session_params, SessionParams)
+            ),
         )
 
     def _check_extras(self, item: GenerateReqInput, params: SamplingParams) -> None:

@@ -239,6 +239,7 @@ class TokenizerManager:
             raise RequestError(
                 reason["status_code"],
                 reason.get("message", "request failed"),
+                param=reason.get("param"),
                 is_request_fault=bool(reason.get("request_fault")),
             )
         return {"text": text, "output_ids": ids, "meta_info": meta}

@@ -70,11 +70,6 @@ def generate_input(req: pb.TextGenerateRequest | pb.GenerateRequest) -> Generate
             "disaggregated_params: this server does not run "
             "prefill/decode disaggregation; leave the field unset",
         )
-    if req.HasField("session_id"):
-        raise InvalidParameter(
-            "session_id",
-            "session_id: sessions are not served by this server yet; leave the field unset",
-        )
     if req.HasField("routed_dp_rank") and req.routed_dp_rank != 0:
         raise InvalidParameter(
             "routed_dp_rank",
@@ -91,6 +86,11 @@ def generate_input(req: pb.TextGenerateRequest | pb.GenerateRequest) -> Generate
     for name in _REQUEST_SCALARS:
         if req.HasField(name):
             kwargs[name] = getattr(req, name)
+    if req.HasField("session_id"):
+        # A request of an open session (`/open_session`): in a streaming session it continues
+        # the latest request; otherwise it starts a new line of the session (SGLang's
+        # session_params with an id and no rid).
+        kwargs["session_params"] = {"id": req.session_id}
     return GenerateReqInput(**kwargs)
 
 

@@ -11,6 +11,7 @@ from cadence.io_struct import (
     BatchTokenIDOutput,
     Logprobs,
     SamplingParams,
+    SessionParams,
     TokenizedGenerateReqInput,
 )
 
@@ -58,6 +59,7 @@ class Req:
     priority: int | None = None  # None: the lowest (see Scheduler.add_request)
     return_hidden_states: bool = False
     logit_processor: str | None = None  # a registered processor's name
+    session_params: SessionParams | None = None  # continues a session (see scheduler/sessions.py)
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict[str, Any] | None = None
@@ -67,7 +69,13 @@ class Req:
     num_reserved_pages: int = 0  # pages promised at admission (held + still to allocate)
     num_computed: int = 0  # tokens of fill_ids whose K/V are in the pool
     num_sent: int = 0  # output tokens already reported
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
+    cache_node: Any = None  # the prefix-cache node this request keeps locked (its shared prefix)
+    match_len: int = -1  # cached whole-page prefix length, as of prefix-cache version `match_at`
+    match_at: int = -1
+    page_hashes: list[int] = field(default_factory=list)  # chained hashes of fill_ids' pages
+    session_turn: Any = None  # its turn in an open session
+    session_id: str | None = None
     generator: Any = None  # the runner's random generator for a request with a seed
     created: float = field(default_factory=time.monotonic)
     # Logprobs gathered since the last output (cleared when sent).
@@ -118,6 +126,7 @@ def req_from_tokenized(t: TokenizedGenerateReqInput) -> Req:
         priority=t.priority,
         return_hidden_states=t.return_hidden_states,
         logit_processor=t.custom_logit_processor,
+        session_params=t.session_params,
     )
 
 

@@ -4,6 +4,16 @@ One core serves both the scheduler process (`scheduler/process.py`, over ZMQ) an
 in-process `Engine` (on a thread): every request and control message goes through one
 dispatch table, and a step is schedule -> run -> postprocess.
 
+The prefix cache (`mem_cache/prefix_cache.py`) keeps the KV of what requests computed: a
+request admitted with a cached prefix takes those pages (one more hold each, and a lock on
+their tree node) and prefills only the rest. A request's computed whole pages go into the
+cache after every prefill chunk and when it ends; its lock and holds are released then,
+so the pages stay cached (evictable) until memory is needed. Admission counts evictable
+pages as free and evicts before it makes a request wait. With `--schedule-policy lpm`
+waiting requests are taken longest cached prefix first, and a request whose next pages
+another request of the same round is computing waits one round to share them (n > 1,
+batches with a common prefix).
+
 Single-threaded by design: only the thread that calls `handle` and `step` touches requests,
 KV pages or queues. The scheduler borrows the KV allocator (it decides who holds which
 page) and asks the runner to run a batch; it never touches model internals. Admission
@@ -27,11 +37,15 @@ from cadence import hooks
 from cadence.io_struct import (
     REPLY_TYPES,
     AbortReq,
+    CloseSessionReqInput,
+    CloseSessionReqOutput,
     ContinueGenerationReqInput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetLoadReqInput,
     GetLoadReqOutput,
+    OpenSessionReqInput,
+    OpenSessionReqOutput,
     PauseGenerationReqInput,
     ProfileReq,
     ProfileReqOutput,
@@ -41,23 +55,51 @@ from cadence.io_struct import (
 )
 from cadence.layers.sampler import SamplingInput
 from cadence.mem_cache.allocator import KVAllocator
+from cadence.mem_cache.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
 from cadence.model_executor.runner import BatchItem, ItemResult, Runner, ScheduleBatch
 from cadence.scheduler.profiler import Profiler
 from cadence.scheduler.req import Req, ReqOutput, req_from_tokenized
+from cadence.scheduler.sessions import SessionController, SessionError
 from cadence.scheduler.stop_checker import StopChecker
 from cadence.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+# Beyond this many waiting requests, lpm falls back to arrival order (matching every waiting
+# request each round would cost more than it saves).
+LPM_MAX_WAITING = 128
+
 
 class Scheduler:
     def __init__(
-        self, args: ServerArgs, runner: Runner, allocator: KVAllocator, stop_checker: StopChecker
+        self,
+        args: ServerArgs,
+        runner: Runner,
+        allocator: KVAllocator,
+        stop_checker: StopChecker,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.args = args
         self.runner = runner
         self.allocator = allocator
         self.stops = stop_checker
+        if prefix_cache is None:
+            prefix_cache = (
+                NoPrefixCache(allocator.page_size)
+                if args.disable_radix_cache
+                else RadixCache(allocator)
+            )
+        self.cache = prefix_cache
+        self.caching = not isinstance(prefix_cache, NoPrefixCache)
+        self.lpm = args.effective_schedule_policy == "lpm"
+        self.sessions = SessionController(
+            prefix_cache,
+            lambda req, why: self._end(req, {"type": "abort", "message": why}),
+            getattr(getattr(runner, "config", None), "bos_token_id", None),
+            args.effective_session_timeout_s,
+        )
+        self.num_prompt_tokens = 0  # prompt tokens admitted (first admissions)
+        self.num_cache_hit_tokens = 0  # of those, served from the prefix cache
         self.context_len = runner.context_len
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # prefill complete, decoding
@@ -77,6 +119,8 @@ class Scheduler:
             GetLoadReqInput: self._on_get_load,
             ProfileReq: self._on_profile,
             UpdateWeightFromDiskReqInput: self._on_update_weights,
+            OpenSessionReqInput: self._on_open_session,
+            CloseSessionReqInput: self._on_close_session,
         }
 
     # ---- messages in ---------------------------------------------------------------------
@@ -111,9 +155,19 @@ class Scheduler:
 
     def _on_flush(self, msg: FlushCacheReqInput) -> FlushCacheReqOutput:
         busy = bool(self.running or self.waiting or self.chunked)
+        if not busy:
+            self.cache.reset()  # what open sessions pin stays (their next turns need it)
         return FlushCacheReqOutput(
             success=not busy, message="requests are running; retry when idle" if busy else ""
         )
+
+    def _on_open_session(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
+        return self.sessions.open(msg)
+
+    def _on_close_session(self, msg: CloseSessionReqInput) -> CloseSessionReqOutput:
+        if self.sessions.close(msg.session_id):
+            return CloseSessionReqOutput(success=True)
+        return CloseSessionReqOutput(success=False, message=f"no open session {msg.session_id!r}")
 
     def _on_pause(self, msg: PauseGenerationReqInput) -> None:
         if msg.mode == "abort":
@@ -133,11 +187,11 @@ class Scheduler:
             num_running_reqs=len(self.running) + (1 if self.chunked else 0),
             num_waiting_reqs=len(self.waiting),
             num_used_tokens=used,
-            num_cached_tokens=0,
+            num_cached_tokens=self.cache.num_cached_pages * self.allocator.page_size,
             max_total_num_tokens=total,
             token_usage=used / total if total else 0.0,
             gen_throughput=self.throughput(),
-            cache_hit_rate=0.0,
+            cache_hit_rate=self.cache_hit_rate(),
         )
 
     def _on_profile(self, msg: ProfileReq) -> ProfileReqOutput:
@@ -154,6 +208,9 @@ class Scheduler:
             path = self.runner.load_weights(msg.model_path, msg.load_format)
         except Exception as e:  # the server keeps its old weights and says why
             return UpdateWeightFromDiskReqOutput(success=False, message=str(e))
+        # Cached KV was computed by the old weights: none of it may be matched again.
+        self.sessions.unpin_all()
+        self.cache.reset()
         return UpdateWeightFromDiskReqOutput(success=True, message=f"loaded weights from {path}")
 
     # ---- requests ------------------------------------------------------------------------
@@ -164,6 +221,14 @@ class Scheduler:
                 req.generator = self.runner.make_generator(req.params.seed)
         except Exception as e:
             return self.fail(req, e, "seeding its random generator")
+        if req.session_params is not None:
+            try:
+                self.sessions.attach(req, req.session_params)
+            except SessionError as e:
+                reason = {"type": "abort", "status_code": 400, "param": "session_params"}
+                return self._end(req, {**reason, "message": str(e)})
+            if not self._fit_session_prompt(req):
+                return
         need = self.allocator.pages_for(req.total_tokens_needed(self.context_len))
         if need > self.allocator.num_pages:  # the front refuses these; never wait for ever
             return self.fail(
@@ -185,6 +250,26 @@ class Scheduler:
                 self.waiting.insert(i, req)
                 return
         self.waiting.append(req)
+
+    def _fit_session_prompt(self, req: Req) -> bool:
+        """A session's history plus the new input must leave room for one token; generation
+        is cut at the context length (SGLang's rule). Ends the request when it cannot."""
+        num = len(req.input_ids)
+        if num >= self.context_len:
+            self._end(
+                req,
+                {
+                    "type": "abort",
+                    "status_code": 400,
+                    "param": "session_params",
+                    "message": f"the session's history plus this input is {num} tokens, at "
+                    f"least the context length ({self.context_len}); start a new session",
+                },
+            )
+            return False
+        if num + req.params.max_new_tokens > self.context_len:
+            req.params.max_new_tokens = self.context_len - num
+        return True
 
     def _priority_rank(self, req: Req) -> float:
         if req.priority is None:
@@ -226,10 +311,12 @@ class Scheduler:
                 return self.fail(req, error, stage)
 
     def retract_all(self) -> None:
-        """Moves every admitted request back to the front of the queue, freeing its KV."""
+        """Moves every admitted request back to the front of the queue, freeing its KV (what
+        it computed stays in the prefix cache, so taking it back in is cheap)."""
         admitted = ([self.chunked] if self.chunked else []) + self.running
         self.chunked, self.running = None, []
         for req in reversed(admitted):
+            self._cache_progress(req)
             self._release(req)
             req.num_computed = 0
             self.waiting.appendleft(req)
@@ -245,6 +332,7 @@ class Scheduler:
 
     def step(self) -> list[ReqOutput]:
         """One scheduling round. Returns the outputs produced since the last call."""
+        self.sessions.reap(time.monotonic())
         batch, reqs = self._schedule()
         if batch is not None:
             self._postprocess(batch, reqs, self.runner.run(batch))
@@ -287,31 +375,118 @@ class Scheduler:
 
     def _schedule_extend(self) -> list[tuple[Req, int]]:
         budget = self.args.chunked_prefill_size
-        chosen = []
+        chosen: list[tuple[Req, int]] = []
+        claimed: set[int] = set()  # pages (by chained hash) this round's prefill computes
         if self.chunked is not None:
             req = self.chunked
             n = min(len(req.fill_ids) - req.num_computed, budget)
             chosen.append((req, n))
             budget -= n
-        available = self.allocator.num_free_pages - self._outstanding_pages()
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) + len(chosen) < self.args.max_running_requests
-        ):
-            req = self.waiting[0]
-            need = self.allocator.pages_for(req.total_tokens_needed(self.context_len))
-            if need > available:
-                break  # waits for memory; FIFO, so nothing behind it jumps the queue
-            self.waiting.popleft()
-            req.is_admitted, req.num_reserved_pages = True, need
-            available -= need
+            self._claim(req, req.num_computed + n, claimed)
+        # Pages free for new reservations (those of admitted requests are spoken for).
+        free = self.allocator.num_free_pages - self._outstanding_pages()
+        for req in self._admission_order():
+            if budget <= 0 or len(self.running) + len(chosen) >= self.args.max_running_requests:
+                break
+            pages, node = self._match(req)
+            if self._shares_claimed(req, len(pages), claimed):
+                continue  # takes the pages another request computes now from the cache next round
+            self.cache.lock(node)  # before counting: its pages are not evictable any more
+            need = self.allocator.pages_for(req.total_tokens_needed(self.context_len)) - len(pages)
+            while need > free + self.cache.num_evictable_pages:
+                idle = not (self.running or self.chunked or chosen)
+                if not (idle and self.sessions.unpin_lru()):  # pins yield only to a stall
+                    break
+            if need > free + self.cache.num_evictable_pages:
+                self.cache.unlock(node)
+                break  # waits for memory; nothing behind it jumps the queue
+            if need > free:
+                self.cache.evict(need - free)
+            free -= need
+            self._admit(req, pages, node, need)
             n = min(len(req.fill_ids) - req.num_computed, budget)
             chosen.append((req, n))
             budget -= n
+            self._claim(req, req.num_computed + n, claimed)
             if req.num_computed + n < len(req.fill_ids):
                 self.chunked = req
         return chosen
+
+    def _admission_order(self) -> list[Req]:
+        """Waiting requests in the order admission considers them: arrival (or priority)
+        order; with lpm, longest cached prefix first within a priority."""
+        if not self.waiting:
+            return []
+        order = list(self.waiting)
+        if self.lpm and 1 < len(order) <= LPM_MAX_WAITING:
+            if self.args.enable_priority_scheduling:
+                order.sort(key=lambda r: (-self._priority_rank(r), -self._match_len(r)))
+            else:
+                order.sort(key=lambda r: -self._match_len(r))
+        return order
+
+    def _match_limit(self, req: Req) -> int:
+        """How many leading tokens of `req` may come from the cache: never all (the last one
+        is computed, for its logits), and none of those whose prompt logprobs or hidden
+        states the request wants reported."""
+        limit = len(req.fill_ids) - 1
+        if req.return_hidden_states:
+            limit = 0
+        elif req.wants_input_logprobs:
+            limit = min(limit, max(req.logprob_start_len, 1) - 1)
+        return limit - limit % self.allocator.page_size
+
+    def _match(self, req: Req):
+        limit = self._match_limit(req)
+        if limit <= 0:
+            return [], None
+        return self.cache.match_prefix(req.fill_ids[:limit])
+
+    def _match_len(self, req: Req) -> int:
+        """Cached prefix length of a waiting request (remembered until the cache changes)."""
+        if req.match_at != self.cache.version:
+            pages, _ = self._match(req)
+            req.match_len, req.match_at = len(pages), self.cache.version
+        return req.match_len
+
+    def _admit(self, req: Req, pages: list[int], node, need: int) -> None:
+        """`req` takes its cached prefix (`pages`, `node` already locked) and reserves `need`
+        more pages for everything else it can ever hold."""
+        self.waiting.remove(req)
+        if pages:
+            self.allocator.incref(pages)
+        req.pages, req.cache_node = list(pages), node
+        req.num_computed = len(pages) * self.allocator.page_size
+        req.num_reserved_pages = len(pages) + need
+        req.is_admitted = True
+        if req.match_at != -2:  # first admission (a retracted request is not counted again)
+            req.cached_tokens = req.num_computed
+            self.num_prompt_tokens += len(req.input_ids)
+            self.num_cache_hit_tokens += req.num_computed
+            req.match_at = -2
+
+    def _page_hashes(self, req: Req, num_pages: int) -> list[int]:
+        """Chained hashes of the first `num_pages` whole pages of `req.fill_ids` (page k's
+        hash covers every token before it too)."""
+        hashes, page = req.page_hashes, self.allocator.page_size
+        ids = req.fill_ids
+        while len(hashes) < num_pages:
+            k = len(hashes)
+            hashes.append(hash((hashes[-1] if hashes else 0, *ids[k * page : (k + 1) * page])))
+        return hashes[:num_pages]
+
+    def _claim(self, req: Req, upto: int, claimed: set[int]) -> None:
+        """Marks the whole pages `req` computes this round (from num_computed to `upto`)."""
+        page = self.allocator.page_size
+        first, last = req.num_computed // page, upto // page
+        if self.caching and last > first:
+            claimed.update(self._page_hashes(req, last)[first:])
+
+    def _shares_claimed(self, req: Req, num_matched: int, claimed: set[int]) -> bool:
+        """Whether the first page `req` would compute is one this round already computes."""
+        if not claimed or self._match_limit(req) < (num_matched + 1) * self.allocator.page_size:
+            return False
+        return self._page_hashes(req, num_matched + 1)[-1] in claimed
 
     def _grow(self, req: Req, num_tokens: int, new_pages: list[int]) -> None:
         """Give `req` the pages for its first `num_tokens` positions, from its reservation."""
@@ -401,6 +576,7 @@ class Scheduler:
             self._record_hidden_states(req, item.start, result.hidden_states)
         req.num_computed = item.start + len(item.token_ids)
         if not batch.is_decode:
+            self._cache_progress(req)
             if req.num_computed < len(req.fill_ids):
                 return  # more chunks to come
             if self.chunked is req:
@@ -444,7 +620,21 @@ class Scheduler:
 
     # ---- endings ---------------------------------------------------------------------------------
 
+    def _cache_progress(self, req: Req) -> None:
+        """Puts the whole pages `req` has computed into the prefix cache and moves its lock to
+        the node that ends them (so they stay unevictable while it runs)."""
+        num = min(req.num_computed // self.allocator.page_size, len(req.pages))
+        if num == 0 or not self.caching:
+            return
+        node = self.cache.insert(req.fill_ids[: num * self.allocator.page_size], req.pages[:num])
+        if node is not req.cache_node:
+            self.cache.lock(node)
+            self.cache.unlock(req.cache_node)
+            req.cache_node = node
+
     def _release(self, req: Req) -> None:
+        self.cache.unlock(req.cache_node)
+        req.cache_node = None
         if req.pages:
             self.allocator.decref(req.pages)
             req.pages = []
@@ -452,7 +642,8 @@ class Scheduler:
         req.is_admitted = False
 
     def _end(self, req: Req, reason: dict) -> None:
-        """Finishes `req` wherever it is (waiting, prefilling, running) and emits its last output."""
+        """Finishes `req` wherever it is (waiting, prefilling, running) and emits its last output.
+        What it computed stays in the prefix cache, unless it failed (its KV is suspect)."""
         req.finished_reason = reason
         if req in self.running:
             self.running.remove(req)
@@ -460,6 +651,10 @@ class Scheduler:
             self.chunked = None
         if req in self.waiting:
             self.waiting.remove(req)
+        ok = not reason.get("request_fault")
+        if ok and req.is_admitted:
+            self._cache_progress(req)
+        self.sessions.on_end(req, req.cache_node, ok)
         self._release(req)
         self.outputs.append(self._output(req))
 
@@ -495,7 +690,16 @@ class Scheduler:
     # ---- state for /get_load, /v1/loads and tests --------------------------------------------
 
     def num_used_tokens(self) -> int:
-        return (self.allocator.num_pages - self.allocator.num_free_pages) * self.allocator.page_size
+        """KV tokens held by live requests and pinned sessions (evictable cache not counted)."""
+        alloc = self.allocator
+        in_use = alloc.num_pages - alloc.num_free_pages - self.cache.num_evictable_pages
+        return in_use * alloc.page_size
+
+    def cache_hit_rate(self) -> float:
+        """Fraction of admitted prompt tokens served from the prefix cache, since start."""
+        if not self.num_prompt_tokens:
+            return 0.0
+        return self.num_cache_hit_tokens / self.num_prompt_tokens
 
     def throughput(self) -> float:
         window = self._throughput_window

@@ -41,6 +41,23 @@ class UpdateWeightsBody(_Body, kw_only=True):
     load_format: str | None = None
 
 
+class OpenSessionBody(_Body, kw_only=True):
+    capacity_of_str_len: int = 0  # SGLang's capacity hint; accepted, not enforced
+    session_id: str | None = None  # None: the server picks one
+    streaming: bool = False  # every request appends to the session's latest one
+    timeout: float | None = None  # idle seconds before the server closes it
+
+    def __post_init__(self) -> None:
+        if self.session_id is not None and not 0 < len(self.session_id) <= 256:
+            raise InvalidParameter("session_id", "session_id must be 1 to 256 characters")
+        if self.timeout is not None and not 0 < self.timeout <= 7 * 86400:
+            raise InvalidParameter("timeout", "timeout must be in (0, 604800] seconds")
+
+
+class CloseSessionBody(_Body, kw_only=True):
+    session_id: str
+
+
 def parse(cls: type, body: Any):
     """`body` (decoded JSON) as a `cls`; raises InvalidParameter naming the field at fault."""
     if not isinstance(body, dict):
@@ -50,6 +67,8 @@ def parse(cls: type, body: Any):
         raise InvalidParameter(
             "model_path", "model_path (a .gguf file or model directory) is required"
         )
+    if cls is CloseSessionBody and not isinstance(known.get("session_id"), str):
+        raise InvalidParameter("session_id", "session_id (a string) is required")
     try:
         obj = msgspec.convert(known, cls)
     except msgspec.ValidationError as e:

@@ -42,8 +42,11 @@ def engine_state(engine) -> dict:
 
     def read(s):
         alloc = s.allocator
+        evictable = s.cache.num_evictable_pages
         return {
-            "free_pages": alloc.num_free_pages,
+            # Pages no live request holds: free, or kept only by the prefix cache.
+            "free_pages": alloc.num_free_pages + evictable,
+            "in_use_pages": alloc.num_pages - alloc.num_free_pages - evictable,
             "num_pages": alloc.num_pages,
             "waiting": len(s.waiting),
             "running": len(s.running),
@@ -62,6 +65,7 @@ def idle_state(state: dict) -> dict:
     return {
         **state,
         "free_pages": state["num_pages"],
+        "in_use_pages": 0,
         "waiting": 0,
         "running": 0,
         "chunked": False,

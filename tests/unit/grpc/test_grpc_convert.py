@@ -87,8 +87,7 @@ def test_unservable_fields_are_invalid_arguments():
         pb.TextGenerateRequest(text="x", session_id="s"),
         pb.GenerateRequest(input_ids=[1], session_id="s"),
     ):
-        with pytest.raises(InvalidParameter, match="session_id: sessions are not served"):
-            convert.generate_input(request)
+        assert convert.generate_input(request).session_params == {"id": "s"}
     with pytest.raises(InvalidParameter, match="one data-parallel rank"):
         convert.generate_input(pb.GenerateRequest(input_ids=[1], routed_dp_rank=3))
     assert convert.generate_input(

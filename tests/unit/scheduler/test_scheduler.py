@@ -125,8 +125,13 @@ def final(outputs, rid):
 
 
 def assert_pool_full(s: Scheduler, alloc: PageAllocator):
-    assert alloc.num_free_pages == alloc.num_pages
+    """Nothing live holds a page: every page is free or kept only by the prefix cache, and
+    flushing the cache frees them all."""
+    assert alloc.num_free_pages + s.cache.num_evictable_pages == alloc.num_pages
+    assert s.num_used_tokens() == 0
     assert not s.waiting and not s.running and s.chunked is None
+    assert s.handle(FlushCacheReqInput()).success
+    assert alloc.num_free_pages == alloc.num_pages
 
 
 def test_a_request_prefills_decodes_and_finishes_by_length():
@@ -287,7 +292,7 @@ def test_control_messages_through_one_table(tmp_path):
     assert len(runner.batches) == before + 1
     # pause retract: back to the queue, KV freed, then resumed to the end
     s.handle(PauseGenerationReqInput(mode="retract"))
-    assert [r.rid for r in s.waiting] == ["a"] and alloc.num_free_pages == alloc.num_pages
+    assert [r.rid for r in s.waiting] == ["a"] and s.num_used_tokens() == 0
     s.handle(ContinueGenerationReqInput())
     outputs = run_until_idle(s)
     assert final(outputs, "a").completion_tokens == 50
