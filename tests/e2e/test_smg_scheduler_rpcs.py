@@ -14,7 +14,7 @@ import zipfile
 
 import grpc
 import pytest
-from e2e_server import is_idle
+from e2e_server import API_KEY, is_idle
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_support import target
 
@@ -248,3 +248,15 @@ def test_embed_is_unimplemented_with_a_reason(rpc, prompt_ids):
     with pytest.raises(grpc.RpcError) as e:
         rpc.Embed(pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=prompt_ids)))
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "embeddings" in e.value.details()
+
+
+def test_the_api_key_guards_the_service_but_not_its_health_check(api_key_server):
+    with grpc.insecure_channel(target(api_key_server)) as channel:
+        stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
+        assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
+        with pytest.raises(grpc.RpcError) as e:
+            stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert API_KEY not in e.value.details()
+        key = (("authorization", f"Bearer {API_KEY}"),)
+        assert stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=key).is_generation
