@@ -3,6 +3,10 @@
 Everything here is vectorized over the batch; per-request work is limited to building
 small index tensors. Rows whose parameters are all defaults take the argmax fast path.
 
+Constrained rows (a request with a grammar) get their grammar's token mask, filled per step
+for those rows only and applied after every other adjustment, so nothing re-enables a token
+the grammar forbids; the sampler only reads a grammar (the scheduler advances it).
+
 Numerical safety: every parameter the edge accepts keeps the math finite. Penalties and
 biases can push a logit past float32's range (a repetition penalty of 0 divides by zero,
 a bias of 1e300 is +inf in float32), so adjusted logits are clamped to +-LOGIT_LIMIT
@@ -15,11 +19,16 @@ logits are never changed: adjustments work on a copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from cadence.io_struct import SamplingParams
 from cadence.plugins import logit_processors
+
+if TYPE_CHECKING:
+    from cadence.constrained.base import Grammar
 
 
 @dataclass
@@ -37,6 +46,7 @@ class SamplingInput:
     token_ids_logprob: list[int] | None = None
     return_logprob: bool = False
     logit_processor: str | None = None  # a plugin's processor (cadence.plugins.logit_processors)
+    grammar: Grammar | None = None  # the request's constraint, at its current position
 
 
 @dataclass
@@ -54,6 +64,9 @@ LOGIT_LIMIT = 1e30
 # Hotter than this is the uniform distribution over the unmasked tokens to float32
 # precision; larger values (up to 1e308 as JSON allows) would be +inf in float32.
 MAX_TEMPERATURE = 1e30
+# Reported logprobs of tokens that a mask ruled out (-inf) become this, as OpenAI reports
+# impossible tokens: JSON has no -inf, and typed clients want a number.
+LOGPROB_FLOOR = -9999.0
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -102,7 +115,7 @@ def _apply_bias_and_masks(logits: torch.Tensor, rows: list[SamplingInput]) -> No
             ids = torch.tensor(list(r.params.logit_bias.keys()), dtype=torch.int64)
             bias = torch.tensor(list(r.params.logit_bias.values()), dtype=torch.float64)
             logits[i, ids] += bias.clamp(-LOGIT_LIMIT, LOGIT_LIMIT).to(logits.dtype)
-        if r.suppress_ids:
+        if r.suppress_ids and r.grammar is None:  # with a grammar: see _apply_grammars
             logits[i, r.suppress_ids] = float("-inf")
 
 
@@ -115,6 +128,7 @@ def _needs_adjusting(r: SamplingInput) -> bool:
         or p.logit_bias
         or r.suppress_ids
         or r.logit_processor
+        or r.grammar is not None
     )
 
 
@@ -125,6 +139,7 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingInput]) -> torch.Tens
     _apply_penalties(logits, rows)
     _apply_bias_and_masks(logits, rows)
     _apply_processors(logits, rows)
+    _apply_grammars(logits, rows)
     return torch.nan_to_num_(
         logits, nan=float("-inf"), posinf=LOGIT_LIMIT, neginf=float("-inf")
     ).clamp_(max=LOGIT_LIMIT)
@@ -137,6 +152,39 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplingInput]) -> None:
         sub = logits[index]
         out = logit_processors.load(name)(sub, [rows[i].params.custom_params for i in index])
         logits[index] = sub if out is None else out.to(logits.dtype)
+
+
+def grammar_masks(rows: list[SamplingInput], index: list[int], vocab: int) -> torch.Tensor:
+    """The allowed tokens of rows `index` as booleans [len(index), vocab]: each row's grammar
+    fills its row of one int32 bitmask (cadence.constrained.base's layout), unpacked at once."""
+    words = (vocab + 31) // 32
+    bitmask = torch.full((len(index), words), -1, dtype=torch.int32)
+    for j, i in enumerate(index):
+        rows[i].grammar.fill_mask(bitmask, j)
+    # Little-endian words: byte k of a row holds tokens 8k..8k+7, least significant bit first.
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits).view(torch.bool)[:, :vocab]
+
+
+def _apply_grammars(logits: torch.Tensor, rows: list[SamplingInput]) -> None:
+    """Masks the tokens each constrained row's grammar forbids. Suppressed ids (EOS before
+    min_new_tokens) are masked too, unless that would leave the row no token at all: the
+    grammar wins, since nothing else can follow."""
+    index = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not index:
+        return
+    allowed = grammar_masks(rows, index, logits.shape[1])
+    if len(index) == len(rows):
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
+    for i in index:
+        suppress = rows[i].suppress_ids
+        if suppress:
+            kept = logits[i, suppress].clone()
+            logits[i, suppress] = float("-inf")
+            if not torch.isfinite(logits[i]).any():
+                logits[i, suppress] = kept
 
 
 def _filter_probs(
@@ -177,7 +225,7 @@ def _logprob_info(logits: torch.Tensor, next_ids: torch.Tensor, rows: list[Sampl
     wanted = [i for i, r in enumerate(rows) if r.return_logprob]
     if not wanted:
         return None, None, None
-    logprobs = torch.log_softmax(logits[wanted], dim=-1)
+    logprobs = torch.log_softmax(logits[wanted], dim=-1).clamp_(min=LOGPROB_FLOOR)
     chosen = [0.0] * len(rows)
     tops: list[list[tuple[float, int]]] = [[] for _ in rows]
     given: list[list[tuple[float, int]]] = [[] for _ in rows]
