@@ -73,6 +73,15 @@ class ServerArgs:
     """Let requests ask for the final hidden states of their positions (`return_hidden_states`)."""
     incremental_streaming_output: bool = False
     """Stream /generate as deltas (each event only the new text and ids) instead of SGLang's default, where every event carries the text and output ids so far."""
+    # -- structured output, tool calling and reasoning (docs/structured_output.md) --
+    grammar_backend: str = "xgrammar"
+    """Engine of constrained decoding (json_schema, regex, ebnf, response_format, forced tool calls): xgrammar, or none to refuse constraints with a 400."""
+    constrained_json_any_whitespace: bool = False
+    """Let JSON-schema constraints allow any whitespace between JSON tokens instead of the compact form of json.dumps (small models tend to emit whitespace without end when allowed)."""
+    tool_call_parser: str | None = None
+    """How tool calls are found in the model's text when tool_choice is auto: hermes (alias qwen, qwen25: <tool_call>{...}</tool_call>) or llama3 (a JSON object {"name", "parameters"}, after <|python_tag|> or alone). Without it, tool_choice auto answers with text; required and named choices work either way."""
+    reasoning_parser: str | None = None
+    """Split <think>...</think> out of chat answers into reasoning_content: deepseek-r1 (the answer starts inside the reasoning, the template opened it) or qwen3 (reasoning only inside an explicit <think>)."""
     max_request_body_mb: float = 32.0
     """Largest HTTP request body, in MiB; a larger one gets 413 before it is read whole."""
     watchdog_timeout: float = 30.0
@@ -160,6 +169,25 @@ class ServerArgs:
                 f"chat_template: no such file {self.chat_template!r}; give a Jinja template file"
             )
         self._check_grpc()
+        self._check_structured_output()
+
+    def _check_structured_output(self) -> None:
+        from cadence.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+        if self.grammar_backend not in ("xgrammar", "none"):
+            raise ValueError(
+                f"grammar_backend must be xgrammar or none, got {self.grammar_backend!r}"
+            )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
+            )
 
     def _check_grpc(self) -> None:
         if self.grpc_port is not None and not 1 <= self.grpc_port <= 65535:

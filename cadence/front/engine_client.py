@@ -33,6 +33,9 @@ class ModelInfo:
     tokenizer_dir: str | None = None  # a local directory with tokenizer.json and its config
     # Every name the model answers to (--served-model-name a,b); the first is its id.
     served_model_names: tuple[str, ...] = ()
+    # The grammar engine the scheduler enforces constraints with; "none": it enforces none,
+    # so the front refuses them (cadence.constrained).
+    grammar_backend: str = "none"
 
     @classmethod
     def from_facts(
@@ -57,6 +60,7 @@ class ModelInfo:
             architecture=facts.get("architecture", ""),
             tokenizer_dir=tokenizer_dir,
             served_model_names=tuple(served_model_names),
+            grammar_backend=facts.get("grammar_backend", "none"),
         )
 
 

@@ -8,10 +8,12 @@ naming the field; the scheduler trusts what passes.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import msgspec
 
+from cadence.constrained import InvalidGrammar, check_grammar, grammar_key
 from cadence.errors import InvalidParameter
 from cadence.front.engine_client import ModelInfo
 from cadence.front.normalize import items, normalize_batch_and_arguments
@@ -29,6 +31,8 @@ from cadence.plugins import logit_processors
 # alternatives and given ids, per prompt and output position); each costs front CPU.
 MAX_LOGPROB_ENTRIES = 1 << 20
 MAX_TOP_LOGPROBS_NUM = 256  # top-k alternatives per position
+# Constraints longer than this are checked on a worker thread, off the event loop.
+OFF_LOOP_GRAMMAR_CHARS = 8192
 
 
 @dataclass(frozen=True)
@@ -102,13 +106,7 @@ class RequestChecker:
         params = parse_sampling_params(item.sampling_params)
         check_sampling_params(params, self.info.vocab_size)
         self._check_logprobs(item, params)
-        if params.regex or params.json_schema or params.ebnf:
-            name = "regex" if params.regex else "json_schema" if params.json_schema else "ebnf"
-            raise InvalidParameter(
-                name,
-                f"{name}: constrained decoding is not supported by this server yet; "
-                "remove the field",
-            )
+        await self._check_grammar(params)
         self._check_extras(item, params)
         input_ids = await self._input_ids(item)
         self._check_length(item, input_ids, params)
@@ -142,6 +140,24 @@ class RequestChecker:
                 else msgspec.convert(item.session_params, SessionParams)
             ),
         )
+
+    async def _check_grammar(self, params: SamplingParams) -> None:
+        """A constraint the grammar engine refuses is a 400 naming the field, with the
+        engine's reason; the scheduler only ever compiles constraints that passed here. The
+        engine is the one the scheduler reported (none: constraints are refused)."""
+        key = grammar_key(params)
+        if key is None:
+            return
+        try:
+            if len(key.text) > OFF_LOOP_GRAMMAR_CHARS:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(None, check_grammar, self.info.grammar_backend, key)
+            else:
+                check_grammar(self.info.grammar_backend, key)
+        except InvalidGrammar as e:
+            raise InvalidParameter(
+                e.field, f"{e.field} is not a valid constraint: {e.reason}"
+            ) from None
 
     def _check_extras(self, item: GenerateReqInput, params: SamplingParams) -> None:
         name = item.custom_logit_processor

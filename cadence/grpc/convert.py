@@ -30,6 +30,7 @@ _SAMPLING_SCALARS = (
     "n",
     "json_schema",
     "regex",
+    "ebnf",  # Cadence's own field (100)
 )
 _FLOAT_FIELDS = frozenset(
     ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")

@@ -19,6 +19,7 @@ import msgspec
 
 from cadence.errors import InvalidParameter, readable
 from cadence.front.normalize import drop_unknown
+from cadence.serving import chat_tools
 from cadence.serving.errors import decode_json
 
 MAX_TOP_LOGPROBS = 20
@@ -104,13 +105,17 @@ class ChatCompletionRequest(_Request, kw_only=True):
     max_completion_tokens: int | None = None  # wins over max_tokens when both are given
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None  # text; json_object / json_schema → json_schema
+    # text; json_object / json_schema ({"name", "schema", "strict"}) become a json_schema
+    # constraint (always enforced; `strict` is accepted either way)
+    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None  # default true
     continue_final_message: bool | None = None  # default false
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
-    tools: list[Any] | None = None  # refused unless empty: no tool calling yet
-    tool_choice: str | dict[str, Any] | None = None  # only "none" / "auto" without tools
-    parallel_tool_calls: bool | None = None  # accepted, not used
+    tools: list[Any] | None = None  # [{"type": "function", "function": {name, parameters}}]
+    # "none" | "auto" (the default with tools) | "required" | {"type": "function",
+    # "function": {"name"}}; required and named choices are enforced with a grammar
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call per answer
     store: bool | None = None  # accepted, not used
     metadata: dict[str, Any] | None = None  # accepted, not used
     service_tier: str | None = None  # accepted, not used
@@ -183,32 +188,52 @@ def _check_chat(req: ChatCompletionRequest) -> None:
             )
         if req.top_logprobs and not req.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
-    if req.tools:
-        raise InvalidParameter(
-            "tools", "tools: tool calling is not supported by this server yet; remove tools"
-        )
-    if req.tool_choice not in (None, "none", "auto"):
-        raise InvalidParameter(
-            "tool_choice", "tool_choice: tool calling is not supported by this server yet"
-        )
+    chat_tools.check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     if req.response_format is not None:
-        kind = req.response_format.get("type")
-        if kind not in ("text", "json_object", "json_schema"):
-            raise InvalidParameter(
-                "response_format",
-                f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-            )
-        if kind == "json_schema" and not isinstance(
-            (req.response_format.get("json_schema") or {}).get("schema"), dict
-        ):
-            raise InvalidParameter(
-                "response_format", "response_format.json_schema.schema must be an object"
-            )
+        _check_response_format(req.response_format)
+    if is_forced_tool_choice(req) and (
+        _json_schema(req) is not None or req.regex is not None or req.ebnf is not None
+    ):
+        raise InvalidParameter(
+            "tool_choice",
+            "tool_choice required or a named function constrains the answer to a tool call; "
+            "it cannot be combined with response_format, json_schema, regex or ebnf",
+        )
     for name in req.chat_template_kwargs or {}:
         if name in _RESERVED_TEMPLATE_KWARGS:
             raise InvalidParameter(
                 "chat_template_kwargs", f"chat_template_kwargs cannot set {name!r}"
             )
+
+
+def _check_response_format(fmt: dict[str, Any]) -> None:
+    kind = fmt.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise InvalidParameter(
+            "response_format",
+            f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+        )
+    if kind != "json_schema":
+        return
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise InvalidParameter(
+            "response_format", "response_format.json_schema.schema must be an object"
+        )
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise InvalidParameter(
+            "response_format", "response_format.json_schema.name must be a non-empty string"
+        )
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise InvalidParameter(
+            "response_format", "response_format.json_schema.strict must be true or false"
+        )
+
+
+def is_forced_tool_choice(req: _Request) -> bool:
+    """tool_choice "required" or a named function: the answer must be a tool call."""
+    choice = getattr(req, "tool_choice", None)
+    return bool(getattr(req, "tools", None)) and (choice == "required" or isinstance(choice, dict))
 
 
 def _check_completion(req: CompletionRequest) -> None:
@@ -322,8 +347,11 @@ def template_options(req: ChatCompletionRequest) -> dict[str, Any]:
     return {**extra, **options}
 
 
-def sampling_params(req: _Request, max_new_tokens: int) -> dict[str, Any]:
-    """The native sampling_params dict; fields the client left out keep the native defaults."""
+def sampling_params(
+    req: _Request, max_new_tokens: int, tool_constraint: dict | None = None
+) -> dict[str, Any]:
+    """The native sampling_params dict; fields the client left out keep the native defaults.
+    `tool_constraint`: the JSON schema that a forced tool choice puts on the answer."""
     params = {
         "max_new_tokens": max_new_tokens,
         "min_new_tokens": req.min_tokens,
@@ -343,7 +371,9 @@ def sampling_params(req: _Request, max_new_tokens: int) -> dict[str, Any]:
         "skip_special_tokens": req.skip_special_tokens,
         "no_stop_trim": req.no_stop_trim,
         "regex": req.regex,
-        "json_schema": _json_schema(req),
+        "json_schema": (
+            msgspec.json.encode(tool_constraint).decode() if tool_constraint else _json_schema(req)
+        ),
         "ebnf": req.ebnf,
         "stop_regex": req.stop_regex,
         "custom_params": req.custom_params,
@@ -417,6 +447,8 @@ def native_names(req: _Request) -> dict[str, str]:
     }
     if req.json_schema is None and getattr(req, "response_format", None) is not None:
         names["json_schema"] = "response_format"
+    if is_forced_tool_choice(req):
+        names["json_schema"] = "tools"  # the constraint is built from the tools' schemas
     return names
 
 

@@ -32,8 +32,11 @@ import msgspec
 from cadence.errors import InvalidParameter, RequestError
 from cadence.front.engine_client import EngineClient
 from cadence.io_struct import GenerateReqInput
-from cadence.serving import native_api
+from cadence.parsers import reasoning_parser
+from cadence.parsers.tool_calls import Llama3Parser
+from cadence.serving import chat_tools, native_api
 from cadence.serving import openai_protocol as proto
+from cadence.serving.chat_answer import ChatAnswer, ChatAnswerStream
 from cadence.serving.errors import error_body
 
 logger = logging.getLogger(__name__)
@@ -109,6 +112,7 @@ class _Job:
     num_choices: int
     prompt_texts: list[str] = dataclasses.field(default_factory=list)  # per prompt, for echo
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    answer: ChatAnswer | None = None  # chat: how its text becomes the assistant message
 
     @property
     def is_chat(self) -> bool:
@@ -136,6 +140,8 @@ class OpenAIServing:
         path = getattr(state.args, "chat_template", None)
         if path:
             self.chat_template = _read_chat_template(path)
+        self.tool_call_parser = getattr(state.args, "tool_call_parser", None)
+        self.reasoning_parser = getattr(state.args, "reasoning_parser", None)
 
     @property
     def client(self) -> EngineClient:
@@ -173,10 +179,17 @@ class OpenAIServing:
         self._check_model(model)
 
     async def render_chat(
-        self, messages: list[dict], template_options: dict[str, Any], prompt_field: str
+        self,
+        messages: list[dict],
+        template_options: dict[str, Any],
+        prompt_field: str,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """The prompt's token ids: `messages` (content as strings) rendered with the chat
-        template (--chat-template, else the model's own). Errors name `prompt_field`."""
+        template (--chat-template, else the model's own), with `tools` when given. Errors
+        name `prompt_field`."""
+        if tools is not None:
+            template_options = {**template_options, "tools": tools}
         try:
             prompt = self.client.tokenizer.apply_chat_template(
                 messages, tokenize=False, chat_template=self.chat_template, **template_options
@@ -250,15 +263,23 @@ class OpenAIServing:
         }
 
     async def _chat_job(self, req: proto.ChatCompletionRequest) -> _Job:
-        messages = proto.chat_messages(req.messages)
-        input_ids = await self.render_chat(messages, proto.template_options(req), "messages")
+        messages = chat_tools.template_messages(proto.chat_messages(req.messages))
+        plan = chat_tools.plan(
+            req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser
+        )
+        input_ids = await self.render_chat(
+            messages, proto.template_options(req), "messages", plan.template_tools
+        )
         _, max_tokens = proto.requested_max_tokens(req)
         if max_tokens is None:  # OpenAI's default: whatever the context leaves
             max_tokens = max(self.client.info.context_len - len(input_ids), 1)
         rid = proto.single_rid(req) or uuid.uuid4().hex
+        params = proto.sampling_params(req, max_tokens, plan.constraint)
+        if isinstance(plan.parser, Llama3Parser) and req.skip_special_tokens is None:
+            params["skip_special_tokens"] = False  # <|python_tag|> is a special token
         obj = GenerateReqInput(
             input_ids=input_ids,
-            sampling_params=proto.sampling_params(req, max_tokens),
+            sampling_params=params,
             rid=rid,
             return_logprob=bool(req.logprobs),
             top_logprobs_num=req.top_logprobs or 0,
@@ -266,6 +287,9 @@ class OpenAIServing:
             stream=req.is_stream,
             **proto.extras(req),
         )
+        reasoning = None
+        if self.reasoning_parser and req.separate_reasoning is not False:
+            reasoning = reasoning_parser(self.reasoning_parser)
         return _Job(
             req,
             obj,
@@ -273,6 +297,7 @@ class OpenAIServing:
             req.model or self.client.info.served_model_name,  # echoed, as SGLang does
             proto.native_names(req),
             num_choices=req.n or 1,
+            answer=ChatAnswer(plan, reasoning, req.stream_reasoning is not False),
         )
 
     def _completion_job(self, req: proto.CompletionRequest) -> _Job:
@@ -341,14 +366,15 @@ class OpenAIServing:
         meta = result["meta_info"]
         reason = meta.get("finish_reason")
         choice: dict[str, Any] = {"index": index}
+        finish_reason = proto.finish_reason(reason)
         if job.is_chat:
-            choice["message"] = {"role": "assistant", "content": result["text"], "refusal": None}
+            choice["message"], finish_reason = job.answer.message(result["text"], finish_reason)
             choice["logprobs"] = self._chat_logprobs(job, meta)
         else:
             echo = job.echo_text(index)
             choice["text"] = echo + result["text"]
             choice["logprobs"] = self._completion_logprobs(job, meta, 0, with_prompt=True)
-        choice["finish_reason"] = proto.finish_reason(reason)
+        choice["finish_reason"] = finish_reason
         choice["matched_stop"] = proto.matched_stop(reason)
         hidden = meta.get("hidden_states")
         if job.req.return_hidden_states and hidden:
@@ -386,6 +412,7 @@ class OpenAIServing:
         """The chunks of a stream; ends the engine request if left early."""
         counts: dict[int, dict] = {}  # choice index -> its latest meta (counts are cumulative)
         offsets: dict[int, int] = {}  # choice index -> chars of text sent so far (logprob offsets)
+        answers: dict[int, ChatAnswerStream] = {}  # chat: choice index -> its answer so far
         kind = "chat.completion.chunk" if job.is_chat else "text_completion"
 
         def chunk(choices: list, **extra) -> dict:
@@ -430,7 +457,7 @@ class OpenAIServing:
                 index = delta.get("index", 0)
                 counts[index] = delta["meta_info"]
                 usage = self._continuous_usage(job, delta["meta_info"])
-                for choice in self._delta_choices(job, index, delta, offsets):
+                for choice in self._delta_choices(job, index, delta, offsets, answers):
                     extra = {"usage": usage} if usage and choice["finish_reason"] is None else {}
                     yield chunk([choice], **extra)
             if job.req.include_usage:
@@ -458,11 +485,17 @@ class OpenAIServing:
         )
 
     def _delta_choices(
-        self, job: _Job, index: int, delta: dict, offsets: dict[int, int]
+        self,
+        job: _Job,
+        index: int,
+        delta: dict,
+        offsets: dict[int, int],
+        answers: dict[int, ChatAnswerStream],
     ) -> list[dict]:
-        """The choices a delta becomes: none (nothing to say yet), its text, and for chat a
-        separate closing choice whose delta carries SGLang's null fields (content,
-        reasoning_content, tool_calls), so typed clients see those attributes."""
+        """The choices a delta becomes: none (nothing to say yet), its text (for chat: its
+        content, reasoning_content and tool_calls), and for chat a separate closing choice
+        whose delta carries SGLang's null fields (content, reasoning_content, tool_calls), so
+        typed clients see those attributes."""
         meta = delta["meta_info"]
         reason = meta.get("finish_reason")
         if not job.is_chat:
@@ -470,10 +503,13 @@ class OpenAIServing:
             return [] if choice is None else [choice]
         choices = []
         text = delta["text"]
+        answer = answers.get(index)
+        if answer is None:
+            answer = answers[index] = job.answer.stream()
+        delta_fields = answer.update(text, is_final=reason is not None)
         logprobs = self._chat_logprobs(job, meta)
-        if text or (logprobs and logprobs["content"]):
-            delta_fields = {"content": text} if text else {}
-            delta_fields["reasoning_content"] = None
+        if delta_fields or (logprobs and logprobs["content"]):
+            delta_fields.setdefault("reasoning_content", None)
             choices.append(
                 {
                     "index": index,
@@ -484,12 +520,15 @@ class OpenAIServing:
                 }
             )
         if reason is not None:
+            finish = proto.finish_reason(reason)
+            if finish == "stop" and answer.has_tool_calls:
+                finish = "tool_calls"
             choices.append(
                 {
                     "index": index,
                     "delta": {"content": None, "reasoning_content": None, "tool_calls": None},
                     "logprobs": None,
-                    "finish_reason": proto.finish_reason(reason),
+                    "finish_reason": finish,
                     "matched_stop": proto.matched_stop(reason),
                 }
             )

@@ -10,6 +10,7 @@ from cadence.serving import openai_protocol as proto
 from cadence.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 USER = [{"role": "user", "content": "Hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
 def chat(**fields) -> ChatCompletionRequest:
@@ -79,7 +80,48 @@ def test_nulls_mean_not_given():
         ),
         (ChatCompletionRequest, {"messages": USER, "logit_bias": {"5": 101}}, "logit_bias"),
         (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function"}]}, "tools"),
+        (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "custom"}]}, "tools"),
         (ChatCompletionRequest, {"messages": USER, "tool_choice": "required"}, "tool_choice"),
+        (
+            ChatCompletionRequest,
+            {"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function"}},
+            "tool_choice",
+        ),
+        (
+            ChatCompletionRequest,
+            {
+                "messages": USER,
+                "tools": [TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "other"}},
+            },
+            "tool_choice",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": USER, "tools": [TOOL], "tool_choice": "required", "regex": "a"},
+            "tool_choice",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": USER, "tools": [TOOL], "parallel_tool_calls": "yes"},
+            "parallel_tool_calls",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format",
+        ),
+        (
+            ChatCompletionRequest,
+            {
+                "messages": USER,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {}, "strict": "yes"},
+                },
+            },
+            "response_format",
+        ),
         (
             ChatCompletionRequest,
             {"messages": USER, "response_format": {"type": "xml"}},
@@ -108,9 +150,18 @@ def test_bad_requests_name_the_openai_field(cls, body, param):
 def test_unknown_fields_are_accepted_and_ignored():
     """As OpenAI, SGLang and vLLM: what the server does not implement is ignored, including
     the SDK's newer fields and the ones it sends as null."""
-    extras = {"foo": 1, "reasoning_effort": "low", "prompt_cache_key": "k", "safety_identifier": "u",
-              "verbosity": "low", "modalities": ["text"], "functions": None, "function_call": None,
-              "prediction": None, "audio": None}
+    extras = {
+        "foo": 1,
+        "reasoning_effort": "low",
+        "prompt_cache_key": "k",
+        "safety_identifier": "u",
+        "verbosity": "low",
+        "modalities": ["text"],
+        "functions": None,
+        "function_call": None,
+        "prediction": None,
+        "audio": None,
+    }
     req = proto.parse_request(ChatCompletionRequest, {"messages": USER, "temperature": 0, **extras})
     assert req.temperature == 0.0
     assert proto.parse_request(CompletionRequest, {"prompt": "Hi", "foo": [1]}).prompt == "Hi"

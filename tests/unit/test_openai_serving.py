@@ -133,6 +133,7 @@ def make_serving(reply="Paris.", context_len=256, chat_template=None, strict_mod
         context_len=context_len,
         vocab_size=0x3000,
         max_total_tokens=4096,
+        grammar_backend="xgrammar",
     )
     client = FrontClient(FrontTokenizer(CharTokenizer()), info, engine.send, max_pending=1088)
     engine.tm = client.tm
@@ -186,7 +187,13 @@ async def test_chat_completion_renders_the_template_and_counts_exactly():
     assert out["choices"] == [
         {
             "index": 0,
-            "message": {"role": "assistant", "content": "Paris.", "refusal": None},
+            "message": {
+                "role": "assistant",
+                "content": "Paris.",
+                "reasoning_content": None,
+                "tool_calls": None,
+                "refusal": None,
+            },
             "logprobs": None,
             "finish_reason": "stop",
             "matched_stop": EOS,
@@ -388,10 +395,23 @@ async def test_completion_default_max_tokens_is_16():
         ("chat", {"messages": USER, "top_p": 0}, 400, "top_p", "top_p must be in (0, 1]"),
         (
             "chat",
-            {"messages": USER, "response_format": {"type": "json_object"}},
+            {
+                "messages": USER,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+                },
+            },
             400,
             "response_format",
-            "response_format: constrained decoding is not supported",
+            'response_format is not a valid constraint: Unsupported type "objekt"',
+        ),
+        (
+            "chat",
+            {"messages": USER, "regex": "(a|b"},
+            400,
+            "regex",
+            "regex is not a valid constraint: Regex parsing error",
         ),
         ("completions", {"prompt": ""}, 400, "prompt", "prompt"),
         ("completions", {"prompt": [0x3000]}, 400, "prompt", "outside the vocabulary"),
@@ -474,7 +494,9 @@ async def test_any_model_name_is_served_and_echoed_unless_strict():
     refused = await strict.chat_completions(body(messages=USER, model="gpt-4"))
     assert refused.status == 404 and decoded(refused)["error"]["param"] == "model"
     assert "does not exist" in decoded(refused)["error"]["message"]
-    assert decoded(await strict.chat_completions(body(messages=USER, model=MODEL)))["model"] == MODEL
+    assert (
+        decoded(await strict.chat_completions(body(messages=USER, model=MODEL)))["model"] == MODEL
+    )
 
 
 async def test_continuous_usage_stats_put_the_usage_on_every_content_chunk():

@@ -70,6 +70,7 @@ CONTRACT: dict[str, dict[str, tuple]] = {
         "n": (13, I32, OPT),
         "json_schema": (14, S, OPT),
         "regex": (15, S, OPT),
+        "ebnf": (100, S, OPT),  # Cadence's own (numbers from 100 up), documented in the proto
     },
     "DisaggregatedParams": {
         "bootstrap_host": (1, S, ""),
