@@ -70,6 +70,17 @@ logger = logging.getLogger(__name__)
 LPM_MAX_WAITING = 128
 
 
+def _auto_bos(tokenizer) -> int | None:
+    """The BOS id the tokenizer puts before every text it encodes, if it does (a session's
+    appended turn drops it); None when it adds none."""
+    try:
+        ids = tokenizer.encode("a")
+        bos = tokenizer.bos_token_id
+    except Exception:  # no tokenizer, or one without these: nothing to drop
+        return None
+    return bos if bos is not None and ids and ids[0] == bos else None
+
+
 class Scheduler:
     def __init__(
         self,
@@ -95,7 +106,7 @@ class Scheduler:
         self.sessions = SessionController(
             prefix_cache,
             lambda req, why: self._end(req, {"type": "abort", "message": why}),
-            getattr(getattr(runner, "config", None), "bos_token_id", None),
+            _auto_bos(getattr(stop_checker, "tokenizer", None)),
             args.effective_session_timeout_s,
         )
         self.num_prompt_tokens = 0  # prompt tokens admitted (first admissions)

@@ -1,0 +1,288 @@
+"""The radix prefix cache, on vs off, on one server build.
+
+Two servers are launched in turn from the same code: the default (prefix cache on, lpm) and
+`--disable-radix-cache`. On each:
+  - shared system prompt: a ~2,000-token system prompt and a short question. Cold is the
+    first request after a flush; warm is the same system prompt with a new question. Time to
+    first token over streamed /v1/chat/completions, median of `--repeats`.
+  - multi-turn: 16 conversations x 6 turns, all at once; each conversation has its own
+    ~400-token document, and every turn appends the model's previous answer and a new user
+    message (greedy, 32 tokens per answer). Reported: completion tokens/s over the wall time,
+    TTFT p50 overall and per turn.
+The hit rate is the server's own `cache_hit_rate` (/v1/loads) after the multi-turn run with
+the cache on.
+
+Targets (issue 15, this machine): warm TTFT >= 10x faster than cold; multi-turn TTFT p50
+>= 3x better and throughput >= 1.5x with the cache on.
+
+Usage: python benchmarks/bench_prefix_cache.py [--json out.json] [--plot out.png]
+       [--dtype float32] [--repeats 3]
+Not a test: timings on shared machines are noisy. Progress goes to stderr, figures to stdout.
+"""
+
+from __future__ import annotations
+
+import os
+
+from cadence import envs  # noqa: E402
+
+envs.set_openmp_defaults()  # as `cadence serve` gives its children
+
+import argparse
+import asyncio
+import json
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import aiohttp
+
+CONVERSATIONS = 16
+TURNS = 6
+ANSWER_TOKENS = 32
+TOPICS = [
+    "lighthouses", "bees", "glaciers", "violins", "trains", "coral reefs", "bread", "comets",
+    "maps", "tea", "bridges", "owls", "volcanoes", "paper", "clocks", "rivers",
+]  # fmt: skip
+QUESTIONS = [
+    "Summarize the document in one sentence.",
+    "What is the most surprising fact in it?",
+    "Give one question a student might ask about it.",
+    "Explain that to a child.",
+    "What would you research next?",
+    "Name one word from the document you like.",
+]
+
+
+def log(msg: str) -> None:
+    print(f"[bench_prefix_cache] {msg}", file=sys.stderr, flush=True)
+
+
+def document(topic: str, sentences: int) -> str:
+    """Plain varied prose about `topic` (~10 tokens a sentence)."""
+    parts = []
+    for i in range(sentences):
+        parts.append(
+            f"Note {i} about {topic}: observation {i * 7 % 13} was recorded on day {i * 3 % 29} "
+            f"and compared with sample {i * 11 % 17}."
+        )
+    return " ".join(parts)
+
+
+SYSTEM_PROMPT = "You are a careful assistant. Use only the reference material below.\n" + document(
+    "the reference archive", 110
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, port: int, cache_on: bool, log_path: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "cadence.launch_server", "--port", str(port),
+        "--grpc-port", str(free_port()), "--dtype", args.dtype, "--log-level", "warning",
+        "--max-running-requests", "32",
+    ]  # fmt: skip
+    if not cache_on:
+        cmd.append("--disable-radix-cache")
+    with open(log_path, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+async def wait_healthy(session, url, proc, timeout=600):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            async with session.get(url + "/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.3)
+    raise RuntimeError("the server did not become healthy in time")
+
+
+async def chat(session, url, messages, max_tokens) -> tuple[float, str, dict]:
+    """(TTFT seconds, answer text, usage) of one streamed greedy chat completion."""
+    body = {
+        "model": "default",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    ttft, text, usage = None, [], {}
+    async with session.post(url + "/v1/chat/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{r.status}: {await r.text()}")
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", []):
+                delta = choice.get("delta", {}).get("content")
+                if delta:
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    text.append(delta)
+    return ttft if ttft is not None else time.perf_counter() - start, "".join(text), usage
+
+
+async def shared_prompt(session, url, repeats: int) -> tuple[float, float, int]:
+    """Median cold and warm TTFT (s) of the long shared system prompt, and its token count."""
+    colds, warms, num = [], [], 0
+    for k in range(repeats):
+        async with session.post(url + "/flush_cache") as r:
+            await r.read()
+        system = {"role": "system", "content": SYSTEM_PROMPT}
+        cold, _, usage = await chat(
+            session, url, [system, {"role": "user", "content": f"Question {k}: hello?"}], 4
+        )
+        warm, _, _ = await chat(
+            session, url, [system, {"role": "user", "content": f"Another one {k}: why?"}], 4
+        )
+        colds.append(cold)
+        warms.append(warm)
+        num = usage.get("prompt_tokens", num)
+        log(f"  shared prompt {k}: cold {cold * 1e3:.0f} ms, warm {warm * 1e3:.0f} ms")
+    return statistics.median(colds), statistics.median(warms), num
+
+
+async def multiturn(session, url) -> tuple[float, list[list[float]]]:
+    """Completion tok/s over the run, and TTFTs per turn (seconds)."""
+    per_turn: list[list[float]] = [[] for _ in range(TURNS)]
+    tokens = 0
+
+    async def conversation(c: int):
+        nonlocal tokens
+        messages = [
+            {"role": "system", "content": "Answer briefly.\n" + document(TOPICS[c], 40)},
+        ]
+        for t in range(TURNS):
+            messages.append({"role": "user", "content": QUESTIONS[t]})
+            ttft, answer, usage = await chat(session, url, messages, ANSWER_TOKENS)
+            per_turn[t].append(ttft)
+            tokens += usage.get("completion_tokens", 0)
+            messages.append({"role": "assistant", "content": answer})
+
+    async with session.post(url + "/flush_cache") as r:
+        await r.read()
+    start = time.perf_counter()
+    await asyncio.gather(*(conversation(c) for c in range(CONVERSATIONS)))
+    return tokens / (time.perf_counter() - start), per_turn
+
+
+async def measure(args, cache_on: bool) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = os.path.join(tempfile.gettempdir(), f"bench_prefix_cache_{int(cache_on)}.log")
+    proc = launch(args, port, cache_on, log_path)
+    name = "on" if cache_on else "off"
+    try:
+        timeout = aiohttp.ClientTimeout(total=3600)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await wait_healthy(session, url, proc)
+            log(f"cache {name}: server up (log {log_path})")
+            cold, warm, num = await shared_prompt(session, url, args.repeats)
+            log(f"cache {name}: multi-turn, {CONVERSATIONS} conversations x {TURNS} turns")
+            tok_s, per_turn = await multiturn(session, url)
+            async with session.get(url + "/v1/loads") as r:
+                loads = (await r.json())["loads"][0]
+        return {
+            "cold": cold,
+            "warm": warm,
+            "system_tokens": num,
+            "tok_s": tok_s,
+            "per_turn": per_turn,
+            "hit_rate": loads["cache_hit_rate"],
+        }
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+
+
+def p50(values) -> float:
+    return statistics.median(values)
+
+
+def plot(path: str, on: dict, off: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    turns = list(range(1, TURNS + 1))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, data, marker in (("cache on", on, "o"), ("cache off", off, "s")):
+        ax.plot(turns, [p50(t) * 1e3 for t in data["per_turn"]], marker=marker, label=label)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.set_title(f"{CONVERSATIONS} concurrent conversations: time to first token per turn")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    log(f"plot: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="write the figures as one flat JSON object here")
+    parser.add_argument("--plot", default="bench_results/bench_prefix_cache.png")
+    args = parser.parse_args()
+
+    on = asyncio.run(measure(args, cache_on=True))
+    off = asyncio.run(measure(args, cache_on=False))
+    flat_on = [x for t in on["per_turn"] for x in t]
+    flat_off = [x for t in off["per_turn"] for x in t]
+    result = {
+        "system_prompt_tokens": on["system_tokens"],
+        "ttft_cold_ms": on["cold"] * 1e3,
+        "ttft_warm_ms": on["warm"] * 1e3,
+        "ttft_warm_cache_off_ms": off["warm"] * 1e3,
+        "warm_speedup": on["cold"] / on["warm"],
+        "multiturn_tok_s_on": on["tok_s"],
+        "multiturn_tok_s_off": off["tok_s"],
+        "multiturn_ttft_p50_ms_on": p50(flat_on) * 1e3,
+        "multiturn_ttft_p50_ms_off": p50(flat_off) * 1e3,
+        "multiturn_ttft_ratio": p50(flat_off) / p50(flat_on),
+        "multiturn_throughput_ratio": on["tok_s"] / off["tok_s"],
+        "hit_rate": on["hit_rate"],
+        "load_avg_1m": os.getloadavg()[0],
+    }
+    print("| metric | value |\n|---|---:|")
+    for key, value in result.items():
+        print(f"| {key} | {value:.3f} |" if isinstance(value, float) else f"| {key} | {value} |")
+    print("\n| turn | TTFT p50 on (ms) | TTFT p50 off (ms) |\n|---:|---:|---:|")
+    for t in range(TURNS):
+        print(
+            f"| {t + 1} | {p50(on['per_turn'][t]) * 1e3:.0f} | {p50(off['per_turn'][t]) * 1e3:.0f} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.plot:
+        plot(args.plot, on, off)
+
+
+if __name__ == "__main__":
+    main()
