@@ -35,6 +35,7 @@ __all__ = [
     "backend_class",
     "check_grammar",
     "create_backend",
+    "create_grammar_queue",
     "grammar_key",
     "words_per_row",
 ]
@@ -57,6 +58,20 @@ def create_backend(
     """The engine `name` bound to a model's tokenizer and vocabulary (None for "none")."""
     cls = backend_class(name)
     return None if cls is None else cls(tokenizer, vocab_size, eos_token_ids, **options)
+
+
+def create_grammar_queue(
+    name: str, tokenizer, vocab_size: int, eos_token_ids: list[int], **options
+):
+    """The scheduler's GrammarQueue for engine `name` (None for "none"); the engine is bound
+    to the vocabulary at the first constraint, on the queue's worker thread."""
+    if backend_class(name) is None:
+        return None
+    from cadence.constrained.grammar_queue import GrammarQueue
+
+    return GrammarQueue(
+        name, lambda: create_backend(name, tokenizer, vocab_size, eos_token_ids, **options)
+    )
 
 
 def check_grammar(backend: str, key: GrammarKey) -> None:

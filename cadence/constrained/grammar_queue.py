@@ -9,15 +9,19 @@ key share one compilation, finished or still running, and finished ones stay cac
 (least recently used first out, within a byte budget).
 
 Only the scheduler's thread calls these methods; the worker threads only run
-`backend.compile`.
+`backend.compile`. The backend itself is built on the worker too, at the first constraint
+(binding an engine to a vocabulary takes a second or two): a server that never sees one
+never pays for it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -45,12 +49,16 @@ class _Waiting:
 class GrammarQueue:
     def __init__(
         self,
-        backend: GrammarBackend,
+        name: str,
+        make_backend: Callable[[], GrammarBackend],
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         max_workers: int = 1,
     ):
-        self.backend = backend
+        self.name = name  # the engine's --grammar-backend name
+        self._make_backend = make_backend
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
         self.cache_bytes = cache_bytes
         self.compile_timeout_s = compile_timeout_s
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="cadence-grammar")
@@ -59,6 +67,18 @@ class GrammarQueue:
         self._waiting: list[_Waiting] = []
         self.num_compiled = 0  # compilations started (cache misses)
         self.num_cache_hits = 0
+
+    @property
+    def backend(self) -> GrammarBackend:
+        """The engine, built on first use (on whichever thread asks first)."""
+        if self._backend is None:
+            with self._backend_lock:
+                if self._backend is None:
+                    self._backend = self._make_backend()
+        return self._backend
+
+    def _compile(self, key: GrammarKey) -> Any:
+        return self.backend.compile(key)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -72,7 +92,7 @@ class GrammarQueue:
         """`owner` waits for the grammar of `key` (compiled now, or found in the cache)."""
         future = self._cache.get(key)
         if future is None:
-            future = self._pool.submit(self.backend.compile, key)
+            future = self._pool.submit(self._compile, key)
             self._cache[key] = future
             self.num_compiled += 1
         else:

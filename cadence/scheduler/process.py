@@ -95,6 +95,7 @@ class SchedulerProcess:
 def build_scheduler(args: ServerArgs, model_path: str, tokenizer) -> Scheduler:
     """The scheduler core with its collaborators: the model runner (which loads the weights),
     the KV allocator it borrows from the runner's pool, the stop checker."""
+    from cadence.constrained import create_grammar_queue
     from cadence.model_executor.model_runner import ModelRunner
     from cadence.scheduler.stop_checker import StopChecker
 
@@ -102,8 +103,19 @@ def build_scheduler(args: ServerArgs, model_path: str, tokenizer) -> Scheduler:
     eos_ids = set(runner.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
+    grammars = create_grammar_queue(
+        args.grammar_backend,
+        tokenizer,
+        runner.config.vocab_size,
+        sorted(eos_ids),
+        any_whitespace=args.constrained_json_any_whitespace,
+    )
     return Scheduler(
-        args, runner, runner.kv_allocator, StopChecker(tokenizer, eos_ids, runner.context_len)
+        args,
+        runner,
+        runner.kv_allocator,
+        StopChecker(tokenizer, eos_ids, runner.context_len),
+        grammars=grammars,
     )
 
 
@@ -158,4 +170,6 @@ def runtime_facts(scheduler: Scheduler) -> dict:
         "dtype": str(runner.dtype).replace("torch.", ""),
         "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""),
         "platform": runner.platform.name,
+        # the engine constraints are enforced with; the front refuses them under "none"
+        "grammar_backend": "none" if scheduler.grammars is None else scheduler.grammars.name,
     }

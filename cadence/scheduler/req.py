@@ -59,6 +59,9 @@ class Req:
     priority: int | None = None  # None: the lowest (see Scheduler.add_request)
     return_hidden_states: bool = False
     logit_processor: str | None = None  # a registered processor's name
+    # Its constraint at its current position (cadence.constrained.Grammar), once compiled;
+    # the sampler masks with it and `Scheduler._apply` advances it by every token.
+    grammar: Any = None
     session_params: SessionParams | None = None  # continues a session (see scheduler/sessions.py)
 
     output_ids: list[int] = field(default_factory=list)

@@ -34,6 +34,8 @@ import time
 from collections import deque
 
 from cadence import hooks
+from cadence.constrained import grammar_key
+from cadence.constrained.grammar_queue import GrammarQueue
 from cadence.io_struct import (
     REPLY_TYPES,
     AbortReq,
@@ -68,6 +70,18 @@ logger = logging.getLogger(__name__)
 # Beyond this many waiting requests, lpm falls back to arrival order (matching every waiting
 # request each round would cost more than it saves).
 LPM_MAX_WAITING = 128
+# With nothing else to run, the loop waits this long at most for a grammar to compile.
+GRAMMAR_POLL_S = 0.005
+
+
+def _is_sample_of(rid: str, parent: str | None) -> bool:
+    """Whether `rid` is sample j of the n > 1 request `parent` (f"{parent}-{j}")."""
+    return (
+        parent is not None
+        and rid.startswith(parent)
+        and rid[len(parent) : len(parent) + 1] == "-"
+        and rid[len(parent) + 1 :].isdigit()
+    )
 
 
 def _auto_bos(tokenizer) -> int | None:
@@ -89,11 +103,14 @@ class Scheduler:
         allocator: KVAllocator,
         stop_checker: StopChecker,
         prefix_cache: PrefixCache | None = None,
+        grammars: GrammarQueue | None = None,
     ):
         self.args = args
         self.runner = runner
         self.allocator = allocator
         self.stops = stop_checker
+        # Requests whose constraint is compiling wait here, outside the waiting queue.
+        self.grammars = grammars
         if prefix_cache is None:
             prefix_cache = (
                 NoPrefixCache(allocator.page_size)
@@ -165,7 +182,7 @@ class Scheduler:
         self.abort(msg.rid, msg.abort_all, msg.message or "aborted")
 
     def _on_flush(self, msg: FlushCacheReqInput) -> FlushCacheReqOutput:
-        busy = bool(self.running or self.waiting or self.chunked)
+        busy = bool(self.running or self.waiting or self.chunked or self.grammars)
         if not busy:
             self.cache.reset()  # what open sessions pin stays (their next turns need it)
         return FlushCacheReqOutput(
@@ -196,7 +213,7 @@ class Scheduler:
         return GetLoadReqOutput(
             dp_rank=0,
             num_running_reqs=len(self.running) + (1 if self.chunked else 0),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.grammars or ()),
             num_used_tokens=used,
             num_cached_tokens=self.cache.num_cached_pages * self.allocator.page_size,
             max_total_num_tokens=total,
@@ -247,10 +264,30 @@ class Scheduler:
                 RuntimeError(f"it needs {need} KV pages, the pool has {self.allocator.num_pages}"),
                 "being admitted",
             )
+        key = grammar_key(req.params)
+        if key is not None and req.grammar is None:
+            if self.grammars is None:  # the front refuses these when no engine runs
+                return self.fail(req, RuntimeError("no grammar engine runs"), "being admitted")
+            return self.grammars.submit(req, key)  # joins the queue once compiled
+        self._enqueue(req)
+
+    def _enqueue(self, req: Req) -> None:
         if self.args.enable_priority_scheduling:
             self._enqueue_by_priority(req)
         else:
             self.waiting.append(req)
+
+    def _take_compiled(self) -> None:
+        """Requests whose grammar is compiled join the waiting queue with it; one whose
+        grammar failed to compile ends (a 400: the constraint is the request's own)."""
+        for req, grammar in self.grammars.ready():
+            if isinstance(grammar, ValueError):  # InvalidGrammar, or its timeout
+                self._end(req, {"type": "abort", "status_code": 400, "message": str(grammar)})
+            elif isinstance(grammar, BaseException):
+                self.fail(req, grammar, "compiling its grammar")
+            else:
+                req.grammar = grammar
+                self._enqueue(req)
 
     def _enqueue_by_priority(self, req: Req) -> None:
         """Behind every waiting request of the same or a higher priority (higher values first,
@@ -290,9 +327,11 @@ class Scheduler:
     def abort(
         self, rid: str | None = None, abort_all: bool = False, message: str = "aborted"
     ) -> None:
-        """Ends the request(s) now, releasing their KV pages; unknown rids are ignored."""
+        """Ends the request(s) now, releasing their KV pages; unknown rids are ignored. A rid
+        also names the samples f"{rid}-{j}" of an n > 1 request (whichever front process
+        sent them: an abort may arrive through another front than the request)."""
         for req in self._live():
-            if abort_all or req.rid == rid:
+            if abort_all or req.rid == rid or _is_sample_of(req.rid, rid):
                 self._end(req, {"type": "abort", "message": message})
 
     def fail(self, req: Req, error: BaseException, stage: str) -> None:
@@ -333,20 +372,27 @@ class Scheduler:
             self.waiting.appendleft(req)
 
     def _live(self) -> list[Req]:
-        return [*self.waiting, *([self.chunked] if self.chunked else []), *self.running]
+        compiling = self.grammars.owners if self.grammars else []
+        return [*compiling, *self.waiting, *([self.chunked] if self.chunked else []), *self.running]
 
     # ---- the loop body ---------------------------------------------------------------------
 
     @property
     def has_work(self) -> bool:
-        return not self.is_paused and bool(self.waiting or self.running or self.chunked)
+        return not self.is_paused and bool(
+            self.waiting or self.running or self.chunked or self.grammars
+        )
 
     def step(self) -> list[ReqOutput]:
         """One scheduling round. Returns the outputs produced since the last call."""
         self.sessions.reap(time.monotonic())
+        if self.grammars:
+            self._take_compiled()
         batch, reqs = self._schedule()
         if batch is not None:
             self._postprocess(batch, reqs, self.runner.run(batch))
+        elif self.grammars and not self.outputs:
+            self.grammars.wait(GRAMMAR_POLL_S)  # nothing runs: wait for a compile, briefly
         if not self.running:
             self.runner.release_decode_state()
         outputs, self.outputs = self.outputs, []
@@ -561,6 +607,7 @@ class Scheduler:
                     req.token_ids_logprob,
                     req.return_logprob,
                     req.logit_processor,
+                    req.grammar,
                 )
             except Exception as e:
                 self.fail(req, e, "preparing its sampling")
@@ -604,11 +651,17 @@ class Scheduler:
             req.pending_logprobs.append((result.logprob, result.next_id))
             req.pending_top.append(result.top_logprobs)
             req.pending_given.append(result.token_ids_logprobs)
+        if req.grammar is not None and not req.grammar.accept(result.next_id):
+            raise RuntimeError(f"its grammar refused the token {result.next_id} it sampled")
         reason = self.stops.check(req, result.next_id)
+        if reason is None and req.grammar is not None and req.grammar.is_terminated():
+            reason = {"type": "stop", "matched": result.next_id}  # the grammar is complete
         if reason is not None:
             self._end(req, reason)
-        elif req.stream:
-            self.outputs.append(self._output(req))
+        elif req.stream and (
+            req.num_sent == 0 or len(req.output_ids) - req.num_sent >= self.args.stream_interval
+        ):
+            self.outputs.append(self._output(req))  # the first token at once, then every K
 
     @staticmethod
     def _record_hidden_states(req: Req, start: int, states: list[list[float]]) -> None:
@@ -662,6 +715,8 @@ class Scheduler:
             self.chunked = None
         if req in self.waiting:
             self.waiting.remove(req)
+        if self.grammars:
+            self.grammars.discard(req)
         ok = not reason.get("request_fault")
         if ok and req.is_admitted:
             self._cache_progress(req)

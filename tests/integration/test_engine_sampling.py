@@ -307,7 +307,9 @@ INVALID = [
     ("logit_bias", {"logit_bias": {"49152": 1.0}}),
     ("logit_bias", {"logit_bias": {"-3": 1.0}}),
     ("json_schema", {"regex": "a+", "json_schema": "{}"}),
-    ("regex", {"regex": "a+"}),
+    ("regex", {"regex": "(a+"}),  # not a regular expression (the engine says why)
+    ("json_schema", {"json_schema": '{"type": "objekt"}'}),
+    ("ebnf", {"ebnf": 'start ::= "a"'}),
     ("ignore_eos", {"ignore_eos": "yes"}),
     ("seed", {"seed": "abc"}),
     ("max_new_tokens", {"max_new_tokens": 1.5}),
