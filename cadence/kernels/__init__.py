@@ -1,4 +1,5 @@
-"""Cadence's own CPU kernels (`cpu_ops.cpp`, registered as `torch.ops.cadence.*`).
+"""Cadence's own CPU kernels (`cpu_ops.cpp` and the quantized projections of `quant_ops.cpp`,
+registered as `torch.ops.cadence.*`).
 
 They are compiled on this machine the first time they are needed (about 15 s with the
 system C++ compiler and ninja) and kept in the cache directory, keyed by the source, the
@@ -23,7 +24,9 @@ from cadence import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(__file__), "cpu_ops.cpp")
+SOURCES = [
+    os.path.join(os.path.dirname(__file__), name) for name in ("cpu_ops.cpp", "quant_ops.cpp")
+]
 NAME = "cadence_cpu_ops"
 # -ffast-math lets the compiler vectorize the float32 reductions and call the vector expf;
 # glibc's libmvec provides it. OpenMP is torch's own runtime (same soname, loaded once).
@@ -35,8 +38,10 @@ def _cflags() -> list[str]:
 
 
 def _build_dir() -> str:
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read())
+    key = hashlib.sha256()
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            key.update(f.read())
     key.update(torch.__version__.encode())
     key.update(" ".join(_cflags()).encode())
     try:  # -march=native: a library built for one CPU may not run on another
@@ -63,7 +68,7 @@ def _load(verbose: bool = False) -> None:
     # load() takes a file lock on build_dir, so processes starting together build once.
     load(
         name=NAME,
-        sources=[SOURCE],
+        sources=SOURCES,
         extra_cflags=_cflags(),
         extra_ldflags=["-fopenmp"],
         build_directory=build_dir,

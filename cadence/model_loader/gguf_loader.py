@@ -1,4 +1,9 @@
-"""GGUF files: architecture from metadata, weights dequantized at load, tokenizer converted once.
+"""GGUF files: architecture from metadata, weights kept quantized (or dequantized on request),
+tokenizer converted once.
+
+A matrix stored in a type Cadence's kernels read (`cadence.layers.quantized.QTYPES`) is
+handed to the model as a `QuantizedWeight` of the file's own blocks; every other tensor (and
+every tensor with `dequantize=True`) is dequantized to float32 by gguf, as before.
 
 llama.cpp's converter stores the Q and K projection rows of Llama-family models permuted
 (interleaved rotary pairs). Our rotary embedding uses the Hugging Face (half-split) layout,
@@ -16,6 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from cadence import envs
+from cadence.layers.quantized import QTYPES, QuantizedWeight
 from cadence.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -82,34 +88,51 @@ def read_config(path: str, reader=None) -> ModelConfig:
     )
 
 
-def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation: per head, rows [pairs..., 2] -> [2, pairs...]."""
+def unpermute_rotary(weight, num_heads: int):
+    """Undo llama.cpp's Q/K row permutation: per head, rows [pairs..., 2] -> [2, pairs...].
+    Rows of an array or of a QuantizedWeight (a row's blocks move whole: exact)."""
     rows = weight.shape[0]
-    return (
-        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
+    order = np.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).swapaxes(1, 2)
+    return weight[order.reshape(-1)]
+
+
+def _tensor_weight(tensor, keep_quantized: bool):
+    """(the tensor as the model receives it, what it is served as)."""
+    import gguf
+
+    qtype = tensor.tensor_type.name
+    shape = tuple(
+        int(d) for d in reversed(tensor.shape)
+    )  # GGUF lists the innermost dimension first
+    if keep_quantized and qtype in QTYPES and len(shape) == 2:
+        return QuantizedWeight.from_blocks(qtype, tensor.data.reshape(shape[0], -1)), qtype
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    return data.reshape(shape), "float"
 
 
 def iter_weights(
-    path: str, config: ModelConfig, reader=None, progress: bool = True
-) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (Hugging Face name, float32 array) for every tensor, dequantized."""
-    import gguf
+    path: str,
+    config: ModelConfig,
+    reader=None,
+    progress: bool = True,
+    keep_quantized: bool = False,
+    served: dict[str, dict] | None = None,
+) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
+    """Yield (Hugging Face name, weight) for every tensor: a QuantizedWeight of the file's
+    blocks where `keep_quantized` and the type is one Cadence serves quantized, else a float32
+    array. `served` collects {file type: {"tensors": n, "served_as": type or "float"}}."""
     from tqdm import tqdm
 
     reader = reader or _reader(path)
     for tensor in tqdm(
         reader.tensors, desc="Loading GGUF weights", unit="tensor", disable=not progress
     ):
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(
-            np.float32, copy=False
-        )
-        shape = tuple(
-            int(d) for d in reversed(tensor.shape)
-        )  # GGUF lists the innermost dimension first
-        data = data.reshape(shape)
+        data, served_as = _tensor_weight(tensor, keep_quantized)
+        if served is not None:
+            entry = served.setdefault(
+                tensor.tensor_type.name, {"tensors": 0, "served_as": served_as}
+            )
+            entry["tensors"] += 1
         match = _BLOCK.match(tensor.name)
         if match:
             layer, suffix = match.groups()

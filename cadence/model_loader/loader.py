@@ -1,4 +1,5 @@
-"""Build a ready model from a path: architecture, weights (dequantized GGUF or safetensors), dtype."""
+"""Build a ready model from a path: architecture, weights (GGUF, kept quantized unless asked
+otherwise, or safetensors, optionally quantized at load), dtype."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from cadence.model_loader import gguf_loader
 from cadence.model_loader.locate import is_gguf
+from cadence.model_loader.quantize import quantize_floats
 from cadence.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -38,33 +40,96 @@ def _iter_safetensors(path: str, progress: bool):
 
 
 def load_model(
-    path: str, dtype: torch.dtype, device: str | torch.device = "cpu", progress: bool = True
+    path: str,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+    *,
+    quantization: str | None = None,
+    dequantize: bool = False,
 ):
-    """Returns (config, model) with weights in `dtype` on `device`, in eval mode."""
+    """Returns (config, model) with weights in `dtype` on `device`, in eval mode.
+
+    A GGUF file's quantized matrices stay quantized (`QuantizedWeight`s; the platform's
+    `make_linear` decides how they run) unless `dequantize`; `quantization` ("int8", "int4")
+    quantizes the float matrices of any model at load. `model.weight_types` reports, per
+    type in the file, how many tensors it has and what they are served as.
+    """
     from cadence.models.llama import LlamaForCausalLM
 
     start = time.monotonic()
+    served: dict[str, dict] = {}
     if is_gguf(path):
         reader = gguf_loader._reader(path)
         config = gguf_loader.read_config(path, reader)
-        weights = gguf_loader.iter_weights(path, config, reader, progress=progress)
+        weights = gguf_loader.iter_weights(
+            path, config, reader, progress=progress, keep_quantized=not dequantize, served=served
+        )
     else:
         config = ModelConfig.from_hf_dir(path)
-        weights = _iter_safetensors(path, progress)
+        weights = _count_float(_iter_safetensors(path, progress), served)
+    if quantization is not None:
+        weights = quantize_floats(weights, quantization, served)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device="cpu").to(torch.float32)
     model.load_weights(weights)
+    reader = weights = None  # the file's mapping goes with the reader
     model = model.to(dtype=dtype, device=device).eval()
     model.requires_grad_(False)
+    model.weight_types = _served_types(served, dtype)
     logger.info(
-        "Loaded %s (%d layers, %s) in %.1fs",
+        "Loaded %s (%d layers, %s) in %.1fs; weights: %s",
         os.path.basename(path),
         config.num_hidden_layers,
         str(dtype).replace("torch.", ""),
         time.monotonic() - start,
+        describe_weight_types(model.weight_types),
     )
     return config, model
+
+
+def _count_float(weights, served: dict[str, dict]):
+    for name, array in weights:
+        kind = str(array.dtype).replace("torch.", "").upper().replace("FLOAT", "F")
+        entry = served.setdefault(kind, {"tensors": 0, "served_as": "float"})
+        entry["tensors"] += 1
+        yield name, array
+
+
+def _served_types(served: dict[str, dict], dtype: torch.dtype) -> dict[str, dict]:
+    name = str(dtype).replace("torch.", "")
+    return {
+        kind: {**entry, "served_as": name if entry["served_as"] == "float" else entry["served_as"]}
+        for kind, entry in served.items()
+    }
+
+
+def describe_weight_types(weight_types: dict[str, dict]) -> str:
+    """ "Q4_1 x210 as Q4_1, F32 x61 as float32": each file type, its count, what it is served as."""
+    return ", ".join(
+        f"{kind} x{entry['tensors']} as {entry['served_as']}"
+        for kind, entry in weight_types.items()
+    )
+
+
+def served_weight_types(model) -> dict[str, dict]:
+    """`model.weight_types` corrected for the projections the platform built: where it widened
+    quantized weights (no kernel for them), those types are served as float32."""
+    from cadence.layers.quantized import DequantizedLinear
+
+    types = dict(getattr(model, "weight_types", {}))
+    linears = [model.lm_head_linear] + [
+        getattr(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")
+    ]
+    if any(isinstance(linear, DequantizedLinear) for linear in linears):
+        from cadence.layers.quantized import QTYPES as quantized
+
+        types = {
+            kind: {**entry, "served_as": "float32"} if entry["served_as"] in quantized else entry
+            for kind, entry in types.items()
+        }
+    return types
 
 
 def tokenizer_dir(path: str, tokenizer_path: str | None = None) -> str:

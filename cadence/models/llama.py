@@ -2,6 +2,9 @@
 
 Weights are kept fused where that saves kernel launches at decode time: q/k/v in one
 matrix, gate/up in one matrix. Loading maps the checkpoint's separate tensors into them.
+A weight the loader keeps quantized arrives as a `QuantizedWeight` and replaces the float
+parameter it was meant for; the model only reorders and fuses its rows and hands it to
+`make_linear`, whatever its type.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from cadence.layers.attention import AttentionBackend
 from cadence.layers.forward_batch import ForwardBatch
 from cadence.layers.layer_ops import LayerOps
 from cadence.layers.linear import Linear
+from cadence.layers.quantized import QuantizedWeight
 from cadence.models.config import ModelConfig
 
 
@@ -41,11 +45,8 @@ class RotaryEmbedding:
 def interleave_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Hugging Face (half-split) Q/K rows -> interleaved rows, per head: [a..., b...] -> [a0, b0, a1, b1, ...]."""
     rows = weight.shape[0]
-    return (
-        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
-        .transpose(1, 2)
-        .reshape(weight.shape)
-    )
+    order = torch.arange(rows).reshape(num_heads, 2, rows // num_heads // 2).transpose(1, 2)
+    return weight[order.reshape(-1)]  # rows of a tensor or of a QuantizedWeight
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -134,13 +135,9 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         self.ops = ops or LayerOps()
         self.build_linears(make_linear)
-        self.rope = RotaryEmbedding(
-            c.head_dim, max_positions, c.rope_theta, self.embed_tokens.device
-        )
+        self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, self.norm.device)
         scales = [c.head_dim**-0.5] * c.num_attention_heads + [1.0] * c.num_key_value_heads
-        self.head_scales = torch.tensor(
-            scales, dtype=torch.complex64, device=self.embed_tokens.device
-        )
+        self.head_scales = torch.tensor(scales, dtype=torch.complex64, device=self.norm.device)
         self.attn = attn
 
     @property
@@ -162,11 +159,17 @@ class LlamaForCausalLM(nn.Module):
         )  # its weight stays: see compute_logits
         for param, linear in pairs:
             if not linear.holds_weight:
-                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                _release(param)
+        if self.lm_head is not None and not self.lm_head_linear.holds_weight:
+            if isinstance(self.lm_head, QuantizedWeight):  # no refinement reads it (compute_logits)
+                self.lm_head.release()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Returns the final hidden states of the rows in `batch.logits_indices`: [rows, hidden]."""
-        residual = F.embedding(batch.input_ids, self.embed_tokens)
+        if isinstance(self.embed_tokens, QuantizedWeight):
+            residual = self.embed_tokens.embedding(batch.input_ids, self.norm.dtype)
+        else:
+            residual = F.embedding(batch.input_ids, self.embed_tokens)
         factors = self.ops.rope_factors(self.rope.step_factors(batch.positions, self.head_scales))
         delta = None
         for layer in self.layers:
@@ -180,7 +183,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> float32 logits [rows, vocab]. From a bfloat16/float16 model the
-        logits near each row's maximum are recomputed in float32 (`refine_top_logits`)."""
+        logits near each row's maximum are recomputed in float32 (`refine_top_logits`). A
+        quantized LM head takes float32 rows and gives float32 sums."""
+        if isinstance(self.lm_head_weight, QuantizedWeight):
+            return self.lm_head_linear(hidden.float())
         logits = self.lm_head_linear(hidden)
         if hidden.dtype in (torch.bfloat16, torch.float16):
             return self.ops.refined_logits(logits, hidden, self.lm_head_weight)
@@ -209,11 +215,15 @@ class LlamaForCausalLM(nn.Module):
             "post_attention_layernorm.weight": "post_attention_norm",
         }
         loaded: set[str] = set()
+        kept: dict[tuple[nn.Module, str], list] = {}  # (module, attr) -> [(row, QuantizedWeight)]
         with torch.no_grad():
             for name, array in weights:
-                if not isinstance(array, torch.Tensor) and not array.flags.writeable:
-                    array = array.copy()  # memory-mapped file data; torch wants writable memory
-                tensor = torch.as_tensor(array)
+                if isinstance(array, QuantizedWeight):
+                    tensor = array
+                else:
+                    if not isinstance(array, torch.Tensor) and not array.flags.writeable:
+                        array = array.copy()  # memory-mapped file data; torch wants writable memory
+                    tensor = torch.as_tensor(array)
                 if name.startswith("model.layers."):
                     _, _, idx, rest = name.split(".", 3)
                     layer = self.layers[int(idx)]
@@ -223,26 +233,63 @@ class LlamaForCausalLM(nn.Module):
                             tensor = interleave_rotary_rows(tensor, c.num_attention_heads)
                         elif rest.startswith("self_attn.k_proj"):
                             tensor = interleave_rotary_rows(tensor, c.num_key_value_heads)
-                        getattr(layer, attr)[lo:hi].copy_(tensor)
+                        if isinstance(tensor, QuantizedWeight):
+                            kept.setdefault((layer, attr), []).append((lo, tensor))
+                        else:
+                            getattr(layer, attr)[lo:hi].copy_(tensor)
                     elif rest in plain:
-                        getattr(layer, plain[rest]).copy_(tensor)
+                        if isinstance(tensor, QuantizedWeight):
+                            kept[(layer, plain[rest])] = [(0, tensor)]
+                        else:
+                            getattr(layer, plain[rest]).copy_(tensor)
                     elif rest.endswith("rotary_emb.inv_freq"):
                         continue
                     else:
                         raise ValueError(f"unexpected weight {name!r} for a llama model")
                 elif name == "model.embed_tokens.weight":
-                    self.embed_tokens.copy_(tensor)
+                    if isinstance(tensor, QuantizedWeight):
+                        kept[(self, "embed_tokens")] = [(0, tensor)]
+                    else:
+                        self.embed_tokens.copy_(tensor)
                 elif name == "model.norm.weight":
                     self.norm.copy_(tensor)
                 elif name == "lm_head.weight":
-                    if self.lm_head is not None:
+                    if self.lm_head is not None and isinstance(tensor, QuantizedWeight):
+                        kept[(self, "lm_head")] = [(0, tensor)]
+                    elif self.lm_head is not None:
                         self.lm_head.copy_(tensor)
                 else:
                     raise ValueError(f"unexpected weight {name!r} for a llama model")
                 loaded.add(name)
+            for (module, attr), pieces in kept.items():
+                _install_quantized(module, attr, pieces)
         if "model.embed_tokens.weight" not in loaded:
             raise ValueError("the checkpoint has no model.embed_tokens.weight")
         if self.lm_head is not None and "lm_head.weight" not in loaded:
             raise ValueError(
                 "the checkpoint has no lm_head.weight and the config does not tie embeddings"
             )
+
+
+def _release(param) -> None:
+    """Frees a weight a projection no longer reads (a weight update refills it)."""
+    if isinstance(param, QuantizedWeight):
+        param.release()
+    else:
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def _install_quantized(module: nn.Module, attr: str, pieces: list) -> None:
+    """Replaces the float parameter `attr` by one QuantizedWeight of its rows: the quantized
+    pieces (row offset, weight) where they came, float rows (pieces loaded as tensors) between."""
+    param = getattr(module, attr)
+    parts, row = [], 0
+    for lo, weight in sorted(pieces, key=lambda p: p[0]):
+        if lo > row:
+            parts.append(QuantizedWeight.dense(param[row:lo]))
+        parts.append(weight)
+        row = lo + weight.out_features
+    if row < param.shape[0]:
+        parts.append(QuantizedWeight.dense(param[row:]))
+    delattr(module, attr)  # a registered parameter can only be replaced by a parameter
+    setattr(module, attr, QuantizedWeight.cat(parts) if len(parts) > 1 else parts[0])

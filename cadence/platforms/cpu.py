@@ -89,7 +89,12 @@ class CpuPlatform(TorchNativeFactories, Platform):
 
     def make_linear(self, weight, bias=None):
         from cadence.layers.linear import Linear, pack_or_plain
+        from cadence.layers.quantized import QuantizedWeight, make_quantized_linear
 
+        if isinstance(weight, QuantizedWeight):  # served as its blocks by Cadence's kernels
+            from cadence.kernels import cpu_kernels_available
+
+            return make_quantized_linear(weight, bias, kernels=cpu_kernels_available())
         return pack_or_plain(weight, bias) if envs.cpu_packed_linear() else Linear(weight, bias)
 
     def make_layer_ops(self):

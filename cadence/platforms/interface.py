@@ -154,12 +154,21 @@ class Platform:
     def make_allocator(self, num_pages: int, page_size: int = 1) -> KVAllocator:
         raise NotImplementedError(f"platform {self.name!r} provides no KV page allocator")
 
-    def make_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    def make_linear(self, weight, bias: torch.Tensor | None = None) -> Linear:
         """The object a model projects through for one loaded weight (and optional bias).
         Unlike the other factories this one has a portable default, `F.linear` on the weight
-        as loaded; a platform with a faster weight layout returns its own `Linear`."""
-        from cadence.layers.linear import Linear
+        as loaded; a platform with a faster weight layout returns its own `Linear`.
 
+        `weight` is a float tensor [out, in] or a `cadence.layers.quantized.QuantizedWeight`
+        (a GGUF file's blocks, kept quantized). The default widens a quantized weight once to
+        float32 (`DequantizedLinear`); a platform with kernels for the blocks returns a
+        projection that reads them (the CPU platform's `QuantLinear`). A returned projection
+        with `holds_weight` False lets the model free the weight it was built from."""
+        from cadence.layers.linear import Linear
+        from cadence.layers.quantized import QuantizedWeight, make_quantized_linear
+
+        if isinstance(weight, QuantizedWeight):
+            return make_quantized_linear(weight, bias, kernels=False)
         return Linear(weight, bias)
 
     def make_layer_ops(self) -> LayerOps:

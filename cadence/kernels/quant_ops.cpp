@@ -1,0 +1,673 @@
+// Weight-only quantized projections on GGUF block types (registered as torch.ops.cadence.quant_*).
+//
+// Weights keep the precision the file gave them: Q4_0, Q4_1, Q8_0 (blocks of 32) and the
+// k-quants Q4_K, Q5_K, Q6_K (super-blocks of 256). At load each matrix is repacked once into
+// tiles of 8 rows (`quant_repack`): per group of 32 columns, the 8 rows' integer codes lie
+// interleaved four columns at a time, so one 32-byte vector holds 4 columns of all 8 rows,
+// followed by the group's scales (and, for k-quants, each super-block's f16 factors). The
+// repacking is exact: `quant_dequantize` gives gguf's own values bit for bit.
+//
+// `quant_linear` computes y = x W^T as llama.cpp does: each activation row is quantized to
+// int8 per group of 32 (one float32 scale per group), then integer dot products of 4 columns
+// at a time (AVX2 `maddubs`, AVX-512 VNNI / AVX-VNNI `dpbusd`) give 8 rows' sums in one
+// vector, which the group's scales turn into float32. Each weight group is unpacked once per
+// 4 activation rows, so the same kernel serves decode (1-4 rows) and batches. Without AVX2 a
+// portable loop computes the same sums.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define CADENCE_QUANT_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// GGML's type ids.
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+constexpr int kRows = 8;     // rows per tile
+constexpr int kGroup = 32;   // columns per group
+constexpr int kSuper = 256;  // columns per k-quant super-block
+
+// The packed layout of one type: bytes of codes and of scales per (tile, group), bytes of
+// super-block factors per (tile, super-block).
+struct Layout {
+  int bits;        // code width: 4, 5, 6 or 8 (signed)
+  int code_bytes;  // per (tile, group)
+  int scale_bytes; // per (tile, group)
+  int super_bytes; // per (tile, super-block), 0 without super-blocks
+  int block;       // GGUF block size in columns (32 or 256)
+  int type_size;   // GGUF bytes per block
+};
+
+Layout layout_of(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return {4, 128, 16, 0, 32, 18};
+    case kQ4_1: return {4, 128, 32, 0, 32, 20};
+    case kQ8_0: return {8, 256, 16, 0, 32, 34};
+    case kQ4_K: return {4, 128, 16, 32, 256, 144};
+    case kQ5_K: return {5, 160, 16, 32, 256, 176};
+    case kQ6_K: return {6, 192, 16, 16, 256, 210};
+    default: TORCH_CHECK(false, "quantized type ", qtype, " is not supported (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+  }
+}
+
+struct Packed {
+  Layout lay;
+  int64_t groups, supers, tile_bytes;
+  Packed(int64_t qtype, int64_t k) : lay(layout_of(qtype)) {
+    TORCH_CHECK(k > 0 && k % lay.block == 0, "K (", k, ") must be a multiple of the block size ", lay.block);
+    groups = k / kGroup;
+    supers = lay.super_bytes ? k / kSuper : 0;
+    tile_bytes = groups * (lay.code_bytes + lay.scale_bytes) + supers * lay.super_bytes;
+  }
+  int64_t codes_at(int64_t g) const { return g * lay.code_bytes; }
+  int64_t scales_at(int64_t g) const { return groups * lay.code_bytes + g * lay.scale_bytes; }
+  int64_t super_at(int64_t s) const { return groups * (lay.code_bytes + lay.scale_bytes) + s * lay.super_bytes; }
+};
+
+inline float half_at(const uint8_t* p) {
+  c10::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+// ---- repacking: GGUF blocks -> tiles ---------------------------------------------------------
+
+// One row's codes and parameters for a group, decoded from its GGUF block: codes[32] and the
+// group's scale bytes as the packed layout stores them (f16 or 6/8-bit integer factors).
+struct RowGroup {
+  uint8_t codes[kGroup];
+  uint8_t scale[4];  // Q4_0/Q8_0: d (f16); Q4_1: d, m (f16); k-quants: sc, m (u8) or sc_lo, sc_hi (i8)
+  uint8_t super[4];  // k-quants: d, dmin (f16) or d (f16)
+};
+
+void k4_scale_min(int j, const uint8_t* s, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Group g (0-based within the row) of a row whose GGUF bytes start at `row`.
+void decode_group(int64_t qtype, const Layout& lay, const uint8_t* row, int64_t g, RowGroup* out) {
+  const int64_t per_block = lay.block / kGroup;
+  const uint8_t* b = row + (g / per_block) * lay.type_size;
+  const int j = static_cast<int>(g % per_block);  // group within the super-block
+  switch (qtype) {
+    case kQ4_0:
+    case kQ4_1: {
+      const int head = qtype == kQ4_0 ? 2 : 4;
+      std::memcpy(out->scale, b, head);
+      for (int i = 0; i < 16; ++i) {
+        out->codes[i] = b[head + i] & 0xF;
+        out->codes[i + 16] = b[head + i] >> 4;
+      }
+      break;
+    }
+    case kQ8_0:
+      std::memcpy(out->scale, b, 2);
+      std::memcpy(out->codes, b + 2, 32);
+      break;
+    case kQ4_K:
+    case kQ5_K: {
+      std::memcpy(out->super, b, 4);
+      k4_scale_min(j, b + 4, &out->scale[0], &out->scale[1]);
+      const uint8_t* qs = b + (qtype == kQ4_K ? 16 : 48) + 32 * (j / 2);
+      for (int i = 0; i < 32; ++i) {
+        uint8_t q = (j % 2) ? (qs[i] >> 4) : (qs[i] & 0xF);
+        if (qtype == kQ5_K) q |= ((b[16 + i] >> j) & 1) << 4;
+        out->codes[i] = q;
+      }
+      break;
+    }
+    case kQ6_K: {
+      const uint8_t *ql = b, *qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      std::memcpy(out->super, b + 208, 2);
+      out->scale[0] = static_cast<uint8_t>(sc[2 * j]);
+      out->scale[1] = static_cast<uint8_t>(sc[2 * j + 1]);
+      for (int i = 0; i < 32; ++i) {
+        const int p = 32 * j + i, h = p / 128, e = p % 128;
+        const int lo = (ql[h * 64 + e % 64] >> (4 * (e / 64))) & 0xF;
+        const int hi = (qh[h * 32 + e % 32] >> (2 * (e / 32))) & 3;
+        out->codes[i] = static_cast<uint8_t>(lo | (hi << 4));
+      }
+      break;
+    }
+  }
+}
+
+// Byte of (row r, column kk < 4) of a column-chunk (4 columns) in its 32-byte plane: the 8
+// rows of one column are 8 consecutive bytes.
+inline int plane_byte(int r, int kk) { return 8 * kk + r; }
+
+void write_group(int64_t qtype, const Packed& pk, uint8_t* tile, int64_t g, int r, const RowGroup& rg) {
+  uint8_t* codes = tile + pk.codes_at(g);
+  for (int k = 0; k < kGroup; ++k) {
+    const int c = k / 4, at = plane_byte(r, k % 4);
+    const uint8_t q = rg.codes[k];
+    if (pk.lay.bits == 8) {
+      codes[32 * c + at] = q;
+      continue;
+    }
+    codes[32 * (c % 4) + at] |= (c < 4 ? (q & 0xF) : (q & 0xF) << 4);
+    if (pk.lay.bits == 5) codes[128 + at] |= ((q >> 4) & 1) << c;
+    if (pk.lay.bits == 6) codes[128 + 32 * (c / 4) + at] |= ((q >> 4) & 3) << (2 * (c % 4));
+  }
+  uint8_t* scales = tile + pk.scales_at(g);
+  switch (qtype) {
+    case kQ4_0:
+    case kQ8_0: std::memcpy(scales + 2 * r, rg.scale, 2); break;
+    case kQ4_1:
+      std::memcpy(scales + 2 * r, rg.scale, 2);
+      std::memcpy(scales + 16 + 2 * r, rg.scale + 2, 2);
+      break;
+    default:  // k-quants: two bytes per row, then the super-block's f16 factors
+      scales[r] = rg.scale[0];
+      scales[8 + r] = rg.scale[1];
+      if (g % (kSuper / kGroup) == 0) {
+        uint8_t* sup = tile + pk.super_at(g / (kSuper / kGroup));
+        std::memcpy(sup + 2 * r, rg.super, 2);
+        if (qtype != kQ6_K) std::memcpy(sup + 16 + 2 * r, rg.super + 2, 2);
+      }
+  }
+}
+
+at::Tensor quant_repack(const at::Tensor& raw, int64_t qtype, int64_t k) {
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(),
+              "raw must be contiguous uint8 [rows, row_bytes]");
+  const Packed pk(qtype, k);
+  TORCH_CHECK(raw.size(1) == k / pk.lay.block * pk.lay.type_size, "raw rows do not hold K = ", k,
+              " columns of this type");
+  const int64_t rows = raw.size(0), tiles = (rows + kRows - 1) / kRows;
+  auto out = at::zeros({tiles, pk.tile_bytes}, raw.options());  // missing rows: codes and scales 0
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    RowGroup rg;
+    for (int64_t t = begin; t < end; ++t) {
+      for (int r = 0; r < kRows && t * kRows + r < rows; ++r) {
+        const uint8_t* row = src + (t * kRows + r) * raw.size(1);
+        for (int64_t g = 0; g < pk.groups; ++g) {
+          decode_group(qtype, pk.lay, row, g, &rg);
+          write_group(qtype, pk, dst + t * pk.tile_bytes, g, r, rg);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// ---- reading tiles back -----------------------------------------------------------------------
+
+// Code of (row r, column k) of group g, unsigned (signed for Q8_0).
+inline int code_at(const Packed& pk, const uint8_t* tile, int64_t g, int r, int k) {
+  const uint8_t* codes = tile + pk.codes_at(g);
+  const int c = k / 4, at = plane_byte(r, k % 4);
+  if (pk.lay.bits == 8) return static_cast<int8_t>(codes[32 * c + at]);
+  int q = (codes[32 * (c % 4) + at] >> (c < 4 ? 0 : 4)) & 0xF;
+  if (pk.lay.bits == 5) q |= ((codes[128 + at] >> c) & 1) << 4;
+  if (pk.lay.bits == 6) q |= ((codes[128 + 32 * (c / 4) + at] >> (2 * (c % 4))) & 3) << 4;
+  return q;
+}
+
+// value = scale * (code - offset) + min, for (row r, group g, half h of 16 columns).
+struct Affine {
+  float scale, min;
+  int offset;
+  bool has_min;
+};
+
+inline Affine affine_at(int64_t qtype, const Packed& pk, const uint8_t* tile, int64_t g, int r, int h) {
+  const uint8_t* s = tile + pk.scales_at(g);
+  const uint8_t* sup = pk.lay.super_bytes ? tile + pk.super_at(g / (kSuper / kGroup)) : nullptr;
+  switch (qtype) {
+    case kQ4_0: return {half_at(s + 2 * r), 0.f, 8, false};
+    case kQ4_1: return {half_at(s + 2 * r), half_at(s + 16 + 2 * r), 0, true};
+    case kQ8_0: return {half_at(s + 2 * r), 0.f, 0, false};
+    case kQ6_K: return {half_at(sup + 2 * r) * static_cast<float>(static_cast<int8_t>(s[8 * h + r])), 0.f, 32, false};
+    default:  // Q4_K, Q5_K: (d * sc) * q - dmin * m; x - y is x + (-y), bit for bit
+      return {half_at(sup + 2 * r) * static_cast<float>(s[r]),
+              -(half_at(sup + 16 + 2 * r) * static_cast<float>(s[8 + r])), 0, true};
+  }
+}
+
+inline float value_of(const Affine& a, int q) {
+  // The order gguf computes in: (d * q) + m, and (d * sc) * q - dmin * m; every product is
+  // exact in float32 (at most 24 significant bits), so only the final add rounds.
+  return a.has_min ? a.scale * static_cast<float>(q) + a.min : a.scale * static_cast<float>(q - a.offset);
+}
+
+// Rows `row_ids` (or all rows) of a packed matrix as float32 [n, k].
+at::Tensor quant_dequantize(const at::Tensor& packed, int64_t qtype, int64_t rows, int64_t k,
+                            const c10::optional<at::Tensor>& row_ids) {
+  const Packed pk(qtype, k);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.size(0) == (rows + kRows - 1) / kRows && packed.size(1) == pk.tile_bytes,
+              "packed does not hold a [", rows, ", ", k, "] matrix of this type");
+  at::Tensor ids = row_ids.has_value() ? row_ids->to(at::kLong).contiguous() : at::arange(rows, packed.options().dtype(at::kLong));
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < rows, "row id ", id[i], " out of range");
+  auto out = at::empty({n, k}, packed.options().dtype(at::kFloat));
+  float* dst = out.data_ptr<float>();
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* tile = src + (id[i] / kRows) * pk.tile_bytes;
+      const int r = static_cast<int>(id[i] % kRows);
+      for (int64_t g = 0; g < pk.groups; ++g) {
+        for (int h = 0; h < 2; ++h) {
+          const Affine a = affine_at(qtype, pk, tile, g, r, h);
+          for (int kk = 16 * h; kk < 16 * h + 16; ++kk) dst[i * k + g * kGroup + kk] = value_of(a, code_at(pk, tile, g, r, kk));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// ---- the product ---------------------------------------------------------------------------
+//
+// Activations stay float: each row is read as float32 (bfloat16/float16 widened), and per
+// tile and group the 8 rows' codes become float32 lanes that multiply the broadcast
+// activation of their column. The integer codes are summed against x first and scaled once
+// per group: sum_k (s q_k + m) x_k = s * sum_k q_k x_k + m * sum_k x_k (for an offset type,
+// s * (sum_k q_k x_k - off * sum_k x_k)), so the float32 result differs from x @ W^T of the
+// dequantized matrix only by the order of the float32 sums.
+
+struct Acts {
+  const float* x;            // [m, k] float32 (zero-padded to the blocks' columns)
+  std::vector<float> sums;   // [m, groups, 2]: sum of each half-group of a row
+  int64_t k;                 // padded columns
+};
+
+template <typename T>
+at::Tensor float_rows(const at::Tensor& x, int64_t k_padded) {
+  // A contiguous float32 copy, padded with zero columns, unless x already is one.
+  if (x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == k_padded) return x;
+  auto out = at::zeros({x.size(0), k_padded}, x.options().dtype(at::kFloat));
+  out.narrow(1, 0, x.size(1)).copy_(x);
+  return out;
+}
+
+void half_sums(Acts* a, int64_t m, int64_t groups) {
+  a->sums.assign(m * groups * 2, 0.f);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int h = 0; h < 2; ++h) {
+        const float* p = a->x + r * a->k + g * kGroup + 16 * h;
+        float s = 0.f;
+        for (int i = 0; i < 16; ++i) s += p[i];
+        a->sums[(r * groups + g) * 2 + h] = s;
+      }
+    }
+  }
+}
+
+template <typename T>
+inline void store_tile(const float* acc, const float* bias, T* out, int64_t valid) {
+  for (int64_t r = 0; r < valid; ++r) out[r] = static_cast<T>(acc[r] + (bias ? bias[r] : 0.f));
+}
+
+// Portable: out[m, tile rows] for one tile, every activation row.
+template <typename T>
+void tile_portable(int64_t qtype, const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total,
+                   const float* bias, T* out, int64_t out_stride, int64_t valid) {
+  for (int64_t m = 0; m < m_total; ++m) {
+    float acc[kRows] = {0};
+    for (int64_t g = 0; g < pk.groups; ++g) {
+      const float* x = a.x + m * a.k + g * kGroup;
+      for (int r = 0; r < kRows; ++r) {
+        for (int h = 0; h < 2; ++h) {
+          float dot = 0.f;
+          for (int kk = 16 * h; kk < 16 * h + 16; ++kk) dot += static_cast<float>(code_at(pk, tile, g, r, kk)) * x[kk];
+          const Affine af = affine_at(qtype, pk, tile, g, r, h);
+          const float xs = a.sums[(m * pk.groups + g) * 2 + h];
+          acc[r] += af.has_min ? af.scale * dot + af.min * xs : af.scale * (dot - static_cast<float>(af.offset) * xs);
+        }
+      }
+    }
+    store_tile(acc, bias, out + m * out_stride, valid);
+  }
+}
+
+#if defined(CADENCE_QUANT_AVX2)
+// Codes of columns k and k + 16 (k < 16) of a group for the 8 rows, as int32 lanes.
+template <int kBits>
+inline void column_pair(const uint8_t* codes, int k, __m256i* lo, __m256i* hi) {
+  const int c = k / 4, kk = k % 4;
+  if constexpr (kBits == 8) {
+    *lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 32 * c + 8 * kk)));
+    *hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 32 * (c + 4) + 8 * kk)));
+  } else {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 32 * c + 8 * kk)));
+    const __m256i low4 = _mm256_set1_epi32(0x0F);
+    *lo = _mm256_and_si256(v, low4);
+    *hi = _mm256_srli_epi32(v, 4);
+    if constexpr (kBits == 5) {
+      const __m256i hb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 128 + 8 * kk)));
+      const __m256i bit = _mm256_set1_epi32(0x10);
+      *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_sllv_epi32(hb, _mm256_set1_epi32(4 - c)), bit));
+      *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_srlv_epi32(hb, _mm256_set1_epi32(c)), bit));
+    } else if constexpr (kBits == 6) {
+      const __m256i two = _mm256_set1_epi32(0x30);
+      const __m256i h0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 128 + 8 * kk)));
+      const __m256i h1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 160 + 8 * kk)));
+      // chunk c's bits sit at 2c of plane 0 (c < 4), chunk c + 4's at 2c of plane 1: move them to bits 4-5.
+      const __m256i shift = _mm256_set1_epi32(2 * c);
+      *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_slli_epi32(_mm256_srlv_epi32(h0, shift), 4), two));
+      *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_slli_epi32(_mm256_srlv_epi32(h1, shift), 4), two));
+    }
+  }
+}
+
+// Rows [m0, m0 + MB) against one tile: acc[m] += the tile's 8 dot products.
+template <int64_t QT, int kBits, int MB>
+inline void tile_block(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m0, __m256* acc) {
+  constexpr bool kHalves = QT == kQ6_K;
+  constexpr bool kHasMin = QT == kQ4_1 || QT == kQ4_K || QT == kQ5_K;
+  constexpr float kOffset = QT == kQ4_0 ? 8.f : QT == kQ6_K ? 32.f : 0.f;
+  const int64_t G = pk.groups;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* codes = tile + pk.codes_at(g);
+    const uint8_t* s = tile + pk.scales_at(g);
+    __m256 scale, scale_hi = _mm256_setzero_ps(), minv = _mm256_setzero_ps();
+    if constexpr (QT == kQ4_0 || QT == kQ8_0 || QT == kQ4_1) {
+      scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+      if constexpr (QT == kQ4_1) minv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
+    } else {
+      const uint8_t* sup = tile + pk.super_at(g / (kSuper / kGroup));
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup)));
+      const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
+      const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 8));
+      if constexpr (kHalves) {
+        scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
+        scale_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
+      } else {
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 16)));
+        scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+        minv = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));  // subtracted below
+      }
+    }
+    // Independent sums (columns 0-15 and 16-31; with few rows, also even and odd columns) keep
+    // enough multiply-adds in flight to hide their latency.
+    constexpr int kSplit = MB <= 2 ? 2 : 1;
+    __m256 dot[MB][2][kSplit];
+    for (int m = 0; m < MB; ++m) {
+      for (int j = 0; j < kSplit; ++j) dot[m][0][j] = dot[m][1][j] = _mm256_setzero_ps();
+    }
+    const float* x = a.x + m0 * a.k + g * kGroup;
+    for (int k = 0; k < 16; ++k) {
+      __m256i qlo, qhi;
+      column_pair<kBits>(codes, k, &qlo, &qhi);
+      const __m256 wlo = _mm256_cvtepi32_ps(qlo), whi = _mm256_cvtepi32_ps(qhi);
+      for (int m = 0; m < MB; ++m) {
+        __m256* d = dot[m][0] + k % kSplit;
+        *d = _mm256_fmadd_ps(wlo, _mm256_broadcast_ss(x + m * a.k + k), *d);
+        __m256* e = dot[m][1] + k % kSplit;
+        *e = _mm256_fmadd_ps(whi, _mm256_broadcast_ss(x + m * a.k + k + 16), *e);
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      for (int j = 1; j < kSplit; ++j) {
+        dot[m][0][0] = _mm256_add_ps(dot[m][0][0], dot[m][0][j]);
+        dot[m][1][0] = _mm256_add_ps(dot[m][1][0], dot[m][1][j]);
+      }
+      if constexpr (!kHalves) dot[m][0][0] = _mm256_add_ps(dot[m][0][0], dot[m][1][0]);
+    }
+    for (int m = 0; m < MB; ++m) {
+      const float* xs = a.sums.data() + ((m0 + m) * G + g) * 2;
+      if constexpr (kHalves) {
+        const __m256 lo = _mm256_sub_ps(dot[m][0][0], _mm256_set1_ps(kOffset * xs[0]));
+        const __m256 hi = _mm256_sub_ps(dot[m][1][0], _mm256_set1_ps(kOffset * xs[1]));
+        acc[m] = _mm256_fmadd_ps(scale, lo, acc[m]);
+        acc[m] = _mm256_fmadd_ps(scale_hi, hi, acc[m]);
+      } else {
+        __m256 d = dot[m][0][0];
+        if constexpr (kOffset != 0.f) d = _mm256_sub_ps(d, _mm256_set1_ps(kOffset * (xs[0] + xs[1])));
+        acc[m] = _mm256_fmadd_ps(scale, d, acc[m]);
+        if constexpr (QT == kQ4_1) {
+          acc[m] = _mm256_fmadd_ps(minv, _mm256_set1_ps(xs[0] + xs[1]), acc[m]);
+        } else if constexpr (kHasMin) {
+          acc[m] = _mm256_fnmadd_ps(minv, _mm256_set1_ps(xs[0] + xs[1]), acc[m]);
+        }
+      }
+    }
+  }
+}
+
+// The tile's group g as float32 values, w[k * 8 + r] for column k and row r: gguf's values
+// (value = scale * q + min, or scale * (q - offset); the products are exact, so the fused
+// multiply-add rounds once, as gguf's separate multiply and add do).
+template <int64_t QT, int kBits>
+inline void dequantize_group(const Packed& pk, const uint8_t* tile, int64_t g, float* w) {
+  constexpr bool kHalves = QT == kQ6_K;
+  const uint8_t* codes = tile + pk.codes_at(g);
+  const uint8_t* s = tile + pk.scales_at(g);
+  __m256 scale, scale_hi, minv = _mm256_setzero_ps();
+  if constexpr (QT == kQ4_0 || QT == kQ8_0 || QT == kQ4_1) {
+    scale = scale_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+    if constexpr (QT == kQ4_1) minv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
+  } else {
+    const uint8_t* sup = tile + pk.super_at(g / (kSuper / kGroup));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup)));
+    const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
+    const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 8));
+    if constexpr (kHalves) {
+      scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
+      scale_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
+    } else {
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 16)));
+      scale = scale_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+      minv = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi))));
+    }
+  }
+  constexpr int kOffset = QT == kQ4_0 ? 8 : QT == kQ6_K ? 32 : 0;
+  const __m256i off = _mm256_set1_epi32(kOffset);
+  for (int k = 0; k < 16; ++k) {
+    __m256i qlo, qhi;
+    column_pair<kBits>(codes, k, &qlo, &qhi);
+    if constexpr (kOffset != 0) {
+      qlo = _mm256_sub_epi32(qlo, off);
+      qhi = _mm256_sub_epi32(qhi, off);
+    }
+    _mm256_storeu_ps(w + k * kRows, _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(qlo), minv));
+    _mm256_storeu_ps(w + (k + 16) * kRows, _mm256_fmadd_ps(scale_hi, _mm256_cvtepi32_ps(qhi), minv));
+  }
+}
+
+// Rows [m0, m0 + MB) of x times one dequantized group w (32 columns x 8 rows): acc[m] += ...
+template <int MB>
+inline void group_gemm(const float* x, int64_t ldx, const float* w, float* acc) {
+  __m256 a[MB];
+  for (int m = 0; m < MB; ++m) a[m] = _mm256_loadu_ps(acc + m * kRows);
+  for (int k = 0; k < kGroup; ++k) {
+    const __m256 wk = _mm256_loadu_ps(w + k * kRows);
+    for (int m = 0; m < MB; ++m) a[m] = _mm256_fmadd_ps(wk, _mm256_broadcast_ss(x + m * ldx + k), a[m]);
+  }
+  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(acc + m * kRows, a[m]);
+}
+
+// Many rows (a batch, a prefill chunk): each group of the tile is dequantized once into 1 KiB
+// of float32, then multiplies every row in register blocks of 8 rows.
+template <int64_t QT, int kBits, typename T>
+void tile_gemm(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total, const float* bias, T* out,
+               int64_t out_stride, int64_t valid, float* acc) {
+  alignas(32) float w[kGroup * kRows];
+  std::fill(acc, acc + m_total * kRows, 0.f);
+  for (int64_t g = 0; g < pk.groups; ++g) {
+    dequantize_group<QT, kBits>(pk, tile, g, w);
+    const float* x = a.x + g * kGroup;
+    int64_t m = 0;
+    for (; m + 8 <= m_total; m += 8) group_gemm<8>(x + m * a.k, a.k, w, acc + m * kRows);
+    switch (m_total - m) {
+      case 7: group_gemm<7>(x + m * a.k, a.k, w, acc + m * kRows); break;
+      case 6: group_gemm<6>(x + m * a.k, a.k, w, acc + m * kRows); break;
+      case 5: group_gemm<5>(x + m * a.k, a.k, w, acc + m * kRows); break;
+      case 4: group_gemm<4>(x + m * a.k, a.k, w, acc + m * kRows); break;
+      case 3: group_gemm<3>(x + m * a.k, a.k, w, acc + m * kRows); break;
+      case 2: group_gemm<2>(x + m * a.k, a.k, w, acc + m * kRows); break;
+      case 1: group_gemm<1>(x + m * a.k, a.k, w, acc + m * kRows); break;
+      default: break;
+    }
+  }
+  for (int64_t m = 0; m < m_total; ++m) store_tile(acc + m * kRows, bias, out + m * out_stride, valid);
+}
+
+template <int64_t QT, int kBits, typename T>
+void tile_avx2(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total, const float* bias, T* out,
+               int64_t out_stride, int64_t valid) {
+  int64_t m0 = 0;
+  auto run = [&](auto mb) {
+    constexpr int MB = decltype(mb)::value;
+    __m256 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    tile_block<QT, kBits, MB>(pk, tile, a, m0, acc);
+    for (int m = 0; m < MB; ++m) {
+      alignas(32) float v[kRows];
+      _mm256_store_ps(v, acc[m]);
+      store_tile(v, bias, out + (m0 + m) * out_stride, valid);
+    }
+    m0 += MB;
+  };
+  while (m_total - m0 >= 4) run(std::integral_constant<int, 4>());
+  switch (m_total - m0) {
+    case 3: run(std::integral_constant<int, 3>()); break;
+    case 2: run(std::integral_constant<int, 2>()); break;
+    case 1: run(std::integral_constant<int, 1>()); break;
+    default: break;
+  }
+}
+#endif
+
+// Rows per pass of the batched path: its x block (rows x K float32) stays in the L2 cache
+// while every tile of the weight goes by.
+constexpr int64_t kRowsPerPass = 64;
+// From this many rows on, dequantizing each group once and multiplying every row (tile_gemm)
+// beats summing the codes against each row (tile_avx2).
+constexpr int64_t kGemmRows = 5;
+
+template <typename T>
+void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_t rows, const Acts& a,
+                  int64_t m_total, const float* bias, T* out, bool portable) {
+  const int64_t tiles = (rows + kRows - 1) / kRows;
+  for (int64_t m0 = 0; m0 < m_total; m0 += kRowsPerPass) {
+    const int64_t mc = std::min(kRowsPerPass, m_total - m0);
+    const Acts part{a.x + m0 * a.k, std::vector<float>(a.sums.begin() + m0 * pk.groups * 2, a.sums.begin() + (m0 + mc) * pk.groups * 2), a.k};
+    at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(mc * kRows);
+      for (int64_t t = begin; t < end; ++t) {
+        const uint8_t* tile = packed + t * pk.tile_bytes;
+        const int64_t valid = std::min<int64_t>(kRows, rows - t * kRows);
+        const float* b = bias ? bias + t * kRows : nullptr;
+        T* o = out + m0 * rows + t * kRows;
+#if defined(CADENCE_QUANT_AVX2)
+        if (!portable) {
+          const bool gemm = mc >= kGemmRows;
+#define CADENCE_QUANT_TILE(QT, BITS)                                                  \
+  if (gemm) tile_gemm<QT, BITS>(pk, tile, part, mc, b, o, rows, valid, acc.data()); \
+  else tile_avx2<QT, BITS>(pk, tile, part, mc, b, o, rows, valid);                  \
+  continue;
+          switch (qtype) {
+            case kQ4_0: CADENCE_QUANT_TILE(kQ4_0, 4)
+            case kQ4_1: CADENCE_QUANT_TILE(kQ4_1, 4)
+            case kQ8_0: CADENCE_QUANT_TILE(kQ8_0, 8)
+            case kQ4_K: CADENCE_QUANT_TILE(kQ4_K, 4)
+            case kQ5_K: CADENCE_QUANT_TILE(kQ5_K, 5)
+            case kQ6_K: CADENCE_QUANT_TILE(kQ6_K, 6)
+          }
+#undef CADENCE_QUANT_TILE
+        }
+#endif
+        tile_portable(qtype, pk, tile, part, mc, b, o, rows, valid);
+      }
+    });
+  }
+}
+
+// y [m, rows] = x [m, k'] W^T (+ bias), W packed by quant_repack for K = k >= k' columns (the
+// columns past k' are zero padding). `portable` forces the loop without SIMD (for tests).
+at::Tensor quant_linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows, int64_t k,
+                             const c10::optional<at::Tensor>& bias, bool portable) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(), "x must be 2-D [m, k] with contiguous rows");
+  const Packed pk(qtype, k);
+  TORCH_CHECK(x.size(1) <= k && x.size(1) > k - kGroup, "x has ", x.size(1), " columns; the weight has ", k);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(0) == (rows + kRows - 1) / kRows && packed.size(1) == pk.tile_bytes,
+              "packed does not hold a [", rows, ", ", k, "] matrix of this type");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "quant_linear: unsupported activation dtype ", x.scalar_type());
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == rows, "bias must have ", rows, " values");
+  }
+  const int64_t m = x.size(0);
+  auto out = at::empty({m, rows}, x.options());
+  if (m == 0) return out;
+  const at::Tensor xf = float_rows<float>(x, k);
+  Acts a{xf.data_ptr<float>(), {}, k};
+  half_sums(&a, m, pk.groups);
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  switch (x.scalar_type()) {
+    case at::kFloat: linear_tiles(qtype, pk, w, rows, a, m, bp, out.data_ptr<float>(), portable); break;
+    case at::kBFloat16: linear_tiles(qtype, pk, w, rows, a, m, bp, out.data_ptr<c10::BFloat16>(), portable); break;
+    default: linear_tiles(qtype, pk, w, rows, a, m, bp, out.data_ptr<c10::Half>(), portable); break;
+  }
+  return out;
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows, int64_t k,
+                        const c10::optional<at::Tensor>& bias) {
+  return quant_linear_impl(x, packed, qtype, rows, k, bias, false);
+}
+
+at::Tensor quant_linear_portable(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows,
+                                 int64_t k, const c10::optional<at::Tensor>& bias) {
+  return quant_linear_impl(x, packed, qtype, rows, k, bias, true);
+}
+
+// Which inner loop quant_linear runs on this build: "avx512" (the AVX2 loop compiled for
+// AVX-512's 32 registers), "avx2" or "portable".
+std::string quant_isa() {
+#if defined(__AVX512F__) && defined(CADENCE_QUANT_AVX2)
+  return "avx512";
+#elif defined(CADENCE_QUANT_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cadence, m) {
+  m.def("quant_repack(Tensor raw, int qtype, int k) -> Tensor");
+  m.def("quant_dequantize(Tensor packed, int qtype, int rows, int k, Tensor? row_ids=None) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor packed, int qtype, int rows, int k, Tensor? bias=None) -> Tensor");
+  m.def("quant_linear_portable(Tensor x, Tensor packed, int qtype, int rows, int k, Tensor? bias=None) -> Tensor");
+  m.def("quant_isa() -> str", &quant_isa);
+}
+
+TORCH_LIBRARY_IMPL(cadence, CPU, m) {
+  m.impl("quant_repack", &quant_repack);
+  m.impl("quant_dequantize", &quant_dequantize);
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_portable", &quant_linear_portable);
+}
