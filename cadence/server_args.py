@@ -35,6 +35,10 @@ class ServerArgs:
     """Weight and activation dtype: auto (bfloat16 where the CPU supports it, else float32), float32, bfloat16, float16."""
     kv_cache_dtype: str = "auto"
     """KV cache dtype: auto (the model dtype), float32, bfloat16, float16."""
+    dequantize: bool = False
+    """Widen a quantized GGUF file's weights to --dtype at load, instead of serving its quantized matrices at their own precision (the default)."""
+    quantization: str | None = None
+    """Quantize the model's float weights at load, weight-only and group-wise: int8 (GGUF Q8_0 blocks) or int4 (Q4_1); activations keep --dtype. A GGUF file's quantized matrices keep their own types. See docs/quantization.md."""
     context_length: int | None = None
     """Longest sequence (prompt + output) served; default: the model's own."""
     max_running_requests: int = 64
@@ -119,6 +123,10 @@ class ServerArgs:
                 raise ValueError(
                     f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}"
                 )
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
+        if self.quantization is not None and self.dequantize:
+            raise ValueError("quantization and dequantize contradict each other: give one")
         for name in (
             "port",
             "max_running_requests",

@@ -159,6 +159,8 @@ def run_scheduler_process(
 
 def runtime_facts(scheduler: Scheduler) -> dict:
     """What the front learns about the loaded model once the scheduler is up."""
+    from cadence.model_loader.loader import served_weight_types
+
     runner = scheduler.runner
     return {
         "eos_token_ids": sorted(scheduler.stops.eos_ids),
@@ -172,4 +174,6 @@ def runtime_facts(scheduler: Scheduler) -> dict:
         "platform": runner.platform.name,
         # the engine constraints are enforced with; the front refuses them under "none"
         "grammar_backend": "none" if scheduler.grammars is None else scheduler.grammars.name,
+        # Per type in the model file: how many tensors, and what they are served as.
+        "weight_types": served_weight_types(runner.model),
     }
