@@ -1,6 +1,7 @@
 """Engines on the real default model (SmolLM2-135M-Instruct), loaded once per session.
 
-`engine` is the plain float32 engine most tests share. `small_engine` has a 16-token
+`engine` is the plain float32 engine most tests share (the GGUF's quantized weights served
+as they are; `dequantized_engine` widens them). `small_engine` has a 16-token
 prefill chunk and a 256-token KV pool (16 pages), so chunked prefill, waiting for memory
 and refusing what can never fit happen with short prompts.
 """
@@ -24,6 +25,15 @@ def _load(**kwargs):
 @pytest.fixture(scope="session")
 def engine():
     e = _load()
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="session")
+def dequantized_engine():
+    """The default GGUF widened to float32 at load (--dequantize): the reference the quantized
+    default engine is compared with."""
+    e = _load(dequantize=True, max_total_tokens=2048)
     yield e
     e.shutdown()
 

@@ -1,8 +1,10 @@
 """Cadence's CPU kernels built for other instruction sets than this machine's best, so the
 code paths a CI box or a user's older CPU compiles are tested here too: AVX-512 without
-its bfloat16 instructions (bfloat16 then goes through float32 FMAs), and AVX2 (the
-portable loops). Each build runs the kernel and attention-backend unit tests in a fresh
-process against its own cache directory."""
+its bfloat16 instructions (bfloat16 then goes through float32 FMAs), AVX2 (the portable
+loops of the element-wise kernels, the AVX2 loops of the quantized projections), and plain
+x86-64 without AVX (the quantized projections' portable loop). Each build runs the kernel,
+quantized-projection and attention-backend unit tests in a fresh process against its own
+cache directory."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def cpu_flags() -> set[str]:
     [
         ("avx512-without-bf16", "-march=native -mno-avx512bf16"),
         ("avx2", "-march=x86-64-v3"),
+        ("x86-64", "-march=x86-64"),
     ],
 )
 def test_kernels_built_for_another_instruction_set_pass_the_kernel_tests(isa, march, tmp_path):
@@ -42,7 +45,11 @@ def test_kernels_built_for_another_instruction_set_pass_the_kernel_tests(isa, ma
         pytest.skip(
             "Cadence's CPU kernels could not be built on this machine (see the log for why)"
         )
-    needed = {"avx512-without-bf16": {"avx512f", "avx512bw"}, "avx2": {"avx2", "fma"}}[isa]
+    needed = {
+        "avx512-without-bf16": {"avx512f", "avx512bw"},
+        "avx2": {"avx2", "fma"},
+        "x86-64": set(),
+    }[isa]
     if not needed <= cpu_flags():
         pytest.skip(f"this CPU cannot run {isa} code")
     env = dict(
@@ -57,6 +64,7 @@ def test_kernels_built_for_another_instruction_set_pass_the_kernel_tests(isa, ma
             "-p",
             "no:cacheprovider",
             "tests/unit/test_cpu_kernels.py",
+            "tests/unit/test_quantized_kernels.py",
             "tests/unit/test_attention_backend.py",
         ],
         cwd=ROOT,
@@ -70,3 +78,8 @@ def test_kernels_built_for_another_instruction_set_pass_the_kernel_tests(isa, ma
         -1000:
     ]  # the kernels were built and ran
     assert os.listdir(tmp_path / "kernels"), "no kernel build in the test's cache directory"
+    probe = "import torch, cadence.kernels as k; k._load(); print(torch.ops.cadence.quant_isa())"
+    isa_built = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True
+    ).stdout.split()[-1]
+    assert isa_built == {"avx512-without-bf16": "avx512", "avx2": "avx2", "x86-64": "portable"}[isa]

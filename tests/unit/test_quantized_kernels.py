@@ -1,0 +1,170 @@
+"""Quantized projections (cadence/kernels/quant_ops.cpp): the repacking of every GGUF type is
+exact against gguf's own dequantization, and the product matches a float64 reference on odd
+shapes and batch sizes, through the SIMD path this build has and through the portable loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cadence.kernels import cpu_kernels_available
+from cadence.layers.quantized import QTYPES, QuantizedWeight, QuantLinear
+
+gguf = pytest.importorskip("gguf")
+
+if not cpu_kernels_available():
+    pytest.skip(
+        "Cadence's CPU kernels could not be built on this machine (see the log for why)",
+        allow_module_level=True,
+    )
+
+T = gguf.GGMLQuantizationType
+ops = torch.ops.cadence
+# gguf quantizes these three in numpy; the k-quants it only dequantizes, so their blocks are
+# built from random bytes with sane float16 factors.
+QUANTIZABLE = {"Q4_0", "Q4_1", "Q8_0"}
+
+
+def random_blocks(qtype: str, rows: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if qtype in QUANTIZABLE:
+        w = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.01, 2.0, (rows, 1))
+        return gguf.quants.quantize(w.astype(np.float32), T[qtype])
+    block, size = gguf.GGML_QUANT_SIZES[T[qtype]]
+    raw = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
+
+    def f16(low, high):
+        values = rng.uniform(low, high, (rows, k // block)).astype(np.float16)
+        return values.view(np.uint8).reshape(rows, k // block, 2)
+
+    if qtype == "Q6_K":
+        raw[..., 208:210] = f16(1e-4, 1e-2)  # d
+    else:
+        raw[..., 0:2] = f16(1e-4, 1e-2)  # d
+        raw[..., 2:4] = f16(0.0, 1e-2)  # dmin
+    return raw.reshape(rows, -1)
+
+
+def gguf_values(qtype: str, blocks: np.ndarray, k: int) -> np.ndarray:
+    return gguf.quants.dequantize(blocks, T[qtype]).reshape(blocks.shape[0], k).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+@pytest.mark.parametrize("rows", [1, 8, 21])
+def test_repacking_is_exact_against_ggufs_dequantization(qtype, rows):
+    k = 512
+    blocks = random_blocks(qtype, rows, k, seed=rows)
+    packed = ops.quant_repack(torch.from_numpy(blocks), QTYPES[qtype], k)
+    got = ops.quant_dequantize(packed, QTYPES[qtype], rows, k).numpy()
+    want = gguf_values(qtype, blocks, k)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # bit for bit
+    ids = torch.tensor([rows - 1, 0, rows // 2])
+    picked = ops.quant_dequantize(packed, QTYPES[qtype], rows, k, ids).numpy()
+    assert np.array_equal(picked.view(np.uint32), want[ids.numpy()].view(np.uint32))
+
+
+def reference(x: torch.Tensor, w: np.ndarray, bias=None) -> torch.Tensor:
+    out = x.double() @ torch.from_numpy(w).double().T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("batch", [1, 3, 17, 64])
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+def test_quant_linear_matches_float64_on_the_dequantized_weight(qtype, batch, portable):
+    rows, k = 37, 512  # rows not a multiple of the 8-row tile
+    blocks = random_blocks(qtype, rows, k, seed=batch)
+    w = gguf_values(qtype, blocks, k)
+    packed = ops.quant_repack(torch.from_numpy(blocks), QTYPES[qtype], k)
+    x = torch.randn(batch, k, generator=torch.Generator().manual_seed(batch))
+    bias = torch.randn(rows)
+    fn = ops.quant_linear_portable if portable else ops.quant_linear
+    got = fn(x, packed, QTYPES[qtype], rows, k, bias)
+    want = reference(x, w, bias)
+    assert got.dtype == torch.float32 and got.shape == (batch, rows)
+    # float32 sums of float32 products: a few ulps of the terms' magnitude
+    scale = (x.double().abs() @ torch.from_numpy(np.abs(w)).double().T).max()
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * scale.item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_activations_round_once_at_the_end(dtype):
+    rows, k = 16, 256
+    blocks = random_blocks("Q4_K", rows, k, seed=5)
+    packed = ops.quant_repack(torch.from_numpy(blocks), QTYPES["Q4_K"], k)
+    x = torch.randn(5, k).to(dtype)
+    got = ops.quant_linear(x, packed, QTYPES["Q4_K"], rows, k)
+    assert got.dtype == dtype
+    want = reference(x, gguf_values("Q4_K", blocks, k)).to(dtype)
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("batch", [1, 3, 17, 64])
+@pytest.mark.parametrize("k", [45, 100, 577])  # odd K, K not a multiple of the 32-column group
+def test_quantized_float_weights_on_odd_shapes(scheme, batch, k):
+    from cadence.model_loader.quantize import SCHEMES, quantize_matrix
+
+    rows = 19
+    g = torch.Generator().manual_seed(k + batch)
+    w = torch.randn(rows, k, generator=g)
+    weight = quantize_matrix(w, SCHEMES[scheme])
+    assert weight.shape == (rows, k) and weight.columns % 32 == 0
+    lin = QuantLinear(weight)
+    x = torch.randn(batch, k, generator=g)
+    exact = weight.dequantize()  # what the kernel must multiply by
+    assert exact.shape == (rows, k)
+    scale = (x.abs() @ exact.abs().T).max().item()
+    torch.testing.assert_close(
+        lin(x).double(), x.double() @ exact.double().T, rtol=0, atol=2e-6 * scale
+    )
+    # The documented bound of the quantization itself, per group of 32 columns.
+    padded = torch.nn.functional.pad(w, (0, weight.columns - k)).view(rows, -1, 32)
+    err = torch.nn.functional.pad(exact - w, (0, weight.columns - k)).abs().view(rows, -1, 32)
+    if scheme == "int8":
+        bound = 0.5625 * padded.abs().amax(-1) / 127 + 2**-18
+    else:
+        spread = padded.amax(-1) - padded.amin(-1)
+        bound = 0.5075 * spread / 15 + padded.amin(-1).abs() / 2048 + 2**-18
+    assert (err.amax(-1) <= bound).all()
+
+
+def test_a_fused_weight_of_several_types_and_float_rows():
+    k = 256
+    pieces = [
+        QuantizedWeight.from_blocks("Q4_K", random_blocks("Q4_K", 24, k, 1)),
+        QuantizedWeight.dense(torch.randn(5, k)),
+        QuantizedWeight.from_blocks("Q6_K", random_blocks("Q6_K", 11, k, 2)),
+    ]
+    fused = QuantizedWeight.cat(pieces)
+    assert fused.shape == (40, k) and fused.type_counts() == {"Q4_K": 1, "F32": 1, "Q6_K": 1}
+    bias = torch.randn(40)
+    lin = QuantLinear(fused, bias)
+    x = torch.randn(3, k)
+    want = x.double() @ fused.dequantize().double().T + bias.double()
+    torch.testing.assert_close(lin(x).double(), want, rtol=1e-5, atol=1e-4)
+    assert lin(x.view(3, 1, k)).shape == (3, 1, 40)
+
+
+def test_rows_reorder_block_by_block_and_a_changed_kind_is_refused():
+    k = 64
+    weight = QuantizedWeight.from_blocks("Q8_0", random_blocks("Q8_0", 6, k, 3))
+    order = np.array([5, 0, 3, 1, 2, 4])
+    torch.testing.assert_close(
+        weight[order].dequantize(), weight.dequantize()[order], rtol=0, atol=0
+    )
+    weight.parts[0].data = torch.zeros(6, 3 * 18, dtype=torch.uint8)  # Q4_0-sized rows now
+    with pytest.raises(ValueError, match="changed kind"):
+        QuantLinear(weight)
+
+
+def test_kernel_refuses_mismatched_shapes():
+    blocks = random_blocks("Q4_0", 8, 64, 4)
+    packed = ops.quant_repack(torch.from_numpy(blocks), QTYPES["Q4_0"], 64)
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.quant_linear(torch.randn(2, 128), packed, QTYPES["Q4_0"], 8, 64)
+    with pytest.raises(RuntimeError, match="does not hold"):
+        ops.quant_linear(torch.randn(2, 64), packed, QTYPES["Q4_0"], 9, 64)
+    with pytest.raises(RuntimeError, match="not supported"):
+        ops.quant_repack(torch.from_numpy(blocks), 6, 64)  # Q5_0
