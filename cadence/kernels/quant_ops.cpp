@@ -2,17 +2,19 @@
 //
 // Weights keep the precision the file gave them: Q4_0, Q4_1, Q8_0 (blocks of 32) and the
 // k-quants Q4_K, Q5_K, Q6_K (super-blocks of 256). At load each matrix is repacked once into
-// tiles of 8 rows (`quant_repack`): per group of 32 columns, the 8 rows' integer codes lie
-// interleaved four columns at a time, so one 32-byte vector holds 4 columns of all 8 rows,
-// followed by the group's scales (and, for k-quants, each super-block's f16 factors). The
-// repacking is exact: `quant_dequantize` gives gguf's own values bit for bit.
+// tiles of 8 rows (`quant_repack`): per group of 32 columns, the 8 rows of each column lie in
+// 8 consecutive bytes (4-bit codes two columns to a byte, the 5th/6th bits in planes of
+// their own), followed by the group's scales (and, for k-quants, each super-block's f16
+// factors); a tile is one contiguous run of bytes. The repacking is exact: `quant_dequantize`
+// gives gguf's own values bit for bit.
 //
-// `quant_linear` computes y = x W^T as llama.cpp does: each activation row is quantized to
-// int8 per group of 32 (one float32 scale per group), then integer dot products of 4 columns
-// at a time (AVX2 `maddubs`, AVX-512 VNNI / AVX-VNNI `dpbusd`) give 8 rows' sums in one
-// vector, which the group's scales turn into float32. Each weight group is unpacked once per
-// 4 activation rows, so the same kernel serves decode (1-4 rows) and batches. Without AVX2 a
-// portable loop computes the same sums.
+// `quant_linear` computes y = x W^T with activations in float32 (bfloat16/float16 rows are
+// widened first; the result takes x's dtype). Up to 4 rows, each column's 8 codes become
+// float32 lanes that multiply the broadcast activation, summed per group and scaled once
+// (tile_block); from 5 rows on, each group of the tile is dequantized once into 1 KiB and
+// multiplies the rows in register blocks of 8 (tile_gemm). Both are AVX2 + FMA + F16C
+// (compiled for AVX-512 they use its registers); without them a portable loop computes the
+// same sums.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -296,7 +298,6 @@ struct Acts {
   int64_t k;                 // padded columns
 };
 
-template <typename T>
 at::Tensor float_rows(const at::Tensor& x, int64_t k_padded) {
   // A contiguous float32 copy, padded with zero columns, unless x already is one.
   if (x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == k_padded) return x;
@@ -620,7 +621,7 @@ at::Tensor quant_linear_impl(const at::Tensor& x, const at::Tensor& packed, int6
   const int64_t m = x.size(0);
   auto out = at::empty({m, rows}, x.options());
   if (m == 0) return out;
-  const at::Tensor xf = float_rows<float>(x, k);
+  const at::Tensor xf = float_rows(x, k);
   Acts a{xf.data_ptr<float>(), {}, k};
   half_sums(&a, m, pk.groups);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;

@@ -58,6 +58,7 @@ class QuantizedWeight(nn.Module):
         self.parts = nn.ParameterList([_part(p) for p in parts])
         self.in_features = in_features
         self.part_rows = [p.shape[0] for p in parts]
+        self._rows_from = None  # a projection built from these blocks, once they are released
 
     @classmethod
     def from_blocks(cls, qtype: str, blocks, in_features: int | None = None) -> QuantizedWeight:
@@ -138,14 +139,25 @@ class QuantizedWeight(nn.Module):
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` dequantized, in `dtype`: an embedding lookup on a quantized table."""
+        if self._rows_from is not None:
+            return self._rows_from.rows(ids).to(dtype=dtype, device=ids.device)
         if len(self.parts) != 1:
             raise ValueError("an embedding table must be of one type")
         return self._dequantize_part(0, ids.cpu()).to(dtype=dtype, device=ids.device)
 
     def release(self) -> None:
         """Frees the blocks once a projection keeps its own copy (new weights may refill them)."""
+        self._rows_from = None
         for part in self.parts:
             part.data = torch.empty(0, dtype=part.dtype, device=part.device)
+
+    def read_rows_from(self, linear) -> None:
+        """Frees the blocks and reads rows (`embedding`) from `linear`, a projection built from
+        them that keeps its own copy: a tied embedding table and LM head then share one copy."""
+        if getattr(linear, "holds_weight", True) or not hasattr(linear, "rows"):
+            return
+        self.release()
+        self._rows_from = linear
 
     def type_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -166,6 +178,10 @@ class DequantizedLinear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(torch.float32)
         return F.linear(x.to(torch.float32), self.weight, bias).to(x.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, float32 [n, in_features]."""
+        return self.weight[ids.cpu()]
 
 
 class QuantLinear(Linear):
@@ -208,6 +224,14 @@ class QuantLinear(Linear):
             if self.bias is not None:
                 y += self.bias.to(y.dtype)
         return y.view(*lead, self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, float32 [n, in_features]: gguf's values, from the tiles."""
+        if len(self.parts) != 1 or self.parts[0][0] is None:
+            raise ValueError("rows are read from a weight of one quantized type")
+        qtype, packed, rows = self.parts[0]
+        out = torch.ops.cadence.quant_dequantize(packed, qtype, rows, self.columns, ids.cpu())
+        return out[:, : self.in_features].contiguous()
 
     def _part(self, x: torch.Tensor, part) -> torch.Tensor:
         qtype, data, rows = part

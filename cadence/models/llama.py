@@ -160,9 +160,9 @@ class LlamaForCausalLM(nn.Module):
         for param, linear in pairs:
             if not linear.holds_weight:
                 _release(param)
-        if self.lm_head is not None and not self.lm_head_linear.holds_weight:
-            if isinstance(self.lm_head, QuantizedWeight):  # no refinement reads it (compute_logits)
-                self.lm_head.release()
+        if isinstance(self.lm_head_weight, QuantizedWeight):
+            # Its only other reader is the embedding lookup (tied): rows come from the projection.
+            self.lm_head_weight.read_rows_from(self.lm_head_linear)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Returns the final hidden states of the rows in `batch.logits_indices`: [rows, hidden]."""

@@ -168,3 +168,79 @@ def test_kernel_refuses_mismatched_shapes():
         ops.quant_linear(torch.randn(2, 64), packed, QTYPES["Q4_0"], 9, 64)
     with pytest.raises(RuntimeError, match="not supported"):
         ops.quant_repack(torch.from_numpy(blocks), 6, 64)  # Q5_0
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_model_loads_and_projects_quantized_weights_without_knowing_their_type(tied):
+    """Every matrix handed over as a QuantizedWeight (mixed types): the model fuses and reorders
+    their rows, projects through the CPU platform's QuantLinear, releases the blocks, and
+    computes what the same model loaded with the dequantized values computes."""
+    from cadence.model_loader.quantize import quantize_matrix
+    from cadence.models.config import ModelConfig
+    from cadence.models.llama import LlamaForCausalLM
+    from cadence.platforms.cpu import CpuPlatform
+
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=80,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=tied,
+    )
+    g = torch.Generator().manual_seed(7)
+    shapes = {"model.embed_tokens.weight": (80, 64), "model.norm.weight": (64,)}
+    if not tied:
+        shapes["lm_head.weight"] = (80, 64)
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (64, 64), p + "self_attn.k_proj.weight": (32, 64),
+            p + "self_attn.v_proj.weight": (32, 64), p + "self_attn.o_proj.weight": (64, 64),
+            p + "mlp.gate_proj.weight": (96, 64), p + "mlp.up_proj.weight": (96, 64),
+            p + "mlp.down_proj.weight": (64, 96), p + "input_layernorm.weight": (64,),
+            p + "post_attention_layernorm.weight": (64,),
+        })  # fmt: skip
+    floats = {n: torch.randn(*s, generator=g) * 0.2 for n, s in shapes.items()}
+    kinds = ["Q8_0", "Q4_1", "Q4_0"]
+    quantized = {
+        n: quantize_matrix(w, kinds[i % 3]) if w.dim() == 2 else w
+        for i, (n, w) in enumerate(floats.items())
+    }
+    dequantized = {
+        n: w.dequantize() if isinstance(w, QuantizedWeight) else w for n, w in quantized.items()
+    }
+
+    def build(weights):
+        model = LlamaForCausalLM(config)
+        model.load_weights(weights.items())
+        model.build_linears(CpuPlatform().make_linear)
+        return model.requires_grad_(False)
+
+    ours, ref = build(quantized), build(dequantized)
+    qkv = ours.layers[0].qkv
+    assert isinstance(qkv, QuantLinear) and len(set(qkv.qtypes)) == 3  # one part per type
+    assert all(p.numel() == 0 for p in ours.layers[1].gate_up_proj.parts)  # blocks released
+    hidden = torch.randn(3, 64, generator=g)
+    torch.testing.assert_close(
+        ours.compute_logits(hidden), ref.compute_logits(hidden), rtol=1e-5, atol=1e-5
+    )
+    inputs = {
+        "qkv": hidden,
+        "o": hidden,
+        "gate_up": hidden,
+        "down": torch.randn(3, 96, generator=g),
+    }
+    for name, x in inputs.items():
+        got, want = getattr(ours.layers[1], name)(x), getattr(ref.layers[1], name)(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([0, 79, 5])
+    torch.testing.assert_close(
+        ours.embed_tokens.embedding(ids, torch.float32), ref.embed_tokens[ids], rtol=0, atol=0
+    )
+    assert (
+        all(p.numel() == 0 for p in ours.embed_tokens.parts) == tied
+    )  # tied: rows from the LM head's tiles
