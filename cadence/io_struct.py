@@ -205,14 +205,25 @@ class GenerateReqInput(_Message, kw_only=True):
 class EmbeddingReqInput(_Message, kw_only=True):
     """The /encode (and /classify) body, single or batch. Normalization as for
     `GenerateReqInput`, without sampling: exactly one of text/input_ids, rids generated
-    and unique, per-item lists for a batch."""
+    and unique, per-item lists for a batch.
+
+    With `is_cross_encoder_request` every text item is a pair [query, document], encoded
+    together as one sequence (the two segments told apart by their token type ids); a
+    single pair may be given as the pair itself."""
 
     _DERIVED = ("is_single", "batch_size", "is_normalized")
 
-    text: str | list[str] | None = None  # one input or a batch of inputs
+    # One input or a batch of inputs; items are [query, document] pairs for a cross-encoder.
+    text: str | list[str | list[str]] | None = None
     input_ids: list[int | list[int]] | None = None  # list[int] or list[list[int]], as above
+    # BERT segment ids, shaped like input_ids (one per token); default: all 0.
+    token_type_ids: list[int | list[int]] | None = None
     rid: str | list[str] | None = None  # request id(s); generated (uuid4 hex) when missing
     image_data: Any = None  # as in GenerateReqInput: one per input for a batch
+    # Keep the first `dimensions` values of each embedding (renormalized when the model
+    # normalizes); only for models trained for it (Matryoshka), or the model's own size.
+    dimensions: int | None = None
+    is_cross_encoder_request: bool = False  # text items are [query, document] pairs
 
     is_single: bool = True  # derived: answer with one object, not a list
     batch_size: int = 1  # derived: number of inputs
@@ -244,11 +255,13 @@ class TokenizedGenerateReqInput(_Message, kw_only=True):
 
 
 class TokenizedEmbeddingReqInput(_Message, kw_only=True):
-    """One embedding request, tokenized and checked."""
+    """One embedding request, tokenized and checked: at most the context length, and it
+    needs no KV memory once its one forward pass is done."""
 
     rid: str  # unique among live requests
     input_text: str | None  # the input text, when the user gave text
     input_ids: list[int]  # input token ids, each in [0, vocab_size)
+    token_type_ids: list[int] | None = None  # one per input id (an encoder's segments); None: 0s
     http_worker_ipc: str | None = None  # ZMQ address of the front process that owns the rid
 
 
@@ -334,7 +347,9 @@ class BatchStrOutput(_Message, kw_only=True):
 
 
 class BatchEmbeddingOutput(_Message, kw_only=True):
-    """Scheduler → front (through the detokenizer, untouched): finished embeddings."""
+    """Scheduler → front (through the detokenizer, untouched): finished embeddings, all of
+    one front process (the scheduler sends one message per front). For a classification
+    model the vector is the class logits."""
 
     rids: list[str]
     http_worker_ipcs: list[str | None]

@@ -8,10 +8,12 @@ import logging
 import torch
 
 from cadence.layers.forward_batch import ForwardBatch
+from cadence.layers.pooler import PoolingConfig, pool
 from cadence.layers.sampler import SamplingInput, sample
 from cadence.mem_cache.allocator import KVAllocator
 from cadence.mem_cache.kv_pool import KVPool
-from cadence.model_executor.runner import BatchItem, ItemResult, Runner, ScheduleBatch
+from cadence.model_executor.runner import BatchItem, EmbedItem, ItemResult, Runner, ScheduleBatch
+from cadence.model_loader.encoder_loader import read_pooling
 from cadence.model_loader.loader import load_model
 from cadence.platforms import get_current_platform
 from cadence.server_args import ServerArgs
@@ -30,6 +32,10 @@ class ModelRunner(Runner):
         self.kv_dtype = self.platform.resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.config, self.model = load_model(model_path, self.dtype, self.device)
         cfg = self.config
+        # --is-embedding: served as an embedding model (`embed`); generation is refused.
+        self.is_generation = not args.is_embedding
+        self.embed_needs_kv = True
+        self.pooling = read_pooling(model_path, PoolingConfig("last", normalize=True))
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.context_len = args.context_length or cfg.max_position_embeddings
         if self.context_len > cfg.max_position_embeddings:
@@ -281,6 +287,50 @@ class ModelRunner(Runner):
             if item.return_hidden_states:
                 hidden_out[i] = [hidden[i].float().cpu().tolist()]
         return self._to_host(self.model.compute_logits(hidden))
+
+    # ---- embeddings (--is-embedding) -----------------------------------------------------
+
+    @torch.inference_mode()
+    def embed(self, items: list[EmbedItem]) -> list[list[float]]:
+        """Pools each item's final hidden states (the last token's by default); every item
+        is a whole prompt with no cached prefix. Its K/V go to the pages it was given, which
+        the scheduler frees right after."""
+        lens = [len(item.token_ids) for item in items]
+        dev = self.device
+        ends = torch.tensor(lens).cumsum(0)
+        if self.pooling.mode == "last":
+            rows = ends - 1
+        elif self.pooling.mode == "cls":
+            rows = ends - torch.tensor(lens)
+        else:
+            rows = torch.arange(int(ends[-1]))
+        out_loc = torch.cat([self._slots(item.pages, 0, n) for item, n in zip(items, lens)]).to(dev)
+        batch = ForwardBatch(
+            is_decode=False,
+            input_ids=torch.tensor([t for item in items for t in item.token_ids], device=dev),
+            positions=torch.cat([torch.arange(n) for n in lens]).to(dev),
+            out_cache_loc=out_loc,
+            kv_write_rows=self.kv_pool.write_rows(out_loc),
+            seq_lens=lens,
+            extend_lens=lens,
+            prefix_lens=[0] * len(items),
+            seq_page_rows=[None] * len(items),
+            logits_indices=rows.to(dev),
+        )
+        hidden = self.model(batch).float()
+        if self.pooling.mode in ("last", "cls"):
+            config = PoolingConfig("cls", self.pooling.normalize)  # one row per item already
+            return pool(hidden, [1] * len(items), config).cpu().tolist()
+        return pool(hidden, lens, self.pooling).cpu().tolist()
+
+    def embedding_facts(self) -> dict:
+        if self.is_generation:
+            return {}
+        return {
+            "embedding_dim": self.config.hidden_size,
+            "pooling": self.pooling.mode,
+            "normalizes": self.pooling.normalize,
+        }
 
     def release_decode_state(self) -> None:
         """The running batch has emptied: forget it, and let the attention backend drop what it

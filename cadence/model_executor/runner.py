@@ -71,17 +71,42 @@ class ItemResult:
     error_stage: str = ""  # what it was doing, for the error message
 
 
+@dataclass
+class EmbedItem:
+    """One embedding request's share of an embedding step: its whole input, in one pass."""
+
+    rid: str
+    token_ids: list[int]
+    token_type_ids: list[int] | None = None  # an encoder's segment ids; None: all 0
+    # KV pages covering token_ids, for a runner with `embed_needs_kv` (a decoder writes its
+    # K/V while attending); the scheduler frees them as soon as the step is done.
+    pages: list[int] = field(default_factory=list)
+
+
 class Runner(ABC):
     """A model runner as the scheduler sees it."""
 
     context_len: int  # longest sequence served (prompt + output)
     eos_token_ids: tuple[int, ...]  # the model's end-of-sequence tokens
+    is_generation: bool = True  # serves generation (run); False: embeddings only (embed)
+    embed_needs_kv: bool = False  # `embed` needs KV pages for its items (see EmbedItem)
 
     @abstractmethod
     def run(self, batch: ScheduleBatch) -> list[ItemResult]:
         """Run one step. A failure of the forward pass itself (shared by every request of the
         batch) raises; a failure of one request's sampling or logprobs is reported in its
         `ItemResult.error` and the other results stay valid."""
+
+    def embed(self, items: list[EmbedItem]) -> list[list[float]]:
+        """One forward pass over whole inputs: each item's embedding (a classifier's class
+        logits), in order. Raises when the pass fails (the scheduler then retries the items
+        one by one, so that only a request that fails alone fails)."""
+        raise NotImplementedError("this runner serves no embeddings")
+
+    def embedding_facts(self) -> dict:
+        """What the front must know of an embedding model (ModelInfo): its dimension,
+        pooling, class names, ... Empty for a generation model."""
+        return {}
 
     def release_decode_state(self) -> None:
         """The running batch has emptied: drop whatever was kept for it between steps."""

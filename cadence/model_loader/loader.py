@@ -119,6 +119,8 @@ def served_weight_types(model) -> dict[str, dict]:
     from cadence.layers.quantized import DequantizedLinear
 
     types = dict(getattr(model, "weight_types", {}))
+    if not hasattr(model, "lm_head_linear"):  # an encoder: its weights are served as loaded
+        return types
     linears = [model.lm_head_linear] + [
         getattr(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")
     ]

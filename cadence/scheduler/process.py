@@ -19,7 +19,8 @@ import zmq
 from cadence import io_struct
 from cadence.io_struct import UpdateWeightFromDiskReqInput
 from cadence.ipc import FrontRouter, Heartbeat, IpcPaths, bind, connect, die_with_parent
-from cadence.scheduler.req import ReqOutput, to_batch_output
+from cadence.scheduler.embedding import EmbedOutput, failed_output
+from cadence.scheduler.req import ReqOutput, to_messages
 from cadence.scheduler.scheduler import Scheduler
 from cadence.server_args import ServerArgs
 
@@ -70,46 +71,51 @@ class SchedulerProcess:
         outputs, self.scheduler.outputs = self.scheduler.outputs, []
         self._send(outputs)
 
-    def _send(self, outputs: list[ReqOutput]) -> None:
+    def _send(self, outputs: list[ReqOutput | EmbedOutput]) -> None:
         if not outputs:
             return
         try:
-            data = io_struct.encode(to_batch_output(outputs))
+            data = [io_struct.encode(msg) for msg in to_messages(outputs)]
         except Exception as e:
             # One request's output cannot be encoded: find it, fail it, send the others.
             logger.exception("encoding a step's outputs failed; checking them one by one")
             good = []
             for out in outputs:
                 try:
-                    io_struct.encode(to_batch_output([out]))
+                    for msg in to_messages([out]):
+                        io_struct.encode(msg)
                     good.append(out)
                 except Exception:
-                    self.scheduler.fail_rid(out.rid, e, "encoding its output")
+                    if isinstance(out, EmbedOutput):  # it has ended already: say it failed
+                        good.append(failed_output(out, e, "encoding its output"))
+                    else:
+                        self.scheduler.fail_rid(out.rid, e, "encoding its output")
             good += self.scheduler.outputs
             self.scheduler.outputs = []
-            data = io_struct.encode(to_batch_output(good)) if good else None
-        if data is not None:
-            self.to_detokenizer.send(data, copy=False)
+            data = [io_struct.encode(msg) for msg in to_messages(good)]
+        for part in data:  # embeddings pass through the detokenizer untouched
+            self.to_detokenizer.send(part, copy=False)
 
 
 def build_scheduler(args: ServerArgs, model_path: str, tokenizer) -> Scheduler:
     """The scheduler core with its collaborators: the model runner (which loads the weights),
     the KV allocator it borrows from the runner's pool, the stop checker."""
     from cadence.constrained import create_grammar_queue
-    from cadence.model_executor.model_runner import ModelRunner
     from cadence.scheduler.stop_checker import StopChecker
 
-    runner = ModelRunner(args, model_path)
+    runner = make_runner(args, model_path)
     eos_ids = set(runner.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    grammars = create_grammar_queue(
-        args.grammar_backend,
-        tokenizer,
-        runner.config.vocab_size,
-        sorted(eos_ids),
-        any_whitespace=args.constrained_json_any_whitespace,
-    )
+    grammars = None
+    if runner.is_generation:  # an embedding model generates nothing to constrain
+        grammars = create_grammar_queue(
+            args.grammar_backend,
+            tokenizer,
+            runner.config.vocab_size,
+            sorted(eos_ids),
+            any_whitespace=args.constrained_json_any_whitespace,
+        )
     return Scheduler(
         args,
         runner,
@@ -117,6 +123,20 @@ def build_scheduler(args: ServerArgs, model_path: str, tokenizer) -> Scheduler:
         StopChecker(tokenizer, eos_ids, runner.context_len),
         grammars=grammars,
     )
+
+
+def make_runner(args: ServerArgs, model_path: str):
+    """The runner of the model at `model_path`: an encoder's (a BERT directory, detected from
+    its config.json) or a decoder's (GGUF files and Llama-family directories)."""
+    from cadence.model_loader.encoder_loader import is_encoder
+
+    if is_encoder(model_path):
+        from cadence.model_executor.encoder_runner import EncoderRunner
+
+        return EncoderRunner(args, model_path)
+    from cadence.model_executor.model_runner import ModelRunner
+
+    return ModelRunner(args, model_path)
 
 
 def run_scheduler_process(
@@ -172,6 +192,9 @@ def runtime_facts(scheduler: Scheduler) -> dict:
         "dtype": str(runner.dtype).replace("torch.", ""),
         "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""),
         "platform": runner.platform.name,
+        # An embedding model (an encoder, or a decoder with --is-embedding) and its vectors.
+        "is_generation": runner.is_generation,
+        **runner.embedding_facts(),
         # the engine constraints are enforced with; the front refuses them under "none"
         "grammar_backend": "none" if scheduler.grammars is None else scheduler.grammars.name,
         # Per type in the model file: how many tensors, and what they are served as.

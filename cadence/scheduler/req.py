@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cadence.io_struct import (
+    BatchEmbeddingOutput,
     BatchTokenIDOutput,
     Logprobs,
     SamplingParams,
     SessionParams,
     TokenizedGenerateReqInput,
 )
+from cadence.scheduler.embedding import EmbedOutput
 
 _uids = itertools.count()
 
@@ -185,3 +187,29 @@ def to_batch_output(outs: list[ReqOutput]) -> BatchTokenIDOutput:
             [o.hidden_states for o in outs] if any(o.hidden_states for o in outs) else None
         ),
     )
+
+
+def to_messages(
+    outs: list[ReqOutput | EmbedOutput],
+) -> list[BatchTokenIDOutput | BatchEmbeddingOutput]:
+    """One step's outputs as the messages that carry them: one BatchTokenIDOutput for the
+    generation requests (the detokenizer's work), one BatchEmbeddingOutput per front process
+    for the embedding requests (passed through the detokenizer untouched)."""
+    tokens = [o for o in outs if not isinstance(o, EmbedOutput)]
+    messages: list = [to_batch_output(tokens)] if tokens else []
+    by_front: dict[str | None, list[EmbedOutput]] = {}
+    for o in outs:
+        if isinstance(o, EmbedOutput):
+            by_front.setdefault(o.http_worker_ipc, []).append(o)
+    for front, group in by_front.items():
+        messages.append(
+            BatchEmbeddingOutput(
+                rids=[o.rid for o in group],
+                http_worker_ipcs=[front] * len(group),
+                finished_reasons=[o.finished_reason for o in group],
+                embeddings=[o.embedding for o in group],
+                prompt_tokens=[o.prompt_tokens for o in group],
+                cached_tokens=[0] * len(group),
+            )
+        )
+    return messages

@@ -51,6 +51,7 @@ from cadence.io_struct import (
     PauseGenerationReqInput,
     ProfileReq,
     ProfileReqOutput,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
@@ -59,6 +60,7 @@ from cadence.layers.sampler import SamplingInput
 from cadence.mem_cache.allocator import KVAllocator
 from cadence.mem_cache.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
 from cadence.model_executor.runner import BatchItem, ItemResult, Runner, ScheduleBatch
+from cadence.scheduler.embedding import EmbeddingQueue, embed_req_from_tokenized
 from cadence.scheduler.profiler import Profiler
 from cadence.scheduler.req import Req, ReqOutput, req_from_tokenized
 from cadence.scheduler.sessions import SessionController, SessionError
@@ -133,13 +135,16 @@ class Scheduler:
         self.running: list[Req] = []  # prefill complete, decoding
         self.chunked: Req | None = None  # admitted, prefill in progress
         self.is_paused = False
-        self.outputs: list[ReqOutput] = []
+        self.outputs: list[ReqOutput] = []  # and EmbedOutputs (see `to_messages`)
+        # Embedding requests: one forward pass each, batched under the prefill budget.
+        self.embeds = EmbeddingQueue(runner, allocator, self.cache, args.chunked_prefill_size)
         self.profiler = Profiler(args.effective_profile_dir, runner.profiler_activities)
         self.num_generated_tokens = 0
         self.num_failed_requests = 0  # requests ended by an error of their own (see `fail`)
         self._throughput_window: deque[tuple[float, int]] = deque(maxlen=64)
         self._handlers = {
             TokenizedGenerateReqInput: self._on_generate,
+            TokenizedEmbeddingReqInput: self._on_embed,
             AbortReq: self._on_abort,
             FlushCacheReqInput: self._on_flush,
             PauseGenerationReqInput: self._on_pause,
@@ -167,6 +172,8 @@ class Scheduler:
             reply = None
             if isinstance(msg, TokenizedGenerateReqInput):
                 self.fail(req_from_tokenized(msg), e, "being admitted")
+            elif isinstance(msg, TokenizedEmbeddingReqInput):
+                self.outputs.append(self.embeds.fail(embed_req_from_tokenized(msg), e, "queued"))
             elif type(msg) in REPLY_TYPES:
                 reply = REPLY_TYPES[type(msg)](
                     success=False, message=f"internal error: {type(e).__name__}: {e}"
@@ -178,11 +185,16 @@ class Scheduler:
     def _on_generate(self, msg: TokenizedGenerateReqInput) -> None:
         self.add_request(req_from_tokenized(msg))
 
+    def _on_embed(self, msg: TokenizedEmbeddingReqInput) -> None:
+        self.embeds.add(embed_req_from_tokenized(msg))
+
     def _on_abort(self, msg: AbortReq) -> None:
         self.abort(msg.rid, msg.abort_all, msg.message or "aborted")
 
     def _on_flush(self, msg: FlushCacheReqInput) -> FlushCacheReqOutput:
-        busy = bool(self.running or self.waiting or self.chunked or self.grammars)
+        busy = bool(
+            self.running or self.waiting or self.chunked or self.grammars or self.embeds.waiting
+        )
         if not busy:
             self.cache.reset()  # what open sessions pin stays (their next turns need it)
         return FlushCacheReqOutput(
@@ -213,7 +225,9 @@ class Scheduler:
         return GetLoadReqOutput(
             dp_rank=0,
             num_running_reqs=len(self.running) + (1 if self.chunked else 0),
-            num_waiting_reqs=len(self.waiting) + len(self.grammars or ()),
+            num_waiting_reqs=len(self.waiting)
+            + len(self.grammars or ())
+            + len(self.embeds.waiting),
             num_used_tokens=used,
             num_cached_tokens=self.cache.num_cached_pages * self.allocator.page_size,
             max_total_num_tokens=total,
@@ -333,6 +347,7 @@ class Scheduler:
         for req in self._live():
             if abort_all or req.rid == rid or _is_sample_of(req.rid, rid):
                 self._end(req, {"type": "abort", "message": message})
+        self.outputs.extend(self.embeds.abort(rid, abort_all, message))
 
     def fail(self, req: Req, error: BaseException, stage: str) -> None:
         """Ends `req` with an internal error caused by the request itself (a 500 that a router
@@ -380,12 +395,14 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return not self.is_paused and bool(
-            self.waiting or self.running or self.chunked or self.grammars
+            self.waiting or self.running or self.chunked or self.grammars or self.embeds.waiting
         )
 
     def step(self) -> list[ReqOutput]:
         """One scheduling round. Returns the outputs produced since the last call."""
         self.sessions.reap(time.monotonic())
+        if self.embeds.waiting and not self.is_paused:
+            self.outputs.extend(self.embeds.step())
         if self.grammars:
             self._take_compiled()
         batch, reqs = self._schedule()
