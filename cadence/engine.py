@@ -28,8 +28,10 @@ from cadence.front.request_checks import RequestOptions
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.hooks import finalize_server_args
 from cadence.io_struct import (
+    BatchTokenIDOutput,
     CloseSessionReqInput,
     ContinueGenerationReqInput,
+    EmbeddingReqInput,
     FlushCacheReqInput,
     GenerateReqInput,
     GetLoadReqInput,
@@ -42,7 +44,7 @@ from cadence.model_loader.loader import load_tokenizer, tokenizer_dir
 from cadence.model_loader.locate import resolve_model_path
 from cadence.plugins import load_plugins
 from cadence.scheduler.process import build_scheduler, runtime_facts
-from cadence.scheduler.req import to_batch_output
+from cadence.scheduler.req import to_messages
 from cadence.scheduler.scheduler import Scheduler
 from cadence.server_args import ServerArgs
 from cadence.serving.native_api import last_result
@@ -118,8 +120,10 @@ class _SchedulerThread:
             self._emit(outputs)
 
     def _emit(self, outputs) -> None:
-        if outputs:
-            self.deliver(self.detokenizer.process(to_batch_output(outputs)))
+        for msg in to_messages(outputs):  # embeddings need no detokenizer
+            self.deliver(
+                self.detokenizer.process(msg) if isinstance(msg, BatchTokenIDOutput) else msg
+            )
 
     def stop(self) -> None:
         self.inbox.put(_STOP)
@@ -226,6 +230,70 @@ class Engine:
                 yield value
         finally:
             future.cancel()
+
+    # ---- embeddings, classification, scoring, reranking (docs/embeddings.md) ----------------
+
+    def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        **kwargs: Any,
+    ) -> dict | list[dict]:
+        """Embeddings (a classifier's class logits) of an embedding model; answers what
+        `/encode` answers: {"embedding", "meta_info"}, a list for a batch. `kwargs` are the
+        other fields of EmbeddingReqInput (rid, dimensions, is_cross_encoder_request, ...)."""
+        obj = EmbeddingReqInput(text=prompt, input_ids=input_ids, **kwargs)
+        return self._call(self.client.embed(obj))
+
+    def score(
+        self,
+        query: str | list[int],
+        items: str | list[str] | list[list[int]],
+        label_token_ids: list[int],
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:
+        """SGLang's scoring with a generation model: for each item, the probability of each
+        label token right after query + item (item + query with item_first); with
+        apply_softmax normalized over the labels. As /v1/score's `scores`."""
+        from cadence.serving import embedding_serving
+
+        return self._call(
+            embedding_serving.score(
+                self.client,
+                query,
+                items,
+                label_token_ids,
+                apply_softmax,
+                item_first,
+                self.args.max_embedding_batch,
+            )
+        )["scores"]
+
+    def rerank(
+        self,
+        query: str,
+        documents: list[str],
+        top_n: int | None = None,
+        return_documents: bool = True,
+        instruct: str | None = None,
+    ) -> list[dict]:
+        """Documents by relevance to `query`, best first: [{"score", "index", "document"}],
+        as /v1/rerank answers (a cross-encoder's score, an embedding model's cosine
+        similarity, or a generation model's probability of "yes")."""
+        from cadence.serving import embedding_serving
+
+        return self._call(
+            embedding_serving.rerank(
+                self.client,
+                query,
+                documents,
+                top_n,
+                return_documents,
+                instruct,
+                self.args.max_embedding_batch,
+            )
+        )
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Ends request `rid` (and its n > 1 samples), or every request with abort_all."""

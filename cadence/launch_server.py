@@ -233,9 +233,9 @@ async def _serve(
 
         progress_task = asyncio.create_task(progress_watchdog())
         if not args.skip_warmup:
-            from cadence.serving.native_api import last_result, probe_request
+            from cadence.serving.embedding_serving import probe
 
-            warmup = asyncio.ensure_future(last_result(client.generate(probe_request("Hello"))))
+            warmup = asyncio.ensure_future(probe(client, "Hello"))
             await asyncio.wait(
                 {warmup, serve_task}, timeout=300, return_when=asyncio.FIRST_COMPLETED
             )

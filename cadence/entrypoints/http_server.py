@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import PlainTextResponse, Response
 
 from cadence.entrypoints import openapi
+from cadence.entrypoints.embedding_routes import register_embedding_routes
 from cadence.entrypoints.http_io import (
     BodyTooLarge,
     error_of,
@@ -38,7 +39,7 @@ from cadence.io_struct import (
     ProfileReq,
     UpdateWeightFromDiskReqInput,
 )
-from cadence.serving import control, native_api
+from cadence.serving import control, embedding_serving, native_api
 from cadence.serving.errors import decode_json, error_body
 from cadence.serving.state import ServerState
 from cadence.version import __version__
@@ -196,7 +197,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.add_middleware(Gate, state=state)
     register_native_routes(app, state)
-    state.chat_template = register_openai_routes(app, state).chat_template
+    openai = register_openai_routes(app, state)
+    state.chat_template = openai.chat_template
+    register_embedding_routes(app, state, openai)
     openapi.install(app)
     return app
 
@@ -215,9 +218,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health_generate")
     async def health_generate():
-        await asyncio.wait_for(
-            native_api.last_result(client().generate(native_api.probe_request())), 30
-        )
+        await asyncio.wait_for(embedding_serving.probe(client()), 30)
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -21,8 +21,14 @@ from cadence.front.sampling_checks import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
-from cadence.io_struct import GenerateReqInput, SamplingParams
+from cadence.io_struct import EmbeddingReqInput, GenerateReqInput, SamplingParams
 from cadence.serving import control
+from cadence.serving.embedding_protocol import (
+    ClassifyRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoringRequest,
+)
 from cadence.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from cadence.serving.responses import ResponsesRequest
 
@@ -100,6 +106,12 @@ BODIES: dict[str, tuple[Any, bool]] = {
     "/invocations": (ChatCompletionRequest, True),
     "/v1/responses": (ResponsesRequest, True),
     "/v1/responses/{response_id}/cancel": (_UNREAD, False),
+    "/encode": (EmbeddingReqInput, True),
+    "/classify": (EmbeddingReqInput, True),
+    "/v1/embeddings": (EmbeddingRequest, True),
+    "/v1/classify": (ClassifyRequest, True),
+    "/v1/score": (ScoringRequest, True),
+    "/v1/rerank": (RerankRequest, True),
 }
 
 # Fields of the structs that the server derives itself: never part of a request.
@@ -137,16 +149,17 @@ def build(app: FastAPI) -> dict[str, Any]:
         "default": None,
     }
     # Exactly one of text and input_ids.
-    components["GenerateReqInput"]["oneOf"] = [
-        {
-            "required": ["text"],
-            "properties": {"text": {"not": {"type": "null"}}, "input_ids": {"type": "null"}},
-        },
-        {
-            "required": ["input_ids"],
-            "properties": {"input_ids": {"not": {"type": "null"}}, "text": {"type": "null"}},
-        },
-    ]
+    for name in ("GenerateReqInput", "EmbeddingReqInput"):
+        components[name]["oneOf"] = [
+            {
+                "required": ["text"],
+                "properties": {"text": {"not": {"type": "null"}}, "input_ids": {"type": "null"}},
+            },
+            {
+                "required": ["input_ids"],
+                "properties": {"input_ids": {"not": {"type": "null"}}, "text": {"type": "null"}},
+            },
+        ]
     doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
     for path, (body, required) in BODIES.items():
         operation = doc["paths"].get(path, {}).get("post")

@@ -15,14 +15,17 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cadence.errors import InvalidParameter, RequestError
+from cadence.front.embedding import EmbeddingManager
 from cadence.front.engine_client import EngineClient, ModelInfo
 from cadence.front.request_checks import RequestOptions
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.front.tokenizer_manager import TokenizerManager
 from cadence.io_struct import (
     REPLY_TYPES,
+    BatchEmbeddingOutput,
     BatchStrOutput,
     ContinueGenerationReqInput,
+    EmbeddingReqInput,
     GenerateReqInput,
     PauseGenerationReqInput,
 )
@@ -53,6 +56,16 @@ class FrontClient(EngineClient):
             request_timeout_s=request_timeout_s,
             options=options,
         )
+        self.embeds = EmbeddingManager(
+            tokenizer,
+            info,
+            self.send,
+            max_pending=max_pending,
+            max_items=(options or RequestOptions()).max_embedding_batch,
+            worker_ipc=address,
+            request_timeout_s=request_timeout_s,
+            rid_in_use=self.tm.states.__contains__,
+        )
         self._waiters: dict[type, deque[asyncio.Future]] = defaultdict(deque)
         self._control_lock: dict[type, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._is_paused = False
@@ -75,6 +88,9 @@ class FrontClient(EngineClient):
         waiters = self._waiters.get(type(msg))
         if waiters:
             fut = waiters.popleft()
+        if isinstance(msg, BatchEmbeddingOutput):
+            self.embeds.handle_output(msg)
+            return
             if not fut.done():
                 fut.set_result(msg)
         else:
@@ -85,8 +101,8 @@ class FrontClient(EngineClient):
     def generate(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
         return self.tm.generate_request(obj)
 
-    async def embed(self, obj) -> Any:
-        raise RequestError(501, "this server does not serve embeddings yet")
+    async def embed(self, obj: EmbeddingReqInput) -> Any:
+        return await self.embeds.embed(obj)
 
     def abort(
         self, rid: str | None = None, abort_all: bool = False, message: str = "aborted"
@@ -96,7 +112,7 @@ class FrontClient(EngineClient):
             return True
         if not isinstance(rid, str) or not rid:
             raise InvalidParameter("rid", "give a rid (string) or abort_all: true")
-        is_live = bool(self.tm.matching(rid))
+        is_live = bool(self.tm.matching(rid) or self.embeds.matching(rid))
         self.tm.abort_request(rid, message=message)
         return is_live
 
@@ -143,8 +159,9 @@ class FrontClient(EngineClient):
     def stats(self) -> dict[str, Any]:
         return {
             "request_faults": dict(self.tm.num_request_faults),
-            "num_live_requests": len(self.tm.states),
+            "num_live_requests": len(self.tm.states) + len(self.embeds.states),
         }
 
     def end_all(self, message: str, status: int = 503) -> None:
         self.tm.end_all(message, status)
+        self.embeds.end_all(message, status)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from cadence.io_struct import GenerateReqInput
+from cadence.io_struct import EmbeddingReqInput, GenerateReqInput
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,14 @@ class ModelInfo:
     # The grammar engine the scheduler enforces constraints with; "none": it enforces none,
     # so the front refuses them (cadence.constrained).
     grammar_backend: str = "none"
+    # An embedding model (is_generation False): what its vectors are (docs/embeddings.md).
+    embedding_dim: int = 0  # length of an embedding (a classifier's: its number of classes)
+    pooling: str = ""  # cls, mean, max, mean_sqrt_len or last
+    normalizes: bool = False  # embeddings come at unit length
+    id2label: tuple[str, ...] = ()  # a classification model's class names, by index
+    type_vocab_size: int = 0  # segment (token type) ids the model takes; 0: none
+    # Prefix lengths the model was trained to serve (Matryoshka): None for none, () for any.
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     @classmethod
     def from_facts(
@@ -61,7 +69,23 @@ class ModelInfo:
             tokenizer_dir=tokenizer_dir,
             served_model_names=tuple(served_model_names),
             grammar_backend=facts.get("grammar_backend", "none"),
+            is_generation=facts.get("is_generation", True),
+            embedding_dim=facts.get("embedding_dim", 0),
+            pooling=facts.get("pooling", ""),
+            normalizes=facts.get("normalizes", False),
+            id2label=tuple(facts.get("id2label") or ()),
+            type_vocab_size=facts.get("type_vocab_size", 0),
+            matryoshka_dimensions=(
+                None
+                if facts.get("matryoshka_dimensions") is None
+                else tuple(facts["matryoshka_dimensions"])
+            ),
         )
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        """A classification model: it scores text pairs (reranking) or classifies text."""
+        return bool(self.id2label)
 
 
 class EngineClient(ABC):
@@ -81,8 +105,10 @@ class EngineClient(ABC):
         Closing the iterator early aborts what still runs."""
 
     @abstractmethod
-    async def embed(self, obj) -> Any:
-        """Embeddings of an `EmbeddingReqInput`."""
+    async def embed(self, obj: EmbeddingReqInput) -> Any:
+        """Checks, tokenizes and runs `obj` on an embedding model: one result dict
+        {"embedding", "meta_info"} (a list of them for a batch). Raises InvalidParameter
+        (also for a generation model) or RequestError; cancelling aborts what still runs."""
 
     @abstractmethod
     def abort(

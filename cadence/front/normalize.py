@@ -154,15 +154,69 @@ def _generate_item(obj: GenerateReqInput, i: int) -> GenerateReqInput:
 def _normalize_embedding(obj: EmbeddingReqInput, max_items: int | None) -> None:
     if obj.is_normalized:
         return
-    is_batch, num_inputs = _check_prompts(obj.text, obj.input_ids)
+    if obj.is_cross_encoder_request and obj.text is not None:
+        is_batch, num_inputs = _check_pairs(obj)
+    else:
+        is_batch, num_inputs = _check_prompts(obj.text, obj.input_ids)
     _check_num_items(num_inputs, 1, max_items, "text" if obj.text is not None else "input_ids")
     rids = _check_rids(obj.rid, num_inputs, is_batch)
     image_data = _per_item_data("image_data", obj.image_data, num_inputs, is_batch)
+    _check_token_type_ids(obj, is_batch)
+    if obj.dimensions is not None:
+        _check_int("dimensions", "dimensions", obj.dimensions, 1, "")
     if is_batch:
         obj.image_data = image_data
     obj.rid = rids if is_batch else rids[0]
     obj.is_single, obj.batch_size = not is_batch, num_inputs
     obj.is_normalized = True
+
+
+def _check_pairs(obj: EmbeddingReqInput) -> tuple[bool, int]:
+    """A cross-encoder's text: a list of [query, document] pairs, or one pair."""
+    text = obj.text
+    if isinstance(text, list) and len(text) == 2 and all(isinstance(t, str) for t in text):
+        obj.text = text = [list(text)]
+        is_batch = False
+    else:
+        is_batch = True
+    if not isinstance(text, list) or not text:
+        raise InvalidParameter(
+            "text", "text must be a [query, document] pair or a non-empty list of such pairs"
+        )
+    for i, pair in enumerate(text):
+        if (
+            not isinstance(pair, list)
+            or len(pair) != 2
+            or not all(isinstance(t, str) and t for t in pair)
+        ):
+            raise InvalidParameter(
+                "text", f"text[{i}] must be a pair of non-empty strings [query, document]"
+            )
+    if not is_batch:
+        obj.text = text[0]
+    return is_batch, len(text)
+
+
+def _check_token_type_ids(obj: EmbeddingReqInput, is_batch: bool) -> None:
+    """token_type_ids go with input_ids, one per id, each >= 0 (the model bounds them)."""
+    types = obj.token_type_ids
+    if types is None:
+        return
+    if obj.input_ids is None:
+        raise InvalidParameter("token_type_ids", "token_type_ids go with input_ids, not text")
+    rows = types if is_batch else [types]
+    ids = obj.input_ids if is_batch else [obj.input_ids]
+    if not isinstance(types, list) or len(rows) != len(ids):
+        raise InvalidParameter(
+            "token_type_ids", "token_type_ids must have the shape of input_ids (one per token)"
+        )
+    for i, (row, item) in enumerate(zip(rows, ids)):
+        if not isinstance(row, list) or len(row) != len(item):
+            raise InvalidParameter(
+                "token_type_ids",
+                f"token_type_ids[{i}] must have one entry per input id ({len(item)})",
+            )
+        _check_token_ids("token_type_ids", f"token_type_ids[{i}]", row)
 
 
 def _embedding_item(obj: EmbeddingReqInput, i: int) -> EmbeddingReqInput:
@@ -175,8 +229,11 @@ def _embedding_item(obj: EmbeddingReqInput, i: int) -> EmbeddingReqInput:
     return EmbeddingReqInput(
         text=None if obj.text is None else obj.text[i],
         input_ids=None if obj.input_ids is None else obj.input_ids[i],
+        token_type_ids=None if obj.token_type_ids is None else obj.token_type_ids[i],
         rid=obj.rid[i],
         image_data=None if obj.image_data is None else obj.image_data[i],
+        dimensions=obj.dimensions,
+        is_cross_encoder_request=obj.is_cross_encoder_request,
         is_single=True,
         batch_size=1,
         is_normalized=True,

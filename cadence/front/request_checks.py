@@ -41,6 +41,7 @@ class RequestOptions:
 
     enable_custom_logit_processor: bool = False
     enable_return_hidden_states: bool = False
+    max_embedding_batch: int = 1024  # inputs of one embedding request (--max-embedding-batch)
 
     @classmethod
     def of(cls, args) -> RequestOptions:
@@ -48,6 +49,7 @@ class RequestOptions:
         return cls(
             enable_custom_logit_processor=args.enable_custom_logit_processor,
             enable_return_hidden_states=args.enable_return_hidden_states,
+            max_embedding_batch=args.max_embedding_batch,
         )
 
 
@@ -69,6 +71,13 @@ class RequestChecker:
     ) -> list[TokenizedGenerateReqInput]:
         """Normalizes `obj` and returns its items tokenized and checked, in order. Raises
         InvalidParameter before anything is sent."""
+        if not self.info.is_generation:
+            raise InvalidParameter(
+                "model",
+                f"the model {self.info.served_model_name!r} is an embedding model: it "
+                "generates nothing; use /v1/embeddings or /encode (/classify, /v1/rerank for "
+                "a classifier)",
+            )
         normalize_batch_and_arguments(obj, self.max_items)
         tokenized = [await self._check_item(item, worker_ipc) for item in items(obj)]
         if obj.parallel_sample_num > 1:

@@ -19,6 +19,12 @@ class FrontTokenizer:
         # without the Python wrapping around it (several times the cost of the encoding
         # itself for a short prompt).
         self.backend = getattr(hf, "backend_tokenizer", None)
+        if self.backend is not None and (self.backend.padding or self.backend.truncation):
+            # A tokenizer.json may pad or cut every encoding (sentence-transformers' files
+            # pad to 128): the server checks lengths itself and never pads. transformers'
+            # own calls set both per call, so turning them off here changes nothing for it.
+            self.backend.no_padding()
+            self.backend.no_truncation()
         # No token is longer than the longest vocabulary entry (a byte-level or
         # sentencepiece key has at least one character per decoded character).
         vocab = hf.get_vocab() if hasattr(hf, "get_vocab") else {}
@@ -41,6 +47,29 @@ class FrontTokenizer:
             None, lambda: encode_batch([text], add_special_tokens=add_special_tokens)
         )
         return encodings[0].ids
+
+    async def encode_batch_async(
+        self, texts: list[str] | list[tuple[str, str]]
+    ) -> list[tuple[list[int], list[int]]]:
+        """(ids, token type ids) of each text, or of each (query, document) pair encoded as
+        one sequence, with special tokens; one call into the tokenizer for all of them (on a
+        worker thread when they are long)."""
+        if self.backend is None:  # a slow (Python) tokenizer: one call per text
+            out = []
+            for text in texts:
+                enc = self.hf(*text) if isinstance(text, tuple) else self.hf(text)
+                ids = enc["input_ids"]
+                out.append((ids, enc.get("token_type_ids") or [0] * len(ids)))
+            return out
+        encode_batch = self.backend.encode_batch
+        if sum(len(t) if isinstance(t, str) else len(t[0]) + len(t[1]) for t in texts) <= (
+            OFF_LOOP_TOKENIZE_CHARS
+        ):
+            encodings = encode_batch(texts)
+        else:
+            loop = asyncio.get_running_loop()
+            encodings = await loop.run_in_executor(None, encode_batch, texts)
+        return [(e.ids, e.type_ids) for e in encodings]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

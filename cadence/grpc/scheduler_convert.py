@@ -17,7 +17,7 @@ from typing import Any
 from cadence.errors import InvalidParameter
 from cadence.front.engine_client import ModelInfo
 from cadence.grpc import sglang_scheduler_pb2 as pb
-from cadence.io_struct import GenerateReqInput
+from cadence.io_struct import EmbeddingReqInput, GenerateReqInput
 
 # proto3 zero -> the neutral value it stands for
 _ZERO_MEANS_UNSET = {"top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0}
@@ -272,3 +272,23 @@ class Totals:
 
     def result(self) -> dict:
         return {"output_ids": self.output_ids, "meta_info": {**self.meta, **self.logprobs}}
+
+
+def embed_input(req: pb.EmbedRequest, rid: str) -> EmbeddingReqInput:
+    """The EmbeddingReqInput of an Embed call (SMG tokenized the input, the pair of a
+    cross-encoder included: its segments come as token_type_ids)."""
+    input_ids = list(req.tokenized.input_ids)
+    if not input_ids:
+        raise InvalidParameter(
+            "tokenized.input_ids", "tokenized.input_ids is required: the input's token ids"
+        )
+    if req.HasField("mm_inputs") and req.mm_inputs.ByteSize() > 0:
+        raise InvalidParameter("mm_inputs", "mm_inputs: this model takes no multimodal input")
+    if req.data_parallel_rank != 0:
+        raise InvalidParameter(
+            "data_parallel_rank",
+            f"data_parallel_rank: this server has one data-parallel rank (0), got "
+            f"{req.data_parallel_rank}",
+        )
+    types = list(req.token_type_ids) or None
+    return EmbeddingReqInput(input_ids=input_ids, token_type_ids=types, rid=rid)

@@ -8,9 +8,9 @@ token ids, so the front's checks apply, and its failures become status codes thr
 `errors.rpc` (never inside a message). A call that ends early (client cancel, deadline,
 error) closes its result iterator, which aborts the request in the engine.
 
-Served: Generate, HealthCheck, Abort, GetModelInfo, GetServerInfo, GetLoads, FlushCache,
-StartProfile/StopProfile, GetTokenizer. UNIMPLEMENTED: Embed (with the embeddings
-support), SubscribeKvEvents, the LoRA RPCs.
+Served: Generate, Embed (an embedding model's vectors; INVALID_ARGUMENT for a generation
+model), HealthCheck, Abort, GetModelInfo, GetServerInfo, GetLoads, FlushCache,
+StartProfile/StopProfile, GetTokenizer. UNIMPLEMENTED: SubscribeKvEvents, the LoRA RPCs.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from cadence.grpc.errors import RpcError, rpc
 from cadence.grpc.streams import BacklogWatch
 from cadence.grpc.tokenizer_archive import TokenizerArchive, chunks
 from cadence.io_struct import FlushCacheReqInput, GenerateReqInput, GetLoadReqInput, ProfileReq
-from cadence.serving import control
+from cadence.serving import control, embedding_serving
 from cadence.serving.state import ServerState
 from cadence.version import __version__
 
@@ -191,10 +191,22 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
 
     @rpc
     async def Embed(self, request, context):
-        raise RpcError(
-            501,
-            "Embed: this server does not serve embeddings yet; the loaded model "
-            f"{self._client().info.served_model_name!r} serves Generate",
+        """One tokenized input's embedding (a classifier's class logits), through the front's
+        embedding path; a generation model answers INVALID_ARGUMENT."""
+        client = self._client()
+        obj = convert.embed_input(request, request.request_id or uuid.uuid4().hex)
+        self._admit(client)
+        self.calls.num_active += 1
+        try:
+            result = await embedding_serving.encode(client, obj)
+        finally:
+            self.calls.num_active -= 1
+        self.last_output_at = time.time()
+        vector = result["embedding"]
+        return pb.EmbedResponse(
+            embedding_dim=len(vector),
+            embedding=vector,
+            prompt_tokens=result["meta_info"].get("prompt_tokens", 0),
         )
 
     # ---- health and information --------------------------------------------------------
@@ -212,10 +224,7 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
         client = state.client
         if client.is_paused:  # up by choice
             return pb.HealthCheckResponse(healthy=True, message="generation is paused")
-        probe = GenerateReqInput(
-            input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}
-        )
-        task = asyncio.ensure_future(_drain(client.generate(probe)))
+        task = asyncio.ensure_future(embedding_serving.probe(client))
         deadline = time.monotonic() + HEALTH_PROBE_TIMEOUT_S
         try:
             await asyncio.wait({task}, timeout=HEALTH_PROBE_TIMEOUT_S / 4)

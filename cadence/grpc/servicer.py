@@ -25,6 +25,7 @@ from cadence.grpc.errors import RpcError, rpc
 from cadence.grpc.streams import BacklogWatch, buffered
 from cadence.io_struct import (
     ContinueGenerationReqInput,
+    EmbeddingReqInput,
     FlushCacheReqInput,
     GenerateReqInput,
     GetLoadReqInput,
@@ -32,7 +33,8 @@ from cadence.io_struct import (
     ProfileReq,
     UpdateWeightFromDiskReqInput,
 )
-from cadence.serving import control, native_api
+from cadence.serving import control, embedding_serving, native_api
+from cadence.serving.embedding_serving import EmbeddingServing
 from cadence.serving.errors import FAULT_HEADER
 from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing, StreamFailed
 from cadence.serving.state import ServerState
@@ -40,7 +42,7 @@ from cadence.serving.state import ServerState
 logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
-# The OpenAI pass-through RPCs that map onto a method of OpenAIServing once it has one.
+# The unary OpenAI pass-through RPCs and the EmbeddingServing method (the HTTP route) of each.
 _OPENAI_UNARY = {
     "OpenAIEmbed": "embeddings",
     "OpenAIClassify": "classify",
@@ -56,6 +58,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
         self.state = state
         self.args = state.args
         self.openai = openai or OpenAIServing(state)
+        self.embedding = EmbeddingServing(state, self.openai)
         self.max_active = self.args.effective_grpc_max_concurrent_requests
         self.num_active = 0  # generation calls in flight
         self.backlogs = BacklogWatch(self.args.grpc_stream_buffer)
@@ -153,17 +156,21 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
             self.backlogs.unwatch(watch)
             await results.aclose()  # aborts the request unless it finished
 
-    # ---- embeddings and classification (with the embeddings support, not yet) -----------
+    # ---- embeddings and classification (the HTTP routes' own code) -------------------------
 
     @rpc
     async def TextEmbed(self, request, context):
         _require_text(request.text)
-        self._unimplemented("TextEmbed", "embeddings")
+        result = await self._embed(embedding_serving.encode, request, text=request.text)
+        return pb.TextEmbedResponse(**result)
 
     @rpc
     async def Embed(self, request, context):
         _require_ids(request.input_ids)
-        self._unimplemented("Embed", "embeddings")
+        result = await self._embed(
+            embedding_serving.encode, request, input_ids=list(request.input_ids)
+        )
+        return pb.EmbedResponse(**result)
 
     @rpc
     async def Classify(self, request, context):
@@ -177,17 +184,30 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
             )
         if request.input_ids:
             _require_ids(request.input_ids)
-        self._unimplemented("Classify", "classification")
+            prompt = {"input_ids": list(request.input_ids)}
+        else:
+            prompt = {"text": request.text}
+        result = await self._embed(embedding_serving.classify, request, **prompt)
+        return pb.ClassifyResponse(**result)
 
-    def _unimplemented(self, method: str, what: str) -> None:
-        info = self._client().info
-        kind = "a generation model" if info.is_generation else "an embedding model"
-        raise RpcError(
-            501,
-            f"{method}: this server does not serve {what} yet; the loaded model "
-            f"{info.served_model_name!r} is {kind}. Use TextGenerate/Generate, or a server "
-            "release with embedding support",
-        )
+    async def _embed(self, operation, request, **prompt) -> dict:
+        """One input through `operation` (embedding_serving.encode or .classify), as the
+        fields of the response message: `embedding`, and `meta_info` (a classifier's label
+        and class probabilities among them)."""
+        client = self._client()
+        self._check_not_paused()
+        self._admit()
+        rid = request.rid if request.HasField("rid") else None
+        self.num_active += 1
+        try:
+            result = await operation(client, EmbeddingReqInput(**prompt, rid=rid))
+        finally:
+            self.num_active -= 1
+        meta = dict(result["meta_info"])
+        for name in ("label", "probs"):
+            if name in result:
+                meta[name] = result[name]
+        return {"embedding": result["embedding"], "meta_info": convert.meta_info(meta)}
 
     # ---- tokenizer (front process only) ---------------------------------------------------
 
@@ -221,10 +241,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
         if state.client.is_paused:
             return pb.HealthCheckResponse(healthy=True)
         try:
-            await asyncio.wait_for(
-                native_api.last_result(state.client.generate(native_api.probe_request())),
-                HEALTH_CHECK_TIMEOUT_S,
-            )
+            await asyncio.wait_for(embedding_serving.probe(state.client), HEALTH_CHECK_TIMEOUT_S)
         except (TimeoutError, CadenceError) as e:
             logger.warning(
                 "gRPC HealthCheck: the probe generation failed: %s", e or type(e).__name__
@@ -336,19 +353,8 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     async def _openai_unary(self, request, context, method: str) -> pb.OpenAIResponse:
         """OpenAIEmbed, OpenAIClassify, Score, Rerank: the HTTP route's answer as one message."""
         self._client()
-        call = getattr(self.openai, _OPENAI_UNARY[method], None)
-        if call is None:
-            route = {
-                "OpenAIEmbed": "/v1/embeddings",
-                "OpenAIClassify": "/v1/classify",
-                "Score": "/v1/score",
-                "Rerank": "/v1/rerank",
-            }[method]
-            raise RpcError(
-                501,
-                f"{method}: this server does not serve {route} yet (it comes with the embeddings "
-                "support); the loaded model serves ChatComplete and Complete",
-            )
+        call = getattr(self.embedding, _OPENAI_UNARY[method])
+        self._check_not_paused()
         self._admit()
         self.num_active += 1
         try:

@@ -82,7 +82,8 @@ class ScriptedClient(EngineClient):
             self.closed.append((obj.rid, finished))
 
     async def embed(self, obj):
-        raise NotImplementedError
+        self.requests.append(obj)
+        return {"embedding": [0.5, -0.25, 1.0], "meta_info": {"id": obj.rid, "prompt_tokens": 4}}
 
     def abort(self, rid=None, abort_all=False, message="aborted"):
         self.aborted.append((rid, message))
@@ -288,7 +289,35 @@ async def test_get_tokenizer_streams_a_zip_whose_last_chunk_carries_its_sha256(t
     assert archive.read("tokenizer.json") == vocab
 
 
-@pytest.mark.parametrize("method", ["Embed", "LoadLoRAAdapter", "ListLoadedLoRAAdapters"])
+async def test_embed_answers_the_front_s_embedding_of_the_tokenized_input():
+    client = ScriptedClient([])
+    request = pb.EmbedRequest(
+        request_id="e1",
+        tokenized=pb.TokenizedInput(input_ids=[5, 6, 7]),
+        token_type_ids=[0, 1, 1],
+        is_cross_encoder=True,
+    )
+    out = await servicer(client).Embed(request, Context())
+    assert (out.embedding_dim, list(out.embedding), out.prompt_tokens) == (3, [0.5, -0.25, 1.0], 4)
+    (obj,) = client.requests
+    assert (obj.input_ids, obj.token_type_ids, obj.rid) == ([5, 6, 7], [0, 1, 1], "e1")
+
+
+@pytest.mark.parametrize(
+    "request_fields, field",
+    [
+        ({}, "tokenized.input_ids"),
+        ({"tokenized": {"input_ids": [1]}, "data_parallel_rank": 1}, "data_parallel_rank"),
+    ],
+)
+async def test_embed_refuses_what_it_cannot_serve_naming_the_field(request_fields, field):
+    svc, context = servicer(ScriptedClient([])), Context()
+    with pytest.raises(Aborted):
+        await svc.Embed(pb.EmbedRequest(**request_fields), context)
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and field in context.details
+
+
+@pytest.mark.parametrize("method", ["LoadLoRAAdapter", "ListLoadedLoRAAdapters"])
 async def test_unserved_rpcs_are_unimplemented_with_a_reason(method):
     svc, context = servicer(ScriptedClient([])), Context()
     with pytest.raises(Aborted):

@@ -1,0 +1,296 @@
+"""The front's embedding requests: checked and tokenized once for every adapter, sent to the
+scheduler one item at a time, gathered by rid.
+
+`EmbeddingChecker` is the one checking stage of an `EmbeddingReqInput` (as `RequestChecker`
+is of a generation): the model must be an embedding model, the inputs few enough
+(--max-embedding-batch), inside the vocabulary and the context, `dimensions` one the model
+serves. `EmbeddingManager` keeps the per-request state of embeddings in flight, beside the
+tokenizer manager's generations (one `FrontClient` holds both, and rids are unique across
+them), and turns each item's vector into its result: {"embedding", "meta_info"}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cadence.errors import InvalidParameter, RequestError
+from cadence.front.engine_client import ModelInfo
+from cadence.front.normalize import items, normalize_batch_and_arguments
+from cadence.front.tokenizer import FrontTokenizer
+from cadence.io_struct import (
+    AbortReq,
+    BatchEmbeddingOutput,
+    EmbeddingReqInput,
+    TokenizedEmbeddingReqInput,
+)
+
+
+class EmbeddingChecker:
+    def __init__(self, tokenizer: FrontTokenizer, info: ModelInfo, max_items: int):
+        self.tokenizer = tokenizer
+        self.info = info
+        self.max_items = max_items  # --max-embedding-batch
+
+    async def check(
+        self, obj: EmbeddingReqInput, worker_ipc: str | None
+    ) -> list[TokenizedEmbeddingReqInput]:
+        """Normalizes `obj` and returns its items tokenized and checked, in order. Raises
+        InvalidParameter, naming the field, before anything is sent."""
+        self.check_embedding_model()
+        if obj.is_cross_encoder_request and not self.info.type_vocab_size:
+            raise InvalidParameter(
+                "is_cross_encoder_request",
+                "is_cross_encoder_request: text pairs need an encoder model (one with token "
+                f"types); {self.info.served_model_name!r} is not one",
+            )
+        normalize_batch_and_arguments(obj)
+        if obj.batch_size > self.max_items:
+            raise InvalidParameter(
+                "text" if obj.text is not None else "input_ids",
+                f"the request has {obj.batch_size} inputs; this server takes at most "
+                f"{self.max_items} per request (--max-embedding-batch)",
+            )
+        self.check_dimensions(obj.dimensions)
+        parts = items(obj)
+        for item in parts:
+            if item.image_data is not None:
+                raise InvalidParameter("image_data", "image_data: this model takes text only")
+        encoded = iter(await self._encode([item for item in parts if item.text is not None]))
+        out = []
+        for item in parts:
+            if item.text is not None:
+                ids, types = next(encoded)
+                field_name = "text"
+            else:
+                ids, types = list(item.input_ids), item.token_type_ids
+                field_name = "input_ids"
+                self._check_ids(ids, types)
+            self._check_length(field_name, len(ids))
+            out.append(
+                TokenizedEmbeddingReqInput(
+                    rid=item.rid,
+                    input_text=item.text if isinstance(item.text, str) else None,
+                    input_ids=ids,
+                    token_type_ids=types if types and any(types) else None,
+                    http_worker_ipc=worker_ipc,
+                )
+            )
+        return out
+
+    def check_embedding_model(self) -> None:
+        info = self.info
+        if info.is_generation:
+            raise InvalidParameter(
+                "model",
+                f"the model {info.served_model_name!r} is a generation model: embeddings and "
+                "classification need an embedding model (an encoder such as BERT, or a "
+                "decoder served with --is-embedding); use /generate, /v1/completions or "
+                "/v1/chat/completions with this one",
+            )
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        info = self.info
+        if dimensions is None or dimensions == info.embedding_dim:
+            return
+        allowed = info.matryoshka_dimensions
+        if allowed is None or info.id2label:
+            raise InvalidParameter(
+                "dimensions",
+                f"dimensions: the model {info.served_model_name!r} was not trained to serve "
+                f"shorter embeddings (Matryoshka); leave dimensions out or give its own "
+                f"size, {info.embedding_dim}",
+            )
+        if not 1 <= dimensions <= info.embedding_dim or (allowed and dimensions not in allowed):
+            choices = ", ".join(map(str, allowed)) if allowed else f"1 to {info.embedding_dim}"
+            raise InvalidParameter(
+                "dimensions", f"dimensions must be one of {choices}, got {dimensions}"
+            )
+
+    async def _encode(self, parts: list[EmbeddingReqInput]) -> list[tuple[list[int], list[int]]]:
+        limit = self.info.context_len * self.tokenizer.max_token_chars * 2
+        for item in parts:
+            texts = item.text if isinstance(item.text, list) else [item.text]
+            if sum(len(t) for t in texts) > limit:
+                raise InvalidParameter(
+                    "text",
+                    f"text has {sum(len(t) for t in texts)} characters: far more tokens than "
+                    f"the context length ({self.info.context_len}) holds; shorten it",
+                )
+        if not parts:
+            return []
+        texts = [tuple(item.text) if isinstance(item.text, list) else item.text for item in parts]
+        return await self.tokenizer.encode_batch_async(texts)
+
+    def _check_ids(self, ids: list[int], types: list[int] | None) -> None:
+        vocab = self.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameter(
+                "input_ids", f"input_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
+        num_types = max(self.info.type_vocab_size, 1)
+        if types and max(types) >= num_types:
+            raise InvalidParameter(
+                "token_type_ids",
+                f"token_type_ids: {max(types)} is not a token type of this model "
+                f"(it has {num_types})",
+            )
+
+    def _check_length(self, field_name: str, num: int) -> None:
+        limit = min(self.info.context_len, self.info.max_total_tokens)
+        if num == 0:
+            raise InvalidParameter(
+                field_name, f"{field_name}: the input is empty after tokenization"
+            )
+        if num > limit:
+            raise InvalidParameter(
+                field_name,
+                f"{field_name}: the input has {num} tokens, more than the model takes "
+                f"({limit}, its context length); shorten it",
+            )
+
+
+@dataclass
+class _EmbedState:
+    rid: str
+    created: float
+    dimensions: int | None
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: bool = False
+    expired: bool = False  # ended by the server's deadline
+    embedding: list[float] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class EmbeddingManager:
+    """Embedding requests in flight in one front process."""
+
+    def __init__(
+        self,
+        tokenizer: FrontTokenizer,
+        info: ModelInfo,
+        send: Callable[[Any], None],
+        max_pending: int,
+        max_items: int,
+        worker_ipc: str | None = None,
+        request_timeout_s: float | None = None,
+        rid_in_use: Callable[[str], bool] = lambda rid: False,
+    ):
+        self.info = info
+        self.send = send
+        self.checker = EmbeddingChecker(tokenizer, info, max_items)
+        # A request of the largest allowed batch always fits when nothing else is in flight.
+        self.max_pending = max(max_pending, max_items)
+        self.worker_ipc = worker_ipc
+        self.request_timeout_s = request_timeout_s
+        self.rid_in_use = rid_in_use  # a live generation holds it
+        self.states: dict[str, _EmbedState] = {}
+
+    async def embed(self, obj: EmbeddingReqInput) -> dict | list[dict]:
+        tokenized = await self.checker.check(obj, self.worker_ipc)
+        for t in tokenized:
+            if t.rid in self.states or self.rid_in_use(t.rid):
+                raise InvalidParameter("rid", f"rid: {t.rid!r} is already in use by a live request")
+        if len(self.states) + len(tokenized) > self.max_pending:
+            raise RequestError(
+                429, "the server is overloaded: too many requests in flight; retry later"
+            )
+        now = time.monotonic()
+        states = [_EmbedState(t.rid, now, obj.dimensions) for t in tokenized]
+        for st in states:
+            self.states[st.rid] = st
+        deadline = None
+        if self.request_timeout_s is not None:
+            deadline = asyncio.get_running_loop().call_later(
+                self.request_timeout_s, self._expire, states
+            )
+        try:
+            for t in tokenized:
+                self.send(t)
+            for st in states:
+                while not st.finished:
+                    await st.event.wait()
+                    st.event.clear()
+            results = [self._result(st) for st in states]
+        finally:
+            if deadline is not None:
+                deadline.cancel()
+            for st in states:
+                if not st.finished:  # the caller went away: the scheduler drops it
+                    self.send(
+                        AbortReq(
+                            rid=st.rid,
+                            message="the client went away",
+                            http_worker_ipc=self.worker_ipc,
+                        )
+                    )
+                self.states.pop(st.rid, None)
+        return results[0] if obj.is_single else results
+
+    def _expire(self, states: list[_EmbedState]) -> None:
+        for st in states:
+            if not st.finished:
+                st.expired = True
+                self.send(AbortReq(rid=st.rid, message="deadline", http_worker_ipc=self.worker_ipc))
+
+    def _result(self, st: _EmbedState) -> dict:
+        reason = st.meta.get("finish_reason") or {}
+        if reason.get("type") == "abort":
+            message = reason.get("message", "aborted")
+            if st.expired:
+                raise RequestError(
+                    504,
+                    f"the request ran past the server's deadline (--request-timeout-s "
+                    f"{self.request_timeout_s:g})",
+                )
+            status = reason.get("status_code") or 499
+            raise RequestError(
+                status,
+                message if status != 499 else f"the request was aborted: {message}",
+                param=reason.get("param"),
+                is_request_fault=bool(reason.get("request_fault")),
+            )
+        vector = st.embedding
+        if st.dimensions is not None and st.dimensions < len(vector):
+            vector = vector[: st.dimensions]
+            if self.info.normalizes:
+                norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+                vector = [x / norm for x in vector]
+        meta = {"id": st.rid, **st.meta, "e2e_latency": time.monotonic() - st.created}
+        return {"embedding": vector, "meta_info": meta}
+
+    # ---- results in (on the event loop) ----------------------------------------------------
+
+    def handle_output(self, out: BatchEmbeddingOutput) -> None:
+        for i, rid in enumerate(out.rids):
+            st = self.states.get(rid)
+            if st is None or st.finished:
+                continue  # the client already left, or the front ended it (end_all)
+            st.embedding = out.embeddings[i]
+            st.meta.update(
+                prompt_tokens=out.prompt_tokens[i],
+                cached_tokens=out.cached_tokens[i],
+                finish_reason=out.finished_reasons[i],
+            )
+            st.finished = True
+            st.event.set()
+
+    def matching(self, rid: str) -> list[str]:
+        return [rid] if rid in self.states else []
+
+    def end_all(self, message: str, status: int = 503) -> None:
+        """Ends every embedding in flight with an error of `status`, at once."""
+        for st in self.states.values():
+            if not st.finished:
+                st.meta["finish_reason"] = {
+                    "type": "abort",
+                    "message": message,
+                    "status_code": status,
+                }
+                st.finished = True
+                st.event.set()
