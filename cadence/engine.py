@@ -245,6 +245,17 @@ class Engine:
         obj = EmbeddingReqInput(text=prompt, input_ids=input_ids, **kwargs)
         return self._call(self.client.embed(obj))
 
+    async def async_encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        **kwargs: Any,
+    ) -> dict | list[dict]:
+        """`encode` from an event loop; cancelling it aborts what still runs."""
+        obj = EmbeddingReqInput(text=prompt, input_ids=input_ids, **kwargs)
+        future = asyncio.run_coroutine_threadsafe(self.client.embed(obj), self.loop)
+        return await asyncio.wrap_future(future)
+
     def score(
         self,
         query: str | list[int],
