@@ -80,8 +80,21 @@ def _wait_ready(reader, children, stopping, timeout: float = 1800.0) -> dict:
 
 
 async def _serve(
-    args: ServerArgs, paths, children, reader, model_path: str, stopping, heartbeats
+    args: ServerArgs,
+    paths,
+    children,
+    reader,
+    model_path: str,
+    stopping,
+    heartbeats,
+    sock=None,
+    index: int = 0,
+    shared_pause=None,
 ) -> int:
+    """One front process: HTTP (on `sock` when given, the launcher's shared listening socket)
+    and gRPC on one event loop, front `index` of the server (its own output address).
+    `reader` brings the scheduler's ready report; `children` are the processes whose death
+    ends this one (none in a front worker: its launcher watches them)."""
     import asyncio
     import multiprocessing.connection
     import signal
@@ -136,7 +149,7 @@ async def _serve(
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop)
-    serve_task = asyncio.create_task(server.serve())
+    serve_task = asyncio.create_task(server.serve(sockets=[sock] if sock is not None else None))
     client = None
     try:
         if not args.disable_grpc:
@@ -179,9 +192,11 @@ async def _serve(
             info,
             FrontTokenizer(tokenizer),
             args.max_queued_requests + args.max_running_requests,
+            index=index,
             request_timeout_s=args.request_timeout_s,
             options=RequestOptions.of(args),
         )
+        client.shared_pause = shared_pause
         client.start()
         state.client = client
 
@@ -208,7 +223,7 @@ async def _serve(
                     f"the {' and '.join(p.name for p in dead)} process died; the server is shutting down",
                 )
 
-        watch_task = asyncio.create_task(watchdog())
+        watch_task = asyncio.create_task(watchdog()) if children else None
 
         async def progress_watchdog():
             """A child that stops making progress (hung, stopped, deadlocked) is as bad as a
@@ -251,7 +266,8 @@ async def _serve(
                 await grpc_server.set_serving()
             logger.info("Cadence is ready: http://%s:%d", args.host, args.port)
         await serve_task
-        watch_task.cancel()
+        if watch_task is not None:
+            watch_task.cancel()
         progress_task.cancel()
     except (ChildDied, StartupFailed) as e:
         logger.error("%s", e)
@@ -270,6 +286,151 @@ async def _serve(
     if not server.started and exit_code == 0:
         logger.error("could not bind %s:%d", args.host, args.port)
         exit_code = 1
+    return exit_code
+
+
+# ---- several front processes (--api-workers) -----------------------------------------------
+
+
+def _front_worker_entry(args, paths, model_path, index, sock, reader, shared, parent_pid):
+    """A front worker process: serves HTTP on the launcher's socket and gRPC on the shared
+    port until SIGTERM (or its launcher's death), then exits."""
+    _child_start(parent_pid)
+    import threading
+
+    import uvloop
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(name)s[front {index}] %(levelname)s %(message)s",
+    )
+    from cadence.plugins import load_plugins
+
+    load_plugins()
+    stopping = threading.Event()
+    heartbeats, pause = shared
+    code = uvloop.run(
+        _serve(
+            args,
+            paths,
+            [],
+            reader,
+            model_path,
+            stopping,
+            heartbeats,
+            sock=sock,
+            index=index,
+            shared_pause=pause,
+        )
+    )
+    sys.exit(code)
+
+
+def _bind_http(args: ServerArgs):
+    """The HTTP listening socket every front worker accepts on (SO_REUSEADDR only: a port
+    another program holds is an error here, never a second listener)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        sock.close()
+        raise StartupFailed(f"cannot bind HTTP on {args.host}:{args.port}: {e.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _check_grpc_port_free(args: ServerArgs) -> None:
+    """The front workers share the gRPC port with SO_REUSEPORT, which would let them join a
+    listener of another program; so first check, without it, that no one holds the port."""
+    import socket
+
+    if args.disable_grpc:
+        return
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((args.host, args.effective_grpc_port))
+        except OSError as e:
+            raise StartupFailed(
+                f"cannot bind gRPC on {args.host}:{args.effective_grpc_port}: {e.strerror} "
+                "(give another --grpc-port, or --disable-grpc)"
+            ) from None
+
+
+def _supervise(args, ctx, sock, paths, children, reader, model_path, stopping, heartbeats) -> int:
+    """--api-workers N: this process binds the HTTP socket, starts N front workers on it,
+    hands them the scheduler's ready report, and watches everything. Any process dying
+    (a front worker included) stops the server with exit code 1; SIGTERM/SIGINT stop the
+    fronts first (they end their requests), then the scheduler and detokenizer."""
+    import multiprocessing.connection
+    import os
+    import signal
+
+    import msgspec
+
+    from cadence.front import metrics
+
+    pause = ctx.RawValue("b", 0)
+    workers, pipes = [], []
+    for i in range(args.api_workers):
+        r, w = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_front_worker_entry,
+            args=(args, paths, model_path, i, sock, r, (heartbeats, pause), os.getpid()),
+            name=f"front {i}",
+        )
+        proc.start()
+        workers.append(proc)
+        pipes.append(w)
+    sock.close()  # the workers hold it now
+    logger.info("%d front processes serve http://%s:%d", len(workers), args.host, args.port)
+    exit_code, reported = 0, False
+    try:
+        while not stopping.is_set():
+            if not reported and reader.poll(0):
+                report = reader.recv_bytes()
+                for w in pipes:
+                    w.send_bytes(report)  # each front learns the model's facts, or the error
+                reported = True
+                facts = msgspec.msgpack.decode(report)
+                if facts.get("status") != "ready":
+                    logger.error(
+                        "the scheduler failed to load the model: %s\n%s",
+                        facts.get("error"),
+                        facts.get("traceback", ""),
+                    )
+            fired = multiprocessing.connection.wait(
+                [p.sentinel for p in children + workers], timeout=0.2
+            )
+            dead = [p for p in children + workers if p.sentinel in fired]
+            if dead:
+                # A signal to the whole process group (a terminal's Ctrl-C, `timeout`) reaches
+                # everyone at once: a child ending then is the shutdown, not a failure.
+                stopping.wait(0.3)
+                for p in dead:
+                    p.join(timeout=1)
+                    level = logging.INFO if stopping.is_set() else logging.ERROR
+                    logger.log(level, "the %s process ended (exit code %s)", p.name, p.exitcode)
+                    metrics.mark_process_dead(p.pid)
+                exit_code = 0 if stopping.is_set() else 1
+                break
+    finally:
+        for p in workers:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+        for p in workers:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2)
+            if p.exitcode not in (0, None) and not exit_code and not stopping.is_set():
+                exit_code = 1
     return exit_code
 
 
@@ -328,10 +489,33 @@ def launch(args: ServerArgs) -> int:
             name="detokenizer",
         ),
     ]
+    sock = None
+    if args.api_workers > 1:
+        try:  # before anything starts: a port in use is an error at once
+            sock = _bind_http(args)
+            _check_grpc_port_free(args)
+        except StartupFailed as e:
+            if sock is not None:
+                sock.close()
+            logger.error("%s", e)
+            paths.remove()
+            return 1
+        # Values of every front process in files (aggregated by /metrics), in the private
+        # socket directory: removed with it. Set before any front process imports the client.
+        metrics_dir = os.path.join(paths.directory, "metrics")
+        os.makedirs(metrics_dir, mode=0o700)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     try:
         for proc in children:
             proc.start()
+        if args.api_workers > 1:
+            return _supervise(
+                args, ctx, sock, paths, children, reader, model_path, stopping, heartbeats
+            )
         return uvloop.run(_serve(args, paths, children, reader, model_path, stopping, heartbeats))
+    except StartupFailed as e:
+        logger.error("%s", e)
+        return 1
     finally:
         _stop_children(children)
         paths.remove()

@@ -45,6 +45,12 @@ class ServerArgs:
     """Most requests decoded together in one batch."""
     max_queued_requests: int = 1024
     """Most requests waiting for a batch slot; more are refused with 429."""
+    api_workers: int = 1
+    """Front processes serving HTTP and gRPC on the same ports, all feeding one scheduler (each with its own tokenizer and event loop). The HTTP socket is bound once and shared; gRPC ports are shared with SO_REUSEPORT."""
+    stream_interval: int = 1
+    """Streamed requests get an output every this many tokens (the first token and the last output are sent at once); a client that reads slower than tokens arrive gets what waits merged into one message anyway."""
+    enable_metrics: bool = False
+    """Accepted for SGLang compatibility: GET /metrics (Prometheus text format) is always served."""
     max_total_tokens: int | None = None
     """KV pool size in tokens; default: derived from --kv-cache-memory-fraction."""
     kv_cache_memory_fraction: float = 0.2
@@ -138,6 +144,8 @@ class ServerArgs:
             "page_size",
             "chunked_prefill_size",
             "max_queued_requests",
+            "api_workers",
+            "stream_interval",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")

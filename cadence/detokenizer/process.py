@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 
+import msgspec
 import zmq
 
 from cadence import io_struct
@@ -42,6 +43,37 @@ def _split_by_front(out: BatchStrOutput) -> dict[str | None, BatchStrOutput]:
     return parts
 
 
+def _failed_outputs(data: bytes, error: Exception) -> BatchStrOutput:
+    """For an output batch that does not decode (a bug on the scheduler side): each of its
+    requests, found by reading the message without its schema, ends with an internal error
+    of its own; the fronts then abort them in the scheduler. Empty when even that fails."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+        rids, fronts = list(raw["rids"]), list(raw["http_worker_ipcs"])
+        if len(rids) != len(fronts) or not all(isinstance(r, str) for r in rids):
+            raise ValueError("no request ids in it")
+    except Exception:
+        rids, fronts = [], []
+    reason = {
+        "type": "abort",
+        "status_code": 500,
+        "request_fault": True,
+        "origin": "detokenizer",
+        "message": f"internal error: the engine's output could not be read: {error}",
+    }
+    n = len(rids)
+    return BatchStrOutput(
+        rids=rids,
+        http_worker_ipcs=fronts,
+        finished_reasons=[dict(reason) for _ in rids],
+        output_strs=[""] * n,
+        output_ids=[[] for _ in rids],
+        prompt_tokens=[0] * n,
+        completion_tokens=[0] * n,
+        cached_tokens=[0] * n,
+    )
+
+
 def run_detokenizer_process(
     args: ServerArgs, paths: IpcPaths, tokenizer_source: str, heartbeat: Heartbeat | None = None
 ) -> None:
@@ -69,10 +101,10 @@ def run_detokenizer_process(
         data = inbox.recv(copy=False).bytes
         try:
             msg = io_struct.decode(data)
-        except Exception:
-            logger.exception(
-                "dropped a message the detokenizer cannot decode (%d bytes)", len(data)
-            )
+        except Exception as e:
+            logger.exception("a message the detokenizer cannot decode (%d bytes)", len(data))
+            for front, part in _split_by_front(_failed_outputs(data, e)).items():
+                fronts.send(front, part)  # its requests end with an error instead of hanging
             continue
         if isinstance(msg, BatchTokenIDOutput):
             for front, part in _split_by_front(detokenizer.process(msg)).items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 
 import msgspec
@@ -29,6 +30,7 @@ from cadence.entrypoints.http_io import (
 )
 from cadence.entrypoints.openai_routes import register_openai_routes
 from cadence.errors import CadenceError, InvalidParameter
+from cadence.front import metrics
 from cadence.io_struct import (
     CloseSessionReqInput,
     ContinueGenerationReqInput,
@@ -66,6 +68,12 @@ class Gate:
         key = state.args.api_key
         self._expected_auth = f"Bearer {key}".encode("latin-1") if key else None
         self.max_body = state.args.max_request_body_bytes
+        # With several front processes, every response names the one that answered.
+        self._pid_header = (
+            (b"x-cadence-front-pid", str(os.getpid()).encode())
+            if state.args.api_workers > 1
+            else None
+        )
 
     # Small front-process routes answered here without the framework's routing and request
     # objects, which cost more than the work itself (the tokenizer takes microseconds).
@@ -78,6 +86,7 @@ class Gate:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
+            send = self._counted_send(send)
             rejection = self._check(scope)
             if rejection is not None:
                 return await rejection(scope, receive, send)
@@ -88,6 +97,19 @@ class Gate:
             if handler is not None and scope["method"] == "POST":
                 return await self._answer(handler, receive, send)
         await self.app(scope, receive, send)
+
+    def _counted_send(self, send):
+        """`send` that counts the response by status for /metrics (and adds the pid header)."""
+        header = self._pid_header
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                metrics.record_response("http", message["status"])
+                if header is not None:
+                    message["headers"] = [*message.get("headers", ()), header]
+            await send(message)
+
+        return counted_send
 
     def _counted(self, receive):
         """`receive` for a body of unknown length: raises BodyTooLarge once it is too long."""
@@ -223,8 +245,8 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(
-            native_api.metrics_text(state), media_type="text/plain; version=0.0.4"
+        return Response(
+            await native_api.metrics_body(state), media_type="text/plain; version=0.0.4"
         )
 
     @app.get("/model_info")

@@ -69,6 +69,9 @@ class FrontClient(EngineClient):
         self._waiters: dict[type, deque[asyncio.Future]] = defaultdict(deque)
         self._control_lock: dict[type, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._is_paused = False
+        # With several front processes (--api-workers), a flag in shared memory: a pause
+        # through one front holds new generations on every front.
+        self.shared_pause = None
         self.is_closed = False
 
     @property
@@ -129,10 +132,10 @@ class FrontClient(EngineClient):
 
     async def control(self, msg, timeout: float = 60.0):
         msg.http_worker_ipc = self.address
-        if isinstance(msg, PauseGenerationReqInput):
-            self._is_paused = True
-        elif isinstance(msg, ContinueGenerationReqInput):
-            self._is_paused = False
+        if isinstance(msg, PauseGenerationReqInput | ContinueGenerationReqInput):
+            self._is_paused = isinstance(msg, PauseGenerationReqInput)
+            if self.shared_pause is not None:
+                self.shared_pause.value = self._is_paused
         reply_type = REPLY_TYPES.get(type(msg))
         if reply_type is None:
             self.send(msg)
@@ -151,6 +154,8 @@ class FrontClient(EngineClient):
 
     @property
     def is_paused(self) -> bool:
+        if self.shared_pause is not None:
+            return bool(self.shared_pause.value)
         return self._is_paused
 
     def backlog(self, rids: list[str], consumed: int) -> int:

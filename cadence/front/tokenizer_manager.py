@@ -18,7 +18,9 @@ from typing import Any
 
 from cadence import hooks
 from cadence.errors import InvalidParameter, RequestError
+from cadence.front import metrics
 from cadence.front.engine_client import ModelInfo
+from cadence.front.metrics import RequestTimer
 from cadence.front.normalize import items as normalized_items
 from cadence.front.request_checks import RequestChecker, RequestOptions
 from cadence.front.tokenizer import FrontTokenizer
@@ -48,6 +50,7 @@ class _ReqState:
     meta: dict[str, Any] = field(default_factory=dict)
     logprobs_sent: dict[str, int] = field(default_factory=dict)  # stream: entries already yielded
     hidden: list[list[float]] = field(default_factory=list)  # final hidden states, per position
+    timer: RequestTimer | None = None  # its latencies and tokens, for /metrics
 
 
 _LP_FIELDS = (
@@ -105,8 +108,9 @@ class TokenizerManager:
         for item in items:
             hooks.request_received(item)  # may raise to refuse; nothing is registered or sent yet
         states = []
+        model = self.info.served_model_name
         for item, tok in zip(items, tokenized):
-            st = _ReqState(item, now)
+            st = _ReqState(item, now, timer=RequestTimer(model, now))
             self.states[tok.rid] = st
             states.append(st)
         deadline = None
@@ -128,6 +132,9 @@ class TokenizerManager:
                 deadline.cancel()
             for tok, st in zip(tokenized, states):
                 if not st.finished:
+                    st.timer.on_finish(
+                        {**st.meta, "finish_reason": {"type": "abort"}}, time.monotonic()
+                    )
                     self.abort_request(tok.rid, "the client went away")
                     hooks.notify(
                         hooks.request_finished,
@@ -277,6 +284,7 @@ class TokenizerManager:
 
     def _fail(self, st: _ReqState, rid: str, message: str) -> None:
         self.num_request_faults["front"] += 1
+        metrics.record_fault("front")
         st.meta["finish_reason"] = {
             "type": "abort",
             "status_code": 500,
@@ -284,6 +292,8 @@ class TokenizerManager:
             "message": message,
         }
         st.finished = True
+        if st.timer is not None:
+            st.timer.on_finish(st.meta, time.monotonic())
         self.abort_request(rid, message)
         hooks.notify(hooks.request_finished, rid, dict(st.meta))
         st.event.set()
@@ -293,6 +303,7 @@ class TokenizerManager:
         if reason is not None and reason.get("request_fault"):
             origin = reason.get("origin", "scheduler")
             self.num_request_faults[origin] = self.num_request_faults.get(origin, 0) + 1
+            metrics.record_fault(origin)
             if origin == "detokenizer":
                 self.abort_request(
                     rid, reason.get("message", "failed")
@@ -310,6 +321,11 @@ class TokenizerManager:
             self._add_logprobs(st, out.logprobs[i])
         if out.hidden_states and out.hidden_states[i]:
             st.hidden.extend(out.hidden_states[i])
+        if st.timer is not None:
+            now = time.monotonic()
+            st.timer.on_tokens(len(out.output_ids[i]), now)
+            if reason is not None:
+                st.timer.on_finish(st.meta, now)
         if reason is not None:
             st.finished = True
             hooks.notify(hooks.request_finished, rid, dict(st.meta))

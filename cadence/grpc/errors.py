@@ -8,6 +8,7 @@ INVALID_ARGUMENT, 429 -> RESOURCE_EXHAUSTED, 503 -> UNAVAILABLE, and so on.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -15,6 +16,7 @@ import logging
 import grpc
 
 from cadence.errors import CadenceError, RequestError
+from cadence.front import metrics
 from cadence.serving.errors import FAULT_HEADER, grpc_code_name
 
 logger = logging.getLogger(__name__)
@@ -47,42 +49,69 @@ def _status_of(e: Exception) -> tuple[grpc.StatusCode, str, tuple] | None:
     return code_for_http_status(e.status), str(e), metadata
 
 
-async def _abort(context, e: Exception, method: str):
+def _final_status(e: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple]:
+    """The status a failed call ends with (an unexpected error is logged, INTERNAL)."""
     status = _status_of(e)
     if status is None:
         logger.exception("gRPC %s failed", method)
         status = grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log", ()
-    await context.abort(*status)
+    return status
 
 
 def rpc(method):
     """Wraps a servicer method (coroutine or async generator) so that its errors become
-    statuses: ours mapped by the table, anything else INTERNAL and logged."""
+    statuses: ours mapped by the table, anything else INTERNAL and logged. Every call is
+    counted by its final status for /metrics."""
     name = method.__name__
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)
         async def stream(self, request, context, **kwargs):
             messages = method(self, request, context, **kwargs)
+            code = "OK"
             try:
                 async for msg in messages:
                     yield msg
             except grpc.aio.AbortError:
+                code = _code_name(context)
+                raise
+            except asyncio.CancelledError:
+                code = "CANCELLED"
                 raise
             except Exception as e:
-                await _abort(context, e, name)
+                status = _final_status(e, name)
+                code = status[0].name
+                await context.abort(*status)
             finally:
+                metrics.record_response("grpc", code)
                 await messages.aclose()  # now, not at garbage collection: it may hold a request
 
         return stream
 
     @functools.wraps(method)
     async def unary(self, request, context, **kwargs):
+        code = "OK"
         try:
             return await method(self, request, context, **kwargs)
         except grpc.aio.AbortError:
+            code = _code_name(context)
+            raise
+        except asyncio.CancelledError:
+            code = "CANCELLED"
             raise
         except Exception as e:
-            await _abort(context, e, name)
+            status = _final_status(e, name)
+            code = status[0].name
+            await context.abort(*status)
+        finally:
+            metrics.record_response("grpc", code)
 
     return unary
+
+
+def _code_name(context) -> str:
+    try:
+        code = context.code()
+    except Exception:
+        code = None
+    return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"

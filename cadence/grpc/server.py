@@ -49,7 +49,9 @@ def server_options(args: ServerArgs) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", int(args.grpc_min_ping_interval_s * 1000)),
         ("grpc.http2.max_pings_without_data", 0),  # our own keepalive pings never stop
-        ("grpc.so_reuseport", 0),
+        # One front: a port in use is an error. Several (--api-workers): each front process
+        # binds the port with SO_REUSEPORT, after the launcher checked that no one else holds it.
+        ("grpc.so_reuseport", 1 if args.api_workers > 1 else 0),
     ]
 
 

@@ -10,6 +10,7 @@ involved. Bad input raises `InvalidParameter`, which each adapter maps to its ow
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,6 +20,8 @@ from cadence.front.engine_client import EngineClient, ModelInfo
 from cadence.front.normalize import from_json_dict
 from cadence.io_struct import GenerateReqInput, GetLoadReqInput
 from cadence.version import __version__
+
+logger = logging.getLogger(__name__)
 
 LOAD_FIELDS = (
     "dp_rank",
@@ -73,7 +76,11 @@ async def cumulative(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
                 if name in meta:
                     meta[name] = total["logprobs"].setdefault(name, []) + list(meta[name] or [])
                     total["logprobs"][name] = meta[name]
-            out = {"text": total["text"], "output_ids": list(total["output_ids"]), "meta_info": meta}
+            out = {
+                "text": total["text"],
+                "output_ids": list(total["output_ids"]),
+                "meta_info": meta,
+            }
             if "index" in chunk:
                 out["index"] = index
             yield out
@@ -128,17 +135,19 @@ async def server_info(state) -> dict[str, Any]:
     return body
 
 
-def metrics_text(state) -> str:
-    """GET /metrics in Prometheus text format: what the front process counts."""
-    lines = [
-        "# HELP cadence_request_faults_total Requests that ended in an internal error of their own "
-        "(isolated: the server went on), by where it happened.",
-        "# TYPE cadence_request_faults_total counter",
-    ]
-    faults = state.client.stats()["request_faults"] if state.client is not None else {}
-    for origin, count in sorted(faults.items()):
-        lines.append(f'cadence_request_faults_total{{origin="{origin}"}} {count}')
-    return "\n".join(lines) + "\n"
+async def metrics_body(state) -> bytes:
+    """GET /metrics in Prometheus text format: what the front processes count (all of them
+    with --api-workers) and the scheduler's gauges, asked for now."""
+    from cadence.front import metrics
+
+    load, client = None, state.client
+    if client is not None and state.is_ready and not state.is_shutting_down:
+        try:
+            load = load_entries(await client.control(GetLoadReqInput(), timeout=5.0))[0]
+        except Exception:  # a scrape never fails for want of the gauges
+            logger.warning("/metrics: the scheduler did not report its load", exc_info=True)
+    model = client.info.served_model_name if client is not None else ""
+    return metrics.render(load, model)
 
 
 def load_entries(load, dp_rank: int | None = None) -> list[dict[str, Any]]:
@@ -202,7 +211,9 @@ def _render_chat(state, body: dict) -> str:
             messages, tokenize=False, chat_template=getattr(state, "chat_template", None), **options
         )
     except Exception as e:  # a template's raise_exception, or a malformed conversation
-        raise InvalidParameter("messages", f"the chat template rejected the messages: {e}") from None
+        raise InvalidParameter(
+            "messages", f"the chat template rejected the messages: {e}"
+        ) from None
 
 
 async def detokenize_body(state, body: Any) -> dict[str, Any]:

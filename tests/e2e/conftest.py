@@ -25,6 +25,7 @@ from e2e_server import (
     is_idle,
     tagged_pids,
     wait_until,
+    zero_cost_env,
 )
 
 sys.path.append(PLUGINS_DIR)  # the tests read the fault-injection plugin's markers
@@ -54,10 +55,15 @@ SERVER_SPECS: dict[str, list[str]] = {
     ],  # fmt: skip
     # A short watchdog: SIGSTOP of a child must bring the server down within seconds.
     "stall_server": ["--watchdog-timeout", "3", *_SMALL],
+    # Two front processes over one scheduler (test_api_workers.py).
+    "workers_server": ["--api-workers", "2", "--max-total-tokens", "4096", "--skip-warmup"],
+    # The zero-cost model runner (a plugin): tokens as fast as the server moves them, for the
+    # stream-coalescing and stream-interval tests.
+    "zero_cost_server": ["--api-workers", "2", "--max-total-tokens", "16384", "--skip-warmup"],
     # SGLang's gateway (SMG) in front of Cadence, over gRPC and HTTP (test_smg_*.py).
     "smg_server": ["--max-total-tokens", "4096", "--skip-warmup"],
 }
-SERVER_ENVS = {"fuzz_server": fault_plugin_env}
+SERVER_ENVS = {"fuzz_server": fault_plugin_env, "zero_cost_server": zero_cost_env}
 
 
 class Fleet:

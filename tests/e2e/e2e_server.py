@@ -319,6 +319,19 @@ class Server:
 
 
 PLUGINS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins")
+# The zero-cost model runner (a benchmark plugin): tokens without computing anything.
+BENCH_PLUGINS_DIR = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "plugins"
+)
+
+
+def zero_cost_env() -> dict[str, str]:
+    """The environment of a server whose model runner is the zero-cost plugin's."""
+    if BENCH_PLUGINS_DIR not in sys.path:
+        sys.path.append(BENCH_PLUGINS_DIR)
+    from cadence_zero_cost import plugin_env
+
+    return plugin_env()
 
 
 def fault_plugin_env() -> dict[str, str]:

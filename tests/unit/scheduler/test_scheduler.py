@@ -378,3 +378,28 @@ def test_hidden_states_are_recorded_once_per_position():
     outputs = run_until_idle(s)
     states = [v for o in outputs if o.rid == "h" and o.hidden_states for v in o.hidden_states]
     assert states == [[float(p)] for p in range(6 + 3 - 1)]  # prompt positions, then each decode
+
+
+def test_stream_interval_sends_the_first_token_then_every_k_then_the_end():
+    s, _, alloc = make(stream_interval=3)
+    msg = request("a", prompt_len=4, max_new=8)
+    msg.stream = True
+    s.handle(msg)
+    outputs = [o for o in run_until_idle(s) if o.rid == "a"]
+    assert [len(o.new_ids) for o in outputs] == [1, 3, 3, 1]
+    assert outputs[-1].finished_reason == {"type": "length", "length": 8}
+    assert [t for o in outputs for t in o.new_ids] == [10 + p for p in range(4, 12)]
+    assert_pool_full(s, alloc)
+
+
+def test_an_abort_by_rid_reaches_the_samples_of_an_n_request_only():
+    s, _, alloc = make(num_pages=64)
+    for rid in ("job-0", "job-1", "job-x", "jobs-0", "other"):
+        s.handle(request(rid, max_new=30))
+    s.step()
+    s.handle(AbortReq(rid="job"))
+    ended = {o.rid for o in s.outputs if o.finished_reason}
+    assert ended == {"job-0", "job-1"}  # "job-x" and "jobs-0" are other requests
+    s.handle(AbortReq(abort_all=True))
+    run_until_idle(s)
+    assert_pool_full(s, alloc)
