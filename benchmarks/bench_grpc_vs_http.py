@@ -80,7 +80,9 @@ def free_port() -> int:
 # ---- bare transports (each run as `python this.py --role ...` in its own process) -------------
 
 
-ECHO_STEP_S = 0.1  # the bare streams' pause between messages: about one engine step at c=32
+ECHO_STEP_S = float(
+    os.environ.get("CADENCE_ECHO_STEP_S", "0.1")
+)  # pause between bare-stream messages: about one engine step at c=32 (bench_front.py sets 0: the transport at full speed)
 
 
 def echo_meta(completion_tokens: int) -> dict:

@@ -88,7 +88,9 @@ def launch(args, port: int, cache_on: bool, log_path: str) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "cadence.launch_server", "--port", str(port),
         "--grpc-port", str(free_port()), "--dtype", args.dtype, "--log-level", "warning",
-        "--max-running-requests", "32",
+        "--max-running-requests", "32", "--chunked-prefill-size", "1024",
+        # A 2,000-token prefill on a loaded 2-core machine can take longer than the default.
+        "--watchdog-timeout", "600",
     ]  # fmt: skip
     if not cache_on:
         cmd.append("--disable-radix-cache")
@@ -171,7 +173,7 @@ async def multiturn(session, url) -> tuple[float, list[list[float]]]:
     async def conversation(c: int):
         nonlocal tokens
         messages = [
-            {"role": "system", "content": "Answer briefly.\n" + document(TOPICS[c], 40)},
+            {"role": "system", "content": "Answer briefly.\n" + document(TOPICS[c], 16)},
         ]
         for t in range(TURNS):
             messages.append({"role": "user", "content": QUESTIONS[t]})
