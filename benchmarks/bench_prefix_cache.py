@@ -74,7 +74,7 @@ def document(topic: str, sentences: int) -> str:
 
 
 SYSTEM_PROMPT = "You are a careful assistant. Use only the reference material below.\n" + document(
-    "the reference archive", 110
+    "the reference archive", 80
 )
 
 
