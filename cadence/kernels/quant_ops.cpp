@@ -413,6 +413,7 @@ inline void tile_block(const Packed& pk, const uint8_t* tile, const Acts& a, int
       for (int j = 0; j < kSplit; ++j) dot[m][0][j] = dot[m][1][j] = _mm256_setzero_ps();
     }
     const float* x = a.x + m0 * a.k + g * kGroup;
+#pragma GCC unroll 16  // constant k: the sums stay in registers, the shifts take immediates
     for (int k = 0; k < 16; ++k) {
       __m256i qlo, qhi;
       column_pair<kBits>(codes, k, &qlo, &qhi);
@@ -480,6 +481,7 @@ inline void dequantize_group(const Packed& pk, const uint8_t* tile, int64_t g, f
   }
   constexpr int kOffset = QT == kQ4_0 ? 8 : QT == kQ6_K ? 32 : 0;
   const __m256i off = _mm256_set1_epi32(kOffset);
+#pragma GCC unroll 16
   for (int k = 0; k < 16; ++k) {
     __m256i qlo, qhi;
     column_pair<kBits>(codes, k, &qlo, &qhi);
