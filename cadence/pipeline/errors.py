@@ -1,0 +1,33 @@
+"""How a pipeline request can fail, in the one error family of `cadence.errors` (each error
+carries the HTTP status both protocols answer with)."""
+
+from __future__ import annotations
+
+from cadence.errors import RequestError
+
+
+class StageFailed(RequestError):
+    """A stage's executor raised for this request (500); the message names the stage. The
+    pipeline survived: other requests are unaffected."""
+
+    def __init__(self, message: str):
+        super().__init__(500, message, is_request_fault=True)
+
+
+class PipelineUnavailable(RequestError):
+    """The pipeline cannot serve now (503): starting, a stage process died or is restarting,
+    or it is shutting down."""
+
+    def __init__(self, message: str):
+        super().__init__(503, message)
+
+
+class RequestAborted(RequestError):
+    """The request was aborted before it finished (499)."""
+
+    def __init__(self, message: str = "the request was aborted"):
+        super().__init__(499, message)
+
+
+class PipelineStartError(RuntimeError):
+    """A stage process failed to start or report ready; the message says which and why."""
