@@ -28,6 +28,9 @@ logger = logging.getLogger("cadence.scheduler")
 
 # How long loading new weights may stop the loop before the watchdog calls it stuck.
 WEIGHT_LOAD_GRACE_S = 900.0
+# Time a forward step may take per token it computes before the watchdog (--watchdog-timeout,
+# counted after this) calls the scheduler stuck: 2,048 prefill tokens get ~100 s more.
+STEP_GRACE_S_PER_TOKEN = 0.05
 
 
 class SchedulerProcess:
@@ -54,6 +57,11 @@ class SchedulerProcess:
                     self._dispatch(data.bytes)
             elif os.getppid() != parent:
                 return  # the server is gone
+            if self.heartbeat is not None and self.scheduler.has_work:
+                # A step is one forward pass the loop cannot beat inside: a long prefill on a
+                # busy machine is progress, so the watchdog allows time in proportion to the
+                # tokens the step may compute (a hang still shows, later).
+                self.heartbeat.busy(STEP_GRACE_S_PER_TOKEN * self.scheduler.step_tokens_bound())
             self._send(self.scheduler.step())
 
     def _dispatch(self, data: bytes) -> None:

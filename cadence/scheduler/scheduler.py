@@ -392,6 +392,12 @@ class Scheduler:
 
     # ---- the loop body ---------------------------------------------------------------------
 
+    def step_tokens_bound(self) -> int:
+        """At most how many tokens the next step computes (for the watchdog's patience)."""
+        if self.waiting or self.chunked is not None:
+            return self.args.chunked_prefill_size + len(self.running)
+        return len(self.running)
+
     @property
     def has_work(self) -> bool:
         return not self.is_paused and bool(
