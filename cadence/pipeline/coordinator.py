@@ -1,0 +1,235 @@
+"""The coordinator: the front process's handle on a pipeline whose stages run elsewhere.
+
+It binds one PULL socket (Complete, Stream, StageReady, StageStats come in) and one PUB
+socket (Abort, Shutdown, ProfilerStart/Stop, StatsQuery go out to every stage process), and
+PUSHes Submit to the entry stage's process with the request's tensors inline. It knows
+nothing of processes: the launcher tells it when one is ready, dies, or is back
+(`mark_unhealthy` / `mark_healthy`); while unhealthy every request fails at once (503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from cadence.pipeline import channels
+from cadence.pipeline.client import PipelineClient, RequestTracker
+from cadence.pipeline.config import PipelineConfig
+from cadence.pipeline.errors import PipelineStartError, PipelineUnavailable
+from cadence.pipeline.messages import (
+    Abort,
+    Complete,
+    ProfilerStart,
+    ProfilerStop,
+    Shutdown,
+    StageReady,
+    StageStats,
+    StatsQuery,
+    Stream,
+    Submit,
+)
+from cadence.pipeline.payload import buffer_from_frame, extract, restore
+
+logger = logging.getLogger("cadence.pipeline")
+
+HELLO_PERIOD_S = 0.02  # broadcast while processes start, so each knows its subscription is live
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """Where a pipeline's sockets listen (ipc:// paths in a private directory)."""
+
+    coordinator: str
+    broadcast: str
+    processes: dict[str, str]  # process name -> its PULL
+
+
+class Coordinator(PipelineClient):
+    """submit / stream / abort for a multi-process pipeline; see the module docstring."""
+
+    def __init__(self, config: PipelineConfig, addresses: Addresses):
+        self.config = config
+        self.graph = config.graph
+        self.addresses = addresses
+        self.tracker = RequestTracker(self.graph)
+        self._ctx = zmq.Context()
+        self._pull = channels.bind(self._ctx, zmq.PULL, addresses.coordinator)
+        self._pub = channels.bind(self._ctx, zmq.PUB, addresses.broadcast)
+        entry_process = self.graph.process_of[self.graph.entry]
+        self._entry = channels.connect(self._ctx, zmq.PUSH, addresses.processes[entry_process])
+        self._inbox = channels.Inbox(self._pull, self._dispatch, "coordinator")
+        self._handlers = {
+            Complete: self._on_complete,
+            Stream: self._on_stream,
+            StageReady: self._on_ready,
+            StageStats: self._on_stats,
+        }
+        self.ready: dict[str, int] = {}  # process -> pid, for processes that reported ready
+        self.start_errors: dict[str, str] = {}
+        self._ready_changed: asyncio.Event | None = None
+        self._stats: dict[int, tuple[asyncio.Future, dict[str, StageStats]]] = {}
+        self._tokens = itertools.count(1)
+        self.unhealthy_reason: str | None = "starting"
+        self.closed = False
+
+    def start(self) -> None:
+        """Starts reading replies; call on the loop that will use the coordinator."""
+        self._ready_changed = asyncio.Event()
+        self._inbox.start()
+
+    # -- health ---------------------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        """Every stage process is up and reported ready."""
+        return self.unhealthy_reason is None
+
+    def mark_unhealthy(self, reason: str) -> list[str]:
+        """Fails every request in flight with `reason` (503) and drops them on every stage;
+        returns their rids. Requests refused until `mark_healthy`."""
+        self.unhealthy_reason = reason
+        rids = self.tracker.fail_all(PipelineUnavailable(reason))
+        if rids:
+            self._publish(Abort(rids=rids, reason=reason))
+        return rids
+
+    def mark_healthy(self) -> None:
+        self.unhealthy_reason = None
+
+    def forget_ready(self, processes) -> None:
+        for process in processes:
+            self.ready.pop(process, None)
+            self.start_errors.pop(process, None)
+
+    async def wait_ready(self, processes: set[str], timeout: float, is_alive) -> None:
+        """Returns once every process in `processes` reported ready; PipelineStartError if one
+        reports an error, `is_alive(process)` turns False, or `timeout` passes."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            failed = {p: e for p, e in self.start_errors.items() if p in processes}
+            if failed:
+                process, error = next(iter(failed.items()))
+                raise PipelineStartError(f"stage process {process} failed to start: {error}")
+            for process in processes:
+                if process not in self.ready and not is_alive(process):
+                    raise PipelineStartError(
+                        f"stage process {process} died during start-up (see its log above)"
+                    )
+            if processes <= set(self.ready):
+                return
+            if loop.time() > deadline:
+                missing = ", ".join(sorted(processes - set(self.ready)))
+                raise PipelineStartError(f"stage process(es) {missing} not ready in {timeout} s")
+            self._publish(Abort(rids=[], reason="hello"))
+            self._ready_changed.clear()
+            try:
+                async with asyncio.timeout(HELLO_PERIOD_S):
+                    await self._ready_changed.wait()
+            except TimeoutError:
+                pass
+
+    # -- requests -------------------------------------------------------------------------
+
+    def _send(self, wire: str, request: Any) -> None:
+        if self.unhealthy_reason is not None:
+            raise PipelineUnavailable(f"the pipeline cannot take requests: {self.unhealthy_reason}")
+        payload = extract(request)
+        frame = payload.pack("cpu").numpy() if payload.nbytes else None
+        msg = Submit(rid=wire, stage=self.graph.entry, payload=payload.header)
+        channels.send(self._entry, msg, frame)
+
+    def _abort_everywhere(self, rids: list[str], reason: str) -> None:
+        self._publish(Abort(rids=rids, reason=reason))
+
+    def _publish(self, msg) -> None:
+        if not self.closed:
+            channels.send(self._pub, msg)
+
+    # -- replies --------------------------------------------------------------------------
+
+    def _dispatch(self, msg: Any, frame) -> None:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            logger.warning("coordinator: unexpected %s", type(msg).__name__)
+            return
+        handler(msg, frame)
+
+    def _on_complete(self, msg: Complete, frame) -> None:
+        if msg.rid not in self.tracker.pending:
+            return
+        result = None
+        if msg.error is None:
+            result = restore(msg.payload, buffer_from_frame(frame) if frame else None)
+        if self.tracker.complete(msg.rid, msg.stage, result, msg.error):
+            self._abort_everywhere([msg.rid], f"stage {msg.stage} failed")
+
+    def _on_stream(self, msg: Stream, frame) -> None:
+        pending = self.tracker.pending.get(msg.rid)
+        if pending is None:
+            return
+        data = None
+        if msg.payload is not None and pending.queue is not None:
+            data = restore(msg.payload, buffer_from_frame(frame) if frame else None)
+        failed = self.tracker.chunk(msg.rid, msg.stage, msg.chunk_id, data, msg.is_done, msg.error)
+        if failed:
+            self._abort_everywhere([msg.rid], f"stage {msg.stage} failed")
+
+    def _on_ready(self, msg: StageReady, frame) -> None:
+        if msg.error is not None:
+            self.start_errors[msg.process] = msg.error
+        else:
+            self.ready[msg.process] = msg.pid
+        self._ready_changed.set()
+
+    def _on_stats(self, msg: StageStats, frame) -> None:
+        entry = self._stats.get(msg.token)
+        if entry is not None:
+            future, got = entry
+            got[msg.process] = msg
+            if set(got) >= set(self.ready) and not future.done():
+                future.set_result(got)
+
+    # -- operations -----------------------------------------------------------------------
+
+    async def stage_stats(self, timeout: float = 5.0) -> dict[str, StageStats]:
+        """Each ready process's StageStats: rids it holds state for, relay accounting."""
+        token = next(self._tokens)
+        future = asyncio.get_running_loop().create_future()
+        got: dict[str, StageStats] = {}
+        self._stats[token] = (future, got)
+        self._publish(StatsQuery(token=token))
+        try:
+            async with asyncio.timeout(timeout):
+                return await future
+        except TimeoutError:
+            missing = ", ".join(sorted(set(self.ready) - set(got)))
+            raise TimeoutError(f"no stats from {missing} in {timeout} s") from None
+        finally:
+            del self._stats[token]
+
+    def start_profile(self, output_dir: str) -> None:
+        self._publish(ProfilerStart(output_dir=output_dir))
+
+    def stop_profile(self) -> None:
+        self._publish(ProfilerStop())
+
+    def shutdown_stages(self) -> None:
+        self._publish(Shutdown())
+
+    def close(self) -> None:
+        """Fails what is still in flight and closes the sockets."""
+        if self.closed:
+            return
+        self.tracker.fail_all(PipelineUnavailable("the pipeline is shutting down"))
+        self.unhealthy_reason = "closed"
+        self.closed = True
+        self._inbox.stop()
+        for sock in (self._pull, self._pub, self._entry):
+            sock.close(linger=0)
+        self._ctx.term()
