@@ -53,6 +53,16 @@ class RequestOptions:
         )
 
 
+def require_generation_model(info: ModelInfo) -> None:
+    """An embedding model generates nothing: generation requests get a 400 naming `model`."""
+    if not info.is_generation:
+        raise InvalidParameter(
+            "model",
+            f"the model {info.served_model_name!r} is an embedding model: it generates "
+            "nothing; use /v1/embeddings or /encode (/classify, /v1/rerank for a classifier)",
+        )
+
+
 class RequestChecker:
     def __init__(
         self,
@@ -71,13 +81,7 @@ class RequestChecker:
     ) -> list[TokenizedGenerateReqInput]:
         """Normalizes `obj` and returns its items tokenized and checked, in order. Raises
         InvalidParameter before anything is sent."""
-        if not self.info.is_generation:
-            raise InvalidParameter(
-                "model",
-                f"the model {self.info.served_model_name!r} is an embedding model: it "
-                "generates nothing; use /v1/embeddings or /encode (/classify, /v1/rerank for "
-                "a classifier)",
-            )
+        require_generation_model(self.info)
         normalize_batch_and_arguments(obj, self.max_items)
         tokenized = [await self._check_item(item, worker_ipc) for item in items(obj)]
         if obj.parallel_sample_num > 1:

@@ -31,6 +31,7 @@ import msgspec
 
 from cadence.errors import InvalidParameter, RequestError
 from cadence.front.engine_client import EngineClient
+from cadence.front.request_checks import require_generation_model
 from cadence.io_struct import GenerateReqInput
 from cadence.parsers import reasoning_parser
 from cadence.parsers.tool_calls import Llama3Parser
@@ -211,6 +212,7 @@ class OpenAIServing:
             req = proto.parse_request(cls, body)
             names = proto.native_names(req)
             self._check_model(req.model)
+            require_generation_model(self.client.info)  # before the chat template is rendered
             job = (
                 await self._chat_job(req)
                 if cls is proto.ChatCompletionRequest

@@ -27,6 +27,7 @@ from e2e_server import (
     wait_until,
     zero_cost_env,
 )
+from embedding_models import CLASSIFIER_PATH, MINILM_PATH, classifier_env
 
 sys.path.append(PLUGINS_DIR)  # the tests read the fault-injection plugin's markers
 
@@ -60,10 +61,21 @@ SERVER_SPECS: dict[str, list[str]] = {
     # The zero-cost model runner (a plugin): tokens as fast as the server moves them, for the
     # stream-coalescing and stream-interval tests.
     "zero_cost_server": ["--api-workers", "2", "--max-total-tokens", "16384", "--skip-warmup"],
+    # Embedding models (test_embeddings_e2e.py): all-MiniLM-L6-v2 with its warm-up (an
+    # embedding), and a small BERT classifier written when its server starts.
+    "embedding_server": [
+        *("--model-path", MINILM_PATH, "--served-model-name", "all-MiniLM-L6-v2"),
+        *("--max-embedding-batch", "64"),
+    ],
+    "classifier_server": ["--model-path", CLASSIFIER_PATH, "--skip-warmup"],
     # SGLang's gateway (SMG) in front of Cadence, over gRPC and HTTP (test_smg_*.py).
     "smg_server": ["--max-total-tokens", "4096", "--skip-warmup"],
 }
-SERVER_ENVS = {"fuzz_server": fault_plugin_env, "zero_cost_server": zero_cost_env}
+SERVER_ENVS = {
+    "fuzz_server": fault_plugin_env,
+    "zero_cost_server": zero_cost_env,
+    "classifier_server": classifier_env,
+}
 
 
 class Fleet:
