@@ -122,17 +122,17 @@ class ServerArgs:
     """Most gRPC generation calls in flight (generate, embed, OpenAI pass-through); more get RESOURCE_EXHAUSTED. Default: --max-running-requests + --max-queued-requests."""
     grpc_stream_buffer: int = 256
     """Most output tokens (OpenAI pass-through streams: chunks) a gRPC stream may hold back while its client does not read; beyond that the call ends with RESOURCE_EXHAUSTED and its request is aborted."""
+    # -- embeddings, classification, scoring and reranking (docs/embeddings.md) --
+    is_embedding: bool = False
+    """Serve a decoder (the Llama family) as an embedding model: the last token's final hidden state, normalized (or the pooling its modules.json declares). Encoders (BERT) are detected from their config.json and served as embedding models without this flag."""
+    max_embedding_batch: int = 1024
+    """Most inputs one embedding, classification, score or rerank request may carry; more get a 400."""
 
     def __post_init__(self) -> None:
         for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(
                     f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}"
-    # -- embeddings, classification, scoring and reranking (docs/embeddings.md) --
-    is_embedding: bool = False
-    """Serve a decoder (the Llama family) as an embedding model: the last token's final hidden state, normalized (or the pooling its modules.json declares). Encoders (BERT) are detected from their config.json and served as embedding models without this flag."""
-    max_embedding_batch: int = 1024
-    """Most inputs one embedding, classification, score or rerank request may carry; more get a 400."""
                 )
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
@@ -191,6 +191,8 @@ class ServerArgs:
             )
         self._check_grpc()
         self._check_structured_output()
+        if self.max_embedding_batch < 1:
+            raise ValueError(f"max_embedding_batch must be ≥ 1, got {self.max_embedding_batch}")
 
     def _check_structured_output(self) -> None:
         from cadence.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
@@ -199,8 +201,6 @@ class ServerArgs:
             raise ValueError(
                 f"grammar_backend must be xgrammar or none, got {self.grammar_backend!r}"
             )
-        if self.max_embedding_batch < 1:
-            raise ValueError(f"max_embedding_batch must be ≥ 1, got {self.max_embedding_batch}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "

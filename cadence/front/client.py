@@ -88,12 +88,12 @@ class FrontClient(EngineClient):
         if isinstance(msg, BatchStrOutput):
             self.tm.handle_output(msg)
             return
-        waiters = self._waiters.get(type(msg))
-        if waiters:
-            fut = waiters.popleft()
         if isinstance(msg, BatchEmbeddingOutput):
             self.embeds.handle_output(msg)
             return
+        waiters = self._waiters.get(type(msg))
+        if waiters:
+            fut = waiters.popleft()
             if not fut.done():
                 fut.set_result(msg)
         else:
