@@ -29,6 +29,8 @@ from e2e_server import (
 )
 from embedding_models import CLASSIFIER_PATH, MINILM_PATH, classifier_env
 
+from cadence.chat_templates import template_path
+
 sys.path.append(PLUGINS_DIR)  # the tests read the fault-injection plugin's markers
 
 _SMALL = ["--max-total-tokens", "2048", "--skip-warmup"]
@@ -49,11 +51,11 @@ SERVER_SPECS: dict[str, list[str]] = {
     # server) and two test logit processors, a short server-side deadline so fuzzed requests
     # stay short, small pools; and the flags of SGLang's extras the shared server keeps off.
     "fuzz_server": [
-        "--max-total-tokens", "4096", "--request-timeout-s", "5", "--skip-warmup",
-        "--enable-custom-logit-processor", "--enable-return-hidden-states",
-        "--enable-priority-scheduling", "--incremental-streaming-output", "--strict-model-name",
-        "--served-model-name", "tiny,tiny-alias",
-    ],  # fmt: skip
+        *("--max-total-tokens", "4096", "--request-timeout-s", "5", "--skip-warmup"),
+        *("--enable-custom-logit-processor", "--enable-return-hidden-states"),
+        *("--enable-priority-scheduling", "--incremental-streaming-output"),
+        *("--strict-model-name", "--served-model-name", "tiny,tiny-alias"),
+    ],
     # A short watchdog: SIGSTOP of a child must bring the server down within seconds.
     "stall_server": ["--watchdog-timeout", "3", *_SMALL],
     # Two front processes over one scheduler (test_api_workers.py).
@@ -70,6 +72,13 @@ SERVER_SPECS: dict[str, list[str]] = {
     "classifier_server": ["--model-path", CLASSIFIER_PATH, "--skip-warmup"],
     # SGLang's gateway (SMG) in front of Cadence, over gRPC and HTTP (test_smg_*.py).
     "smg_server": ["--max-total-tokens", "4096", "--skip-warmup"],
+    # Structured output and tools (test_structured_output.py): Cadence's SmolLM2 tool
+    # template, Hermes tool calls and <think> reasoning read out of chat answers.
+    "structured_server": [
+        *("--max-total-tokens", "16384", "--skip-warmup"),
+        *("--chat-template", template_path("smollm2_tools")),
+        *("--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"),
+    ],
 }
 SERVER_ENVS = {
     "fuzz_server": fault_plugin_env,

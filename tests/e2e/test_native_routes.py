@@ -7,7 +7,6 @@ tokenizer routes with their /v1 aliases. Each test ends with the server idle aga
 from __future__ import annotations
 
 import json
-
 import math
 
 import pytest
