@@ -713,11 +713,25 @@ class Scheduler:
         num = min(req.num_computed // self.allocator.page_size, len(req.pages))
         if num == 0 or not self.caching:
             return
-        node = self.cache.insert(req.fill_ids[: num * self.allocator.page_size], req.pages[:num])
+        tokens = req.fill_ids[: num * self.allocator.page_size]
+        node = self.cache.insert(tokens, req.pages[:num])
         if node is not req.cache_node:
             self.cache.lock(node)
             self.cache.unlock(req.cache_node)
             req.cache_node = node
+        self._adopt_cached_pages(req, tokens)
+
+    def _adopt_cached_pages(self, req: Req, tokens: list[int]) -> None:
+        """Where the tree already held some of these pages (another request computed the same
+        prefix meanwhile), `req` reads the tree's copies from now on and its own duplicates go
+        back to the pool: the KV of the same tokens at the same positions is the same."""
+        cached, _ = self.cache.match_prefix(tokens)
+        dup = [i for i, page in enumerate(cached) if req.pages[i] != page]
+        if dup:
+            self.allocator.incref([cached[i] for i in dup])
+            self.allocator.decref([req.pages[i] for i in dup])
+            for i in dup:
+                req.pages[i] = cached[i]
 
     def _release(self, req: Req) -> None:
         self.cache.unlock(req.cache_node)

@@ -76,6 +76,13 @@ class CacheMachine(RuleBasedStateMachine):
         req.node = node
         got, _ = self.cache.match_prefix(req.ids[: num * PAGE])
         assert len(got) == num  # it is all cached now
+        # As the scheduler does: where another request cached the same prefix first, take the
+        # tree's pages and give back the duplicates.
+        for i, page in enumerate(got):
+            if req.pages[i] != page:
+                self.alloc.incref([page])
+                self.alloc.decref([req.pages[i]])
+                req.pages[i] = page
 
     @rule(req=consumes(requests))
     def finish(self, req):
