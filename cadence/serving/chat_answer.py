@@ -24,11 +24,17 @@ class ChatAnswer:
         plan: ToolPlan,
         reasoning: ReasoningParser | None = None,
         stream_reasoning: bool = True,
+        is_constrained: bool = False,
     ):
         self.parser: ToolCallParser | None = plan.parser
         self.max_calls = plan.max_calls
-        # A constrained answer cannot hold reasoning: the grammar starts at the first token.
-        self.reasoning = None if plan.constraint is not None else reasoning
+        # The grammar of a constrained answer starts at its first token: a forced tool call is
+        # JSON alone, and other constraints hold reasoning only if they spell out <think>.
+        if plan.constraint is not None or (
+            is_constrained and reasoning is not None and reasoning.starts_in_reasoning
+        ):
+            reasoning = None
+        self.reasoning = reasoning
         self.stream_reasoning = stream_reasoning
 
     @property

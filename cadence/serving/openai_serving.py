@@ -299,7 +299,12 @@ class OpenAIServing:
             req.model or self.client.info.served_model_name,  # echoed, as SGLang does
             proto.native_names(req),
             num_choices=req.n or 1,
-            answer=ChatAnswer(plan, reasoning, req.stream_reasoning is not False),
+            answer=ChatAnswer(
+                plan,
+                reasoning,
+                req.stream_reasoning is not False,
+                is_constrained=any(params.get(k) for k in ("json_schema", "regex", "ebnf")),
+            ),
         )
 
     def _completion_job(self, req: proto.CompletionRequest) -> _Job:
