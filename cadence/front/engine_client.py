@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cadence.io_struct import EmbeddingReqInput, GenerateReqInput
@@ -44,6 +44,8 @@ class ModelInfo:
     type_vocab_size: int = 0  # segment (token type) ids the model takes; 0: none
     # Prefix lengths the model was trained to serve (Matryoshka): None for none, () for any.
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # Per tensor type in the model file: {"tensors": n, "served_as": "Q4_1" | "float32" | ...}.
+    weight_types: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
     def from_facts(
@@ -80,6 +82,7 @@ class ModelInfo:
                 if facts.get("matryoshka_dimensions") is None
                 else tuple(facts["matryoshka_dimensions"])
             ),
+            weight_types=dict(facts.get("weight_types") or {}),
         )
 
     @property

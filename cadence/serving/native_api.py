@@ -105,6 +105,8 @@ def model_info(info: ModelInfo) -> dict[str, Any]:
         "is_generation": info.is_generation,
         "max_context_length": info.context_len,
         "vocab_size": info.vocab_size,
+        # What each tensor type of the file is served as (a GGUF's Q4_1 kept as Q4_1, ...).
+        "weight_types": info.weight_types,
     }
 
 

@@ -41,6 +41,9 @@ def test_model_info_and_its_alias(client):
     assert body["is_generation"] is True
     assert body["max_context_length"] == 8192  # SmolLM2-135M
     assert body["vocab_size"] == 49152
+    # The default GGUF is served at its own types (docs/quantization.md).
+    assert body["weight_types"]["Q4_1"] == {"tensors": 210, "served_as": "Q4_1"}
+    assert body["weight_types"]["Q8_0"] == {"tensors": 1, "served_as": "Q8_0"}
     assert client.get("/get_model_info").json() == body
 
 
