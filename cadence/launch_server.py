@@ -60,6 +60,17 @@ class StartupFailed(RuntimeError):
     """A start-up step failed for a reason the message explains (no traceback needed)."""
 
 
+async def _start_pipeline(args: ServerArgs):
+    """--pipeline: starts its stage processes; this front process owns their coordinator."""
+    from cadence.pipeline import Pipeline, PipelineStartError, load_pipeline_config
+
+    try:
+        config = load_pipeline_config(args.pipeline_path)
+        return await Pipeline.start(config, restart_stages=args.pipeline_restart_stages)
+    except (ValueError, PipelineStartError) as e:
+        raise StartupFailed(f"--pipeline {args.pipeline}: {e}") from None
+
+
 def _wait_ready(reader, children, stopping, timeout: float = 1800.0) -> dict:
     import time
 
@@ -151,6 +162,16 @@ async def _serve(
         loop.add_signal_handler(sig, stop)
     serve_task = asyncio.create_task(server.serve(sockets=[sock] if sock is not None else None))
     client = None
+    pipeline_task = None
+    if args.pipeline is not None:  # its stages load while the model does
+
+        def pipeline_started(task):
+            if not task.cancelled() and task.exception() is not None:
+                logger.error("%s", task.exception())
+                stop(1)  # at once, not after the model has loaded
+
+        pipeline_task = asyncio.create_task(_start_pipeline(args))
+        pipeline_task.add_done_callback(pipeline_started)
     try:
         if not args.disable_grpc:
             from cadence.grpc.server import GrpcServer
@@ -260,6 +281,18 @@ async def _serve(
                     raise RuntimeError("the warm-up generation did not finish in 300 s")
             elif warmup.exception() is not None:
                 raise warmup.exception()
+        if pipeline_task is not None:
+            await asyncio.wait({pipeline_task, serve_task}, return_when=asyncio.FIRST_COMPLETED)
+            if pipeline_task.done() and pipeline_task.exception() is None:
+                state.pipeline = pipeline_task.result()
+
+                async def pipeline_watchdog():
+                    await state.pipeline.failed.wait()
+                    if not state.is_shutting_down:
+                        logger.error("the pipeline failed: %s", state.pipeline.failure)
+                        stop(1, "a pipeline stage process died; the server is shutting down")
+
+                watch_pipeline_task = asyncio.create_task(pipeline_watchdog())
         if not state.is_shutting_down:
             state.is_ready = True
             if grpc_server is not None:
@@ -269,6 +302,8 @@ async def _serve(
         if watch_task is not None:
             watch_task.cancel()
         progress_task.cancel()
+        if state.pipeline is not None:
+            watch_pipeline_task.cancel()
     except (ChildDied, StartupFailed) as e:
         logger.error("%s", e)
         stop(1)
@@ -283,6 +318,11 @@ async def _serve(
             await grpc_server.stop()
         if client is not None:
             client.close()
+        if pipeline_task is not None:
+            pipeline_task.cancel()  # a start still under way stops what it started
+            await asyncio.gather(pipeline_task, return_exceptions=True)
+        if state.pipeline is not None:
+            await state.pipeline.shutdown()
     if not server.started and exit_code == 0:
         logger.error("could not bind %s:%d", args.host, args.port)
         exit_code = 1
@@ -468,6 +508,10 @@ def launch(args: ServerArgs) -> int:
 
     try:
         model_path = resolve_model_path(args.model_path)
+        if args.pipeline is not None:  # a mistake in the declaration stops us before any start
+            from cadence.pipeline import load_pipeline_config
+
+            load_pipeline_config(args.pipeline_path)
     except (ValueError, FileNotFoundError) as e:
         logger.error("%s", e)
         return 2

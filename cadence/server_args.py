@@ -127,6 +127,11 @@ class ServerArgs:
     """Serve a decoder (the Llama family) as an embedding model: the last token's final hidden state, normalized (or the pooling its modules.json declares). Encoders (BERT) are detected from their config.json and served as embedding models without this flag."""
     max_embedding_batch: int = 1024
     """Most inputs one embedding, classification, score or rerank request may carry; more get a 400."""
+    # -- stage pipeline (docs/pipeline.md) --
+    pipeline: str | None = None
+    """A stage pipeline the front process starts and coordinates next to the model: the path of a YAML declaration, or the name of one shipped with Cadence (cadence/pipeline/pipelines/NAME.yaml). The server is ready once every stage is; /health answers 503 while a stage process is down."""
+    pipeline_restart_stages: bool = False
+    """Restart a --pipeline stage process that dies (its requests in flight fail with 503 meanwhile); without it, a stage's death stops the server with exit code 1."""
 
     def __post_init__(self) -> None:
         for name in ("dtype", "kv_cache_dtype"):
@@ -193,6 +198,21 @@ class ServerArgs:
         self._check_structured_output()
         if self.max_embedding_batch < 1:
             raise ValueError(f"max_embedding_batch must be ≥ 1, got {self.max_embedding_batch}")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if self.pipeline is None:
+            if self.pipeline_restart_stages:
+                raise ValueError("pipeline_restart_stages needs --pipeline")
+            return
+        if self.api_workers > 1:
+            raise ValueError(
+                "pipeline: one front process owns a pipeline's coordinator; "
+                "give --api-workers 1 with --pipeline"
+            )
+        from cadence.pipeline.config import resolve_pipeline_path
+
+        resolve_pipeline_path(self.pipeline)  # a missing file is an error now, not after loading
 
     def _check_structured_output(self) -> None:
         from cadence.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
@@ -272,6 +292,15 @@ class ServerArgs:
         from cadence import envs
 
         return os.path.join(envs.state_dir(), "profiles")
+
+    @property
+    def pipeline_path(self) -> str | None:
+        """--pipeline as a YAML file's path (a shipped name resolved); None without it."""
+        if self.pipeline is None:
+            return None
+        from cadence.pipeline.config import resolve_pipeline_path
+
+        return resolve_pipeline_path(self.pipeline)
 
     @property
     def max_request_body_bytes(self) -> int:

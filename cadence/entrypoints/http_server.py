@@ -236,6 +236,8 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(
                 503, "starting" if not state.is_shutting_down else "shutting down"
             )
+        if state.pipeline_problem is not None:
+            return error_response(503, state.pipeline_problem)
         return Response(status_code=200)
 
     @app.get("/health_generate")

@@ -238,6 +238,8 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
         state = self.state
         if not state.is_ready or state.is_shutting_down or state.client is None:
             return pb.HealthCheckResponse(healthy=False)
+        if state.pipeline_problem is not None:
+            return pb.HealthCheckResponse(healthy=False)
         if state.client.is_paused:
             return pb.HealthCheckResponse(healthy=True)
         try:

@@ -20,6 +20,8 @@ from cadence.pipeline.config import (
     RelayConfig,
     StageConfig,
     load_pipeline_config,
+    packaged_pipelines,
+    resolve_pipeline_path,
 )
 from cadence.pipeline.executor import (
     ChunkStream,
@@ -55,6 +57,8 @@ __all__ = [
     "StageRequest",
     "StreamError",
     "load_pipeline_config",
+    "packaged_pipelines",
+    "resolve_pipeline_path",
     *_LAZY,
 ]
 

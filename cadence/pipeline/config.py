@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ CLIENT = "client"  # not a stage name: the coordinator's side of every edge
 RELAY_BACKENDS_BUILTIN = ("shm", "torch")
 MIB = 1 << 20
 START_METHODS = ("forkserver", "spawn")
+PACKAGED_DIR = os.path.join(os.path.dirname(__file__), "pipelines")  # shipped YAML declarations
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,26 @@ class _TopLevel:
     entry: str | None = None
     ready_timeout_s: float = 600.0
     start_method: str = "forkserver"
+
+
+def packaged_pipelines() -> list[str]:
+    """Names of the pipelines shipped in `cadence/pipeline/pipelines/` (`<name>.yaml`)."""
+    return sorted(n[: -len(".yaml")] for n in os.listdir(PACKAGED_DIR) if n.endswith(".yaml"))
+
+
+def resolve_pipeline_path(name_or_path: str) -> str:
+    """`--pipeline`'s value as a YAML file: a path to one, or the name of a shipped pipeline;
+    a ValueError listing the shipped ones otherwise."""
+    if os.path.isfile(name_or_path):
+        return os.path.abspath(name_or_path)
+    packaged = os.path.join(PACKAGED_DIR, f"{name_or_path}.yaml")
+    if os.sep not in name_or_path and os.path.isfile(packaged):
+        return packaged
+    names = ", ".join(packaged_pipelines()) or "none"
+    raise ValueError(
+        f"pipeline: no such file {name_or_path!r}, and no shipped pipeline of that name "
+        f"(shipped: {names}); give a YAML declaration's path or a shipped name"
+    )
 
 
 def load_pipeline_config(path: str) -> PipelineConfig:

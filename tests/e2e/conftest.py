@@ -18,11 +18,13 @@ import openai
 import pytest
 from e2e_server import (
     API_KEY,
+    PIPELINE_YAML,
     PLUGINS_DIR,
     SESSION_TAG,
     Server,
     fault_plugin_env,
     is_idle,
+    pipeline_env,
     tagged_pids,
     wait_until,
     zero_cost_env,
@@ -79,11 +81,17 @@ SERVER_SPECS: dict[str, list[str]] = {
         *("--chat-template", template_path("smollm2_tools")),
         *("--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"),
     ],
+    # --pipeline (test_pipeline_serving.py): two stage processes of test executors, restarted
+    # when one dies, or not (then the server exits non-zero).
+    "pipeline_server": [*_SMALL, "--pipeline", PIPELINE_YAML, "--pipeline-restart-stages"],
+    "pipeline_exit_server": [*_SMALL, "--pipeline", PIPELINE_YAML],
 }
 SERVER_ENVS = {
     "fuzz_server": fault_plugin_env,
     "zero_cost_server": zero_cost_env,
     "classifier_server": classifier_env,
+    "pipeline_server": pipeline_env,
+    "pipeline_exit_server": pipeline_env,
 }
 
 

@@ -352,6 +352,16 @@ def fault_plugin_env() -> dict[str, str]:
     return {"PYTHONPATH": path, "CADENCE_PLUGINS": "fault_injection"}
 
 
+PIPELINE_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pipelines", "steps.yaml")
+
+
+def pipeline_env() -> dict[str, str]:
+    """The environment of a --pipeline server: the test executors importable by its stages."""
+    helpers = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit", "pipeline")
+    path = os.pathsep.join(p for p in (helpers, os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path}
+
+
 def is_idle(load: dict) -> bool:
     return (
         load["num_running_reqs"] == 0
