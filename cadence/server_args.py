@@ -132,6 +132,8 @@ class ServerArgs:
     """A stage pipeline the front process starts and coordinates next to the model: the path of a YAML declaration, or the name of one shipped with Cadence (cadence/pipeline/pipelines/NAME.yaml). The server is ready once every stage is; /health answers 503 while a stage process is down."""
     pipeline_restart_stages: bool = False
     """Restart a --pipeline stage process that dies (its requests in flight fail with 503 meanwhile); without it, a stage's death stops the server with exit code 1."""
+    max_speech_chars: int = 4096
+    """Longest `input` /v1/audio/speech (and the SynthesizeSpeech RPC) accepts, in characters; a longer one gets a 400 naming the field (docs/speech.md)."""
 
     def __post_init__(self) -> None:
         for name in ("dtype", "kv_cache_dtype"):
@@ -199,6 +201,8 @@ class ServerArgs:
         if self.max_embedding_batch < 1:
             raise ValueError(f"max_embedding_batch must be ≥ 1, got {self.max_embedding_batch}")
         self._check_pipeline()
+        if self.max_speech_chars < 1:
+            raise ValueError(f"max_speech_chars must be ≥ 1, got {self.max_speech_chars}")
 
     def _check_pipeline(self) -> None:
         if self.pipeline is None:
