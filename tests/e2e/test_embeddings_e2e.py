@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 import torch
+from e2e_server import is_idle
 from embedding_models import CLASSIFIER_LABELS, CLASSIFIER_PATH, MINILM_PATH, save_classifier
 from grpc_support import target
 
@@ -186,14 +187,31 @@ def test_all_seven_embedding_rpcs_through_generated_stubs(
     assert len(scores) == 2 and all(0 <= p <= 1 for row in scores for p in row)
 
 
-def test_the_scheduler_service_embeds_on_an_embedding_model_only(embedding_server, server):
-    ids = httpx.post(embedding_server.url + "/tokenize", json={"prompt": SENTENCES[0]}).json()
-    request = spb.EmbedRequest(
-        request_id="smg-1", tokenized=spb.TokenizedInput(input_ids=ids["tokens"])
-    )
+def test_the_scheduler_service_embeds_on_an_embedding_model_only(
+    embedding_server, server, reference
+):
+    ids = httpx.post(embedding_server.url + "/tokenize", json={"prompt": SENTENCES}).json()
     with grpc.insecure_channel(target(embedding_server)) as channel:
-        out = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel).Embed(request)
-    assert (out.embedding_dim, out.prompt_tokens) == (384, ids["count"])
+        smg = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
+        outs = [
+            smg.Embed(
+                spb.EmbedRequest(
+                    request_id=f"smg-{i}", tokenized=spb.TokenizedInput(input_ids=tokens)
+                )
+            )
+            for i, tokens in enumerate(ids["tokens"])
+        ]
+        with pytest.raises(grpc.RpcError) as empty:
+            smg.Embed(spb.EmbedRequest(request_id="smg-empty"))
+    assert [(o.embedding_dim, o.prompt_tokens) for o in outs] == [
+        (384, len(t)) for t in ids["tokens"]
+    ]
+    assert min_cosine([list(o.embedding) for o in outs], reference) >= 0.9999
+    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tokenized.input_ids" in empty.value.details()
+    request = spb.EmbedRequest(
+        request_id="smg-gen", tokenized=spb.TokenizedInput(input_ids=ids["tokens"][0])
+    )
     with grpc.insecure_channel(target(server)) as channel:
         with pytest.raises(grpc.RpcError) as e:
             sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel).Embed(request)
@@ -235,6 +253,35 @@ def test_rerank_over_http_sorts_truncates_and_echoes(embedding_server):
     assert [r["index"] for r in bare] == [r["index"] for r in out] and "document" not in bare[0]
 
 
+def test_score_over_http_equals_a_transformers_forward_pass(server):
+    from transformers import AutoModelForCausalLM
+
+    from cadence.model_loader.locate import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+    query, items = "The sky is", [" blue", " green and", " very"]
+
+    def tokens(text: str, **fields) -> list[int]:
+        body = {"prompt": text, **fields}
+        return httpx.post(server.url + "/tokenize", json=body).json()["tokens"]
+
+    labels = [tokens(w, add_special_tokens=False)[0] for w in (" and", ".", " the")]
+    r = httpx.post(
+        server.url + "/v1/score", json={"query": query, "items": items, "label_token_ids": labels}
+    )
+    assert r.status_code == 200, r.text
+    scores = r.json()["scores"]
+    for item, got in zip(items, scores, strict=True):
+        with torch.inference_mode():
+            logits = model(torch.tensor([tokens(query + item)])).logits[0, -1]
+        expected = torch.softmax(logits.float(), dim=-1)[labels]
+        assert got == pytest.approx(expected.tolist(), rel=1e-2, abs=1e-6)
+    assert is_idle(server.wait_idle())
+
+
 # -- refusals ------------------------------------------------------------------------------------
 
 
@@ -258,17 +305,25 @@ def test_bad_embedding_requests_get_a_400_naming_the_field(embedding_server, bod
     assert r.json()["error"]["param"] == param
 
 
-def test_bad_grpc_embedding_requests_are_invalid_argument(stub):
-    for call, request in (
-        (stub.TextEmbed, pb.TextEmbedRequest(text="")),
-        (stub.TextEmbed, pb.TextEmbedRequest(text="word " * 600)),
-        (stub.Embed, pb.EmbedRequest(input_ids=[-1])),
-        (stub.OpenAIEmbed, openai_body(input=["x"] * 65)),
-        (stub.Score, openai_body(query="a", items=["b"], label_token_ids=[1])),
+def test_bad_grpc_embedding_requests_are_invalid_argument_naming_the_field(stub, server):
+    for call, request, field in (
+        (stub.TextEmbed, pb.TextEmbedRequest(text=""), "text"),
+        (stub.TextEmbed, pb.TextEmbedRequest(text="word " * 600), "text"),
+        (stub.Embed, pb.EmbedRequest(input_ids=[-1]), "input_ids"),
+        (stub.OpenAIEmbed, openai_body(input=["x"] * 65), "input"),
+        (stub.Score, openai_body(query="a", items=["b"], label_token_ids=[1]), "model"),
     ):
         with pytest.raises(grpc.RpcError) as e:
             call(request)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert field in e.value.details()
+    with grpc.insecure_channel(target(server)) as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            sglang_pb2_grpc.SglangServiceStub(channel).Score(
+                openai_body(query="a", items=["b"], label_token_ids=[10**6])
+            )
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "label_token_ids" in e.value.details()
 
 
 def test_each_kind_of_model_refuses_the_other_kind_of_request(embedding_server, server, client):
@@ -318,6 +373,12 @@ def test_bursts_and_clients_that_leave_leave_nothing_behind(embedding_server):
     for _ in range(6):  # clients that give up before their answer: their requests are aborted
         with pytest.raises(httpx.TimeoutException):
             httpx.post(url, json={"input": SENTENCES * 2}, timeout=0.005)
+    with grpc.insecure_channel(target(embedding_server)) as channel:
+        stub = sglang_pb2_grpc.SglangServiceStub(channel)
+        calls = [stub.OpenAIEmbed.future(openai_body(input=SENTENCES * 2)) for _ in range(6)]
+        for call in calls:  # gRPC clients that cancel: their requests are aborted too
+            call.cancel()
+        assert all(call.cancelled() or call.done() for call in calls)
     for t in threads:
         t.join()
     assert results == [200] * 24
