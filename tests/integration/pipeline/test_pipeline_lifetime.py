@@ -112,7 +112,7 @@ async def _many(pipeline, count: int, seed: int, concurrency: int = 24) -> dict:
     "relay, count",
     [
         (RelayConfig(backend="shm", slot_mb=1 / 4, credits=8, inline_max_bytes=0), 500),
-        (RelayConfig(backend="torch", inline_max_bytes=0), 200),
+        (RelayConfig(backend="torch", inline_max_bytes=0), 500),
     ],
     ids=["shm", "torch"],
 )
