@@ -29,6 +29,7 @@ from cadence.entrypoints.http_io import (
     until_disconnected,
 )
 from cadence.entrypoints.openai_routes import register_openai_routes
+from cadence.entrypoints.speech_routes import register_speech_routes
 from cadence.errors import CadenceError, InvalidParameter
 from cadence.front import metrics
 from cadence.io_struct import (
@@ -222,6 +223,7 @@ def build_app(state: ServerState) -> FastAPI:
     openai = register_openai_routes(app, state)
     state.chat_template = openai.chat_template
     register_embedding_routes(app, state, openai)
+    register_speech_routes(app, state)
     openapi.install(app)
     return app
 

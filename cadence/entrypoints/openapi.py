@@ -31,6 +31,7 @@ from cadence.serving.embedding_protocol import (
 )
 from cadence.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from cadence.serving.responses import ResponsesRequest
+from cadence.serving.speech_serving import SPEECH_SCHEMA
 
 REF = "#/components/schemas/{name}"
 
@@ -112,6 +113,7 @@ BODIES: dict[str, tuple[Any, bool]] = {
     "/v1/classify": (ClassifyRequest, True),
     "/v1/score": (ScoringRequest, True),
     "/v1/rerank": (RerankRequest, True),
+    "/v1/audio/speech": (SPEECH_SCHEMA, True),
 }
 
 # Fields of the structs that the server derives itself: never part of a request.

@@ -39,6 +39,7 @@ from cadence.serving import chat_tools, native_api
 from cadence.serving import openai_protocol as proto
 from cadence.serving.chat_answer import ChatAnswer, ChatAnswerStream
 from cadence.serving.errors import error_body
+from cadence.serving.speech_serving import server_capabilities
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +263,7 @@ class OpenAIServing:
             "root": info.served_model_name,
             "parent": None,
             "max_model_len": info.context_len,
+            "capabilities": server_capabilities(self.state),
         }
 
     async def _chat_job(self, req: proto.ChatCompletionRequest) -> _Job:

@@ -1,10 +1,12 @@
-"""The speech pipeline's four stages: thinker → talker → vocoder → encoder, stream edges all
-the way, so that audio starts with the first sentence.
+"""The speech pipeline's stages after the thinker: talker → vocoder → encoder, stream edges
+all the way, so that audio starts with the first sentence. The thinker is the LLM as a stage
+(`cadence.engine_stage.EngineStage`): it streams a chat answer's text, or passes a speech
+request's text through.
 
 A request (what the front submits; see `speech_request` and `chat_request`):
-    {"kind": "speech" | "chat", "text": str (speech), "prompt": str and
-     "sampling_params": dict (chat), "voice": eSpeak voice, "speed": float,
-     "format": response format, "streaming": bool}
+    {"text": str} (speech) or {"prompt": str, "sampling_params": dict} (chat), and
+    "options": {"voice": eSpeak voice, "speed": float, "format": response format,
+                "streaming": bool}
 
 Chunks, each stage to the next (every chunk carries the request's `options`):
     thinker -> talker, client   {"text": delta}                    the answer's text as it comes
@@ -34,7 +36,6 @@ logger = logging.getLogger("cadence.speech")
 def speech_request(text: str, voice: str, speed: float, fmt: str, streaming: bool) -> dict:
     """A text-to-speech request: the thinker passes `text` through, no LLM."""
     return {
-        "kind": "speech",
         "text": text,
         "options": {"voice": voice, "speed": speed, "format": fmt, "streaming": streaming},
     }
@@ -45,7 +46,6 @@ def chat_request(
 ) -> dict:
     """A chat answer spoken: the thinker's LLM answers `prompt` (already templated)."""
     return {
-        "kind": "chat",
         "prompt": prompt,
         "sampling_params": sampling_params,
         "options": {"voice": voice, "speed": speed, "format": fmt, "streaming": streaming},
@@ -60,47 +60,6 @@ class _SpeechStage(Executor):
             # Small tensors and one synthesizer per process: several stage processes each
             # running an OpenMP team on a small machine would stall each other.
             torch.set_num_threads(1)
-
-
-class Thinker(_SpeechStage):
-    """The LLM: streams a chat answer's text; a speech request's text goes through as is.
-
-    `model_path` (None: the default model) and `engine_args` (ServerArgs fields) configure
-    the in-process `cadence.Engine` this stage runs; `llm: false` runs none (speech only)."""
-
-    def __init__(
-        self, llm: bool = True, model_path: str | None = None, engine_args: dict | None = None
-    ):
-        self.has_llm = llm
-        self.model_path = model_path
-        self.engine_args = dict(engine_args or {})
-        self.engine = None
-
-    async def setup(self, ctx: StageContext) -> None:
-        if not self.has_llm:
-            return
-        from cadence.engine import Engine
-
-        self.engine = await asyncio.to_thread(Engine, self.model_path, **self.engine_args)
-
-    async def close(self) -> None:
-        if self.engine is not None:
-            await asyncio.to_thread(self.engine.shutdown)
-            self.engine = None
-
-    async def run(self, req: StageRequest) -> Any:
-        data = req.data
-        options = data["options"]
-        if data["kind"] == "speech":
-            await req.emit({"text": data["text"], "options": options})
-            return None
-        if self.engine is None:
-            raise RuntimeError("this pipeline's thinker runs no LLM (llm: false)")
-        params = dict(data.get("sampling_params") or {})
-        async for out in self.engine.async_generate(data["prompt"], params, stream=True):
-            if out.get("text"):
-                await req.emit({"text": out["text"], "options": options})
-        return None
 
 
 class Talker(_SpeechStage):

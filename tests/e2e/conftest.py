@@ -85,6 +85,8 @@ SERVER_SPECS: dict[str, list[str]] = {
     # when one dies, or not (then the server exits non-zero).
     "pipeline_server": [*_SMALL, "--pipeline", PIPELINE_YAML, "--pipeline-restart-stages"],
     "pipeline_exit_server": [*_SMALL, "--pipeline", PIPELINE_YAML],
+    # The shipped speech pipeline (test_speech_e2e.py): thinker, talker, vocoder, encoder.
+    "speech_server": [*_SMALL, "--pipeline", "speech", "--max-speech-chars", "2000"],
 }
 SERVER_ENVS = {
     "fuzz_server": fault_plugin_env,

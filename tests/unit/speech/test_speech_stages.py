@@ -78,7 +78,7 @@ async def test_nothing_to_say_is_an_empty_valid_file(pipeline):
 async def test_a_chat_request_without_an_llm_fails_naming_the_stage(pipeline):
     from cadence.speech.executors import chat_request
 
-    with pytest.raises(StageFailed, match="thinker.*no LLM"):
+    with pytest.raises(StageFailed, match="thinker.*runs no LLM"):
         await pipeline.submit(chat_request("Hi", {}, "en-us", "mp3", True))
 
 

@@ -1,0 +1,57 @@
+"""The in-process `Engine` as a pipeline stage: an LLM that streams its answer's text to the
+stages after it (the `thinker` of the speech pipeline, docs/speech.md).
+
+A request is {"prompt": str, "sampling_params": dict} (the prompt already templated), or
+{"text": str}: text that needs no LLM, passed through as one chunk, so that one pipeline
+serves both. Each chunk is {"text": delta, "options": the request's "options"}: what the
+stages downstream need to know rides along. The stage's own result is None; its text goes
+out on its stream edges only.
+
+Lives beside `engine.py`, not in a feature package: it is the one place a pipeline stage
+imports the engine, and nothing imports it but a declaration (by name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from cadence.engine import Engine
+from cadence.pipeline import Executor, StageContext, StageRequest
+
+
+class EngineStage(Executor):
+    """Streams an LLM's text. `model_path` (None: the default model) and `engine_args`
+    (ServerArgs fields, e.g. max_total_tokens) configure its `Engine`; `llm: false` loads
+    none, for a pipeline that only ever passes text through."""
+
+    def __init__(
+        self, llm: bool = True, model_path: str | None = None, engine_args: dict | None = None
+    ):
+        self.has_llm = llm
+        self.model_path = model_path
+        self.engine_args = dict(engine_args or {})
+        self.engine: Engine | None = None
+
+    async def setup(self, ctx: StageContext) -> None:
+        if self.has_llm:
+            self.engine = await asyncio.to_thread(Engine, self.model_path, **self.engine_args)
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+            self.engine = None
+
+    async def run(self, req: StageRequest) -> Any:
+        data = req.data
+        options = data.get("options")
+        if "text" in data:
+            await req.emit({"text": data["text"], "options": options})
+            return None
+        if self.engine is None:
+            raise RuntimeError("this stage runs no LLM (llm: false): send text, not a prompt")
+        params = dict(data.get("sampling_params") or {})
+        async for out in self.engine.async_generate(data["prompt"], params, stream=True):
+            if out.get("text"):
+                await req.emit({"text": out["text"], "options": options})
+        return None

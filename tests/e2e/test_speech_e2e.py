@@ -1,0 +1,144 @@
+"""Speech end to end: `cadence serve --pipeline speech` through the official openai client.
+
+Every format decodes back (soundfile, miniaudio, PyAV) to a non-silent waveform whose length
+fits the text at the asked speed; streamed speech gives its first bytes long before the
+last; bad input is a 400 naming the field; the server says what it can do, and a server
+without the pipeline refuses speech with a 400 saying how to start one."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from e2e_server import is_idle
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit", "speech"))
+from speech_checks import assert_speech, duration_s  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TEXT = "The weather is lovely today. Shall we take a walk along the river before lunch?"
+LONG = " ".join(f"This is sentence number {i} of a long text read aloud." for i in range(30))
+FORMATS = ["mp3", "opus", "aac", "flac", "wav", "pcm"]
+
+
+@pytest.fixture
+def speech(speech_server):
+    with openai.OpenAI(
+        base_url=speech_server.url + "/v1", api_key="unused", max_retries=0, timeout=120
+    ) as c:
+        yield c
+    assert is_idle(speech_server.wait_idle()), "a request outlived its test"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_is_speech_of_the_text(speech, fmt):
+    audio = speech.audio.speech.create(
+        model="tts-1", input=TEXT, voice="alloy", response_format=fmt
+    )
+    assert_speech(audio.content, fmt, TEXT)
+    mime = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac"}
+    assert audio.response.headers["content-type"].startswith(mime.get(fmt, f"audio/{fmt}"))
+
+
+@pytest.mark.parametrize("speed", [0.25, 0.5, 2.0, 4.0])
+def test_speed_scales_the_duration(speech, speed):
+    normal = speech.audio.speech.create(
+        model="tts-1", input=TEXT, voice="echo", response_format="wav"
+    )
+    scaled = speech.audio.speech.create(
+        model="tts-1", input=TEXT, voice="echo", response_format="wav", speed=speed
+    )
+    assert_speech(scaled.content, "wav", TEXT, speed=speed)
+    ratio = duration_s(normal.content, "wav") / duration_s(scaled.content, "wav")
+    assert ratio == pytest.approx(speed, rel=0.2)
+
+
+def test_espeak_voices_and_openai_names(speech):
+    for voice in ("nova", "onyx", "fr", "de+f3", "en-gb"):
+        audio = speech.audio.speech.create(
+            model="tts-1", input="Bonjour. Hallo. Hello.", voice=voice, response_format="pcm"
+        )
+        assert duration_s(audio.content, "pcm") > 0.5, voice
+
+
+def test_streamed_speech_starts_long_before_it_ends(speech):
+    started = time.monotonic()
+    chunks, first_at = [], None
+    with speech.audio.speech.with_streaming_response.create(
+        model="tts-1", input=LONG, voice="alloy", response_format="pcm"
+    ) as response:
+        for chunk in response.iter_bytes():
+            first_at = first_at or time.monotonic() - started
+            chunks.append(chunk)
+    total = time.monotonic() - started
+    assert len(chunks) > 5
+    assert first_at < total / 3, f"first bytes at {first_at:.3f} s of {total:.3f} s"
+    assert_speech(b"".join(chunks), "pcm", LONG)
+
+
+def test_sse_gives_delta_events_then_done(speech_server):
+    body = {
+        "model": "tts-1",
+        "input": TEXT,
+        "voice": "coral",
+        "response_format": "mp3",
+        "stream_format": "sse",
+    }
+    events = []
+    with httpx.stream("POST", speech_server.url + "/v1/audio/speech", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
+    assert events[-1]["type"] == "speech.audio.done" and len(events) > 2
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert_speech(audio, "mp3", TEXT)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"input": ""}, "input", "non-empty"),
+        ({"input": "x" * 2001}, "input", "--max-speech-chars"),
+        ({"voice": "nobody"}, "voice", "unknown voice"),
+        ({"response_format": "ogg"}, "response_format", "must be one of"),
+        ({"speed": 0.2}, "speed", "between 0.25 and 4.0"),
+        ({"speed": 4.5}, "speed", "between 0.25 and 4.0"),
+        ({"stream_format": "chunks"}, "stream_format", "audio or sse"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(speech, fields, param, words):
+    body = {"model": "tts-1", "input": "Hello.", "voice": "alloy", **fields}
+    with pytest.raises(openai.BadRequestError) as e:
+        speech.audio.speech.create(**body)
+    error = e.value.body
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_the_speech_server_says_what_it_can_do(speech_server):
+    caps = httpx.get(speech_server.url + "/capabilities").json()
+    assert {"speech", "audio_output", "chat", "streaming"} <= set(caps["capabilities"])
+    assert caps["speech"]["max_speech_chars"] == 2000 and "opus" in caps["speech"]["formats"]
+    cards = httpx.get(speech_server.url + "/v1/models").json()["data"]
+    assert all(set(card["capabilities"]) == set(caps["capabilities"]) for card in cards)
+    voices = httpx.get(speech_server.url + "/v1/audio/voices").json()["data"]
+    assert {"alloy", "en-us", "fr"} <= {v["id"] for v in voices}
+
+
+def test_a_server_without_the_pipeline_refuses_speech(server):
+    caps = httpx.get(server.url + "/capabilities").json()["capabilities"]
+    assert "speech" not in caps and "audio_output" not in caps and "chat" in caps
+    card = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert card["capabilities"] == caps
+    r = httpx.post(
+        server.url + "/v1/audio/speech", json={"model": "m", "input": "Hi.", "voice": "alloy"}
+    )
+    assert r.status_code == 400 and "--pipeline speech" in r.json()["error"]["message"]
