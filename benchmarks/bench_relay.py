@@ -1,0 +1,473 @@
+"""Relay bandwidth and control-plane latency of the stage pipeline (cadence.pipeline).
+
+Not a test. Measures, each next to the limit it is compared with:
+  - per relay backend (shm, torch), GB/s moving one payload of 1 MiB, 16 MiB and 256 MiB
+    from one process to another, as the runtime does it (extract + put into the relay,
+    DataReady over ZMQ, get into a fresh buffer + restore, DataAck back): `one-shot` is one
+    payload at a time, timed from the start of the put to the restored tensor on the
+    receiver (CLOCK_MONOTONIC is one clock for both processes); `streamed` is payloads back
+    to back with the relay's credits in flight, bytes delivered per second. The limit is a
+    single-process memcpy of the same size into a warm buffer (one thread: what one copy
+    costs; torch's multi-threaded copy is printed too, for reference);
+  - control-plane round trip: a request through a one-stage pipeline (coordinator -> Submit
+    -> stage process -> its executor -> Complete -> coordinator, on uvloop as in the server),
+    next to a bare ZMQ PUSH/PULL ping-pong of the same size between two processes (blocking
+    sockets), and, to tell the event loop's share from the runtime's, the same ping-pong
+    with both ends on an event loop reading through `channels.Inbox`.
+Targets: shm >= 0.5x memcpy at 16 MiB (one-shot); control round trip <= 1.5x bare ZMQ.
+
+    .venv/bin/python benchmarks/bench_relay.py [--json out.json] [--png out.png] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+import msgspec
+import torch
+import uvloop
+import zmq
+
+from cadence.pipeline import Executor, Pipeline, PipelineConfig, RelayConfig, StageConfig, channels
+from cadence.pipeline.messages import DataAck, DataReady, StatsQuery
+from cadence.pipeline.payload import extract, restore
+from cadence.pipeline.relay import RelayContext, create_relay
+
+MIB = 1 << 20
+SIZES_MIB = (1, 16, 256)
+BACKENDS = ("shm", "torch")
+TARGET_SHM_VS_MEMCPY = 0.5
+TARGET_CONTROL_VS_ZMQ = 1.5
+SLOT_MB = 16  # 1 and 16 MiB fit a slot; 256 MiB takes a segment of its own
+CREDITS = 4
+
+
+def _reps(size_mib: int, quick: bool) -> int:
+    reps = {1: 200, 16: 30, 256: 4}[size_mib]
+    return max(2, reps // 4) if quick else reps
+
+
+# -- the relay, between two processes --------------------------------------------------
+
+
+def _relay_context(backend: str, pipeline_id: str, rank: int, store: str) -> RelayContext:
+    config = RelayConfig(backend=backend, slot_mb=SLOT_MB, credits=CREDITS, inline_max_bytes=0)
+    return RelayContext(pipeline_id, rank, 2, "cpu", config, store_address=store)
+
+
+def run_receiver(backend: str, pipeline_id: str, store: str, pull_at: str, push_to: str) -> None:
+    """Process: gets every announced payload into a fresh buffer, restores it, acknowledges,
+    and reports (seq, monotonic ns when the restored tensor was ready)."""
+    torch.set_num_threads(1)
+
+    async def main() -> None:
+        relay = await asyncio.to_thread(
+            create_relay, _relay_context(backend, pipeline_id, 1, store)
+        )
+        ctx = zmq.Context()
+        pull = channels.bind(ctx, zmq.PULL, pull_at)
+        push = channels.connect(ctx, zmq.PUSH, push_to)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def on_message(msg, frame) -> None:
+            if msg.rid == "stop":
+                done.set_result(None)
+            else:
+                queue.put_nowait(msg)
+
+        inbox = channels.Inbox(pull, on_message, "receiver")
+        inbox.start()
+        channels.send(push, DataAck(rid="hello", relay={}))
+        while not done.done():
+            getter = asyncio.ensure_future(queue.get())
+            await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                break
+            msg = getter.result()
+            dest = torch.empty(msg.relay["size"], dtype=torch.uint8)
+            op = await relay.get_async(msg.relay, dest, msg.rid)
+            await op.wait_for_completion(60)
+            if relay.needs_ack:
+                channels.send(push, DataAck(rid=msg.rid, relay=msg.relay))
+            restore(msg.payload, dest)
+            ready_ns = time.monotonic_ns()
+            channels.send(push, DataAck(rid="timing", relay={"seq": msg.chunk_id, "ns": ready_ns}))
+        inbox.stop()
+        relay.close()
+        ctx.destroy(linger=0)
+
+    asyncio.run(main())
+
+
+async def _relay_figures(backend: str, size_mib: int, quick: bool) -> dict:
+    pipeline_id = uuid.uuid4().hex[:8]
+    folder = tempfile.mkdtemp(prefix="cadence-bench-relay-")
+    to_sender, to_receiver = f"ipc://{folder}/sender", f"ipc://{folder}/receiver"
+    store = f"127.0.0.1:{_free_port()}"
+    ctx = zmq.Context()
+    pull = channels.bind(ctx, zmq.PULL, to_sender)
+    push = channels.connect(ctx, zmq.PUSH, to_receiver)
+    proc = mp.get_context("spawn").Process(
+        target=run_receiver, args=(backend, pipeline_id, store, to_receiver, to_sender)
+    )
+    proc.start()
+    relay = await asyncio.to_thread(create_relay, _relay_context(backend, pipeline_id, 0, store))
+    timings: dict[int, int] = {}
+    arrived = asyncio.Event()
+
+    def on_message(msg, frame) -> None:
+        if msg.rid == "timing":
+            timings[msg.relay["seq"]] = msg.relay["ns"]
+            arrived.set()
+        elif msg.rid != "hello":
+            relay.acknowledge(msg.relay)
+
+    inbox = channels.Inbox(pull, on_message, "sender")
+    inbox.start()
+    payload = torch.full((size_mib * MIB,), 7, dtype=torch.uint8)
+    seq = 0
+
+    async def send_one() -> tuple[int, int, object]:
+        nonlocal seq
+        seq += 1
+        start = time.monotonic_ns()
+        extracted = extract(payload)
+        op = await relay.put_payload_async(extracted, f"r{seq}", 1)
+        msg = DataReady(rid=f"r{seq}", stage="b", src_stage="a", payload=extracted.header)
+        msg.relay, msg.chunk_id = op.metadata, seq
+        channels.send(push, msg)
+        return seq, start, op
+
+    async def arrival(n: int) -> int:
+        while n not in timings:
+            arrived.clear()
+            await arrived.wait()
+        return timings[n]
+
+    reps = _reps(size_mib, quick)
+    one_shot = []
+    for i in range(reps + 2):  # two warm-up transfers
+        n, start, op = await send_one()
+        await op.wait_for_completion(120)
+        ready = await arrival(n)
+        if i >= 2:
+            one_shot.append(size_mib * MIB / (ready - start))  # bytes per ns = GB/s
+    first = None
+    ops = []
+    for _ in range(reps):
+        n, start, op = await send_one()
+        first = first or start
+        ops.append(op)
+    await asyncio.gather(*(op.wait_for_completion(120) for op in ops))
+    last = await arrival(n)
+    streamed = reps * size_mib * MIB / (last - first)
+    channels.send(push, DataReady(rid="stop", stage="b", src_stage="a"))
+    await asyncio.to_thread(proc.join, 30)
+    inbox.stop()
+    relay.close()
+    ctx.destroy(linger=0)
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"one_shot": statistics.median(one_shot), "streamed": streamed}
+
+
+# -- the limit: one memcpy ---------------------------------------------------------------
+
+
+def memcpy_figures(size_mib: int, quick: bool) -> dict:
+    src = torch.full((size_mib * MIB,), 3, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    reps = _reps(size_mib, quick) * 2
+    single = []
+    for _ in range(reps):
+        start = time.perf_counter_ns()
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
+        single.append(src.numel() / (time.perf_counter_ns() - start))
+    multi = []
+    for _ in range(reps):
+        start = time.perf_counter_ns()
+        dst.copy_(src)
+        multi.append(src.numel() / (time.perf_counter_ns() - start))
+    return {"memcpy": statistics.median(single), "torch_copy": statistics.median(multi)}
+
+
+# -- control plane -----------------------------------------------------------------------
+
+
+class Echo(Executor):
+    """Answers at once: what is left of a request's round trip is the control plane."""
+
+    async def run(self, req):
+        return req.data
+
+
+def run_zmq_echo(pull_at: str, push_to: str) -> None:
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(pull_at)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(push_to)
+    while True:
+        msg = pull.recv()
+        if msg == b"stop":
+            break
+        push.send(msg)
+    ctx.destroy(linger=0)
+
+
+def zmq_rtt_us(count: int, size: int) -> float:
+    folder = tempfile.mkdtemp(prefix="cadence-bench-zmq-")
+    back, there = f"ipc://{folder}/back", f"ipc://{folder}/there"
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(back)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(there)
+    proc = mp.get_context("spawn").Process(target=run_zmq_echo, args=(there, back))
+    proc.start()
+    message = b"x" * size
+    times = []
+    for i in range(count + 200):
+        start = time.perf_counter_ns()
+        push.send(message)
+        pull.recv()
+        if i >= 200:
+            times.append(time.perf_counter_ns() - start)
+    push.send(b"stop")
+    proc.join(10)
+    ctx.destroy(linger=0)
+    shutil.rmtree(folder, ignore_errors=True)
+    return statistics.median(times) / 1000
+
+
+def run_loop_echo(pull_at: str, push_to: str) -> None:
+    """Process: echoes every message from an event loop, as a stage process reads them."""
+
+    async def main() -> None:
+        ctx = zmq.Context()
+        pull = channels.bind(ctx, zmq.PULL, pull_at)
+        push = channels.connect(ctx, zmq.PUSH, push_to)
+        done = asyncio.Event()
+
+        def on_message(msg, frame) -> None:
+            if msg.token < 0:
+                done.set()
+            else:
+                channels.send(push, msg)
+
+        inbox = channels.Inbox(pull, on_message, "echo")
+        inbox.start()
+        await done.wait()
+        inbox.stop()
+        ctx.destroy(linger=0)
+
+    uvloop.run(main())
+
+
+async def zmq_loop_rtt_us(count: int) -> float:
+    """The ping-pong with both ends on an event loop (typed messages through `Inbox`): the
+    floor of any round trip that an asyncio process takes part in."""
+    folder = tempfile.mkdtemp(prefix="cadence-bench-loop-")
+    back, there = f"ipc://{folder}/back", f"ipc://{folder}/there"
+    ctx = zmq.Context()
+    pull = channels.bind(ctx, zmq.PULL, back)
+    push = channels.connect(ctx, zmq.PUSH, there)
+    proc = mp.get_context("spawn").Process(target=run_loop_echo, args=(there, back))
+    proc.start()
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future | None = None
+
+    def on_message(msg, frame) -> None:
+        waiter.set_result(None)
+
+    inbox = channels.Inbox(pull, on_message, "ping")
+    inbox.start()
+    times = []
+    for i in range(count + 200):
+        waiter = loop.create_future()
+        start = time.perf_counter_ns()
+        channels.send(push, StatsQuery(token=i))
+        await waiter
+        if i >= 200:
+            times.append(time.perf_counter_ns() - start)
+    channels.send(push, StatsQuery(token=-1))
+    await asyncio.to_thread(proc.join, 10)
+    inbox.stop()
+    ctx.destroy(linger=0)
+    shutil.rmtree(folder, ignore_errors=True)
+    return statistics.median(times) / 1000
+
+
+async def control_rtt(count: int) -> dict:
+    # Stage processes import this file by its name: its directory is on sys.path (main()).
+    config = PipelineConfig(
+        name="bench-control",
+        stages=[StageConfig(name="echo", executor="bench_relay:Echo", terminal=True)],
+    )
+    pipeline = await Pipeline.start(config)
+    try:
+        request = {"text": "hi", "n": 1}
+        size = len(msgspec.msgpack.encode(request)) + 40  # about a Submit's size
+        for _ in range(200):
+            await pipeline.coordinator.submit(request)
+        times = []
+        for _ in range(count):
+            start = time.perf_counter_ns()
+            await pipeline.coordinator.submit(request)
+            times.append(time.perf_counter_ns() - start)
+        bare = []  # a control message alone: StatsQuery (PUB) -> dispatch -> StageStats
+        for _ in range(count // 2):
+            start = time.perf_counter_ns()
+            await pipeline.coordinator.stage_stats()
+            bare.append(time.perf_counter_ns() - start)
+    finally:
+        await pipeline.shutdown()
+    times.sort()
+    return {
+        "control_rtt_us": statistics.median(times) / 1000,
+        "control_rtt_p99_us": times[int(len(times) * 0.99)] / 1000,
+        "control_msg_rtt_us": statistics.median(bare) / 1000,
+        "message_bytes": size,
+    }
+
+
+# -- report --------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def measure(quick: bool) -> dict:
+    out: dict = {"machine": {"cpus": os.cpu_count(), "load": os.getloadavg()[0]}}
+    for size in SIZES_MIB:
+        limits = memcpy_figures(size, quick)
+        out[f"memcpy_gb_s_{size}mib"] = limits["memcpy"]
+        out[f"torch_copy_gb_s_{size}mib"] = limits["torch_copy"]
+        for backend in BACKENDS:
+            figures = await _relay_figures(backend, size, quick)
+            out[f"{backend}_gb_s_{size}mib"] = figures["one_shot"]
+            out[f"{backend}_streamed_gb_s_{size}mib"] = figures["streamed"]
+    control = await control_rtt(500 if quick else 2000)
+    out.update(control)
+    out["zmq_rtt_us"] = zmq_rtt_us(500 if quick else 2000, control["message_bytes"])
+    out["zmq_loop_rtt_us"] = await zmq_loop_rtt_us(500 if quick else 2000)
+    out["shm_vs_memcpy_16mib"] = out["shm_gb_s_16mib"] / out["memcpy_gb_s_16mib"]
+    out["control_vs_zmq"] = out["control_rtt_us"] / out["zmq_rtt_us"]
+    out["machine"]["load_after"] = os.getloadavg()[0]
+    return out
+
+
+def print_report(res: dict) -> None:
+    machine = res["machine"]
+    print(
+        f"machine: {machine['cpus']} CPUs, load average {machine['load']:.1f} at the start, "
+        f"{machine['load_after']:.1f} at the end"
+    )
+    print(f"{'payload':>8} {'memcpy':>8} {'torch cp':>9}", end="")
+    for backend in BACKENDS:
+        print(f" {backend + ' 1-shot':>12} {backend + ' stream':>12}", end="")
+    print("   (GB/s)")
+    for size in SIZES_MIB:
+        print(
+            f"{size:>5} MiB {res[f'memcpy_gb_s_{size}mib']:>8.2f} "
+            f"{res[f'torch_copy_gb_s_{size}mib']:>9.2f}",
+            end="",
+        )
+        for backend in BACKENDS:
+            print(
+                f" {res[f'{backend}_gb_s_{size}mib']:>12.2f} "
+                f"{res[f'{backend}_streamed_gb_s_{size}mib']:>12.2f}",
+                end="",
+            )
+        print()
+    ok = res["shm_vs_memcpy_16mib"] >= TARGET_SHM_VS_MEMCPY
+    print(
+        f"shm at 16 MiB: {res['shm_vs_memcpy_16mib']:.2f}x memcpy "
+        f"(target >= {TARGET_SHM_VS_MEMCPY}x): {'met' if ok else 'MISSED'}"
+    )
+    ok = res["control_vs_zmq"] <= TARGET_CONTROL_VS_ZMQ
+    print(
+        f"control round trip (Submit -> echo stage -> Complete) {res['control_rtt_us']:.0f} us "
+        f"(p99 {res['control_rtt_p99_us']:.0f}) vs bare ZMQ PUSH/PULL {res['zmq_rtt_us']:.0f} us: "
+        f"{res['control_vs_zmq']:.2f}x (target <= {TARGET_CONTROL_VS_ZMQ}x): "
+        f"{'met' if ok else 'MISSED'}"
+    )
+    print(
+        f"the same ping-pong with both ends on an event loop (channels.Inbox): "
+        f"{res['zmq_loop_rtt_us']:.0f} us ({res['zmq_loop_rtt_us'] / res['zmq_rtt_us']:.2f}x bare); "
+        f"a control message alone (StatsQuery over PUB -> dispatch -> StageStats): "
+        f"{res['control_msg_rtt_us']:.0f} us"
+    )
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+    series = [("memcpy", "memcpy_gb_s_{}mib")]
+    for backend in BACKENDS:
+        series += [(f"{backend} one-shot", backend + "_gb_s_{}mib")]
+        series += [(f"{backend} streamed", backend + "_streamed_gb_s_{}mib")]
+    width = 0.8 / len(series)
+    for i, (label, key) in enumerate(series):
+        values = [res[key.format(size)] for size in SIZES_MIB]
+        ax.bar([x + i * width for x in range(len(SIZES_MIB))], values, width, label=label)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(SIZES_MIB))])
+    ax.set_xticklabels([f"{s} MiB" for s in SIZES_MIB])
+    ax.set_yscale("log")  # memcpy and the relays differ by orders of magnitude
+    ax.set_ylabel("GB/s (log scale)")
+    ax.set_title("relay bandwidth between two processes")
+    ax.legend(fontsize=8)
+    bx.bar(
+        ["bare\nZMQ", "ZMQ on\na loop", "control\nplane"],
+        [res["zmq_rtt_us"], res["zmq_loop_rtt_us"], res["control_rtt_us"]],
+    )
+    bx.set_ylabel("round trip, us (median)")
+    bx.set_title("control round trip")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--png", default="bench_results/bench_relay.png")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = parser.parse_args()
+    res = uvloop.run(measure(args.quick))  # the loop the server's front process runs
+    print_report(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    if args.png:
+        plot(res, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    sys.exit(main())
