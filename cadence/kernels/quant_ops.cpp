@@ -11,10 +11,11 @@
 // `quant_linear` computes y = x W^T with activations in float32 (bfloat16/float16 rows are
 // widened first; the result takes x's dtype). Up to 4 rows, each column's 8 codes become
 // float32 lanes that multiply the broadcast activation, summed per group and scaled once
-// (tile_block); from 5 rows on, each group of the tile is dequantized once into 1 KiB and
-// multiplies the rows in register blocks of 8 (tile_gemm). Both are AVX2 + FMA + F16C
-// (compiled for AVX-512 they use its registers); without them a portable loop computes the
-// same sums.
+// (tile_block); from 5 rows on (a decode batch), each group of the tile is dequantized once
+// into 1 KiB and multiplies the rows in register blocks of 8 (tile_gemm); from 128 rows on (a
+// prefill chunk), strips of 256 weight rows are dequantized into float32 and multiplied by
+// torch's float32 GEMM (linear_dense). All are AVX2 + FMA + F16C (compiled for AVX-512 they
+// use its registers); without them a portable loop computes the same sums.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -36,6 +37,11 @@ namespace {
 
 // GGML's type ids.
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+// Code width of a type: 4, 5, 6 or 8 (signed) bits.
+constexpr int bits_of(int64_t qtype) {
+  return qtype == kQ8_0 ? 8 : qtype == kQ5_K ? 5 : qtype == kQ6_K ? 6 : 4;
+}
 
 constexpr int kRows = 8;     // rows per tile
 constexpr int kGroup = 32;   // columns per group
@@ -378,7 +384,7 @@ inline void column_pair(const uint8_t* codes, int k, __m256i* lo, __m256i* hi) {
 }
 
 // Rows [m0, m0 + MB) against one tile: acc[m] += the tile's 8 dot products.
-template <int64_t QT, int kBits, int MB>
+template <int64_t QT, int MB>
 inline void tile_block(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m0, __m256* acc) {
   constexpr bool kHalves = QT == kQ6_K;
   constexpr bool kHasMin = QT == kQ4_1 || QT == kQ4_K || QT == kQ5_K;
@@ -416,7 +422,7 @@ inline void tile_block(const Packed& pk, const uint8_t* tile, const Acts& a, int
 #pragma GCC unroll 16  // constant k: the sums stay in registers, the shifts take immediates
     for (int k = 0; k < 16; ++k) {
       __m256i qlo, qhi;
-      column_pair<kBits>(codes, k, &qlo, &qhi);
+      column_pair<bits_of(QT)>(codes, k, &qlo, &qhi);
       const __m256 wlo = _mm256_cvtepi32_ps(qlo), whi = _mm256_cvtepi32_ps(qhi);
       for (int m = 0; m < MB; ++m) {
         __m256* d = dot[m][0] + k % kSplit;
@@ -453,11 +459,11 @@ inline void tile_block(const Packed& pk, const uint8_t* tile, const Acts& a, int
   }
 }
 
-// The tile's group g as float32 values, w[k * 8 + r] for column k and row r: gguf's values
+// The tile's group g as float32 values, w[k * ldw + r] for column k and row r: gguf's values
 // (value = scale * q + min, or scale * (q - offset); the products are exact, so the fused
 // multiply-add rounds once, as gguf's separate multiply and add do).
-template <int64_t QT, int kBits>
-inline void dequantize_group(const Packed& pk, const uint8_t* tile, int64_t g, float* w) {
+template <int64_t QT>
+inline void dequantize_group(const Packed& pk, const uint8_t* tile, int64_t g, float* w, int64_t ldw) {
   constexpr bool kHalves = QT == kQ6_K;
   const uint8_t* codes = tile + pk.codes_at(g);
   const uint8_t* s = tile + pk.scales_at(g);
@@ -484,13 +490,13 @@ inline void dequantize_group(const Packed& pk, const uint8_t* tile, int64_t g, f
 #pragma GCC unroll 16
   for (int k = 0; k < 16; ++k) {
     __m256i qlo, qhi;
-    column_pair<kBits>(codes, k, &qlo, &qhi);
+    column_pair<bits_of(QT)>(codes, k, &qlo, &qhi);
     if constexpr (kOffset != 0) {
       qlo = _mm256_sub_epi32(qlo, off);
       qhi = _mm256_sub_epi32(qhi, off);
     }
-    _mm256_storeu_ps(w + k * kRows, _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(qlo), minv));
-    _mm256_storeu_ps(w + (k + 16) * kRows, _mm256_fmadd_ps(scale_hi, _mm256_cvtepi32_ps(qhi), minv));
+    _mm256_storeu_ps(w + k * ldw, _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(qlo), minv));
+    _mm256_storeu_ps(w + (k + 16) * ldw, _mm256_fmadd_ps(scale_hi, _mm256_cvtepi32_ps(qhi), minv));
   }
 }
 
@@ -508,13 +514,13 @@ inline void group_gemm(const float* x, int64_t ldx, const float* w, float* acc) 
 
 // Many rows (a batch, a prefill chunk): each group of the tile is dequantized once into 1 KiB
 // of float32, then multiplies every row in register blocks of 8 rows.
-template <int64_t QT, int kBits, typename T>
+template <int64_t QT, typename T>
 void tile_gemm(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total, const float* bias, T* out,
                int64_t out_stride, int64_t valid, float* acc) {
   alignas(32) float w[kGroup * kRows];
   std::fill(acc, acc + m_total * kRows, 0.f);
   for (int64_t g = 0; g < pk.groups; ++g) {
-    dequantize_group<QT, kBits>(pk, tile, g, w);
+    dequantize_group<QT>(pk, tile, g, w, kRows);
     const float* x = a.x + g * kGroup;
     int64_t m = 0;
     for (; m + 8 <= m_total; m += 8) group_gemm<8>(x + m * a.k, a.k, w, acc + m * kRows);
@@ -532,7 +538,7 @@ void tile_gemm(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_t
   for (int64_t m = 0; m < m_total; ++m) store_tile(acc + m * kRows, bias, out + m * out_stride, valid);
 }
 
-template <int64_t QT, int kBits, typename T>
+template <int64_t QT, typename T>
 void tile_avx2(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total, const float* bias, T* out,
                int64_t out_stride, int64_t valid) {
   int64_t m0 = 0;
@@ -540,7 +546,7 @@ void tile_avx2(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_t
     constexpr int MB = decltype(mb)::value;
     __m256 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-    tile_block<QT, kBits, MB>(pk, tile, a, m0, acc);
+    tile_block<QT, MB>(pk, tile, a, m0, acc);
     for (int m = 0; m < MB; ++m) {
       alignas(32) float v[kRows];
       _mm256_store_ps(v, acc[m]);
@@ -556,7 +562,28 @@ void tile_avx2(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_t
     default: break;
   }
 }
+
+// Tiles [t0, t0 + tiles) dequantized side by side into w [K, ldw] (float32): the right-hand
+// side of a float32 GEMM for the strip of weight rows they hold.
+template <int64_t QT>
+void dequantize_strip(const Packed& pk, const uint8_t* packed, int64_t t0, int64_t tiles, float* w, int64_t ldw) {
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile = packed + (t0 + t) * pk.tile_bytes;
+      for (int64_t g = 0; g < pk.groups; ++g) dequantize_group<QT>(pk, tile, g, w + g * kGroup * ldw + t * kRows, ldw);
+    }
+  });
+}
 #endif
+
+// Weight rows per strip of the dense path: K x 256 float32 (0.6 MiB at K = 576, 1.5 MiB at
+// 1536) is rewritten per strip and stays in the cache while the GEMM reads it.
+constexpr int64_t kStripRows = 256;
+// From this many activation rows on (a prefill chunk), dequantizing strips of the weight into
+// float32 and multiplying them with torch's float32 GEMM (MKL / oneDNN) beats tile_gemm: its
+// register and cache blocking are better than one 8-row tile at a time, and the cost of
+// dequantizing a strip (K x 256 values) is spread over this many rows.
+constexpr int64_t kDenseRows = 128;
 
 // Rows per pass of the batched path: its x block (rows x K float32) stays in the L2 cache
 // while every tile of the weight goes by.
@@ -582,17 +609,17 @@ void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_
 #if defined(CADENCE_QUANT_AVX2)
         if (!portable) {
           const bool gemm = mc >= kGemmRows;
-#define CADENCE_QUANT_TILE(QT, BITS)                                                  \
-  if (gemm) tile_gemm<QT, BITS>(pk, tile, part, mc, b, o, rows, valid, acc.data()); \
-  else tile_avx2<QT, BITS>(pk, tile, part, mc, b, o, rows, valid);                  \
+#define CADENCE_QUANT_TILE(QT)                                                  \
+  if (gemm) tile_gemm<QT>(pk, tile, part, mc, b, o, rows, valid, acc.data()); \
+  else tile_avx2<QT>(pk, tile, part, mc, b, o, rows, valid);                  \
   continue;
           switch (qtype) {
-            case kQ4_0: CADENCE_QUANT_TILE(kQ4_0, 4)
-            case kQ4_1: CADENCE_QUANT_TILE(kQ4_1, 4)
-            case kQ8_0: CADENCE_QUANT_TILE(kQ8_0, 8)
-            case kQ4_K: CADENCE_QUANT_TILE(kQ4_K, 4)
-            case kQ5_K: CADENCE_QUANT_TILE(kQ5_K, 5)
-            case kQ6_K: CADENCE_QUANT_TILE(kQ6_K, 6)
+            case kQ4_0: CADENCE_QUANT_TILE(kQ4_0)
+            case kQ4_1: CADENCE_QUANT_TILE(kQ4_1)
+            case kQ8_0: CADENCE_QUANT_TILE(kQ8_0)
+            case kQ4_K: CADENCE_QUANT_TILE(kQ4_K)
+            case kQ5_K: CADENCE_QUANT_TILE(kQ5_K)
+            case kQ6_K: CADENCE_QUANT_TILE(kQ6_K)
           }
 #undef CADENCE_QUANT_TILE
         }
@@ -602,6 +629,36 @@ void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_
     });
   }
 }
+
+#if defined(CADENCE_QUANT_AVX2)
+// out [m, rows] = xf [m, k] W^T (+ bias) through float32 strips of W and at::mm.
+void linear_dense(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_t rows, const at::Tensor& xf,
+                  const at::Tensor& bias, at::Tensor& out) {
+  const int64_t tiles = (rows + kRows - 1) / kRows, strip_tiles = kStripRows / kRows;
+  at::Tensor w = at::empty({pk.groups * kGroup, kStripRows}, xf.options());
+  for (int64_t t0 = 0; t0 < tiles; t0 += strip_tiles) {
+    const int64_t nt = std::min(strip_tiles, tiles - t0);
+    switch (qtype) {
+      case kQ4_0: dequantize_strip<kQ4_0>(pk, packed, t0, nt, w.data_ptr<float>(), kStripRows); break;
+      case kQ4_1: dequantize_strip<kQ4_1>(pk, packed, t0, nt, w.data_ptr<float>(), kStripRows); break;
+      case kQ8_0: dequantize_strip<kQ8_0>(pk, packed, t0, nt, w.data_ptr<float>(), kStripRows); break;
+      case kQ4_K: dequantize_strip<kQ4_K>(pk, packed, t0, nt, w.data_ptr<float>(), kStripRows); break;
+      case kQ5_K: dequantize_strip<kQ5_K>(pk, packed, t0, nt, w.data_ptr<float>(), kStripRows); break;
+      case kQ6_K: dequantize_strip<kQ6_K>(pk, packed, t0, nt, w.data_ptr<float>(), kStripRows); break;
+    }
+    const int64_t r0 = t0 * kRows, valid = std::min(nt * kRows, rows - r0);
+    at::Tensor y = out.narrow(1, r0, valid);
+    if (out.scalar_type() == at::kFloat) {
+      at::mm_out(y, xf, w.narrow(1, 0, valid));  // straight into out's columns (ldc = rows)
+      if (bias.defined()) y.add_(bias.narrow(0, r0, valid));
+    } else {
+      at::Tensor part = at::mm(xf, w.narrow(1, 0, valid));
+      if (bias.defined()) part.add_(bias.narrow(0, r0, valid));
+      y.copy_(part);  // rounded once to x's dtype
+    }
+  }
+}
+#endif
 
 // y [m, rows] = x [m, k'] W^T (+ bias), W packed by quant_repack for K = k >= k' columns (the
 // columns past k' are zero padding). `portable` forces the loop without SIMD (for tests).
@@ -624,10 +681,16 @@ at::Tensor quant_linear_impl(const at::Tensor& x, const at::Tensor& packed, int6
   auto out = at::empty({m, rows}, x.options());
   if (m == 0) return out;
   const at::Tensor xf = float_rows(x, k);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+#if defined(CADENCE_QUANT_AVX2)
+  if (!portable && m >= kDenseRows) {
+    linear_dense(qtype, pk, w, rows, xf, b, out);
+    return out;
+  }
+#endif
   Acts a{xf.data_ptr<float>(), {}, k};
   half_sums(&a, m, pk.groups);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const uint8_t* w = packed.data_ptr<uint8_t>();
   switch (x.scalar_type()) {
     case at::kFloat: linear_tiles(qtype, pk, w, rows, a, m, bp, out.data_ptr<float>(), portable); break;
     case at::kBFloat16: linear_tiles(qtype, pk, w, rows, a, m, bp, out.data_ptr<c10::BFloat16>(), portable); break;

@@ -189,8 +189,9 @@ class QuantLinear(Linear):
 
     The weight is repacked once into the kernel's tiles (an exact copy, see quant_ops.cpp);
     the blocks it came from are no longer read. Activations keep their dtype (float32,
-    bfloat16 or float16) in and out; inside, the kernel quantizes each row to int8 per group
-    of 32 columns for its integer dot products, as llama.cpp does, and sums in float32.
+    bfloat16 or float16) in and out; inside, the kernel reads them as float32 and sums in
+    float32 (activations are not quantized), so the result is the dequantized weight's up to
+    the order of the sums.
     """
 
     holds_weight = False

@@ -70,7 +70,7 @@ def reference(x: torch.Tensor, w: np.ndarray, bias=None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
-@pytest.mark.parametrize("batch", [1, 3, 17, 64])
+@pytest.mark.parametrize("batch", [1, 3, 17, 64, 130])  # 130: a prefill chunk's float32 strips
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 def test_quant_linear_matches_float64_on_the_dequantized_weight(qtype, batch, portable):
     rows, k = 37, 512  # rows not a multiple of the 8-row tile
@@ -86,6 +86,27 @@ def test_quant_linear_matches_float64_on_the_dequantized_weight(qtype, batch, po
     # float32 sums of float32 products: a few ulps of the terms' magnitude
     scale = (x.double().abs() @ torch.from_numpy(np.abs(w)).double().T).max()
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * scale.item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
+def test_a_prefill_chunk_over_several_weight_strips(qtype, dtype):
+    """Many rows go through the weight in float32 strips of 256 rows: 523 rows are three
+    strips, the last one partial and not a whole number of 8-row tiles."""
+    rows, k, batch = 523, 512, 150
+    blocks = random_blocks(qtype, rows, k, seed=7)
+    w = gguf_values(qtype, blocks, k)
+    packed = ops.quant_repack(torch.from_numpy(blocks), QTYPES[qtype], k)
+    x = torch.randn(batch, k, generator=torch.Generator().manual_seed(7))
+    bias = torch.randn(rows)
+    got = ops.quant_linear(x.to(dtype), packed, QTYPES[qtype], rows, k, bias)
+    assert got.dtype == dtype and got.shape == (batch, rows)
+    want = reference(x.to(dtype).float(), w, bias)
+    if dtype == torch.float32:
+        scale = (x.double().abs() @ torch.from_numpy(np.abs(w)).double().T).max()
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * scale.item())
+    else:
+        torch.testing.assert_close(got, want.to(dtype), rtol=2**-7, atol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
