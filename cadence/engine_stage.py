@@ -1,11 +1,13 @@
 """The in-process `Engine` as a pipeline stage: an LLM that streams its answer's text to the
 stages after it (the `thinker` of the speech pipeline, docs/speech.md).
 
-A request is {"prompt": str, "sampling_params": dict} (the prompt already templated), or
-{"text": str}: text that needs no LLM, passed through as one chunk, so that one pipeline
-serves both. Each chunk is {"text": delta, "options": the request's "options"}: what the
-stages downstream need to know rides along. The stage's own result is None; its text goes
-out on its stream edges only.
+A request is {"prompt": str} or {"input_ids": [int]} (already templated) with
+"sampling_params", or {"text": str}: text that needs no LLM, passed through as one chunk, so
+that one pipeline serves both. Each chunk is {"text": delta, "options": the request's
+"options"}: what the stages downstream need to know rides along. The LLM's last chunk also
+carries "meta": {"finish_reason", "prompt_tokens", "completion_tokens"} (finish_reason as
+the native API gives it). The stage's own result is None; its text goes out on its stream
+edges only.
 
 Lives beside `engine.py`, not in a feature package: it is the one place a pipeline stage
 imports the engine, and nothing imports it but a declaration (by name).
@@ -51,7 +53,16 @@ class EngineStage(Executor):
         if self.engine is None:
             raise RuntimeError("this stage runs no LLM (llm: false): send text, not a prompt")
         params = dict(data.get("sampling_params") or {})
-        async for out in self.engine.async_generate(data["prompt"], params, stream=True):
-            if out.get("text"):
-                await req.emit({"text": out["text"], "options": options})
+        outputs = self.engine.async_generate(
+            data.get("prompt"), params, input_ids=data.get("input_ids"), stream=True
+        )
+        async for out in outputs:
+            meta = out.get("meta_info", {})
+            chunk = {"text": out.get("text", ""), "options": options}
+            if meta.get("finish_reason") is not None:
+                chunk["meta"] = {
+                    k: meta.get(k) for k in ("finish_reason", "prompt_tokens", "completion_tokens")
+                }
+            if chunk["text"] or "meta" in chunk:
+                await req.emit(chunk)
         return None

@@ -35,7 +35,7 @@ from cadence.front.request_checks import require_generation_model
 from cadence.io_struct import GenerateReqInput
 from cadence.parsers import reasoning_parser
 from cadence.parsers.tool_calls import Llama3Parser
-from cadence.serving import chat_tools, native_api
+from cadence.serving import chat_tools, native_api, speech_chat
 from cadence.serving import openai_protocol as proto
 from cadence.serving.chat_answer import ChatAnswer, ChatAnswerStream
 from cadence.serving.errors import error_body
@@ -169,6 +169,12 @@ class OpenAIServing:
         return _ok(self._model_card(model_id))
 
     async def chat_completions(self, body: bytes) -> OpenAIResult:
+        if speech_chat.wants_audio(body):  # modalities ["text", "audio"]: docs/speech.md
+            try:
+                answer = await speech_chat.chat_with_audio(self, body)
+            except (InvalidParameter, RequestError) as e:
+                return OpenAIResponse(*_error(e))
+            return _ok(answer) if isinstance(answer, dict) else OpenAIStream(answer)
         return await self._serve(body, proto.ChatCompletionRequest)
 
     async def completions(self, body: bytes) -> OpenAIResult:

@@ -111,10 +111,14 @@ def pipeline_capabilities(config) -> set[str]:
 
 
 @functools.cache
-def _declared_capabilities(pipeline_path: str) -> frozenset[str]:
+def _declaration(pipeline_path: str) -> tuple[frozenset[str], str | None]:
+    """A declaration's capabilities, and its thinker's model_path (None: the default)."""
     from cadence.pipeline import load_pipeline_config
 
-    return frozenset(pipeline_capabilities(load_pipeline_config(pipeline_path)))
+    config = load_pipeline_config(pipeline_path)
+    thinkers = [s for s in config.stages if s.executor == THINKER]
+    model = thinkers[0].args.get("model_path") if thinkers else None
+    return frozenset(pipeline_capabilities(config)), model
 
 
 def server_capabilities(state: ServerState) -> list[str]:
@@ -142,7 +146,12 @@ class SpeechServing:
         """The capabilities --pipeline's declaration adds (none without one)."""
         if getattr(state.args, "pipeline", None) is None:
             return frozenset()
-        return _declared_capabilities(state.args.pipeline_path)
+        return _declaration(state.args.pipeline_path)[0]
+
+    @staticmethod
+    def thinker_model(state: ServerState) -> str | None:
+        """The model_path of --pipeline's thinker (None: the default model)."""
+        return _declaration(state.args.pipeline_path)[1]
 
     def check_speech(self, capability: str = "speech", field: str | None = None) -> None:
         if capability not in self.pipeline_caps:

@@ -4,7 +4,8 @@ all the way, so that audio starts with the first sentence. The thinker is the LL
 request's text through.
 
 A request (what the front submits; see `speech_request` and `chat_request`):
-    {"text": str} (speech) or {"prompt": str, "sampling_params": dict} (chat), and
+    {"text": str} (speech) or {"prompt": str | "input_ids": [int], "sampling_params": dict}
+    (chat), and
     "options": {"voice": eSpeak voice, "speed": float, "format": response format,
                 "streaming": bool}
 
@@ -42,11 +43,17 @@ def speech_request(text: str, voice: str, speed: float, fmt: str, streaming: boo
 
 
 def chat_request(
-    prompt: str, sampling_params: dict, voice: str, fmt: str, streaming: bool, speed: float = 1.0
+    prompt: str | list[int],
+    sampling_params: dict,
+    voice: str,
+    fmt: str,
+    streaming: bool,
+    speed: float = 1.0,
 ) -> dict:
-    """A chat answer spoken: the thinker's LLM answers `prompt` (already templated)."""
+    """A chat answer spoken: the thinker's LLM answers `prompt` (already templated: text, or
+    its token ids)."""
     return {
-        "prompt": prompt,
+        "prompt" if isinstance(prompt, str) else "input_ids": prompt,
         "sampling_params": sampling_params,
         "options": {"voice": voice, "speed": speed, "format": fmt, "streaming": streaming},
     }

@@ -3,8 +3,9 @@
 An LLM's answer arrives a few characters at a time; speech should start as soon as its first
 sentence is complete, not when the answer is. `SentenceSplitter.feed` takes each delta and
 returns the sentences it completed; `flush` returns the rest at the end. A sentence ends at
-`.`, `!`, `?`, `;` or `…` followed by white space (so "3.14" and "e.g." mid-word never split,
-and the splitter waits for the next character before it decides), or at a line break; a run
+`.`, `!`, `?`, `;` or `…` followed by white space (so "3.14" and "e.g." never split), or at
+a line break; after a word (not a number, abbreviation or initial) a `.`, `!` or `?` ends it at
+once, without waiting for the next character; a run
 longer than `max_chars` with no end in sight is cut at its last comma or space, so that a
 list or run-on answer does not hold speech back.
 """
@@ -31,6 +32,7 @@ _SYMBOLS = {
 _MARKDOWN = re.compile(r"(\*\*|__|`+|^#{1,6}\s+|^\s*[-*•]\s+|^\s*>\s*)", re.MULTILINE)
 _LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")
 _SPACES = re.compile(r"[ \t\f\v]+")
+_TAIL_END = re.compile(r"([.!?…]+)[\"')\]]*$")
 _END = re.compile(r"([.!?;…]+)[\"')\]]*(\s)|(\n)")
 
 
@@ -76,6 +78,9 @@ class SentenceSplitter:
             sentences.append(candidate)
             start = match.end()
         self._buffer = self._buffer[start:]
+        if _ends_a_sentence_now(self._buffer):
+            sentences.append(self._buffer)
+            self._buffer = ""
         while len(self._buffer) > self.max_chars:
             cut = _cut_point(self._buffer, self.max_chars)
             sentences.append(self._buffer[:cut])
@@ -100,6 +105,16 @@ def _ends_with_abbreviation(candidate: str) -> bool:
         return False
     word = words[-1].lower().lstrip("(\"'")
     return word in ABBREVIATIONS or (len(word) == 1 and word.isalpha())
+
+
+def _ends_a_sentence_now(text: str) -> bool:
+    """`text` ends with a sentence end that no next character can undo: `.`, `!`, `?` after
+    a word (not a number: "3." may be "3.14"; not an abbreviation or an initial). Releasing it
+    at once saves waiting one more token of an LLM's stream."""
+    match = _TAIL_END.search(text)
+    if match is None or not text[match.start() - 1 : match.start()].isalpha():
+        return False
+    return not (match.group(1) == "." and _ends_with_abbreviation(text[: match.end(1)]))
 
 
 def _cut_point(text: str, limit: int) -> int:

@@ -142,3 +142,89 @@ def test_a_server_without_the_pipeline_refuses_speech(server):
         server.url + "/v1/audio/speech", json={"model": "m", "input": "Hi.", "voice": "alloy"}
     )
     assert r.status_code == 400 and "--pipeline speech" in r.json()["error"]["message"]
+
+
+# ---- chat with audio output: thinker -> talker -> vocoder -> encoder ------------------------
+
+QUESTION = [{"role": "user", "content": "Describe the sea in three short sentences."}]
+
+
+def test_chat_with_audio_speaks_its_answer(speech):
+    before = time.time()
+    completion = speech.chat.completions.create(
+        model="m",
+        messages=QUESTION,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "wav"},
+        max_tokens=48,
+        temperature=0,
+    )
+    message = completion.choices[0].message
+    assert message.content and message.audio.transcript == message.content
+    assert message.audio.id.startswith("audio_") and message.audio.expires_at > before
+    assert_speech(base64.b64decode(message.audio.data), "wav", message.content)
+    assert completion.usage.completion_tokens > 0
+    assert completion.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_chat_interleaves_text_and_audio(speech):
+    text, audio, kinds, last = [], [], [], None
+    stream = speech.chat.completions.create(
+        model="m",
+        messages=QUESTION,
+        modalities=["text", "audio"],
+        audio={"voice": "nova", "format": "pcm16"},
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+    )
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        if delta.content:
+            text.append(delta.content)
+            kinds.append("text")
+        if delta.audio and getattr(delta.audio, "data", None):
+            audio.append(base64.b64decode(delta.audio.data))
+            kinds.append("audio")
+        if chunk.choices[0].finish_reason:
+            last = delta.audio
+    transcript = "".join(text)
+    assert last.transcript == transcript and last.expires_at > 0
+    assert kinds[0] == "text" and "audio" in kinds
+    assert_speech(b"".join(audio), "pcm", transcript)
+
+
+def test_text_chat_on_the_speech_server_has_no_audio(speech):
+    completion = speech.chat.completions.create(
+        model="m", messages=QUESTION, max_tokens=8, temperature=0
+    )
+    assert completion.choices[0].message.content and completion.choices[0].message.audio is None
+
+
+@pytest.mark.parametrize(
+    ("audio", "words"),
+    [
+        ({"voice": "nobody", "format": "wav"}, "unknown voice"),
+        ({"voice": "alloy", "format": "ogg"}, "audio.format must be one of"),
+        (None, "needs audio"),
+    ],
+)
+def test_bad_audio_options_are_a_400_naming_audio(speech, audio, words):
+    extra = {"audio": audio} if audio is not None else {}
+    with pytest.raises(openai.BadRequestError) as e:
+        speech.chat.completions.create(
+            model="m", messages=QUESTION, modalities=["text", "audio"], max_tokens=4, **extra
+        )
+    assert e.value.body["param"] == "audio" and words in e.value.body["message"]
+
+
+def test_audio_output_from_a_server_without_the_pipeline_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="m",
+            messages=QUESTION,
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "wav"},
+            max_tokens=4,
+        )
+    assert e.value.body["param"] == "modalities" and "--pipeline speech" in e.value.body["message"]
