@@ -37,6 +37,7 @@ from cadence.serving import control, embedding_serving, native_api
 from cadence.serving.embedding_serving import EmbeddingServing
 from cadence.serving.errors import FAULT_HEADER
 from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing, StreamFailed
+from cadence.serving.speech_serving import SpeechServing, speech_params
 from cadence.serving.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
         self.args = state.args
         self.openai = openai or OpenAIServing(state)
         self.embedding = EmbeddingServing(state, self.openai)
+        self.speech = SpeechServing(state)
         self.max_active = self.args.effective_grpc_max_concurrent_requests
         self.num_active = 0  # generation calls in flight
         self.backlogs = BacklogWatch(self.args.grpc_stream_buffer)
@@ -273,6 +275,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
                 root=m.get("root") or "",
                 parent=m.get("parent"),
                 max_model_len=m.get("max_model_len"),
+                capabilities=m.get("capabilities", []),
             )
             for m in body["data"]
         ]
@@ -350,6 +353,30 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     ChatComplete = functools.partialmethod(_openai_stream, route="chat_completions")
     Complete = functools.partialmethod(_openai_stream, route="completions")
+
+    @rpc
+    async def SynthesizeSpeech(self, request, context) -> AsyncIterator[pb.SpeechChunk]:
+        """POST /v1/audio/speech: the same checks and pipeline; one message per encoded
+        chunk, then an empty one with finished = true."""
+        self._client()
+        body = {"input": request.input, "model": request.model or None}
+        for name in ("voice", "response_format", "speed"):
+            if request.HasField(name):
+                body[name] = getattr(request, name)
+        params = speech_params(body, self.args.max_speech_chars)
+        self.speech.check_speech()
+        self._admit()
+        self.num_active += 1
+        try:
+            chunks = self.speech.synthesize(params)
+            try:
+                async for audio in chunks:
+                    yield pb.SpeechChunk(audio=audio, content_type=params.media_type)
+            finally:
+                await chunks.aclose()  # a cancelled call aborts every stage
+            yield pb.SpeechChunk(finished=True, content_type=params.media_type)
+        finally:
+            self.num_active -= 1
 
     @rpc
     async def _openai_unary(self, request, context, method: str) -> pb.OpenAIResponse:

@@ -341,16 +341,18 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...
 
 class ModelCard(_message.Message):
-    __slots__ = ("id", "root", "parent", "max_model_len")
+    __slots__ = ("id", "root", "parent", "max_model_len", "capabilities")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     id: str
     root: str
     parent: str
     max_model_len: int
-    def __init__(self, id: _Optional[str] = ..., root: _Optional[str] = ..., parent: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    capabilities: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., root: _Optional[str] = ..., parent: _Optional[str] = ..., max_model_len: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ("dp_rank",)
@@ -442,6 +444,30 @@ class OpenAIResponse(_message.Message):
     json_body: bytes
     status_code: int
     def __init__(self, json_body: _Optional[bytes] = ..., status_code: _Optional[int] = ...) -> None: ...
+
+class SpeechRequest(_message.Message):
+    __slots__ = ("input", "model", "voice", "response_format", "speed")
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOICE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SPEED_FIELD_NUMBER: _ClassVar[int]
+    input: str
+    model: str
+    voice: str
+    response_format: str
+    speed: float
+    def __init__(self, input: _Optional[str] = ..., model: _Optional[str] = ..., voice: _Optional[str] = ..., response_format: _Optional[str] = ..., speed: _Optional[float] = ...) -> None: ...
+
+class SpeechChunk(_message.Message):
+    __slots__ = ("audio", "finished", "content_type")
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    audio: bytes
+    finished: bool
+    content_type: str
+    def __init__(self, audio: _Optional[bytes] = ..., finished: _Optional[bool] = ..., content_type: _Optional[str] = ...) -> None: ...
 
 class StartProfileRequest(_message.Message):
     __slots__ = ("output_dir",)

@@ -144,6 +144,11 @@ class SglangServiceStub:
                 request_serializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.OpenAIRequest.SerializeToString,
                 response_deserializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.OpenAIResponse.FromString,
                 _registered_method=True)
+        self.SynthesizeSpeech = channel.unary_stream(
+                '/sglang.runtime.v1.SglangService/SynthesizeSpeech',
+                request_serializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.SpeechRequest.SerializeToString,
+                response_deserializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.SpeechChunk.FromString,
+                _registered_method=True)
         self.StartProfile = channel.unary_unary(
                 '/sglang.runtime.v1.SglangService/StartProfile',
                 request_serializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.StartProfileRequest.SerializeToString,
@@ -302,6 +307,13 @@ class SglangServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SynthesizeSpeech(self, request, context):
+        """Speech (Cadence's own, docs/speech.md): POST /v1/audio/speech, the audio as it is made
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StartProfile(self, request, context):
         """Profiling and weights
         """
@@ -433,6 +445,11 @@ def add_SglangServiceServicer_to_server(servicer, server):
                     servicer.Rerank,
                     request_deserializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.OpenAIRequest.FromString,
                     response_serializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.OpenAIResponse.SerializeToString,
+            ),
+            'SynthesizeSpeech': grpc.unary_stream_rpc_method_handler(
+                    servicer.SynthesizeSpeech,
+                    request_deserializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.SpeechRequest.FromString,
+                    response_serializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.SpeechChunk.SerializeToString,
             ),
             'StartProfile': grpc.unary_unary_rpc_method_handler(
                     servicer.StartProfile,
@@ -1044,6 +1061,33 @@ class SglangService:
             '/sglang.runtime.v1.SglangService/Rerank',
             sglang_dot_runtime_dot_v1_dot_sglang__pb2.OpenAIRequest.SerializeToString,
             sglang_dot_runtime_dot_v1_dot_sglang__pb2.OpenAIResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SynthesizeSpeech(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sglang.runtime.v1.SglangService/SynthesizeSpeech',
+            sglang_dot_runtime_dot_v1_dot_sglang__pb2.SpeechRequest.SerializeToString,
+            sglang_dot_runtime_dot_v1_dot_sglang__pb2.SpeechChunk.FromString,
             options,
             channel_credentials,
             insecure,

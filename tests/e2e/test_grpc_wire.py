@@ -182,8 +182,9 @@ def test_reflection_lists_and_describes_the_service(server):
         "Tokenize",
         "ChatComplete",
         "UpdateWeightsFromDisk",
+        "SynthesizeSpeech",
     } <= methods
-    assert len(methods) == 25
+    assert len(methods) == 26
 
 
 def test_standard_health_reports_serving(server):

@@ -228,3 +228,78 @@ def test_audio_output_from_a_server_without_the_pipeline_is_a_400(client):
             max_tokens=4,
         )
     assert e.value.body["param"] == "modalities" and "--pipeline speech" in e.value.body["message"]
+
+
+# ---- gRPC: SynthesizeSpeech, chat with audio through ChatComplete, capabilities --------------
+
+
+def test_grpc_synthesize_speech_streams_the_file(speech_server):
+    from grpc_support import stub
+
+    from cadence.grpc import sglang_pb2 as pb
+
+    rpc = stub(speech_server)
+    for fmt in ("mp3", "pcm"):
+        request = pb.SpeechRequest(input=TEXT, model="tts-1", voice="shimmer", response_format=fmt)
+        chunks = list(rpc.SynthesizeSpeech(request, timeout=60))
+        assert chunks[-1].finished and not chunks[-1].audio
+        assert not any(c.finished for c in chunks[:-1]) and len(chunks) > 2
+        assert {c.content_type for c in chunks} == {"audio/mpeg" if fmt == "mp3" else "audio/pcm"}
+        assert_speech(b"".join(c.audio for c in chunks), fmt, TEXT)
+    fast = list(
+        rpc.SynthesizeSpeech(pb.SpeechRequest(input=TEXT, response_format="pcm", speed=2.0))
+    )
+    assert_speech(b"".join(c.audio for c in fast), "pcm", TEXT, speed=2.0)
+    cards = rpc.ListModels(pb.ListModelsRequest()).models
+    assert {"speech", "audio_output"} <= set(cards[0].capabilities)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"input": ""}, "input"), ({"voice": "nobody"}, "voice"), ({"speed": 5.0}, "speed")],
+)
+def test_grpc_bad_speech_is_invalid_argument_naming_the_field(speech_server, fields, param):
+    import grpc
+    from grpc_support import stub
+
+    from cadence.grpc import sglang_pb2 as pb
+
+    request = pb.SpeechRequest(**{"input": "Hello.", **fields})
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub(speech_server).SynthesizeSpeech(request, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and param in e.value.details()
+
+
+def test_grpc_chat_with_audio_through_chat_complete(speech_server):
+    from grpc_support import stub
+
+    from cadence.grpc import sglang_pb2 as pb
+
+    body = {
+        "model": "m",
+        "messages": QUESTION,
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "alloy", "format": "mp3"},
+        "max_tokens": 32,
+        "temperature": 0,
+    }
+    (reply,) = stub(speech_server).ChatComplete(
+        pb.OpenAIRequest(json_body=json.dumps(body).encode()), timeout=120
+    )
+    message = json.loads(reply.json_chunk)["choices"][0]["message"]
+    assert message["audio"]["transcript"] == message["content"]
+    assert_speech(base64.b64decode(message["audio"]["data"]), "mp3", message["content"])
+
+
+def test_grpc_speech_without_the_pipeline_is_invalid_argument(server):
+    import grpc
+    from grpc_support import stub
+
+    from cadence.grpc import sglang_pb2 as pb
+
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub(server).SynthesizeSpeech(pb.SpeechRequest(input="Hello."), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "--pipeline speech" in e.value.details()
+    (card,) = stub(server).ListModels(pb.ListModelsRequest()).models
+    assert "speech" not in card.capabilities and "chat" in card.capabilities

@@ -158,6 +158,7 @@ CONTRACT: dict[str, dict[str, tuple]] = {
         "root": (2, S, ""),
         "parent": (3, S, OPT),
         "max_model_len": (4, I32, OPT),
+        "capabilities": (100, S, REP),  # Cadence's own
     },
     "GetLoadRequest": {"dp_rank": (1, I32, OPT)},
     "GetLoadResponse": {"json_info": (1, S, "")},
@@ -178,6 +179,15 @@ CONTRACT: dict[str, dict[str, tuple]] = {
     "StopProfileResponse": {"message": (1, S, "")},
     "UpdateWeightsRequest": {"model_path": (1, S, ""), "load_format": (2, S, OPT)},
     "UpdateWeightsResponse": {"success": (1, B, ""), "message": (2, S, "")},
+    # Cadence's own speech messages (field numbers 200-299; docs/grpc.md).
+    "SpeechRequest": {
+        "input": (200, S, ""),
+        "model": (201, S, ""),
+        "voice": (202, S, OPT),
+        "response_format": (203, S, OPT),
+        "speed": (204, FL, OPT),
+    },
+    "SpeechChunk": {"audio": (200, BY, ""), "finished": (201, B, ""), "content_type": (202, S, "")},
 }
 
 METHODS = {
@@ -206,6 +216,7 @@ METHODS = {
     "StartProfile": ("StartProfileRequest", "StartProfileResponse", False),
     "StopProfile": ("StopProfileRequest", "StopProfileResponse", False),
     "UpdateWeightsFromDisk": ("UpdateWeightsRequest", "UpdateWeightsResponse", False),
+    "SynthesizeSpeech": ("SpeechRequest", "SpeechChunk", True),
 }
 
 _TYPES = {
