@@ -1,6 +1,7 @@
 """Active health probes: one small task per worker.
 
-Each task probes its worker, then sleeps for the interval of the worker's state (short
+Each task probes its worker (and, when the worker answers 200, reads what it says it
+serves from GET /capabilities before the answer counts), then sleeps for the interval of the worker's state (short
 while `unknown`, the normal interval otherwise) or until it is woken (a new or
 recovered worker is probed at once). `dead` workers are not probed until recovered.
 """
@@ -13,7 +14,7 @@ import logging
 
 import aiohttp
 
-from cadence.router.config import RouterConfig
+from cadence.router.config import CAPABILITIES, RouterConfig
 from cadence.router.workers import HealthState, Worker, WorkerRegistry
 
 logger = logging.getLogger("cadence.router")
@@ -94,5 +95,24 @@ class HealthChecker:
             error = f"probe failed: {exc!r}"
         if status != 200:
             logger.debug("probe %s: %s", url, error or status)
+        else:
+            self.registry.record_capabilities(worker, await self.read_capabilities(worker))
         self.registry.record_probe(worker, status, error)
         return status == 200
+
+    async def read_capabilities(self, worker: Worker) -> frozenset[str] | None:
+        """The worker's GET /capabilities list (names the router does not know are left out);
+        None when it has no such route or answers something else, as older workers do."""
+        try:
+            async with self.session.get(
+                worker.url + "/capabilities", timeout=self._timeout, headers=self._headers
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                body = await resp.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            return None
+        names = body.get("capabilities") if isinstance(body, dict) else None
+        if not isinstance(names, list):
+            return None
+        return frozenset(n for n in names if isinstance(n, str) and n in CAPABILITIES)

@@ -45,7 +45,11 @@ class Worker:
     url: str
     id: str
     model: str | None
-    capabilities: frozenset[str] | None  # None: can do everything
+    capabilities: frozenset[str] | None  # what routing uses; None: can do everything
+    # Declared in the router's config or admin API (wins), and as the worker reports them
+    # (GET /capabilities, read at registration and on every successful probe).
+    declared_capabilities: frozenset[str] | None = None
+    reported_capabilities: frozenset[str] | None = None
     health: HealthState = HealthState.UNKNOWN
     disabled: bool = False
     active: int = 0  # requests routed to it and not yet finished
@@ -72,6 +76,13 @@ class Worker:
             "url": self.url,
             "model": self.model,
             "capabilities": None if self.capabilities is None else sorted(self.capabilities),
+            "capabilities_source": (
+                "config"
+                if self.declared_capabilities is not None
+                else "worker"
+                if self.reported_capabilities is not None
+                else None
+            ),
             "health": self.health.value,
             "disabled": self.disabled,
             "routable": self.is_routable,
@@ -128,7 +139,13 @@ class WorkerRegistry:
     def add(self, spec: WorkerSpec) -> Worker:
         if spec.id in self._workers:
             raise KeyError(f"worker {spec.url} already exists")
-        worker = Worker(url=spec.url, id=spec.id, model=spec.model, capabilities=spec.capabilities)
+        worker = Worker(
+            url=spec.url,
+            id=spec.id,
+            model=spec.model,
+            capabilities=spec.capabilities,
+            declared_capabilities=spec.capabilities,
+        )
         self._workers[worker.id] = worker
         self._refresh()
         return worker
@@ -157,6 +174,21 @@ class WorkerRegistry:
         else:
             worker.last_error = error or f"probe answered {status}"
             self._count_failure(worker)
+
+    def record_capabilities(self, worker: Worker, reported: frozenset[str] | None) -> None:
+        """What the worker says it serves (None: it does not say); declared ones still win."""
+        if worker.reported_capabilities != reported:
+            logger.info(
+                "worker %s reports capabilities %s",
+                worker.url,
+                "none" if reported is None else sorted(reported),
+            )
+        worker.reported_capabilities = reported
+        self._apply_capabilities(worker)
+
+    def _apply_capabilities(self, worker: Worker) -> None:
+        declared = worker.declared_capabilities
+        worker.capabilities = declared if declared is not None else worker.reported_capabilities
 
     def record_request(
         self,
@@ -191,11 +223,12 @@ class WorkerRegistry:
                 raise ValueError(f"{key}: must be true or false")
         if "model" in changes or "capabilities" in changes:
             merged = {"url": worker.url, "model": worker.model, "capabilities": None}
-            if worker.capabilities is not None:
-                merged["capabilities"] = sorted(worker.capabilities)
+            if worker.declared_capabilities is not None:
+                merged["capabilities"] = sorted(worker.declared_capabilities)
             merged.update({k: changes[k] for k in ("model", "capabilities") if k in changes})
             spec = worker_spec_from_dict(merged)
-            worker.model, worker.capabilities = spec.model, spec.capabilities
+            worker.model, worker.declared_capabilities = spec.model, spec.capabilities
+            self._apply_capabilities(worker)
         if "disabled" in changes:
             worker.disabled = changes["disabled"]
         if changes.get("dead") is True:

@@ -40,6 +40,7 @@ class FakeWorker:
     delay_secs: float = 0.0
     health_status: int = 200
     models: list[dict] | None = None
+    capabilities: list[str] | None = None  # GET /capabilities; None: 404, as an older worker
     received: list[Received] = field(default_factory=list)
     num_health_probes: int = 0
     num_events_written: int = 0
@@ -52,6 +53,7 @@ class FakeWorker:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/capabilities", self._capabilities)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
@@ -72,6 +74,11 @@ class FakeWorker:
     async def _health(self, request: web.Request) -> web.Response:
         self.num_health_probes += 1
         return web.Response(status=self.health_status, text="ok")
+
+    async def _capabilities(self, request: web.Request) -> web.Response:
+        if self.capabilities is None:
+            return web.Response(status=404, text="no route")
+        return web.json_response({"capabilities": self.capabilities})
 
     async def _models(self, request: web.Request) -> web.Response:
         if self.models is None:
