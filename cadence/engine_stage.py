@@ -7,7 +7,9 @@ that one pipeline serves both. Each chunk is {"text": delta, "options": the requ
 "options"}: what the stages downstream need to know rides along. The LLM's last chunk also
 carries "meta": {"finish_reason", "prompt_tokens", "completion_tokens"} (finish_reason as
 the native API gives it). The stage's own result is None; its text goes out on its stream
-edges only.
+edges only. A request {"engine_load": true} answers one empty chunk whose "meta" is the
+engine's load (num_used_tokens: KV tokens held, num_running_reqs, num_waiting_reqs): how a
+leak check reads a stage process's KV pages through the pipeline itself.
 
 Lives beside `engine.py`, not in a feature package: it is the one place a pipeline stage
 imports the engine, and nothing imports it but a declaration (by name).
@@ -44,11 +46,24 @@ class EngineStage(Executor):
             await asyncio.to_thread(self.engine.shutdown)
             self.engine = None
 
+    async def _load(self) -> dict:
+        if self.engine is None:
+            return {"num_used_tokens": 0, "num_running_reqs": 0, "num_waiting_reqs": 0}
+        load = await asyncio.to_thread(self.engine.get_load)
+        return {
+            "num_used_tokens": load.num_used_tokens,
+            "num_running_reqs": load.num_running_reqs,
+            "num_waiting_reqs": load.num_waiting_reqs,
+        }
+
     async def run(self, req: StageRequest) -> Any:
         data = req.data
         options = data.get("options")
         if "text" in data:
             await req.emit({"text": data["text"], "options": options})
+            return None
+        if data.get("engine_load"):
+            await req.emit({"text": "", "options": options, "meta": await self._load()})
             return None
         if self.engine is None:
             raise RuntimeError("this stage runs no LLM (llm: false): send text, not a prompt")
