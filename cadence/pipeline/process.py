@@ -80,6 +80,7 @@ class StageProcess:
         self.subscribed = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.stopped.set)
+        unwatch = self._watch_launcher(loop)
         ctx = zmq.Context()
         coordinator = channels.connect(ctx, zmq.PUSH, self.spec.coordinator_address)
         pull = channels.bind(ctx, zmq.PULL, self.spec.process_addresses[self.spec.process])
@@ -109,12 +110,42 @@ class StageProcess:
             channels.send(coordinator, ready)
             return 1
         finally:
+            unwatch()
             for inbox in inboxes:
                 inbox.stop()
             await self._teardown()
             for sock in (coordinator, pull, sub):
                 sock.close(linger=0)
             ctx.term()
+
+    def _watch_launcher(self, loop: asyncio.AbstractEventLoop):
+        """Stops this process when the launcher dies; returns what ends the watch.
+
+        PR_SET_PDEATHSIG is not enough: under forkserver our parent is the fork server, and
+        it lives until every child it forked has closed the liveness pipe each one inherits,
+        so a SIGKILLed launcher would leave us and it running. A pidfd of the launcher wakes
+        the loop at its death (polled twice a second where pidfds are missing)."""
+        pid = self.spec.parent_pid
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.stopped.set()
+            return lambda: None
+        except (AttributeError, OSError):
+            task = loop.create_task(self._poll_launcher(pid))
+            return task.cancel
+        loop.add_reader(fd, self.stopped.set)
+
+        def unwatch() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+        return unwatch
+
+    async def _poll_launcher(self, pid: int) -> None:
+        while is_alive(pid):
+            await asyncio.sleep(0.5)
+        self.stopped.set()
 
     async def _setup(self, ctx: zmq.Context) -> None:
         graph, spec = self.graph, self.spec

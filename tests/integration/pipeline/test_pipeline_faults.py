@@ -1,21 +1,26 @@
 """Faults: an exception fails its request only; a stage that cannot start is named with its
 error; a stage process killed mid-transfer fails what is in flight within a second, makes
 the pipeline unhealthy, and is either restarted (then everything works and nothing leaked)
-or ends the pipeline (`failed`, on which the server exits non-zero). Never a hang."""
+or ends the pipeline (`failed`, on which the server exits non-zero); a SIGKILLed launcher
+takes its stage processes along. Never a hang."""
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 import os
 import signal
 import time
 
 import pytest
+from launcher_peer import run_launcher
 from pipeline_checks import assert_clean, segments_of
 from pipeline_graphs import E, linear, request
 
 from cadence.pipeline import Pipeline, PipelineConfig, RelayConfig, StageConfig
 from cadence.pipeline.errors import PipelineStartError, PipelineUnavailable, StageFailed
+from cadence.pipeline.lifecycle import is_alive
+from cadence.pipeline.relay.shm import list_segments
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -134,3 +139,29 @@ async def test_a_killed_stage_is_restarted(relay, no_leftover_segments):
         await assert_clean(pipeline)
     finally:
         await pipeline.shutdown()
+
+
+async def test_a_killed_launcher_takes_its_stage_processes_along():
+    """Under forkserver a stage's parent is the fork server, which outlives a SIGKILLed
+    launcher as long as its children do: the stages watch the launcher themselves."""
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    launcher = ctx.Process(target=run_launcher, args=(writer,))
+    launcher.start()
+    pids: list[int] = []
+    try:
+        assert await asyncio.to_thread(reader.poll, 60), "the pipeline did not start"
+        pids = reader.recv()
+        with open(f"/proc/{pids[0]}/stat") as f:
+            pids.append(int(f.read().rsplit(")", 1)[1].split()[1]))  # the fork server
+        os.kill(launcher.pid, signal.SIGKILL)
+        await asyncio.to_thread(launcher.join, 5)
+        deadline = time.monotonic() + 10
+        while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not [p for p in pids if is_alive(p)]
+        assert not [n for n in list_segments() if any(f"-{p}-" in n for p in pids)]
+    finally:
+        for pid in [launcher.pid, *pids]:
+            if pid and is_alive(pid):
+                os.kill(pid, signal.SIGKILL)
