@@ -265,6 +265,14 @@ class TokenizedEmbeddingReqInput(_Message, kw_only=True):
     http_worker_ipc: str | None = None  # ZMQ address of the front process that owns the rid
 
 
+class BatchTokenizedEmbeddingReqInput(_Message, kw_only=True):
+    """The items of one embedding request, sent as one message so that the scheduler queues
+    them together: sent one by one, a step that starts between two of them would split the
+    request over two forward passes."""
+
+    batch: list[TokenizedEmbeddingReqInput]
+
+
 # -- scheduler → detokenizer → front -------------------------------------------------------
 #
 # Finish reasons are plain dicts (None while the request runs); the shapes are:
@@ -495,6 +503,7 @@ Message = (
     | EmbeddingReqInput
     | TokenizedGenerateReqInput
     | TokenizedEmbeddingReqInput
+    | BatchTokenizedEmbeddingReqInput
     | BatchTokenIDOutput
     | BatchStrOutput
     | BatchEmbeddingOutput

@@ -25,6 +25,7 @@ from cadence.front.tokenizer import FrontTokenizer
 from cadence.io_struct import (
     AbortReq,
     BatchEmbeddingOutput,
+    BatchTokenizedEmbeddingReqInput,
     EmbeddingReqInput,
     TokenizedEmbeddingReqInput,
 )
@@ -210,8 +211,12 @@ class EmbeddingManager:
                 self.request_timeout_s, self._expire, states
             )
         try:
-            for t in tokenized:
-                self.send(t)
+            # One message for the whole request: the scheduler queues its items together.
+            self.send(
+                tokenized[0]
+                if len(tokenized) == 1
+                else BatchTokenizedEmbeddingReqInput(batch=tokenized)
+            )
             for st in states:
                 while not st.finished:
                     await st.event.wait()

@@ -39,6 +39,7 @@ from cadence.constrained.grammar_queue import GrammarQueue
 from cadence.io_struct import (
     REPLY_TYPES,
     AbortReq,
+    BatchTokenizedEmbeddingReqInput,
     CloseSessionReqInput,
     CloseSessionReqOutput,
     ContinueGenerationReqInput,
@@ -145,6 +146,7 @@ class Scheduler:
         self._handlers = {
             TokenizedGenerateReqInput: self._on_generate,
             TokenizedEmbeddingReqInput: self._on_embed,
+            BatchTokenizedEmbeddingReqInput: self._on_embed_batch,
             AbortReq: self._on_abort,
             FlushCacheReqInput: self._on_flush,
             PauseGenerationReqInput: self._on_pause,
@@ -174,6 +176,11 @@ class Scheduler:
                 self.fail(req_from_tokenized(msg), e, "being admitted")
             elif isinstance(msg, TokenizedEmbeddingReqInput):
                 self.outputs.append(self.embeds.fail(embed_req_from_tokenized(msg), e, "queued"))
+            elif isinstance(msg, BatchTokenizedEmbeddingReqInput):
+                for item in msg.batch:
+                    self.outputs.append(
+                        self.embeds.fail(embed_req_from_tokenized(item), e, "queued")
+                    )
             elif type(msg) in REPLY_TYPES:
                 reply = REPLY_TYPES[type(msg)](
                     success=False, message=f"internal error: {type(e).__name__}: {e}"
@@ -187,6 +194,11 @@ class Scheduler:
 
     def _on_embed(self, msg: TokenizedEmbeddingReqInput) -> None:
         self.embeds.add(embed_req_from_tokenized(msg))
+
+    def _on_embed_batch(self, msg: BatchTokenizedEmbeddingReqInput) -> None:
+        reqs = [embed_req_from_tokenized(item) for item in msg.batch]  # all or none queued
+        for req in reqs:
+            self.embeds.add(req)
 
     def _on_abort(self, msg: AbortReq) -> None:
         self.abort(msg.rid, msg.abort_all, msg.message or "aborted")

@@ -17,6 +17,7 @@ from cadence.io_struct import (
     BatchEmbeddingOutput,
     BatchStrOutput,
     BatchTokenIDOutput,
+    BatchTokenizedEmbeddingReqInput,
     CloseSessionReqInput,
     CloseSessionReqOutput,
     ContinueGenerationReqInput,
@@ -564,6 +565,14 @@ def _examples():
             http_worker_ipc="ipc://f0",
         ),
         TokenizedEmbeddingReqInput(rid="e", input_text="t", input_ids=[1]),
+        BatchTokenizedEmbeddingReqInput(
+            batch=[
+                TokenizedEmbeddingReqInput(rid="e0", input_text=None, input_ids=[1, 2]),
+                TokenizedEmbeddingReqInput(
+                    rid="e1", input_text="t", input_ids=[3], token_type_ids=[1]
+                ),
+            ]
+        ),
         BatchTokenIDOutput(
             output_ids=[[7], [8, 2]],
             skip_special_tokens=[True, False],

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from test_scheduler import PAGE, ScriptedRunner, assert_pool_full, make, request
 
+from cadence import io_struct
 from cadence.io_struct import (
     AbortReq,
     BatchEmbeddingOutput,
     BatchTokenIDOutput,
+    BatchTokenizedEmbeddingReqInput,
     ContinueGenerationReqInput,
     GetLoadReqInput,
     PauseGenerationReqInput,
@@ -73,6 +75,18 @@ def test_embedding_requests_are_batched_under_the_token_budget_and_end_in_one_st
     out = embeds_of(s.step())
     assert set(out) == {"c"} and not s.has_work
     assert runner.batches == []  # no generation step ran
+    assert_pool_full(s, alloc)
+
+
+def test_a_request_s_items_arrive_in_one_message_and_queue_together():
+    s, runner, alloc = make(runner=EmbeddingRunner(), chunk=64)
+    items = [embed_request(rid, length=3, front="ipc://f0") for rid in ("x0", "x1", "x2")]
+    msg = io_struct.decode(io_struct.encode(BatchTokenizedEmbeddingReqInput(batch=items)))
+    assert s.handle(msg) is None
+    assert s.handle(GetLoadReqInput()).num_waiting_reqs == 3
+    out = embeds_of(s.step())
+    assert runner.embed_batches == [["x0", "x1", "x2"]]  # one forward pass
+    assert [out[rid].http_worker_ipc for rid in ("x0", "x1", "x2")] == ["ipc://f0"] * 3
     assert_pool_full(s, alloc)
 
 
