@@ -123,7 +123,9 @@ def llama_server_binary(cache: str, timeout_s: float) -> str:
 
 
 async def llama_level(url: str, work: list[bs.Work], concurrency: int):
-    connector = aiohttp.TCPConnector(limit=concurrency)
+    # A new connection per request: llama-server closes a kept-alive connection after a few
+    # requests, and a request sent on it as it closes fails.
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
@@ -380,8 +382,11 @@ async def bench(args) -> dict:
             log(f"llama-server is unavailable ({e}); reporting Cadence alone")
         else:
             port = bs.free_port()
-            runs["llamacpp"] = await run_server("llamacpp", llama_command(args, binary, port), port,
-                                                args.concurrency, args, llama_level)  # fmt: skip
+            try:
+                runs["llamacpp"] = await run_server("llamacpp", llama_command(args, binary, port),
+                                                    port, args.concurrency, args, llama_level)  # fmt: skip
+            except (aiohttp.ClientError, RuntimeError) as e:  # keep Cadence's figures
+                log(f"llama-server failed during the run ({e}); reporting Cadence alone")
     return runs
 
 
@@ -412,6 +417,8 @@ def main() -> int:
     runs = asyncio.run(bench(args))
     limits = {}
     if not args.skip_limits and not args.skip_cadence:
+        # The in-process engines run on --threads threads, as the servers did.
+        os.environ["CADENCE_NUM_THREADS"] = str(args.threads)
         for name, deq in (("limit_q", False), ("limit_deq", True)):
             log(f"{name}: bench_offline's matmul limit")
             limits[name] = offline_limits(args.model_path, args.dtype, deq)
