@@ -87,9 +87,12 @@ def chat_audio(data: dict) -> ChatAudio:
         )
     try:
         voice = voices.resolve_voice(audio["voice"])
-        voices.check_format(CHAT_AUDIO_FORMATS[fmt], "audio")
     except InvalidParameter as e:
-        raise InvalidParameter("audio", f"audio.{e}") from None
+        raise InvalidParameter("audio", f"audio.voice: {e}") from None
+    try:
+        voices.check_format(CHAT_AUDIO_FORMATS[fmt], "audio.format")
+    except InvalidParameter as e:
+        raise InvalidParameter("audio", str(e)) from None
     if data.get("n") not in (None, 1):
         raise InvalidParameter("n", "audio output answers one choice: give n 1 or none")
     return ChatAudio(voice, CHAT_AUDIO_FORMATS[fmt], fmt)
