@@ -11,11 +11,11 @@
 // `quant_linear` computes y = x W^T with activations in float32 (bfloat16/float16 rows are
 // widened first; the result takes x's dtype). Up to 4 rows, each column's 8 codes become
 // float32 lanes that multiply the broadcast activation, summed per group and scaled once
-// (tile_block); from 5 rows on (a decode batch), each group of the tile is dequantized once
-// into 1 KiB and multiplies the rows in register blocks of 8 (tile_gemm); from 128 rows on (a
-// prefill chunk), strips of 256 weight rows are dequantized into float32 and multiplied by
-// torch's float32 GEMM (linear_dense). All are AVX2 + FMA + F16C (compiled for AVX-512 they
-// use its registers); without them a portable loop computes the same sums.
+// (tile_block); from 5 rows on (a decode batch), each group of two adjacent tiles is
+// dequantized once into 2 KiB and multiplies the rows in register blocks of 6 (tile_gemm);
+// from 128 rows on (a prefill chunk), strips of 256 weight rows are dequantized into float32
+// and multiplied by torch's float32 GEMM (linear_dense). All are AVX2 + FMA + F16C (compiled
+// for AVX-512 they use its registers); without them a portable loop computes the same sums.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -500,42 +500,65 @@ inline void dequantize_group(const Packed& pk, const uint8_t* tile, int64_t g, f
   }
 }
 
-// Rows [m0, m0 + MB) of x times one dequantized group w (32 columns x 8 rows): acc[m] += ...
-template <int MB>
+// Rows [m0, m0 + MB) of x times the dequantized group of NT tiles (w: NT blocks of 32 columns
+// x 8 rows): acc[m][n] += .... With two tiles, each broadcast activation feeds two
+// multiply-adds and each loaded weight vector six: 12 accumulators, fewer loads per FMA.
+template <int MB, int NT>
 inline void group_gemm(const float* x, int64_t ldx, const float* w, float* acc) {
-  __m256 a[MB];
-  for (int m = 0; m < MB; ++m) a[m] = _mm256_loadu_ps(acc + m * kRows);
-  for (int k = 0; k < kGroup; ++k) {
-    const __m256 wk = _mm256_loadu_ps(w + k * kRows);
-    for (int m = 0; m < MB; ++m) a[m] = _mm256_fmadd_ps(wk, _mm256_broadcast_ss(x + m * ldx + k), a[m]);
+  __m256 a[MB][NT];
+  for (int m = 0; m < MB; ++m) {
+    for (int n = 0; n < NT; ++n) a[m][n] = _mm256_loadu_ps(acc + (m * NT + n) * kRows);
   }
-  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(acc + m * kRows, a[m]);
-}
-
-// Many rows (a batch, a prefill chunk): each group of the tile is dequantized once into 1 KiB
-// of float32, then multiplies every row in register blocks of 8 rows.
-template <int64_t QT, typename T>
-void tile_gemm(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total, const float* bias, T* out,
-               int64_t out_stride, int64_t valid, float* acc) {
-  alignas(32) float w[kGroup * kRows];
-  std::fill(acc, acc + m_total * kRows, 0.f);
-  for (int64_t g = 0; g < pk.groups; ++g) {
-    dequantize_group<QT>(pk, tile, g, w, kRows);
-    const float* x = a.x + g * kGroup;
-    int64_t m = 0;
-    for (; m + 8 <= m_total; m += 8) group_gemm<8>(x + m * a.k, a.k, w, acc + m * kRows);
-    switch (m_total - m) {
-      case 7: group_gemm<7>(x + m * a.k, a.k, w, acc + m * kRows); break;
-      case 6: group_gemm<6>(x + m * a.k, a.k, w, acc + m * kRows); break;
-      case 5: group_gemm<5>(x + m * a.k, a.k, w, acc + m * kRows); break;
-      case 4: group_gemm<4>(x + m * a.k, a.k, w, acc + m * kRows); break;
-      case 3: group_gemm<3>(x + m * a.k, a.k, w, acc + m * kRows); break;
-      case 2: group_gemm<2>(x + m * a.k, a.k, w, acc + m * kRows); break;
-      case 1: group_gemm<1>(x + m * a.k, a.k, w, acc + m * kRows); break;
-      default: break;
+  for (int k = 0; k < kGroup; ++k) {
+    __m256 wk[NT];
+    for (int n = 0; n < NT; ++n) wk[n] = _mm256_loadu_ps(w + n * kGroup * kRows + k * kRows);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xk = _mm256_broadcast_ss(x + m * ldx + k);
+      for (int n = 0; n < NT; ++n) a[m][n] = _mm256_fmadd_ps(wk[n], xk, a[m][n]);
     }
   }
-  for (int64_t m = 0; m < m_total; ++m) store_tile(acc + m * kRows, bias, out + m * out_stride, valid);
+  for (int m = 0; m < MB; ++m) {
+    for (int n = 0; n < NT; ++n) _mm256_storeu_ps(acc + (m * NT + n) * kRows, a[m][n]);
+  }
+}
+
+// The last rows (fewer than a register block) of group_gemm.
+template <int NT>
+inline void group_gemm_rest(int64_t rest, const float* x, int64_t ldx, const float* w, float* acc) {
+  switch (rest) {
+    case 7: group_gemm<7, NT>(x, ldx, w, acc); break;
+    case 6: group_gemm<6, NT>(x, ldx, w, acc); break;
+    case 5: group_gemm<5, NT>(x, ldx, w, acc); break;
+    case 4: group_gemm<4, NT>(x, ldx, w, acc); break;
+    case 3: group_gemm<3, NT>(x, ldx, w, acc); break;
+    case 2: group_gemm<2, NT>(x, ldx, w, acc); break;
+    case 1: group_gemm<1, NT>(x, ldx, w, acc); break;
+    default: break;
+  }
+}
+
+// Many rows (a decode batch): each group of NT adjacent tiles (1, or 2 where the range has
+// them) is dequantized once into NT KiB of float32, then multiplies every row in register
+// blocks (8 rows for one tile, 6 for two). acc: m_total * NT * 8 floats of scratch.
+template <int64_t QT, int NT, typename T>
+void tile_gemm(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total, const float* bias, T* out,
+               int64_t out_stride, int64_t valid, int64_t valid_next, float* acc) {
+  constexpr int MB = NT == 1 ? 8 : 6;
+  alignas(32) float w[NT * kGroup * kRows];
+  std::fill(acc, acc + m_total * NT * kRows, 0.f);
+  for (int64_t g = 0; g < pk.groups; ++g) {
+    for (int n = 0; n < NT; ++n) dequantize_group<QT>(pk, tile + n * pk.tile_bytes, g, w + n * kGroup * kRows, kRows);
+    const float* x = a.x + g * kGroup;
+    int64_t m = 0;
+    for (; m + MB <= m_total; m += MB) group_gemm<MB, NT>(x + m * a.k, a.k, w, acc + m * NT * kRows);
+    group_gemm_rest<NT>(m_total - m, x + m * a.k, a.k, w, acc + m * NT * kRows);
+  }
+  for (int64_t m = 0; m < m_total; ++m) {
+    store_tile(acc + m * NT * kRows, bias, out + m * out_stride, valid);
+    if constexpr (NT == 2) {
+      store_tile(acc + (m * 2 + 1) * kRows, bias ? bias + kRows : nullptr, out + m * out_stride + kRows, valid_next);
+    }
+  }
 }
 
 template <int64_t QT, typename T>
@@ -600,7 +623,7 @@ void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_
     const int64_t mc = std::min(kRowsPerPass, m_total - m0);
     const Acts part{a.x + m0 * a.k, std::vector<float>(a.sums.begin() + m0 * pk.groups * 2, a.sums.begin() + (m0 + mc) * pk.groups * 2), a.k};
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(mc * kRows);
+      std::vector<float> acc(2 * mc * kRows);
       for (int64_t t = begin; t < end; ++t) {
         const uint8_t* tile = packed + t * pk.tile_bytes;
         const int64_t valid = std::min<int64_t>(kRows, rows - t * kRows);
@@ -608,10 +631,17 @@ void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_
         T* o = out + m0 * rows + t * kRows;
 #if defined(CADENCE_QUANT_AVX2)
         if (!portable) {
-          const bool gemm = mc >= kGemmRows;
-#define CADENCE_QUANT_TILE(QT)                                                  \
-  if (gemm) tile_gemm<QT>(pk, tile, part, mc, b, o, rows, valid, acc.data()); \
-  else tile_avx2<QT>(pk, tile, part, mc, b, o, rows, valid);                  \
+          const bool gemm = mc >= kGemmRows, pair = gemm && t + 1 < end;
+          const int64_t valid_next = pair ? std::min<int64_t>(kRows, rows - (t + 1) * kRows) : 0;
+#define CADENCE_QUANT_TILE(QT)                                                                   \
+  if (!gemm) {                                                                                   \
+    tile_avx2<QT>(pk, tile, part, mc, b, o, rows, valid);                                        \
+  } else if (pair) {                                                                             \
+    tile_gemm<QT, 2>(pk, tile, part, mc, b, o, rows, valid, valid_next, acc.data());             \
+    ++t; /* the next tile is done too */                                                         \
+  } else {                                                                                       \
+    tile_gemm<QT, 1>(pk, tile, part, mc, b, o, rows, valid, 0, acc.data());                      \
+  }                                                                                              \
   continue;
           switch (qtype) {
             case kQ4_0: CADENCE_QUANT_TILE(kQ4_0)
