@@ -97,27 +97,63 @@ SERVER_ENVS = {
 }
 
 
+PRELAUNCH = 2  # servers started ahead of their first test, so startups overlap with tests
+
+
 class Fleet:
-    def __init__(self, needed: set[str]):
-        self.needed = needed
+    """The e2e servers: each starts shortly before its first test (with the next PRELAUNCH in
+    test order, so their startups overlap earlier tests) and stops after its last test, so
+    only a few live at once (each holds ~1.5 GB)."""
+
+    def __init__(self, order: list[str], last_users: dict[str, str]):
+        self.order = order  # server names by their first test
+        self.last_users = last_users  # server name -> node id of the last test that needs it
         self.servers: dict[str, Server] = {}
+        self.retired: dict[str, Server] = {}
         self.crashed: list[Server] = []  # shared servers that died under a test, replaced since
+        self.problems: list[str] = []
 
     def get(self, name: str) -> Server:
+        if name in self.retired:  # a test outside the collected order (should not happen)
+            self.servers[name] = self.retired.pop(name)
         if name not in self.servers:
-            for other in [name, *sorted(self.needed - set(self.servers) - {name})]:
-                self.servers[other] = self._launch(other)
+            self.servers[name] = self._launch(name)
         elif name == "server" and self.servers[name].proc.poll() is not None:
             # A test killed the shared server (a bug): the test that did it fails, the session
             # reports it at the end, and the tests after it get a fresh server.
             self.crashed.append(self.servers[name])
             self.servers[name] = self._launch(name)
+        if name in self.order:
+            ahead = self.order[self.order.index(name) + 1 :]
+            for other in [n for n in ahead if n not in self.servers and n not in self.retired]:
+                if sum(1 for n in ahead if n in self.servers) >= PRELAUNCH:
+                    break
+                self.servers[other] = self._launch(other)
         return self.servers[name].wait_ready()
+
+    def finished(self, nodeid: str) -> None:
+        """Stops the servers whose last test was `nodeid`."""
+        for name, last in self.last_users.items():
+            if last == nodeid and name in self.servers:
+                srv = self.servers.pop(name)
+                self.problems += self._stop(name, srv)
+                self.retired[name] = srv
 
     @staticmethod
     def _launch(name: str) -> Server:
         env = SERVER_ENVS[name]() if name in SERVER_ENVS else None
         return Server(name.removesuffix("_server") or "shared", SERVER_SPECS[name], env).start()
+
+    @staticmethod
+    def _stop(name: str, srv: Server) -> list[str]:
+        problems = []
+        if srv.proc.poll() is None:
+            code = srv.stop(signal.SIGTERM, timeout=20)
+            if code != 0:
+                problems.append(f"{name}: exit code {code} after SIGTERM\n{srv.log_tail(1500)}")
+            if srv.socket_dirs():
+                problems.append(f"{name}: socket directory left behind: {srv.socket_dirs()}")
+        return problems
 
     def shutdown(self) -> list[str]:
         """Stops every server; returns what went wrong (left processes, socket dirs, exit codes)."""
@@ -126,34 +162,46 @@ class Fleet:
             f"{srv.log_tail(3000)}"
             for srv in self.crashed
         ]
+        problems += self.problems
         for name, srv in self.servers.items():
-            if srv.proc.poll() is None:
-                code = srv.stop(signal.SIGTERM, timeout=20)
-                if code != 0:
-                    problems.append(f"{name}: exit code {code} after SIGTERM\n{srv.log_tail(1500)}")
-                if srv.socket_dirs():
-                    problems.append(f"{name}: socket directory left behind: {srv.socket_dirs()}")
+            problems += self._stop(name, srv)
         if not wait_until(lambda: not tagged_pids(SESSION_TAG), timeout=10):
             problems.append(f"processes left by the servers: {tagged_pids(SESSION_TAG)}")
-        for srv in [*self.servers.values(), *self.crashed]:
+        for srv in [*self.servers.values(), *self.retired.values(), *self.crashed]:
             srv.destroy()
         return problems
 
 
-_needed: set[str] = set()
+_order: list[str] = []  # server names by their first test
+_last_users: dict[str, str] = {}
+_fleet: Fleet | None = None
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: launch only what will run
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        _needed.update(n for n in getattr(item, "fixturenames", ()) if n in SERVER_SPECS)
+        for name in getattr(item, "fixturenames", ()):
+            if name in SERVER_SPECS:
+                if name not in _order:
+                    _order.append(name)
+                _last_users[name] = item.nodeid
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    if _fleet is not None:
+        _fleet.finished(item.nodeid)
+    return result
 
 
 @pytest.fixture(scope="session")
 def fleet():
-    f = Fleet(_needed)
-    yield f
-    problems = f.shutdown()
+    global _fleet
+    _fleet = Fleet(_order, _last_users)
+    yield _fleet
+    problems = _fleet.shutdown()
+    _fleet = None
     assert not problems, "\n".join(problems)
 
 

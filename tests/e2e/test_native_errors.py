@@ -52,7 +52,6 @@ BAD_GENERATE = [
     ("seed", sp(seed="abc")),
     ("seed", sp(seed=1.5)),
     ("not_a_param", sp(not_a_param=1)),
-    ("not_a_field", {"text": "Hello", "not_a_field": True}),
     ("text", {}),
     ("text", {"text": "Hello", "input_ids": [1, 2]}),
     ("text", {"text": ""}),
