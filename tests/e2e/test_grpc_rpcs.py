@@ -366,7 +366,7 @@ def test_openai_unary_pass_through_says_what_is_not_served(rpc, method):
     assert e.value.details()
 
 
-# ---- embeddings (not served by a generation model yet) ------------------------------------------
+# ---- embeddings (an embedding model's; test_embeddings_e2e.py serves them) ---------------------
 
 
 @pytest.mark.parametrize(
@@ -377,8 +377,8 @@ def test_openai_unary_pass_through_says_what_is_not_served(rpc, method):
         ("Classify", pb.ClassifyRequest(text="hi")),
     ],
 )
-def test_embed_and_classify_are_unimplemented_with_a_clear_message(rpc, method, request_):
+def test_a_generation_model_refuses_embed_and_classify_naming_the_model(rpc, method, request_):
     with pytest.raises(grpc.RpcError) as e:
         getattr(rpc, method)(request_)
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "generation model" in e.value.details() and method in e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "generation model" in e.value.details() and "embedding model" in e.value.details()

@@ -244,10 +244,12 @@ def test_undecodable_bytes_are_invalid_argument(smg_server):
     assert "sglang.grpc.scheduler.GenerateRequest" in e.value.details()
 
 
-def test_embed_is_unimplemented_with_a_reason(rpc, prompt_ids):
+def test_embed_on_a_generation_model_is_invalid_argument_naming_the_model(rpc, prompt_ids):
+    # An embedding model's Embed: test_embeddings_e2e.py.
     with pytest.raises(grpc.RpcError) as e:
         rpc.Embed(pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=prompt_ids)))
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "embeddings" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "generation model" in e.value.details() and "embedding model" in e.value.details()
 
 
 def test_the_api_key_guards_the_service_but_not_its_health_check(api_key_server):
