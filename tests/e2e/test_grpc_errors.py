@@ -50,8 +50,8 @@ BAD_TEXT_REQUESTS = {
         pb.TextGenerateRequest(text="hi", sampling_params=sp(stop_token_ids=[10**9])),
         "stop_token_ids",
     ),
-    "constrained decoding": (
-        pb.TextGenerateRequest(text="hi", sampling_params=sp(regex="[0-9]+")),
+    "a regex that does not compile": (
+        pb.TextGenerateRequest(text="hi", sampling_params=sp(regex="[0-9")),
         "regex",
     ),
     "prompt longer than the context": (
