@@ -30,7 +30,13 @@ class ModelRunner(Runner):
         self.device = self.platform.device
         self.dtype = self.platform.resolve_dtype(args.dtype)
         self.kv_dtype = self.platform.resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
-        self.config, self.model = load_model(model_path, self.dtype, self.device)
+        self.config, self.model = load_model(
+            model_path,
+            self.dtype,
+            self.device,
+            quantization=args.quantization,
+            dequantize=args.dequantize,
+        )
         cfg = self.config
         # --is-embedding: served as an embedding model (`embed`); generation is refused.
         self.is_generation = not args.is_embedding
@@ -96,7 +102,14 @@ class ModelRunner(Runner):
         from cadence.model_loader.locate import resolve_model_path
 
         path = resolve_model_path(model_path)
-        config, model = load_model(path, self.dtype, self.device, progress=False)
+        config, model = load_model(
+            path,
+            self.dtype,
+            self.device,
+            progress=False,
+            quantization=self.args.quantization,
+            dequantize=self.args.dequantize,
+        )
         self.adopt_weights(config, model)
         del model  # its tensors now belong to this runner; anything left over goes back
         self.platform.empty_cache()
