@@ -81,7 +81,7 @@ SERVER_SPECS: dict[str, list[str]] = {
         *("--chat-template", template_path("smollm2_tools")),
         *("--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"),
     ],
-    # --pipeline (test_pipeline_serving.py): two stage processes of test executors, restarted
+    # --pipeline (test_pipeline_serving_e2e.py): two stage processes of test executors, restarted
     # when one dies, or not (then the server exits non-zero).
     "pipeline_server": [*_SMALL, "--pipeline", PIPELINE_YAML, "--pipeline-restart-stages"],
     "pipeline_exit_server": [*_SMALL, "--pipeline", PIPELINE_YAML],
