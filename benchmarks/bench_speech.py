@@ -199,7 +199,10 @@ async def measure(mode: str, quick: bool) -> dict[str, float]:
         ) as client:
             await wait_healthy(client, proc)
             log(f"{mode}: ready")
-            await speak(client, TEXTS[0], "pcm")  # warm
+            # Warm up, discarded: a server just started is still settling (its first
+            # requests, the model's first batches), which once skewed whichever mode ran first.
+            await concurrent(lambda t: speak(client, t, "mp3"), TEXTS, 8)
+            await concurrent(lambda t: chat(client, t), list(TOPICS[:2]), 2)
             for fmt in ("pcm", "mp3"):
                 for c in (1, 8):
                     results, wall = await concurrent(
@@ -209,7 +212,6 @@ async def measure(mode: str, quick: bool) -> dict[str, float]:
                     if c == 1:
                         out[f"ttfa_speech_ms_p50_{fmt}"] = 1000 * p50([f for f, _ in results])
                     log(f"{mode} speech {fmt} c{c}: rtf {out[f'served_rtf_c{c}_{fmt}']:.1f}")
-            await chat(client, "warming up")
             topics = list(TOPICS[: 4 if quick else 8])
             results, wall = await concurrent(lambda t: chat(client, t), topics, 1)
             out["ttfa_chat_ms_p50"] = 1000 * p50([r["first_audio_s"] for r in results])
