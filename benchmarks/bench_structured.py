@@ -6,6 +6,10 @@ All figures come from one run, one process, one in-process Engine:
     grammar forces at 48, the compiled grammar cached by a warm-up), against the same prompts unconstrained
     with the same number of new tokens per request (EOS ignored), greedy; the prefill (one
     token) is subtracted, and the two runs alternate so drift hits both alike;
+  - the constraint's share of the constrained decode time: the sampler's time (grammar
+    masks included) and the grammars' accept time, timed in place, beyond the sampler's
+    time in the unconstrained run. On a machine shared with other work the tok/s swing
+    with its load; this share is the constraint's own cost;
   - grammar compile time (ms) of 50 varied schemas, each compiled cold (no cache) by the
     engine the server runs, as the scheduler's worker thread does.
 
@@ -116,33 +120,83 @@ def prompts(tokenizer, batch: int) -> list[list[int]]:
     return [base + tokenizer.encode(f" {i + 1}:") for i in range(batch)]
 
 
-def decode_rates(engine, batch: int, repeats: int, readings: int) -> tuple[float, float]:
-    """(constrained, unconstrained) decode tok/s at `batch`, medians of alternating runs."""
+class Clock:
+    """Seconds the scheduler spends in the sampler (grammar masks included) and in the
+    grammars' `accept`, wrapped in place: the constraint's own cost, which the load of other
+    work on the machine inflates like everything else but cannot fake as a difference
+    between the two kinds of run."""
+
+    def __init__(self):
+        from cadence.constrained.xgrammar_backend import XGrammarGrammar
+        from cadence.model_executor import model_runner
+
+        self.seconds = {"sample": 0.0, "accept": 0.0}
+        self._wrap(model_runner, "sample", "sample")
+        self._wrap(XGrammarGrammar, "accept", "accept")
+
+    def _wrap(self, owner, name: str, key: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[key] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+
+
+def decode_rates(engine, clock: Clock, batch: int, repeats: int, readings: int) -> dict:
+    """Decode tok/s at `batch`, constrained ("c") and not ("u"), medians of alternating runs;
+    and the constraint's share of the constrained runs' decode time ("share"): sampler and
+    accept seconds of a constrained run less the sampler seconds of an unconstrained one."""
     ids = prompts(engine.tokenizer, batch)
     schema = json.dumps(long_schema(readings))
     constrained = {"temperature": 0, "max_new_tokens": 400, "json_schema": schema}
     warm = engine.generate(input_ids=ids, sampling_params=constrained)  # compiles, caches
     lengths = [r["meta_info"]["completion_tokens"] for r in warm]
+    # Both kinds ask for exactly the tokens they write: the scheduler reserves KV pages for
+    # max_new_tokens at admission, and a larger ask would admit fewer rows at once.
+    forced = [dict(constrained, max_new_tokens=n) for n in lengths]
     free = [
         {"temperature": 0, "max_new_tokens": n, "ignore_eos": True, "min_new_tokens": n}
         for n in lengths
     ]
     one = {"max_new_tokens": 1, "min_new_tokens": 0}
-    rates: dict[str, list[float]] = {"c": [], "u": []}
+    # per run: (new tokens, seconds of the run, seconds of its prefill alone, sampler+accept)
+    runs: dict[str, list[tuple[int, float, float, float]]] = {"c": [], "u": []}
     for _ in range(repeats):
-        for kind, params in (("c", [constrained] * batch), ("u", free)):
+        for kind, params in (("c", forced), ("u", free)):
             start = time.perf_counter()
             prefill_params = [dict(p, **one) for p in params]
             engine.generate(input_ids=ids, sampling_params=prefill_params)
             prefill = time.perf_counter() - start
+            clock.reset()
             start = time.perf_counter()
             res = engine.generate(input_ids=ids, sampling_params=params)
             total = time.perf_counter() - start
-            tokens = sum(r["meta_info"]["completion_tokens"] for r in res)
-            rates[kind].append((tokens - batch) / max(total - prefill, 1e-9))
+            tokens = sum(r["meta_info"]["completion_tokens"] for r in res) - batch
+            runs[kind].append((tokens, total, prefill, sum(clock.seconds.values())))
             name = "constrained" if kind == "c" else "unconstrained"
-            log(f"  {name}: {tokens} tokens, {rates[kind][-1]:.1f} tok/s")
-    return statistics.median(rates["c"]), statistics.median(rates["u"])
+            log(
+                f"  {name}: {tokens} new tokens in {total:.2f} s (prefill alone {prefill:.2f} s), "
+                f"sampler+accept {clock.seconds['sample']:.2f}+{clock.seconds['accept']:.2f} s"
+            )
+    out = {}
+    for kind in ("c", "u"):
+        # The median prefill of the kind, subtracted from each run: one prefill timed alone
+        # can swing by more than a short run lasts.
+        prefill = statistics.median(r[2] for r in runs[kind])
+        decode = [max(r[1] - prefill, 1e-3) for r in runs[kind]]
+        out[kind] = statistics.median(r[0] / d for r, d in zip(runs[kind], decode))
+        out[f"{kind}_decode_s"] = statistics.median(decode)
+        out[f"{kind}_cost_s"] = statistics.median(r[3] for r in runs[kind])
+    out["share"] = (out["c_cost_s"] - out["u_cost_s"]) / out["c_decode_s"]
+    return out
 
 
 def compile_times(engine) -> list[float]:
@@ -211,6 +265,7 @@ def main() -> int:
 
     log("loading the engine")
     engine = Engine(model_path=args.model_path, dtype=args.dtype, max_running_requests=64)
+    clock = Clock()
     try:
         results: dict = {
             "dtype": args.dtype,
@@ -220,9 +275,10 @@ def main() -> int:
         }
         for batch in BATCHES:
             log(f"decode batch {batch}")
-            c, u = decode_rates(engine, batch, args.repeats, args.readings)
-            results[f"constrained_tok_s_b{batch}"] = c
-            results[f"unconstrained_tok_s_b{batch}"] = u
+            rates = decode_rates(engine, clock, batch, args.repeats, args.readings)
+            results[f"constrained_tok_s_b{batch}"] = rates["c"]
+            results[f"unconstrained_tok_s_b{batch}"] = rates["u"]
+            results[f"constraint_share_b{batch}"] = rates["share"]
         log("compile times")
         times = compile_times(engine)
     finally:
@@ -233,11 +289,19 @@ def main() -> int:
     results["compile_ms_max"] = max(times)
 
     print(f"\nCadence structured output, {results['grammar_backend']}, dtype={args.dtype}")
-    print(f"{'':10} {'constrained':>12} {'unconstrained':>14} {'ratio':>7} {'limit':>7}")
+    print(
+        f"{'':10} {'constrained':>12} {'unconstrained':>14} {'ratio':>7} {'limit':>7}"
+        f" {'constraint share':>17}"
+    )
     for b in BATCHES:
         c, u = results[f"constrained_tok_s_b{b}"], results[f"unconstrained_tok_s_b{b}"]
         limit = f">={TARGET_RATIO_B32}" if b == 32 else "-"
-        print(f"{f'batch {b}':10} {c:12.1f} {u:14.1f} {c / u:7.2f} {limit:>7}")
+        share = results[f"constraint_share_b{b}"]
+        print(f"{f'batch {b}':10} {c:12.1f} {u:14.1f} {c / u:7.2f} {limit:>7} {share:17.1%}")
+    print(
+        "constraint share: sampler and accept time a constrained run spends beyond an "
+        "unconstrained one, of its decode time (1 - share: the ratio its own cost allows)"
+    )
     print(
         f"compile ms over {len(times)} schemas: p50 {results['compile_ms_p50']:.1f}, "
         f"p90 {results['compile_ms_p90']:.1f}, max {results['compile_ms_max']:.1f}"
