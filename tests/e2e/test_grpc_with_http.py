@@ -55,7 +55,8 @@ def _http_stream(server, prompt: str) -> str:
     ):
         for line in r.iter_lines():
             if line and line != "data: [DONE]":
-                text += json.loads(line[len("data: ") :])["text"]
+                # SGLang's /generate stream: each event carries the whole text so far.
+                text = json.loads(line[len("data: ") :])["text"]
     return text
 
 
