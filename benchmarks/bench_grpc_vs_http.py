@@ -156,7 +156,9 @@ def serve_http_echo(port: int) -> None:
             )
             for i in range(n):
                 await asyncio.sleep(ECHO_STEP_S)
-                chunk = {"text": " x", "output_ids": [1], "meta_info": echo_meta(i + 1)}
+                # The server's JSON meta_info holds numbers (gRPC's map holds strings).
+                meta = {**echo_meta(i + 1), "completion_tokens": i + 1, "prompt_tokens": 12}
+                chunk = {"text": " x", "output_ids": [1], "meta_info": meta}
                 await send(
                     {
                         "type": "http.response.body",

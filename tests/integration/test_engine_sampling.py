@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cadence.errors import InvalidParameter
@@ -327,6 +329,11 @@ def scheduler_spy(engine, monkeypatch):
         return original(req)
 
     monkeypatch.setattr(engine.scheduler, "add_request", spy)
+    # A request an earlier test abandoned may still be finishing: start from an idle scheduler.
+    deadline = time.monotonic() + 30
+    while engine.run_in_scheduler(lambda s: bool(s.waiting or s.running)):
+        assert time.monotonic() < deadline, "the scheduler never became idle"
+        time.sleep(0.05)
     before = engine.run_in_scheduler(lambda s: s.num_generated_tokens)
 
     def check():
