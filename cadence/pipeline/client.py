@@ -123,7 +123,8 @@ class RequestTracker:
         self.wire_of.pop(pending.rid, None)
         results = pending.results
         value = results[self.graph.terminals[0]] if len(self.graph.terminals) == 1 else results
-        pending.future.set_result(value)
+        if not pending.future.done():  # cancelled: its caller is on the way to abort it
+            pending.future.set_result(value)
         if pending.queue is not None:  # results last: after every chunk, whichever came first
             for stage in self.graph.terminals:
                 pending.queue.put_nowait(StreamItem(stage, results[stage]))
@@ -150,6 +151,8 @@ class PipelineClient(ABC):
         rid = rid or uuid.uuid4().hex
         pending = self._open(rid, request, want_stream=False)
         try:
+            if timeout is None:  # awaited directly: no shield's extra hop per request
+                return await pending.future
             async with asyncio.timeout(timeout):
                 return await asyncio.shield(pending.future)
         except TimeoutError:
