@@ -3,7 +3,8 @@
 Not a test. Measures, each next to the limit it is compared with:
   - per relay backend (shm, torch), GB/s moving one payload of 1 MiB, 16 MiB and 256 MiB
     from one process to another, as the runtime does it (extract + put into the relay,
-    DataReady over ZMQ, get into a fresh buffer + restore, DataAck back): `one-shot` is one
+    DataReady over ZMQ, a lent payload read in place (shm) or a get into a
+    fresh buffer (torch) + restore, DataAck back): `one-shot` is one
     payload at a time, timed from the start of the put to the restored tensor on the
     receiver (CLOCK_MONOTONIC is one clock for both processes); `streamed` is payloads back
     to back with the relay's credits in flight, bytes delivered per second. The limit is a
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -67,9 +69,18 @@ def _relay_context(backend: str, pipeline_id: str, rank: int, store: str) -> Rel
     return RelayContext(pipeline_id, rank, 2, "cpu", config, store_address=store)
 
 
+def _release(loop, push, ack) -> None:
+    """A lent payload's last view is gone (on any thread): acknowledge it from the loop."""
+    try:
+        loop.call_soon_threadsafe(channels.send, push, ack)
+    except RuntimeError:
+        pass  # the loop has closed: the run is over
+
+
 def run_receiver(backend: str, pipeline_id: str, store: str, pull_at: str, push_to: str) -> None:
-    """Process: gets every announced payload into a fresh buffer, restores it, acknowledges,
-    and reports (seq, monotonic ns when the restored tensor was ready)."""
+    """Process: receives every announced payload as a stage process does (read in place when
+    lent, else into a fresh buffer), restores it, acknowledges, and reports (seq, monotonic
+    ns when the restored tensor was ready)."""
     torch.set_num_threads(1)
 
     async def main() -> None:
@@ -99,13 +110,21 @@ def run_receiver(backend: str, pipeline_id: str, store: str, pull_at: str, push_
                 getter.cancel()
                 break
             msg = getter.result()
-            dest = torch.empty(msg.relay["size"], dtype=torch.uint8)
-            op = await relay.get_async(msg.relay, dest, msg.rid)
-            await op.wait_for_completion(60)
-            if relay.needs_ack:
-                channels.send(push, DataAck(rid=msg.rid, relay=msg.relay))
-            restore(msg.payload, dest)
+            meta = msg.relay
+            release = functools.partial(_release, loop, push, DataAck(rid=msg.rid, relay=meta))
+            lent = relay.lend(meta, release)
+            if lent is not None:  # read in place (zero-copy receive): taken now, freed later
+                channels.send(push, DataAck(rid=msg.rid, relay={**meta, "borrower": os.getpid()}))
+                restored = restore(msg.payload, lent)
+            else:
+                dest = torch.empty(meta["size"], dtype=torch.uint8)
+                op = await relay.get_async(meta, dest, msg.rid)
+                await op.wait_for_completion(60)
+                if relay.needs_ack:
+                    channels.send(push, DataAck(rid=msg.rid, relay=meta))
+                restored = restore(msg.payload, dest)
             ready_ns = time.monotonic_ns()
+            del lent, restored  # the consumer is done with it: a lent slot goes back
             channels.send(push, DataAck(rid="timing", relay={"seq": msg.chunk_id, "ns": ready_ns}))
         inbox.stop()
         relay.close()

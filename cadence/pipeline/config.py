@@ -47,6 +47,12 @@ class RelayConfig:
     instead of the relay (0: every payload with tensors uses the relay)."""
     transfer_timeout_s: float = 60.0
     """Seconds a transfer may wait for a credit or for its receiver before its request fails."""
+    zero_copy_min_bytes: int | None = 1 << 20
+    """Payloads at least this large are read in place by the receiving stage (shm): its
+    tensors are views of the sender's shared memory instead of a copy, and the credit comes
+    back once the receiver has dropped every one of them. A sender lends only while at least
+    half its credits are free, so a stage that keeps its inputs cannot starve the sender.
+    None: always copy."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
@@ -57,6 +63,13 @@ class RelayConfig:
             raise ValueError(f"relay.credits must be an integer >= 1, got {self.credits!r}")
         if self.inline_max_bytes < 0:
             raise ValueError(f"relay.inline_max_bytes must be >= 0, got {self.inline_max_bytes}")
+        if self.zero_copy_min_bytes is not None and (
+            not isinstance(self.zero_copy_min_bytes, int) or self.zero_copy_min_bytes < 0
+        ):
+            raise ValueError(
+                "relay.zero_copy_min_bytes must be an integer >= 0 or null, "
+                f"got {self.zero_copy_min_bytes!r}"
+            )
         if not self.transfer_timeout_s > 0:
             raise ValueError(
                 f"relay.transfer_timeout_s must be > 0, got {self.transfer_timeout_s!r}"

@@ -41,11 +41,16 @@ class Extracted:
     def nbytes(self) -> int:
         return self.header.nbytes
 
-    def pack_into(self, dst: torch.Tensor) -> None:
-        """Writes the tensors into `dst` (1-D uint8, at least `nbytes` long, any device)."""
+    def pack_into(self, dst: torch.Tensor, start: int = 0, end: int | None = None) -> None:
+        """Writes the tensors into `dst` (1-D uint8, at least `nbytes` long, any device); only
+        bytes [start, end) of the packed layout when given, so that several threads can
+        share one large copy."""
+        end = self.nbytes if end is None else end
         for tensor, meta in zip(self.tensors, self.header.tensors):
-            if meta.size:
-                copy_bytes(dst[meta.offset : meta.offset + meta.size], _as_bytes(tensor))
+            lo, hi = max(start, meta.offset), min(end, meta.offset + meta.size)
+            if lo < hi:
+                src = _as_bytes(tensor)[lo - meta.offset : hi - meta.offset]
+                copy_bytes(dst[lo:hi], src)
 
     def pack(self, device: str | torch.device = "cpu") -> torch.Tensor:
         """The packed buffer on `device`. A payload of one contiguous tensor already on that
@@ -97,7 +102,10 @@ def extract(obj: Any) -> Extracted:
             f"bool, int, float, str, bytes, lists, tuples, dicts and torch tensors"
         )
 
-    skeleton = _encoder.encode(walk(obj, ""))
+    try:
+        skeleton = _encoder.encode(walk(obj, ""))
+    finally:
+        walk = None  # noqa: F841  (it refers to itself: that cycle would hold the tensors)
     header = PayloadHeader(msgspec.Raw(skeleton), metas, end)
     return Extracted(header, tensors)
 
@@ -120,15 +128,20 @@ def restore(header: PayloadHeader, buf: torch.Tensor | None) -> Any:
             return tuple(msgspec.msgpack.decode(data, ext_hook=ext_hook))
         raise ValueError(f"unknown payload extension code {code}")
 
-    return msgspec.msgpack.decode(header.skeleton, ext_hook=ext_hook)
+    try:
+        return msgspec.msgpack.decode(header.skeleton, ext_hook=ext_hook)
+    finally:
+        # ext_hook refers to itself (tuples): left alone, that cycle would keep `buf` alive
+        # until the garbage collector runs, and a lent buffer goes back only once it dies.
+        ext_hook = None  # noqa: F841
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst[:] = src for 1-D uint8 tensors of one size. Between contiguous CPU tensors it is
     one plain memcpy on this thread (ctypes releases the GIL): torch's copy would start its
     OpenMP team, whose spinning barrier stalls for milliseconds when stage processes
-    outnumber the cores. (Splitting a large copy over threads was measured too: no faster on
-    a busy two-core machine, so one memcpy it is.)"""
+    outnumber the cores. A caller that wants several threads on one large copy splits it
+    (the shm relay does, through `Extracted.pack_into`'s byte range)."""
     if not (dst.is_cpu and src.is_cpu and dst.is_contiguous() and src.is_contiguous()):
         dst.copy_(src)
         return

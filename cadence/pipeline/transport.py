@@ -7,7 +7,12 @@ to the client, Complete/Stream with the tensors inline.
 
 In: Submit and DataReady become awaitables handed to the stage at once: a relay get is
 posted as soon as its DataReady arrives (in arrival order, which NCCL pairing relies on), and
-acknowledged to the sender when done. A DataReady for a request this process has dropped is
+acknowledged to the sender when done. A put the relay lends (shm, large payloads) is read in
+place: acknowledged at once as taken, and again when the last tensor restored from it dies.
+Tensors caught in a reference cycle (an aborted task's traceback, say) die only when the
+garbage collector runs: once a request has ended here with lent payloads still alive, a
+collection runs shortly after (at most every LENT_GC_PERIOD_S), so that no credit waits for
+the collector's own schedule. A DataReady for a request this process has dropped is
 still consumed (drained and acknowledged) so that the sender's put completes; nothing is
 delivered.
 """
@@ -15,7 +20,10 @@ delivered.
 from __future__ import annotations
 
 import asyncio
+import functools
+import gc
 import logging
+import os
 import time
 from typing import Any
 
@@ -32,6 +40,7 @@ from cadence.pipeline.stage import StageRuntime
 logger = logging.getLogger(__name__)
 
 TOMBSTONE_TTL_S = 120.0  # how long a dropped rid's late messages are recognised and drained
+LENT_GC_PERIOD_S = 0.2  # at most one collection this often, for lent payloads of ended requests
 
 
 def _done(value: Any) -> asyncio.Future:
@@ -76,6 +85,10 @@ class Transport:
         self._peers: dict[str, zmq.Socket] = {}
         self.coordinator = channels.connect(ctx, zmq.PUSH, coordinator_address)
         self.dropped: dict[str, float] = {}  # rid -> when: aborted, or ended with a stream open
+        self._closed = False
+        self._lent: dict[str, int] = {}  # rid -> lent payloads of it still alive here
+        self._gc_at = 0.0  # when a collection for lent payloads ran or is due
+        self._gc_handle: asyncio.TimerHandle | None = None
 
     # -- request life ---------------------------------------------------------------------
 
@@ -89,10 +102,14 @@ class Transport:
             runtime.abort(rid)
         if self.relay is not None:
             self.relay.cleanup(rid)
+        if rid in self._lent:
+            self._collect_soon()
 
     def on_finished(self, rid: str, stream_open: bool) -> None:
         if stream_open:  # chunks may still come: recognise them as late
             self.dropped[rid] = time.monotonic()
+        if rid in self._lent:
+            self._collect_soon()
 
     def prune_dropped(self) -> None:
         horizon = time.monotonic() - TOMBSTONE_TTL_S
@@ -218,6 +235,8 @@ class Transport:
     async def _get(self, msg: DataReady, live: bool) -> Any:
         relay, meta = self.relay, msg.relay
         src_process = self.graph.process_of[msg.src_stage]
+        if live and meta.get("lend"):
+            return self._borrow(msg)
         try:
             if not live:
                 await relay.discard_async(meta, msg.rid, self.graph.rank_of(src_process))
@@ -234,7 +253,66 @@ class Transport:
                 channels.send(sock, DataAck(rid=msg.rid, relay=meta))
         return restore(msg.payload, dest)
 
+    def _borrow(self, msg: DataReady) -> Any:
+        """The payload restored over the sender's memory: DataAck with our pid now (taken),
+        DataAck again once no tensor of it is left (released)."""
+        meta, loop = msg.relay, asyncio.get_running_loop()
+        release = functools.partial(self._released, loop, msg.src_stage, msg.rid, meta)
+        self._lent[msg.rid] = self._lent.get(msg.rid, 0) + 1
+        try:
+            buf = self.relay.lend(meta, release)
+        except RelayError as e:
+            self._returned(msg.src_stage, msg.rid, meta)
+            raise RelayError(f"receiving from stage {msg.src_stage!r} failed: {e}") from None
+        if buf is None:  # not lent after all: the sender's slot is free to go
+            self._returned(msg.src_stage, msg.rid, meta)
+            raise RelayError(f"stage {msg.src_stage!r} lent a payload that cannot be read")
+        self._ack(msg.src_stage, msg.rid, {**meta, "borrower": os.getpid()})
+        error = None
+        try:
+            return restore(msg.payload, buf)
+        except Exception as e:
+            error = f"a payload from {msg.src_stage} does not decode: {e}"
+        buf = None  # out of the traceback too: the release must not wait for it
+        raise ValueError(error)
+
+    def _released(self, loop: asyncio.AbstractEventLoop, src_stage: str, rid: str, meta) -> None:
+        """Runs on whichever thread dropped the last view of a lent payload."""
+        try:
+            loop.call_soon_threadsafe(self._returned, src_stage, rid, meta)
+        except RuntimeError:
+            pass  # the loop is closed: this process is ending; the sender takes its slot back
+
+    def _returned(self, src_stage: str, rid: str, meta: dict) -> None:
+        count = self._lent.pop(rid, 0) - 1
+        if count > 0:
+            self._lent[rid] = count
+        self._ack(src_stage, rid, meta)
+
+    def _collect_soon(self) -> None:
+        if self._gc_handle is not None or self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        self._gc_at = max(self._gc_at, loop.time())
+        self._gc_handle = loop.call_at(self._gc_at, self._collect)
+
+    def _collect(self) -> None:
+        """Lent payloads of requests that ended here are garbage unless a cycle holds them:
+        collect, so that their acknowledgements go out."""
+        self._gc_handle = None
+        running = {rid for rt in self.runtimes.values() for rid in rt.requests}
+        if any(rid not in running for rid in self._lent):
+            gc.collect()
+            self._gc_at = asyncio.get_running_loop().time() + LENT_GC_PERIOD_S
+
+    def _ack(self, src_stage: str, rid: str, meta: dict) -> None:
+        if not self._closed:
+            channels.send(self._peer(src_stage), DataAck(rid=rid, relay=meta))
+
     def close(self) -> None:
+        self._closed = True
+        if self._gc_handle is not None:
+            self._gc_handle.cancel()
         for sock in self._peers.values():
             sock.close(linger=0)
         self.coordinator.close(linger=0)

@@ -15,6 +15,10 @@ The protocol, for one payload:
               if relay.needs_ack: send DataAck(relay=metadata) to the sender
     sender, on DataAck: relay.acknowledge(metadata)        # its put completes
 
+A backend whose bytes the receiver can read where they lie (shm) may instead lend them:
+`lend(metadata, on_release)` returns them as a tensor, and the receiver sends DataAck from
+`on_release`, once every tensor restored from them is gone (zero-copy receive).
+
 Sending the control message before waiting is what keeps credit-based backends from
 deadlocking: a put completes only once its receiver has read it.
 """
@@ -22,6 +26,7 @@ deadlocking: a put completes only once its receiver has read it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
@@ -132,6 +137,13 @@ class Relay(ABC):
     ) -> RelayOperation:
         """Starts receiving the put that `metadata` describes into `dest` (1-D uint8 on
         `buffer_device(sender)`, at least metadata["size"] bytes)."""
+
+    def lend(self, metadata: dict[str, Any], on_release: Callable[[], None]) -> torch.Tensor | None:
+        """The put that `metadata` describes, as a 1-D uint8 CPU tensor over the sender's own
+        memory (no copy), or None when this put is not lent (the receiver then uses
+        `get_async`). `on_release` runs, on whichever thread drops the last view of that
+        tensor, once nothing refers to it any more: the receiver acknowledges from there."""
+        return None
 
     async def discard_async(self, metadata: dict[str, Any], request_id: str, src: int) -> None:
         """Consumes a put whose request this side has dropped, so that the sender's put can

@@ -7,6 +7,15 @@ and size; the receiver copies it out and sends DataAck, which frees the slot. A 
 larger than a slot gets a segment of its own (`...-d<seq>`, still one credit), unlinked when
 acknowledged. A slot is also freed by `cleanup(request_id)` and by `close()`.
 
+Zero-copy receive: a put of at least `zero_copy_min_bytes`, made while at least half the
+sender's credits are free, is marked `lend`. Its receiver reads it in place (`lend`: the
+restored tensors are views of the sender's slot) and acknowledges twice: at once with its
+pid (`borrower`: the put is delivered, the sender's request can end, the slot stays the
+receiver's) and again once the last view is gone (the slot is free). A slot lent to a
+process that died is taken back (its pid is checked whenever credits run short and on
+`stats()`); a lent put cleaned up before any acknowledgement keeps its slot for
+LEND_GRACE_S, in case the receiver already reads it.
+
 Every name carries the owner's pid, so whatever a killed process leaves behind is found and
 removed by `sweep_dead_segments()`, which every relay runs when it starts (and the launcher
 after a stage process dies). Linux only: segments are files under /dev/shm, mapped with mmap
@@ -20,7 +29,10 @@ import asyncio
 import itertools
 import mmap
 import os
+import threading
+import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +53,9 @@ from cadence.pipeline.relay.base import (
 SHM_DIR = "/dev/shm"
 PREFIX = "cadence-relay-"
 THREAD_COPY_BYTES = 1 << 20  # larger copies run off the event loop (torch releases the GIL)
+SPLIT_COPY_BYTES = 4 << 20  # larger puts copy in COPY_PARTS parts at once
+COPY_PARTS = 2
+LEND_GRACE_S = 2.0  # a lent put cleaned up before any acknowledgement keeps its slot this long
 
 
 def segment_name(pid: int, pipeline_id: str, suffix: str) -> str:
@@ -128,6 +143,16 @@ class _Held:
     slot: int
     future: asyncio.Future
     dedicated: Segment | None = None
+    lent: bool = False
+
+
+@dataclass
+class _Borrowed:
+    """A lent slot, delivered (or abandoned), until its borrower lets it go."""
+
+    slot: int
+    dedicated: Segment | None
+    pid: int | None  # the borrower; None while unknown (cleaned up before any ack)
 
 
 @dataclass
@@ -184,13 +209,18 @@ class ShmRelay(Relay):
         self._copying = 0  # slots taken by puts still copying in
         self._seq = itertools.count(1)
         self._attached: dict[str, Segment] = {}  # other processes' pools, mapped once
+        self.lend_min = ctx.config.zero_copy_min_bytes
+        self._borrowed: dict[int, _Borrowed] = {}  # seq -> our slot lent to a receiver
+        self._lent = 0  # receiver side: puts of others read in place, views still alive
+        self._lent_lock = threading.Lock()  # views die on any thread
 
     # -- sender side ---------------------------------------------------------------------
 
     async def put_async(self, tensor: torch.Tensor, request_id: str, dst: int) -> RelayOperation:
-        return await self._put(
-            tensor.numel(), lambda region: copy_bytes(region, tensor), request_id
-        )
+        def fill(region: torch.Tensor, start: int, end: int) -> None:
+            copy_bytes(region[start:end], tensor[start:end])
+
+        return await self._put(tensor.numel(), fill, request_id)
 
     async def put_payload_async(
         self, payload: Extracted, request_id: str, dst: int
@@ -213,7 +243,7 @@ class ShmRelay(Relay):
             self._release_slot(slot)
             raise
         self._copying += 1
-        copied = self._copy(lambda: fill(region), nbytes)
+        copied = self._fill(fill, region, nbytes)
         try:
             await asyncio.shield(copied)
         except BaseException:
@@ -222,24 +252,83 @@ class ShmRelay(Relay):
             raise
         self._copying -= 1
         future = asyncio.get_running_loop().create_future()
-        self._held[seq] = _Held(rid, slot, future, dedicated)
+        lend = self.lend_min is not None and nbytes >= self.lend_min
+        lend = lend and 2 * len(self._free) >= self.credits
+        self._held[seq] = _Held(rid, slot, future, dedicated, lend)
         self._by_rid.setdefault(rid, set()).add(seq)
         segment = dedicated.name if dedicated else self.pool.name
         meta = {"segment": segment, "offset": offset, "size": nbytes, "seq": seq, "pid": self.pid}
+        if lend:
+            meta["lend"] = True
         return _PutOp(meta, future)
 
     def acknowledge(self, metadata: dict[str, Any]) -> None:
-        if metadata.get("pid") == self.pid:
-            self._finish(metadata.get("seq"), None)
+        if metadata.get("pid") != self.pid:
+            return
+        seq, borrower = metadata.get("seq"), metadata.get("borrower")
+        borrowed = self._borrowed.get(seq)
+        if borrowed is not None:
+            if borrower is None:  # the borrower let it go
+                self._return(seq)
+            else:
+                borrowed.pid = borrower
+            return
+        held = self._held.get(seq)
+        if borrower is not None and held is not None:  # delivered; the slot stays lent
+            self._borrowed[seq] = _Borrowed(held.slot, held.dedicated, borrower)
+            held.dedicated = None
+            self._forget(seq, held, None, release=False)
+            return
+        self._finish(seq, None)
 
     def cleanup(self, request_id: str) -> None:
         for seq in self._by_rid.pop(request_id, ()):
-            self._finish(seq, RelayAborted(f"request {request_id} was cleaned up"))
+            error = RelayAborted(f"request {request_id} was cleaned up")
+            held = self._held.get(seq)
+            if held is not None and held.lent:  # its receiver may be reading it already
+                self._borrowed[seq] = _Borrowed(held.slot, held.dedicated, None)
+                held.dedicated = None
+                self._forget(seq, held, error, release=False)
+                self._return_later(seq)
+            else:
+                self._finish(seq, error)
+
+    def _return_later(self, seq: int) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._return(seq)
+            return
+
+        def expire() -> None:
+            borrowed = self._borrowed.get(seq)
+            if borrowed is not None and borrowed.pid is None:  # nobody took it
+                self._return(seq)
+
+        loop.call_later(LEND_GRACE_S, expire)
+
+    def _return(self, seq: int) -> None:
+        borrowed = self._borrowed.pop(seq, None)
+        if borrowed is None:
+            return
+        if borrowed.dedicated is not None:
+            borrowed.dedicated.close()
+            borrowed.dedicated.unlink()
+        self._release_slot(borrowed.slot)
+
+    def _reclaim_from_dead(self) -> None:
+        """Takes back the slots lent to processes that died holding them."""
+        for seq in [s for s, b in self._borrowed.items() if b.pid and not is_alive(b.pid)]:
+            self._return(seq)
 
     def _finish(self, seq: Any, error: Exception | None) -> None:
-        held = self._held.pop(seq, None)
-        if held is None:
-            return  # already acknowledged or cleaned up
+        held = self._held.get(seq)
+        if held is not None:  # else already acknowledged or cleaned up
+            self._forget(seq, held, error, release=True)
+
+    def _forget(self, seq: int, held: _Held, error: Exception | None, release: bool) -> None:
+        """Ends the put: its future resolves, its slot is freed unless still lent."""
+        del self._held[seq]
         seqs = self._by_rid.get(held.rid)
         if seqs is not None:
             seqs.discard(seq)
@@ -248,7 +337,8 @@ class ShmRelay(Relay):
         if held.dedicated is not None:
             held.dedicated.close()
             held.dedicated.unlink()
-        self._release_slot(held.slot)
+        if release:
+            self._release_slot(held.slot)
         if not held.future.done():
             if error is None:
                 held.future.set_result(None)
@@ -264,13 +354,19 @@ class ShmRelay(Relay):
         self._release_slot(slot)
 
     async def _acquire(self) -> int:
+        if not self._free and self._borrowed:
+            self._reclaim_from_dead()
         if self._free and not self._waiters:
             return self._free.pop()
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
             async with asyncio.timeout(self.timeout):
-                return await waiter
+                while True:  # a borrower may die while we wait: look again every second
+                    done, _ = await asyncio.wait({waiter}, timeout=1.0)
+                    if done:
+                        return waiter.result()
+                    self._reclaim_from_dead()
         except BaseException as e:
             if waiter.done() and not waiter.cancelled():
                 self._release_slot(waiter.result())  # handed over just as we gave up
@@ -310,6 +406,31 @@ class ShmRelay(Relay):
                 segment.close()
         return _DoneOp(metadata)
 
+    def lend(self, metadata: dict[str, Any], on_release: Callable[[], None]) -> torch.Tensor | None:
+        if not metadata.get("lend") or not metadata.get("size"):
+            return None
+        name, offset, size = metadata["segment"], metadata["offset"], metadata["size"]
+        dedicated = None if name.endswith("-pool") else Segment(name, 0, create=False)
+        segment = dedicated or self._attach(name)
+        if offset + size > segment.size:
+            if dedicated is not None:
+                dedicated.close()
+            raise RelayError(f"shared memory {name} is smaller than the payload it announced")
+        view = memoryview(segment.mm)[offset : offset + size]
+        tensor = torch.frombuffer(view, dtype=torch.uint8)
+        with self._lent_lock:
+            self._lent += 1
+
+        def released() -> None:  # the tensor's storage let go of `view`: no view is left
+            with self._lent_lock:
+                self._lent -= 1
+            if dedicated is not None:
+                dedicated.close()
+            on_release()
+
+        weakref.finalize(view, released)
+        return tensor
+
     async def discard_async(self, metadata: dict[str, Any], request_id: str, src: int) -> None:
         return None  # nothing to read: the caller's DataAck frees the slot
 
@@ -322,6 +443,23 @@ class ShmRelay(Relay):
         return segment
 
     # -- both ----------------------------------------------------------------------------
+
+    def _fill(self, fill, region: torch.Tensor, nbytes: int) -> asyncio.Future:
+        """fill(region, start, end) over [0, nbytes): a large copy in parts on worker
+        threads, at once, so that one copy uses the memory bandwidth of several cores."""
+        if nbytes < SPLIT_COPY_BYTES:
+            return self._copy(lambda: fill(region, 0, nbytes), nbytes)
+        loop = asyncio.get_running_loop()
+        step = _round_up(-(-nbytes // COPY_PARTS), 4096)
+        parts = [
+            loop.run_in_executor(None, fill, region, start, min(start + step, nbytes))
+            for start in range(step, nbytes, step)
+        ]
+        try:
+            fill(region, 0, step)  # the first part here, while the workers wake up
+        except Exception as e:
+            parts.append(_failed(loop, e))
+        return asyncio.gather(*parts)
 
     def _copy(self, fn, nbytes: int) -> asyncio.Future:
         loop = asyncio.get_running_loop()
@@ -336,11 +474,14 @@ class ShmRelay(Relay):
         return future
 
     def stats(self) -> dict[str, Any]:
+        self._reclaim_from_dead()
         return {
             "backend": self.name,
             "credits": self.credits,
             "free": len(self._free),
             "pending": len(self._held),
+            "borrowed": len(self._borrowed),  # our slots lent to receivers
+            "lent": self._lent,  # others' slots this process reads in place
             "copying": self._copying,
             "dedicated": sum(1 for h in self._held.values() if h.dedicated is not None),
             "waiters": sum(1 for w in self._waiters if not w.done()),
@@ -351,6 +492,8 @@ class ShmRelay(Relay):
     def close(self) -> None:
         for seq in list(self._held):
             self._finish(seq, RelayAborted("the relay was closed"))
+        for seq in list(self._borrowed):
+            self._return(seq)
         for waiter in self._waiters:
             waiter.cancel()
         self._waiters.clear()
@@ -359,6 +502,12 @@ class ShmRelay(Relay):
         self._attached.clear()
         self.pool.close()
         self.pool.unlink()
+
+
+def _failed(loop: asyncio.AbstractEventLoop, error: Exception) -> asyncio.Future:
+    future = loop.create_future()
+    future.set_exception(error)
+    return future
 
 
 def _round_up(n: int, multiple: int) -> int:

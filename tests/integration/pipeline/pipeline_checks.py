@@ -30,6 +30,8 @@ def _clean(stats) -> bool:
     relay = stats.relay
     if any(stats.live.values()) or relay.get("pending", 0) or relay.get("rids", 0):
         return False
+    if relay.get("borrowed", 0) or relay.get("lent", 0):  # zero-copy: lent slots all back
+        return False
     return relay.get("free", 0) == relay.get("credits", 0) and not relay.get("copying", 0)
 
 

@@ -124,3 +124,111 @@ def run_receiver(ctx_bytes: bytes, conn, report) -> None:
 def _ctx(data: bytes) -> RelayContext:
     raw = msgspec.msgpack.decode(data)
     return context(raw["backend"], raw["pipeline_id"], raw["rank"], raw["store"])
+
+
+# -- zero-copy receive (shm lends large payloads) ------------------------------------------
+
+LEND_CREDITS = 4
+
+
+def lend_context(pipeline_id: str, rank: int) -> RelayContext:
+    config = RelayConfig(
+        slot_mb=1, credits=LEND_CREDITS, transfer_timeout_s=30, zero_copy_min_bytes=1 << 16
+    )
+    return RelayContext(pipeline_id, rank, 2, "cpu", config)
+
+
+def lend_payloads() -> list:
+    g = torch.Generator().manual_seed(11)
+    return [
+        {"pcm": torch.randn(1 << 17, generator=g), "ids": torch.arange(7), "text": "lent"},
+        {"x": torch.randn(1 << 16, generator=g)},  # dropped by the sender once announced
+        {"y": torch.randn(1 << 16, generator=g).to(torch.float16)},  # its receiver dies
+    ]
+
+
+async def _lend_sender(pipeline_id: str, conn, report) -> None:
+    relay = await asyncio.to_thread(create_relay, lend_context(pipeline_id, 0))
+    seen = []  # the sender's accounting at each step, for the test to check
+    try:
+        first, dropped, orphan = [extract(p) for p in lend_payloads()]
+        # 1. Lent, taken (delivered: the put completes), released later.
+        op = await relay.put_payload_async(first, "r0", 1)
+        _announce(conn, "r0", first, op.metadata)
+        relay.acknowledge(await _recv(conn))  # taken
+        await op.wait_for_completion(30)
+        seen.append(relay.stats())
+        relay.acknowledge(await _recv(conn))  # released
+        seen.append(relay.stats())
+        # 2. Cleaned up before any acknowledgement: the slot waits for the receiver's word.
+        op = await relay.put_payload_async(dropped, "r1", 1)
+        _announce(conn, "r1", dropped, op.metadata, drop=True)
+        relay.cleanup("r1")
+        seen.append(relay.stats())
+        relay.acknowledge(await _recv(conn))  # drained, never lent
+        seen.append(relay.stats())
+        # 3. Taken by a receiver that then dies holding it: the slot comes back.
+        op = await relay.put_payload_async(orphan, "r2", 1)
+        _announce(conn, "r2", orphan, op.metadata)
+        relay.acknowledge(await _recv(conn))  # taken
+        await op.wait_for_completion(30)
+        seen.append(relay.stats())
+        conn.send_bytes(msgspec.msgpack.encode({"die": True}))
+        for _ in range(500):
+            if not relay.stats()["borrowed"]:
+                break
+            await asyncio.sleep(0.01)
+        seen.append(relay.stats())
+        report.send_bytes(msgspec.msgpack.encode(seen))
+    finally:
+        relay.close()
+
+
+def _announce(conn, rid: str, extracted, meta: dict, drop: bool = False) -> None:
+    header = msgspec.msgpack.encode(extracted.header)
+    conn.send_bytes(
+        msgspec.msgpack.encode({"rid": rid, "header": header, "meta": meta, "drop": drop})
+    )
+
+
+async def _lend_receiver(pipeline_id: str, conn, report) -> None:
+    import os
+
+    relay = await asyncio.to_thread(create_relay, lend_context(pipeline_id, 1))
+    # 1. Read in place; the payload's bytes are reported, then it is dropped.
+    msg = await _recv(conn)
+    meta = msg["meta"]
+    released = []
+    buf = relay.lend(meta, lambda: released.append(conn.send_bytes(msgspec.msgpack.encode(meta))))
+    conn.send_bytes(msgspec.msgpack.encode({**meta, "borrower": os.getpid()}))
+    payload = restore(msgspec.msgpack.decode(msg["header"], type=PayloadHeader), buf)
+    lent_while_held = relay.stats()["lent"]
+    again = extract(payload)
+    report.send_bytes(msgspec.msgpack.encode(again.header))
+    report.send_bytes(bytes(again.pack().numpy()))
+    payload["pcm"].mul_(2)  # in-place writes land in the sender's slot, still ours
+    buf = payload = again = None
+    report.send_bytes(
+        msgspec.msgpack.encode([lent_while_held, relay.stats()["lent"], len(released)])
+    )
+    # 2. A request this side has dropped: drained, not lent.
+    msg = await _recv(conn)
+    await relay.discard_async(msg["meta"], msg["rid"], 0)
+    conn.send_bytes(msgspec.msgpack.encode(msg["meta"]))
+    # 3. Taken, then this process dies holding it.
+    msg = await _recv(conn)
+    held = relay.lend(msg["meta"], lambda: None)
+    conn.send_bytes(msgspec.msgpack.encode({**msg["meta"], "borrower": os.getpid()}))
+    assert held is not None
+    await _recv(conn)  # the sender has seen it taken: die holding it
+    conn.close()
+    report.close()
+    os._exit(0)
+
+
+def run_lend_sender(pipeline_id: str, conn, report) -> None:
+    asyncio.run(_lend_sender(pipeline_id, conn, report))
+
+
+def run_lend_receiver(pipeline_id: str, conn, report) -> None:
+    asyncio.run(_lend_receiver(pipeline_id, conn, report))

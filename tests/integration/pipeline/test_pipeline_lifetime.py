@@ -112,9 +112,15 @@ async def _many(pipeline, count: int, seed: int, concurrency: int = 24) -> dict:
     "relay, count",
     [
         (RelayConfig(backend="shm", slot_mb=1 / 4, credits=8, inline_max_bytes=0), 500),
+        (
+            RelayConfig(
+                backend="shm", slot_mb=1 / 4, credits=8, inline_max_bytes=0, zero_copy_min_bytes=0
+            ),
+            500,
+        ),
         (RelayConfig(backend="torch", inline_max_bytes=0), 500),
     ],
-    ids=["shm", "torch"],
+    ids=["shm", "shm-zero-copy", "torch"],
 )
 async def test_nothing_outlives_its_request(relay, count):
     pipeline = await Pipeline.start(mixed(relay), restart_stages=True)

@@ -11,7 +11,15 @@ import uuid
 import msgspec
 import pytest
 import torch
-from relay_peer import make_payloads, run_receiver, run_sender
+from relay_peer import (
+    LEND_CREDITS,
+    lend_payloads,
+    make_payloads,
+    run_lend_receiver,
+    run_lend_sender,
+    run_receiver,
+    run_sender,
+)
 
 from cadence.pipeline.messages import PayloadHeader
 from cadence.pipeline.payload import extract, restore
@@ -83,4 +91,52 @@ def test_payloads_cross_two_processes(backend):
         assert s["pending"] == 0 and s.get("rids", 0) == 0, stats
         if backend == "shm":
             assert s["free"] == s["credits"] == 2 and s["copying"] == 0, stats
+    assert [n for n in list_segments() if pipeline_id in n] == []
+
+
+def test_shm_lends_large_payloads_across_two_processes():
+    """Zero-copy receive: the receiver reads a large payload where the sender put it; the put
+    completes when it is taken, the slot comes back when the receiver drops the last view,
+    when it drains a payload whose request the sender dropped, or when it dies holding it."""
+    pipeline_id = uuid.uuid4().hex[:8]
+    spawn = mp.get_context("forkserver")
+    link_a, link_b = spawn.Pipe()
+    reports = [spawn.Pipe(duplex=False) for _ in range(2)]
+    procs = [
+        spawn.Process(target=run_lend_sender, args=(pipeline_id, link_a, reports[0][1])),
+        spawn.Process(target=run_lend_receiver, args=(pipeline_id, link_b, reports[1][1])),
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        receiver, sender = reports[1][0], reports[0][0]
+        assert receiver.poll(30), "the lent payload did not arrive"
+        header = msgspec.msgpack.decode(receiver.recv_bytes(), type=PayloadHeader)
+        data = receiver.recv_bytes()
+        got = restore(header, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        assert _same(got, lend_payloads()[0])
+        lent_while_held, lent_after, released = msgspec.msgpack.decode(receiver.recv_bytes())
+        assert (lent_while_held, lent_after, released) == (1, 0, 1)
+        assert sender.poll(30), "the sender did not finish"
+        taken, freed, cleaned, drained, orphaned, reclaimed = msgspec.msgpack.decode(
+            sender.recv_bytes()
+        )
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        sweep_dead_segments()
+    assert [p.exitcode for p in procs] == [0, 0]
+    full = LEND_CREDITS
+    # Taken: the put is done (nothing pending), its slot still lent.
+    assert (taken["pending"], taken["borrowed"], taken["free"]) == (0, 1, full - 1), taken
+    assert (freed["pending"], freed["borrowed"], freed["free"]) == (0, 0, full), freed
+    # Cleaned up before any acknowledgement: held until the receiver says it drained it.
+    assert (cleaned["pending"], cleaned["borrowed"], cleaned["free"]) == (0, 1, full - 1)
+    assert (drained["borrowed"], drained["free"]) == (0, full), drained
+    # Its borrower died holding it: taken back.
+    assert (orphaned["borrowed"], orphaned["free"]) == (1, full - 1), orphaned
+    assert (reclaimed["borrowed"], reclaimed["free"], reclaimed["rids"]) == (0, full, 0)
     assert [n for n in list_segments() if pipeline_id in n] == []
