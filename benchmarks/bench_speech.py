@@ -4,7 +4,8 @@ Not a test. Launches `cadence serve --pipeline speech` (each stage in its own pr
 then `--pipeline speech_colocated` (talker, vocoder and encoder in one), and measures:
   - /v1/audio/speech (pcm, the lightest encoder; mp3 too): time to the first audio byte
     (p50) at concurrency 1, and the real-time factor (seconds of audio delivered per second
-    of wall time, all clients together) at concurrency 1 and 8;
+    of wall time, all clients together) at concurrency 1 and 8, the best of three passes
+    (each lasts under a second; the median is in the JSON too);
   - chat with audio (streamed, modalities text + audio): time to the first audio byte and
     time to the first complete sentence of text at the client (p50, concurrency 1), and
     the real-time factor at concurrency 1 and 8 (bound by the LLM);
@@ -40,6 +41,7 @@ TARGET_RTF_VS_LIMIT = 0.7
 TARGET_TTFA_OVER_TEXT_MS = 150.0
 SAMPLE_RATE = 24_000
 MODES = ("speech", "speech_colocated")
+PASSES = 3  # served speech passes per level: the best one counts, as for the limit
 TOPICS = (
     "the ocean", "mountains", "a city at night", "coffee", "trains", "the moon",
     "gardening", "old libraries", "rain", "bicycles", "winter", "music",
@@ -205,12 +207,19 @@ async def measure(mode: str, quick: bool) -> dict[str, float]:
             await concurrent(lambda t: chat(client, t), list(TOPICS[:2]), 2)
             for fmt in ("pcm", "mp3"):
                 for c in (1, 8):
-                    results, wall = await concurrent(
-                        lambda t, fmt=fmt: speak(client, t, fmt), TEXTS * reps, c
-                    )
-                    out[f"served_rtf_c{c}_{fmt}"] = sum(a for _, a in results) / wall
+                    # Passes of under a second each: the best of PASSES, as for the limit
+                    # (the median is kept too).
+                    rtfs, firsts = [], []
+                    for _ in range(PASSES):
+                        results, wall = await concurrent(
+                            lambda t, fmt=fmt: speak(client, t, fmt), TEXTS * reps, c
+                        )
+                        rtfs.append(sum(a for _, a in results) / wall)
+                        firsts += [f for f, _ in results]
+                    out[f"served_rtf_c{c}_{fmt}"] = max(rtfs)
+                    out[f"served_rtf_c{c}_{fmt}_median"] = statistics.median(rtfs)
                     if c == 1:
-                        out[f"ttfa_speech_ms_p50_{fmt}"] = 1000 * p50([f for f, _ in results])
+                        out[f"ttfa_speech_ms_p50_{fmt}"] = 1000 * p50(firsts)
                     log(f"{mode} speech {fmt} c{c}: rtf {out[f'served_rtf_c{c}_{fmt}']:.1f}")
             topics = list(TOPICS[: 4 if quick else 8])
             results, wall = await concurrent(lambda t: chat(client, t), topics, 1)

@@ -31,6 +31,10 @@ MIN_RATE = 80
 # a gap at some punctuation too: measured, a unit costs about 3.6x what 10 ms would.
 GAP_SCALE = 0.28
 
+# eSpeak hands over audio each time its buffer fills: with its default (60 ms) a sentence
+# took ~80 callbacks, each needing the GIL, which the vocoder's event loop often held. A 1 s
+# buffer makes it a handful; served speech at c8 rose ~15%.
+BUFFER_MS = 1000
 _CALLBACK = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p
 )
@@ -71,7 +75,7 @@ class ESpeak:
             ctypes.c_void_p,
             ctypes.c_void_p,
         ]
-        rate = lib.espeak_Initialize(AUDIO_OUTPUT_SYNCHRONOUS, 0, data_path().encode(), 0)
+        rate = lib.espeak_Initialize(AUDIO_OUTPUT_SYNCHRONOUS, BUFFER_MS, data_path().encode(), 0)
         if rate <= 0:
             raise ESpeakError(f"eSpeak NG did not initialize (data at {data_path()})")
         self.native_rate = rate  # 22050 Hz
