@@ -60,6 +60,27 @@ class StartupFailed(RuntimeError):
     """A start-up step failed for a reason the message explains (no traceback needed)."""
 
 
+async def follow_pipeline_health(state, grpc_server) -> None:
+    """grpc.health.v1 follows the pipeline as /health does: NOT_SERVING while a stage process
+    is down or restarting, SERVING again once it is back (in the order the changes came)."""
+    import asyncio
+
+    changes: asyncio.Queue = asyncio.Queue()
+    coordinator = state.pipeline.coordinator
+    coordinator.on_health_change.append(changes.put_nowait)
+    try:
+        while True:
+            reason = await changes.get()
+            if state.is_shutting_down:
+                continue
+            if reason is not None:
+                logger.warning("the pipeline cannot serve: %s", reason)
+            if grpc_server is not None:
+                await grpc_server.set_health(reason is None)
+    finally:
+        coordinator.on_health_change.remove(changes.put_nowait)
+
+
 async def _start_pipeline(args: ServerArgs):
     """--pipeline: starts its stage processes; this front process owns their coordinator."""
     from cadence.pipeline import Pipeline, PipelineStartError, load_pipeline_config
@@ -287,7 +308,11 @@ async def _serve(
                 state.pipeline = pipeline_task.result()
 
                 async def pipeline_watchdog():
-                    await state.pipeline.failed.wait()
+                    health = asyncio.create_task(follow_pipeline_health(state, grpc_server))
+                    try:
+                        await state.pipeline.failed.wait()
+                    finally:
+                        health.cancel()
                     if not state.is_shutting_down:
                         logger.error("the pipeline failed: %s", state.pipeline.failure)
                         stop(1, "a pipeline stage process died; the server is shutting down")

@@ -224,6 +224,12 @@ class GrpcServer:
         await self._set_status(health_pb2.HealthCheckResponse.SERVING)
         logger.info("gRPC is serving: %s (%s)", self.address, "TLS" if self.is_tls else "plaintext")
 
+    async def set_health(self, serving: bool) -> None:
+        """SERVING or NOT_SERVING (the pipeline's stages down or back); nothing once stopping."""
+        if self._stopping is None:
+            status = health_pb2.HealthCheckResponse
+            await self._set_status(status.SERVING if serving else status.NOT_SERVING)
+
     async def _set_status(self, status) -> None:
         for name in ("", SERVICE_NAME, SCHEDULER_SERVICE_NAME):
             await self.health.set(name, status)

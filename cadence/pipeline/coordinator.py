@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +75,9 @@ class Coordinator(PipelineClient):
         self._ready_changed: asyncio.Event | None = None
         self._stats: dict[int, tuple[asyncio.Future, dict[str, StageStats]]] = {}
         self._tokens = itertools.count(1)
-        self.unhealthy_reason: str | None = "starting"
+        self._unhealthy_reason: str | None = "starting"
+        self.on_health_change: list[Callable[[str | None], None]] = []
+        """Called with the new reason (None: healthy again) whenever health flips."""
         self.closed = False
 
     def start(self) -> None:
@@ -83,6 +86,19 @@ class Coordinator(PipelineClient):
         self._inbox.start()
 
     # -- health ---------------------------------------------------------------------------
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why the pipeline cannot take requests now; None when it can."""
+        return self._unhealthy_reason
+
+    @unhealthy_reason.setter
+    def unhealthy_reason(self, reason: str | None) -> None:
+        flipped = (reason is None) != (self._unhealthy_reason is None)
+        self._unhealthy_reason = reason
+        if flipped:
+            for listener in list(self.on_health_change):
+                listener(reason)
 
     @property
     def is_healthy(self) -> bool:

@@ -1,6 +1,7 @@
 """`cadence serve --pipeline`: the front process starts the stage processes and owns their
 coordinator; a stage that dies is noticed at once and either restarted
-(--pipeline-restart-stages, /health back to 200) or ends the server with exit code 1, leaving
+(--pipeline-restart-stages; /health 503 and grpc.health.v1 NOT_SERVING meanwhile, back to
+200 and SERVING after) or ends the server with exit code 1, leaving
 no process, socket directory or shared memory behind."""
 
 from __future__ import annotations
@@ -9,15 +10,21 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import grpc
 import httpx
 import pytest
 from e2e_server import child_pids, wait_until
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_support import target
 
 from cadence.pipeline.relay.shm import list_segments
 
 pytestmark = pytest.mark.slow
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def stage_pids(srv) -> list[int]:
@@ -41,16 +48,36 @@ def test_a_killed_stage_is_restarted(pipeline_server):
     srv = pipeline_server
     before = stage_pids(srv)
     assert len(before) == 2, srv.log_tail()
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target(srv)))
+    statuses = []  # grpc.health.v1 as seen while the stage is down and restarted
+    watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=60)
+    watcher = threading.Thread(target=lambda: _follow(watch, statuses), daemon=True)
+    watcher.start()
+    assert wait_until(lambda: statuses == [SERVING], 10), statuses
     os.kill(before[1], signal.SIGKILL)
     assert wait_until(lambda: "restarted; the pipeline is healthy" in srv.log_text(), 30), (
         srv.log_tail()
     )
     assert f"pid {before[1]}) was killed by SIGKILL" in srv.log_text()
     assert httpx.get(srv.url + "/health").status_code == 200
+    assert wait_until(lambda: statuses[-1:] == [SERVING] and len(statuses) >= 3, 10), (
+        statuses,
+        srv.log_tail(),
+    )
+    watch.cancel()
+    assert statuses[:3] == [SERVING, NOT_SERVING, SERVING], statuses
     after = stage_pids(srv)
     assert len(after) == 2 and before[0] in after and before[1] not in after
     assert segments_of([before[1]]) == []  # the dead process's pool was swept
     assert srv.proc.poll() is None
+
+
+def _follow(watch, statuses: list) -> None:
+    try:
+        for reply in watch:
+            statuses.append(reply.status)
+    except grpc.RpcError:
+        pass  # cancelled at the end of the test
 
 
 def test_a_killed_stage_stops_the_server_non_zero(pipeline_exit_server):
