@@ -6,17 +6,14 @@ crosses a socket, so a socket is never a way to run code.
 
 from __future__ import annotations
 
-import ctypes
-import os
 import shutil
-import signal
-import tempfile
 import time
 from dataclasses import dataclass
 
 import zmq
 
 from cadence import io_struct
+from cadence.liveness import make_owned_dir, sweep_owned_dirs
 
 
 @dataclass(frozen=True)
@@ -31,9 +28,7 @@ class IpcPaths:
     def create(cls) -> IpcPaths:
         """A fresh private directory, named after this process (`cadence-ipc-<pid>-...`) so
         that the next server can sweep it if this one is killed without cleaning up."""
-        sweep_dead()
-        directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
-        os.chmod(directory, 0o700)
+        directory = make_owned_dir(_PREFIX)
         return cls(directory, f"ipc://{directory}/scheduler", f"ipc://{directory}/detokenizer")
 
     def front_address(self, index: int = 0) -> str:
@@ -50,35 +45,7 @@ _PREFIX = "cadence-ipc-"
 def sweep_dead(root: str | None = None) -> list[str]:
     """Removes the socket directories (ours: same owner) of servers whose process is gone,
     e.g. after a SIGKILL; returns what it removed."""
-    root = root or tempfile.gettempdir()
-    removed = []
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return removed
-    for name in names:
-        pid = name[len(_PREFIX) :].split("-", 1)[0]
-        if not name.startswith(_PREFIX) or not pid.isdigit():
-            continue
-        path = os.path.join(root, name)
-        try:
-            if os.lstat(path).st_uid != os.getuid() or _is_alive(int(pid)):
-                continue
-        except OSError:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process with that pid: not ours to judge
-    return True
+    return sweep_owned_dirs(_PREFIX, root)
 
 
 class Heartbeat:
@@ -134,14 +101,3 @@ class FrontRouter:
         if sock is None:
             sock = self.sockets[address] = connect(self.ctx, zmq.PUSH, address)
         sock.send(io_struct.encode(msg), copy=False)
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGTERM this process when its parent dies: no orphans, even after a
-    SIGKILL of the server (Linux only; elsewhere the parent-pid check in the loops covers it)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-    except OSError:
-        pass

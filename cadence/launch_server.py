@@ -31,7 +31,7 @@ def _child_start(parent_pid: int) -> None:
     """First thing in a child: die with the parent, even if it is already gone."""
     import os
 
-    from cadence.ipc import die_with_parent
+    from cadence.liveness import die_with_parent
 
     die_with_parent()
     if os.getppid() != parent_pid:

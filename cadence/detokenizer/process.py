@@ -12,7 +12,8 @@ import zmq
 from cadence import io_struct
 from cadence.detokenizer.detokenizer import Detokenizer
 from cadence.io_struct import BatchEmbeddingOutput, BatchStrOutput, BatchTokenIDOutput
-from cadence.ipc import FrontRouter, Heartbeat, IpcPaths, bind, die_with_parent
+from cadence.ipc import FrontRouter, Heartbeat, IpcPaths, bind
+from cadence.liveness import die_with_parent
 from cadence.server_args import ServerArgs
 
 logger = logging.getLogger("cadence.detokenizer")

@@ -20,10 +20,10 @@ from typing import Any
 
 import zmq
 
+from cadence.liveness import die_with_parent, is_alive
 from cadence.pipeline import channels
 from cadence.pipeline.config import PipelineConfig, resolve
 from cadence.pipeline.executor import Executor, StageContext
-from cadence.pipeline.lifecycle import die_with_parent, is_alive
 from cadence.pipeline.messages import (
     Abort,
     DataAck,

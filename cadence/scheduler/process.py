@@ -18,7 +18,8 @@ import zmq
 
 from cadence import io_struct
 from cadence.io_struct import UpdateWeightFromDiskReqInput
-from cadence.ipc import FrontRouter, Heartbeat, IpcPaths, bind, connect, die_with_parent
+from cadence.ipc import FrontRouter, Heartbeat, IpcPaths, bind, connect
+from cadence.liveness import die_with_parent
 from cadence.scheduler.embedding import EmbedOutput, failed_output
 from cadence.scheduler.req import ReqOutput, to_messages
 from cadence.scheduler.scheduler import Scheduler

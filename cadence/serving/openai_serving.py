@@ -221,7 +221,7 @@ class OpenAIServing:
             self._check_model(req.model)
             require_generation_model(self.client.info)  # before the chat template is rendered
             job = (
-                await self._chat_job(req)
+                await self.chat_job(req)
                 if cls is proto.ChatCompletionRequest
                 else self._completion_job(req)
             )
@@ -272,7 +272,8 @@ class OpenAIServing:
             "capabilities": server_capabilities(self.state),
         }
 
-    async def _chat_job(self, req: proto.ChatCompletionRequest) -> _Job:
+    async def chat_job(self, req: proto.ChatCompletionRequest) -> _Job:
+        """A chat request rendered, tokenized and checked as a job (also for chat with audio)."""
         messages = chat_tools.template_messages(proto.chat_messages(req.messages))
         plan = chat_tools.plan(
             req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser

@@ -21,7 +21,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cadence.errors import InvalidParameter
 from cadence.serving import openai_protocol as proto
@@ -31,7 +31,18 @@ from cadence.speech import voices
 from cadence.speech.executors import chat_request
 
 if TYPE_CHECKING:
-    from cadence.serving.openai_serving import OpenAIServing
+    from cadence.serving.state import ServerState
+
+
+class ChatServing(Protocol):
+    """What chat with audio needs of the OpenAI chat serving (which calls in here)."""
+
+    state: ServerState
+
+    def check_model(self, model: str | None) -> None: ...
+
+    async def chat_job(self, req: proto.ChatCompletionRequest) -> Any: ...
+
 
 # OpenAI's chat audio formats -> the encoder's
 CHAT_AUDIO_FORMATS = {
@@ -98,7 +109,7 @@ def chat_audio(data: dict) -> ChatAudio:
     return ChatAudio(voice, CHAT_AUDIO_FORMATS[fmt], fmt)
 
 
-async def chat_with_audio(serving: OpenAIServing, body: bytes) -> dict | AsyncIterator[dict]:
+async def chat_with_audio(serving: ChatServing, body: bytes) -> dict | AsyncIterator[dict]:
     """A chat completion with audio: the response body, or the chunks of a streamed one (see
     the module docstring); raises InvalidParameter / RequestError before any is made."""
     data = decode_json(body)
@@ -109,7 +120,7 @@ async def chat_with_audio(serving: OpenAIServing, body: bytes) -> dict | AsyncIt
         {k: v for k, v in data.items() if k not in ("modalities", "audio")},
     )
     serving.check_model(req.model)
-    job = await serving._chat_job(req)  # rendered and checked as a text chat is
+    job = await serving.chat_job(req)  # rendered and checked as a text chat is
     request = chat_request(
         job.obj.input_ids, job.obj.sampling_params, audio.voice, audio.fmt, req.is_stream
     )
@@ -129,7 +140,7 @@ async def chat_with_audio(serving: OpenAIServing, body: bytes) -> dict | AsyncIt
     return answer.response()
 
 
-def _check_audio_output(serving: OpenAIServing) -> None:
+def _check_audio_output(serving: ChatServing) -> None:
     state = serving.state
     if "audio_output" not in SpeechServing.declared(state):
         raise InvalidParameter(

@@ -53,3 +53,19 @@ def test_heartbeat_age_busy_and_not_started():
     assert 0.04 < beat.age() < 1.0
     beat.busy(60)
     assert beat.age() < -50
+
+
+def test_a_zombie_counts_as_dead_and_its_directory_is_swept(tmp_path):
+    from cadence.liveness import is_alive
+
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # exits, not reaped yet
+    deadline = time.monotonic() + 10
+    while is_alive(zombie.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        assert not is_alive(zombie.pid) and is_alive(os.getpid())
+        left = tmp_path / f"cadence-ipc-{zombie.pid}-z"
+        left.mkdir()
+        assert sweep_dead(str(tmp_path)) == [str(left)]
+    finally:
+        zombie.wait()

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from cadence.pipeline.lifecycle import is_alive
+from cadence.liveness import is_alive
 from cadence.pipeline.payload import Extracted, copy_bytes
 from cadence.pipeline.relay.base import (
     Relay,

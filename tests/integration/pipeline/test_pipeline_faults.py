@@ -17,9 +17,9 @@ from launcher_peer import run_launcher
 from pipeline_checks import assert_clean, segments_of
 from pipeline_graphs import E, linear, request
 
+from cadence.liveness import is_alive
 from cadence.pipeline import Pipeline, PipelineConfig, RelayConfig, StageConfig
 from cadence.pipeline.errors import PipelineStartError, PipelineUnavailable, StageFailed
-from cadence.pipeline.lifecycle import is_alive
 from cadence.pipeline.relay.shm import list_segments
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
