@@ -62,6 +62,7 @@ from cadence.mem_cache.allocator import KVAllocator
 from cadence.mem_cache.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
 from cadence.model_executor.runner import BatchItem, ItemResult, Runner, ScheduleBatch
 from cadence.scheduler.embedding import EmbeddingQueue, embed_req_from_tokenized
+from cadence.scheduler.kv_book import KvBook
 from cadence.scheduler.profiler import Profiler
 from cadence.scheduler.req import Req, ReqOutput, req_from_tokenized
 from cadence.scheduler.sessions import SessionController, SessionError
@@ -122,6 +123,7 @@ class Scheduler:
             )
         self.cache = prefix_cache
         self.caching = not isinstance(prefix_cache, NoPrefixCache)
+        self.kv = KvBook(allocator, prefix_cache, self.caching)
         self.lpm = args.effective_schedule_policy == "lpm"
         self.sessions = SessionController(
             prefix_cache,
@@ -393,8 +395,8 @@ class Scheduler:
         admitted = ([self.chunked] if self.chunked else []) + self.running
         self.chunked, self.running = None, []
         for req in reversed(admitted):
-            self._cache_progress(req)
-            self._release(req)
+            self.kv.cache_progress(req)
+            self.kv.release(req)
             req.num_computed = 0
             self.waiting.appendleft(req)
 
@@ -474,14 +476,14 @@ class Scheduler:
             n = min(len(req.fill_ids) - req.num_computed, budget)
             chosen.append((req, n))
             budget -= n
-            self._claim(req, req.num_computed + n, claimed)
+            self.kv.claim(req, req.num_computed + n, claimed)
         # Pages free for new reservations (those of admitted requests are spoken for).
         free = self.allocator.num_free_pages - self._outstanding_pages()
         for req in self._admission_order():
             if budget <= 0 or len(self.running) + len(chosen) >= self.args.max_running_requests:
                 break
-            pages, node = self._match(req)
-            if self._shares_claimed(req, len(pages), claimed):
+            pages, node = self.kv.match(req)
+            if self.kv.shares_claimed(req, len(pages), claimed):
                 continue  # takes the pages another request computes now from the cache next round
             self.cache.lock(node)  # before counting: its pages are not evictable any more
             need = self.allocator.pages_for(req.total_tokens_needed(self.context_len)) - len(pages)
@@ -499,7 +501,7 @@ class Scheduler:
             n = min(len(req.fill_ids) - req.num_computed, budget)
             chosen.append((req, n))
             budget -= n
-            self._claim(req, req.num_computed + n, claimed)
+            self.kv.claim(req, req.num_computed + n, claimed)
             if req.num_computed + n < len(req.fill_ids):
                 self.chunked = req
         return chosen
@@ -512,34 +514,10 @@ class Scheduler:
         order = list(self.waiting)
         if self.lpm and 1 < len(order) <= LPM_MAX_WAITING:
             if self.args.enable_priority_scheduling:
-                order.sort(key=lambda r: (-self._priority_rank(r), -self._match_len(r)))
+                order.sort(key=lambda r: (-self._priority_rank(r), -self.kv.match_len(r)))
             else:
-                order.sort(key=lambda r: -self._match_len(r))
+                order.sort(key=lambda r: -self.kv.match_len(r))
         return order
-
-    def _match_limit(self, req: Req) -> int:
-        """How many leading tokens of `req` may come from the cache: never all (the last one
-        is computed, for its logits), and none of those whose prompt logprobs or hidden
-        states the request wants reported."""
-        limit = len(req.fill_ids) - 1
-        if req.return_hidden_states:
-            limit = 0
-        elif req.wants_input_logprobs:
-            limit = min(limit, max(req.logprob_start_len, 1) - 1)
-        return limit - limit % self.allocator.page_size
-
-    def _match(self, req: Req):
-        limit = self._match_limit(req)
-        if limit <= 0:
-            return [], None
-        return self.cache.match_prefix(req.fill_ids[:limit])
-
-    def _match_len(self, req: Req) -> int:
-        """Cached prefix length of a waiting request (remembered until the cache changes)."""
-        if req.match_at != self.cache.version:
-            pages, _ = self._match(req)
-            req.match_len, req.match_at = len(pages), self.cache.version
-        return req.match_len
 
     def _admit(self, req: Req, pages: list[int], node, need: int) -> None:
         """`req` takes its cached prefix (`pages`, `node` already locked) and reserves `need`
@@ -557,42 +535,9 @@ class Scheduler:
             self.num_cache_hit_tokens += req.num_computed
             req.match_at = -2
 
-    def _page_hashes(self, req: Req, num_pages: int) -> list[int]:
-        """Chained hashes of the first `num_pages` whole pages of `req.fill_ids` (page k's
-        hash covers every token before it too)."""
-        hashes, page = req.page_hashes, self.allocator.page_size
-        ids = req.fill_ids
-        while len(hashes) < num_pages:
-            k = len(hashes)
-            hashes.append(hash((hashes[-1] if hashes else 0, *ids[k * page : (k + 1) * page])))
-        return hashes[:num_pages]
-
-    def _claim(self, req: Req, upto: int, claimed: set[int]) -> None:
-        """Marks the whole pages `req` computes this round (from num_computed to `upto`)."""
-        page = self.allocator.page_size
-        first, last = req.num_computed // page, upto // page
-        if self.caching and last > first:
-            claimed.update(self._page_hashes(req, last)[first:])
-
-    def _shares_claimed(self, req: Req, num_matched: int, claimed: set[int]) -> bool:
-        """Whether the first page `req` would compute is one this round already computes."""
-        if not claimed or self._match_limit(req) < (num_matched + 1) * self.allocator.page_size:
-            return False
-        return self._page_hashes(req, num_matched + 1)[-1] in claimed
-
-    def _grow(self, req: Req, num_tokens: int, new_pages: list[int]) -> None:
-        """Give `req` the pages for its first `num_tokens` positions, from its reservation."""
-        missing = self.allocator.pages_for(num_tokens) - len(req.pages)
-        if missing > 0:
-            pages = self.allocator.alloc(missing)
-            if pages is None:  # admission reserved these pages, so this is a bookkeeping bug
-                raise RuntimeError(f"KV pool exhausted while extending reserved request {req.rid}")
-            req.pages.extend(pages)
-            new_pages.extend(pages)
-
     def _extend_item(self, req: Req, n: int, new_pages: list[int]) -> BatchItem:
         start = req.num_computed
-        self._grow(req, start + n, new_pages)
+        self.kv.grow(req, start + n, new_pages)
         item = BatchItem(
             req.rid,
             req.uid,
@@ -612,7 +557,7 @@ class Scheduler:
         return item
 
     def _decode_item(self, req: Req, new_pages: list[int]) -> BatchItem:
-        self._grow(req, req.seq_len, new_pages)
+        self.kv.grow(req, req.seq_len, new_pages)
         return BatchItem(
             req.rid,
             req.uid,
@@ -669,7 +614,7 @@ class Scheduler:
             self._record_hidden_states(req, item.start, result.hidden_states)
         req.num_computed = item.start + len(item.token_ids)
         if not batch.is_decode:
-            self._cache_progress(req)
+            self.kv.cache_progress(req)
             if req.num_computed < len(req.fill_ids):
                 return  # more chunks to come
             if self.chunked is req:
@@ -719,41 +664,6 @@ class Scheduler:
 
     # ---- endings ---------------------------------------------------------------------------------
 
-    def _cache_progress(self, req: Req) -> None:
-        """Puts the whole pages `req` has computed into the prefix cache and moves its lock to
-        the node that ends them (so they stay unevictable while it runs)."""
-        num = min(req.num_computed // self.allocator.page_size, len(req.pages))
-        if num == 0 or not self.caching:
-            return
-        tokens = req.fill_ids[: num * self.allocator.page_size]
-        node = self.cache.insert(tokens, req.pages[:num])
-        if node is not req.cache_node:
-            self.cache.lock(node)
-            self.cache.unlock(req.cache_node)
-            req.cache_node = node
-        self._adopt_cached_pages(req, tokens)
-
-    def _adopt_cached_pages(self, req: Req, tokens: list[int]) -> None:
-        """Where the tree already held some of these pages (another request computed the same
-        prefix meanwhile), `req` reads the tree's copies from now on and its own duplicates go
-        back to the pool: the KV of the same tokens at the same positions is the same."""
-        cached, _ = self.cache.match_prefix(tokens)
-        dup = [i for i, page in enumerate(cached) if req.pages[i] != page]
-        if dup:
-            self.allocator.incref([cached[i] for i in dup])
-            self.allocator.decref([req.pages[i] for i in dup])
-            for i in dup:
-                req.pages[i] = cached[i]
-
-    def _release(self, req: Req) -> None:
-        self.cache.unlock(req.cache_node)
-        req.cache_node = None
-        if req.pages:
-            self.allocator.decref(req.pages)
-            req.pages = []
-        req.num_reserved_pages = 0
-        req.is_admitted = False
-
     def _end(self, req: Req, reason: dict) -> None:
         """Finishes `req` wherever it is (waiting, prefilling, running) and emits its last output.
         What it computed stays in the prefix cache, unless it failed (its KV is suspect)."""
@@ -768,9 +678,9 @@ class Scheduler:
             self.grammars.discard(req)
         ok = not reason.get("request_fault")
         if ok and req.is_admitted:
-            self._cache_progress(req)
+            self.kv.cache_progress(req)
         self.sessions.on_end(req, req.cache_node, ok)
-        self._release(req)
+        self.kv.release(req)
         self.outputs.append(self._output(req))
 
     def _output(self, req: Req) -> ReqOutput:
