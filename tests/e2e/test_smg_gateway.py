@@ -231,8 +231,12 @@ def test_two_samples_with_logprobs_through_grpc(grpc_gateway, model):
     assert sorted(choice.index for choice in reply.choices) == [0, 1]
     for choice in reply.choices:
         entries = choice.logprobs.content
-        assert len(entries) == 4 and all(e.logprob <= 0 for e in entries)
+        assert 1 <= len(entries) <= 4 and all(e.logprob <= 0 for e in entries)
         assert all(len(e.top_logprobs) == 2 for e in entries)
+        # A sampled character split over byte tokens comes back from the gateway as U+FFFD
+        # entries, which it may merge: one entry per token only when none is partial.
+        if not any("\ufffd" in e.token for e in entries):
+            assert len(entries) == 4, entries
     assert reply.usage.completion_tokens == 8
 
 
