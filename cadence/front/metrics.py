@@ -121,6 +121,38 @@ class _Collectors:
             ["protocol", "status"],
             **reg,
         )
+        self._per_model: dict[str, _ModelMetrics] = {}
+
+    def of(self, model: str) -> _ModelMetrics:
+        """The per-request metrics of `model`, labelled once (labels() takes a lock and a
+        lookup: a cost paid on every streamed token otherwise)."""
+        found = self._per_model.get(model)
+        if found is None:
+            found = self._per_model[model] = _ModelMetrics(self, model)
+        return found
+
+
+class _ModelMetrics:
+    __slots__ = (
+        "ttft",
+        "itl",
+        "e2e",
+        "num_requests",
+        "num_aborted",
+        "prompt_tokens",
+        "generation_tokens",
+        "cached_tokens",
+    )
+
+    def __init__(self, c: _Collectors, model: str):
+        self.ttft = c.ttft.labels(model)
+        self.itl = c.itl.labels(model)
+        self.e2e = c.e2e.labels(model)
+        self.num_requests = c.num_requests.labels(model)
+        self.num_aborted = c.num_aborted.labels(model)
+        self.prompt_tokens = c.prompt_tokens.labels(model)
+        self.generation_tokens = c.generation_tokens.labels(model)
+        self.cached_tokens = c.cached_tokens.labels(model)
 
 
 _collectors: _Collectors | None = None
@@ -157,27 +189,26 @@ class RequestTimer:
     def on_tokens(self, num: int, now: float) -> None:
         if num <= 0:
             return
-        c = collectors()
+        m = collectors().of(self.model)
         if self.last is None:
-            c.ttft.labels(self.model).observe(now - self.created)
+            m.ttft.observe(now - self.created)
             num -= 1
         elif num:
             gap = (now - self.last) / num
-            itl = c.itl.labels(self.model)
             for _ in range(num):
-                itl.observe(gap)
+                m.itl.observe(gap)
         self.last = now
 
     def on_finish(self, meta: dict[str, Any], now: float) -> None:
-        c, model = collectors(), self.model
-        c.num_requests.labels(model).inc()
+        m = collectors().of(self.model)
+        m.num_requests.inc()
         reason = meta.get("finish_reason") or {}
         if reason.get("type") == "abort":
-            c.num_aborted.labels(model).inc()
-        c.prompt_tokens.labels(model).inc(meta.get("prompt_tokens", 0))
-        c.generation_tokens.labels(model).inc(meta.get("completion_tokens", 0))
-        c.cached_tokens.labels(model).inc(meta.get("cached_tokens", 0))
-        c.e2e.labels(model).observe(now - self.created)
+            m.num_aborted.inc()
+        m.prompt_tokens.inc(meta.get("prompt_tokens", 0))
+        m.generation_tokens.inc(meta.get("completion_tokens", 0))
+        m.cached_tokens.inc(meta.get("cached_tokens", 0))
+        m.e2e.observe(now - self.created)
 
 
 def render(load: dict[str, Any] | None, model: str, extra: list[str] = ()) -> bytes:
