@@ -97,8 +97,10 @@ class Gateway:
         return [m["id"] for m in r.json().get("data", [])] if r.status_code == 200 else []
 
     def wait_ready(self, model: str) -> None:
+        """Until the gateway lists the model and answers a one-token chat: it lists a worker's
+        model before its tokenizer is registered, and answers 503 meanwhile."""
         deadline = time.monotonic() + SMG_READY_S
-        while model not in self.model_ids():
+        while model not in self.model_ids() or self._tokenizer_pending(model):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"smg exited with {self.proc.returncode}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
@@ -106,6 +108,14 @@ class Gateway:
                     f"smg did not register {model} in {SMG_READY_S}s:\n{self.log_tail()}"
                 )
             time.sleep(0.2)
+
+    def _tokenizer_pending(self, model: str) -> bool:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        try:
+            r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=60)
+        except httpx.HTTPError:
+            return True
+        return r.status_code == 503 and "not registered" in r.text
 
     def log_tail(self, n: int = 3000) -> str:
         try:
