@@ -90,10 +90,21 @@ def test_quant_linear_matches_float64_on_the_dequantized_weight(qtype, batch, po
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
-def test_a_prefill_chunk_over_several_weight_strips(qtype, dtype):
+@pytest.mark.parametrize("rows", [523, 1291])
+def test_a_prefill_chunk_over_several_weight_strips(qtype, dtype, rows):
     """Many rows go through the weight in float32 strips of 256 rows: 523 rows are three
-    strips, the last one partial and not a whole number of 8-row tiles."""
-    rows, k, batch = 523, 512, 150
+    strips, the last one partial and not a whole number of 8-row tiles (a strip at a time,
+    on every thread); 1291 rows are six, which two threads share strip by strip."""
+    k, batch = 512, 150
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the strip-sharing path needs at least 2 strips per thread
+    try:
+        _check_strips(qtype, dtype, rows, k, batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_strips(qtype, dtype, rows, k, batch):
     blocks = random_blocks(qtype, rows, k, seed=7)
     w = gguf_values(qtype, blocks, k)
     packed = ops.quant_repack(torch.from_numpy(blocks), QTYPES[qtype], k)
