@@ -19,6 +19,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -673,7 +674,9 @@ void linear_dense(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_
   // Too few strips to share evenly (576 rows: 3 strips, 2 threads): one strip at a time,
   // each dequantized and multiplied by all the threads.
   const int64_t grain = strips >= 2 * at::get_num_threads() ? 1 : strips;
+  const bool inference = c10::InferenceMode::is_enabled();  // thread-local: not inherited
   at::parallel_for(0, strips, grain, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode guard(inference);  // out may be an inference tensor, written in place
     at::Tensor w = at::empty({pk.groups * kGroup, kStripRows}, xf.options());
     for (int64_t strip = begin; strip < end; ++strip) {
       const int64_t t0 = strip * strip_tiles, nt = std::min(strip_tiles, tiles - t0);

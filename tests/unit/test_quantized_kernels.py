@@ -111,6 +111,9 @@ def _check_strips(qtype, dtype, rows, k, batch):
     x = torch.randn(batch, k, generator=torch.Generator().manual_seed(7))
     bias = torch.randn(rows)
     got = ops.quant_linear(x.to(dtype), packed, QTYPES[qtype], rows, k, bias)
+    with torch.inference_mode():  # as the engine runs it: the worker threads must be too
+        inferred = ops.quant_linear(x.to(dtype), packed, QTYPES[qtype], rows, k, bias)
+    assert torch.equal(inferred, got)
     assert got.dtype == dtype and got.shape == (batch, rows)
     want = reference(x.to(dtype).float(), w, bias)
     if dtype == torch.float32:
