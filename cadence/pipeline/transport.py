@@ -11,7 +11,8 @@ acknowledged to the sender when done. A put the relay lends (shm, large payloads
 place: acknowledged at once as taken, and again when the last tensor restored from it dies.
 Tensors caught in a reference cycle (an aborted task's traceback, say) die only when the
 garbage collector runs: once a request has ended here with lent payloads still alive, a
-collection runs shortly after (at most every LENT_GC_PERIOD_S), so that no credit waits for
+collection runs shortly after, and again every LENT_GC_PERIOD_S while they live on (up to
+LENT_GC_TRIES times: what survives that is held on purpose), so that no credit waits for
 the collector's own schedule. A DataReady for a request this process has dropped is
 still consumed (drained and acknowledged) so that the sender's put completes; nothing is
 delivered.
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 TOMBSTONE_TTL_S = 120.0  # how long a dropped rid's late messages are recognised and drained
 LENT_GC_PERIOD_S = 0.2  # at most one collection this often, for lent payloads of ended requests
+LENT_GC_TRIES = 10  # collections per ended request while its lent payloads live on (2 s)
 
 
 def _done(value: Any) -> asyncio.Future:
@@ -89,6 +91,7 @@ class Transport:
         self._lent: dict[str, int] = {}  # rid -> lent payloads of it still alive here
         self._gc_at = 0.0  # when a collection for lent payloads ran or is due
         self._gc_handle: asyncio.TimerHandle | None = None
+        self._gc_tries: dict[str, int] = {}  # ended rid -> collections run for its payloads
 
     # -- request life ---------------------------------------------------------------------
 
@@ -287,6 +290,8 @@ class Transport:
         count = self._lent.pop(rid, 0) - 1
         if count > 0:
             self._lent[rid] = count
+        else:
+            self._gc_tries.pop(rid, None)
         self._ack(src_stage, rid, meta)
 
     def _collect_soon(self) -> None:
@@ -301,9 +306,18 @@ class Transport:
         collect, so that their acknowledgements go out."""
         self._gc_handle = None
         running = {rid for rt in self.runtimes.values() for rid in rt.requests}
-        if any(rid not in running for rid in self._lent):
-            gc.collect()
-            self._gc_at = asyncio.get_running_loop().time() + LENT_GC_PERIOD_S
+        tries = self._gc_tries
+        ended = [r for r in self._lent if r not in running and tries.get(r, 0) < LENT_GC_TRIES]
+        if not ended:
+            return
+        gc.collect()
+        self._gc_at = asyncio.get_running_loop().time() + LENT_GC_PERIOD_S
+        # A cycle may form only as the request's last task unwinds, after this collection:
+        # look again a few times; what is still alive then is held on purpose.
+        for rid in ended:
+            tries[rid] = tries.get(rid, 0) + 1
+        if any(rid in self._lent for rid in ended):
+            self._collect_soon()
 
     def _ack(self, src_stage: str, rid: str, meta: dict) -> None:
         if not self._closed:
