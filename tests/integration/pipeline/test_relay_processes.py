@@ -34,6 +34,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _reap(procs) -> None:
+    """Waits for both sides, kills one that hangs, and removes what a killed side left (the
+    assertions after it then fail on the exit codes)."""
+    for proc in procs:
+        proc.join(timeout=30)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+    sweep_dead_segments()
+
+
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return (
@@ -80,12 +91,7 @@ def test_payloads_cross_two_processes(backend):
             assert header.tensors == extract(want).header.tensors
         stats = [msgspec.msgpack.decode(reports[r][0].recv_bytes()) for r in (0, 1)]
     finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join()
-        sweep_dead_segments()  # what a killed side left (the assertions below then fail)
+        _reap(procs)
     assert [p.exitcode for p in procs] == [0, 0]
     for s in stats:
         assert s["pending"] == 0 and s.get("rids", 0) == 0, stats
@@ -122,12 +128,7 @@ def test_shm_lends_large_payloads_across_two_processes():
             sender.recv_bytes()
         )
     finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join()
-        sweep_dead_segments()
+        _reap(procs)
     assert [p.exitcode for p in procs] == [0, 0]
     full = LEND_CREDITS
     # Taken: the put is done (nothing pending), its slot still lent.
