@@ -384,6 +384,20 @@ inline void column_pair(const uint8_t* codes, int k, __m256i* lo, __m256i* hi) {
   }
 }
 
+#ifndef CADENCE_PF
+#define CADENCE_PF 4096
+#endif
+constexpr int64_t kPrefetchAhead = CADENCE_PF;
+
+// Asks for the cache lines `ahead` bytes past the part of a run of tiles that group g of G
+// reads (a tile's bytes spread evenly over its groups), so the reads of later tiles overlap
+// this group's arithmetic. The hardware's stream prefetcher stops at every 4 KiB page and a
+// matrix streams from memory once per step: without this, one stream reached 6-12 GB/s of
+// the ~38 GB/s two threads can read.
+inline void prefetch_group(const uint8_t* tile, int64_t g, int64_t step, int64_t ahead) {
+  const uint8_t* p = tile + ahead + g * step;
+  for (int64_t off = 0; off < step; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
+}
 // Rows [m0, m0 + MB) against one tile: acc[m] += the tile's 8 dot products.
 template <int64_t QT, int MB>
 inline void tile_block(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m0, __m256* acc) {
@@ -391,7 +405,9 @@ inline void tile_block(const Packed& pk, const uint8_t* tile, const Acts& a, int
   constexpr bool kHasMin = QT == kQ4_1 || QT == kQ4_K || QT == kQ5_K;
   constexpr float kOffset = QT == kQ4_0 ? 8.f : QT == kQ6_K ? 32.f : 0.f;
   const int64_t G = pk.groups;
+  const int64_t pf_step = (pk.tile_bytes + G - 1) / G;
   for (int64_t g = 0; g < G; ++g) {
+    prefetch_group(tile, g, pf_step, kPrefetchAhead);
     const uint8_t* codes = tile + pk.codes_at(g);
     const uint8_t* s = tile + pk.scales_at(g);
     __m256 scale, scale_hi = _mm256_setzero_ps(), minv = _mm256_setzero_ps();
@@ -501,9 +517,9 @@ inline void dequantize_group(const Packed& pk, const uint8_t* tile, int64_t g, f
   }
 }
 
-// Rows [m0, m0 + MB) of x times the dequantized group of NT tiles (w: NT blocks of 32 columns
-// x 8 rows): acc[m][n] += .... With two tiles, each broadcast activation feeds two
-// multiply-adds and each loaded weight vector six: 12 accumulators, fewer loads per FMA.
+// Rows [m0, m0 + MB) of x times the dequantized group of NT adjacent tiles, w[k * NT * 8 +
+// n * 8 + r] for column k, tile n, row r: acc[m][n] += .... Each broadcast activation feeds
+// NT multiply-adds (one per tile) and each loaded weight vector MB.
 template <int MB, int NT>
 inline void group_gemm(const float* x, int64_t ldx, const float* w, float* acc) {
   __m256 a[MB][NT];
@@ -512,7 +528,7 @@ inline void group_gemm(const float* x, int64_t ldx, const float* w, float* acc) 
   }
   for (int k = 0; k < kGroup; ++k) {
     __m256 wk[NT];
-    for (int n = 0; n < NT; ++n) wk[n] = _mm256_loadu_ps(w + n * kGroup * kRows + k * kRows);
+    for (int n = 0; n < NT; ++n) wk[n] = _mm256_loadu_ps(w + (k * NT + n) * kRows);
     for (int m = 0; m < MB; ++m) {
       const __m256 xk = _mm256_broadcast_ss(x + m * ldx + k);
       for (int n = 0; n < NT; ++n) a[m][n] = _mm256_fmadd_ps(wk[n], xk, a[m][n]);
@@ -523,41 +539,87 @@ inline void group_gemm(const float* x, int64_t ldx, const float* w, float* acc) 
   }
 }
 
-// The last rows (fewer than a register block) of group_gemm.
+#if defined(__AVX512F__)
+// group_gemm on 512-bit registers for NT = 2 or 4 tiles: a column's 16 or 32 weights are one
+// or two registers. A core that runs 512-bit multiply-adds at full width does twice the
+// 256-bit loop's work per instruction (measured on AVX-512 Zen 5 in docs/quantization.md).
+template <int MB, int NT>
+inline void group_gemm_512(const float* x, int64_t ldx, const float* w, float* acc) {
+  constexpr int NZ = NT / 2;
+  __m512 a[MB][NZ];
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NZ; ++j) a[m][j] = _mm512_loadu_ps(acc + m * NT * kRows + 16 * j);
+  }
+  for (int k = 0; k < kGroup; ++k) {
+    __m512 wk[NZ];
+    for (int j = 0; j < NZ; ++j) wk[j] = _mm512_loadu_ps(w + k * NT * kRows + 16 * j);
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xk = _mm512_set1_ps(x[m * ldx + k]);
+      for (int j = 0; j < NZ; ++j) a[m][j] = _mm512_fmadd_ps(wk[j], xk, a[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NZ; ++j) _mm512_storeu_ps(acc + m * NT * kRows + 16 * j, a[m][j]);
+  }
+}
+#endif
+
+// Register block (rows of x at a time) of the batched path for NT tiles: as many
+// accumulators as the registers allow next to the weights and one broadcast.
 template <int NT>
+constexpr int gemm_rows() {
+#if defined(__AVX512F__)
+  return NT == 1 ? 8 : NT == 2 ? 12 : 6;  // 8, 12 or 12 accumulators of 32 registers
+#else
+  return NT == 1 ? 8 : 6;  // 8 or 12 accumulators of 16 registers
+#endif
+}
+
+template <int MB, int NT>
+inline void group_gemm_block(const float* x, int64_t ldx, const float* w, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (NT >= 2) {
+    group_gemm_512<MB, NT>(x, ldx, w, acc);
+    return;
+  }
+#endif
+  group_gemm<MB, NT>(x, ldx, w, acc);
+}
+
+// The last rows (fewer than a register block) of the batched path.
+template <int NT, int MB = gemm_rows<NT>() - 1>
 inline void group_gemm_rest(int64_t rest, const float* x, int64_t ldx, const float* w, float* acc) {
-  switch (rest) {
-    case 7: group_gemm<7, NT>(x, ldx, w, acc); break;
-    case 6: group_gemm<6, NT>(x, ldx, w, acc); break;
-    case 5: group_gemm<5, NT>(x, ldx, w, acc); break;
-    case 4: group_gemm<4, NT>(x, ldx, w, acc); break;
-    case 3: group_gemm<3, NT>(x, ldx, w, acc); break;
-    case 2: group_gemm<2, NT>(x, ldx, w, acc); break;
-    case 1: group_gemm<1, NT>(x, ldx, w, acc); break;
-    default: break;
+  if constexpr (MB > 0) {
+    if (rest == MB) {
+      group_gemm_block<MB, NT>(x, ldx, w, acc);
+    } else {
+      group_gemm_rest<NT, MB - 1>(rest, x, ldx, w, acc);
+    }
   }
 }
 
-// Many rows (a decode batch): each group of NT adjacent tiles (1, or 2 where the range has
-// them) is dequantized once into NT KiB of float32, then multiplies every row in register
-// blocks (8 rows for one tile, 6 for two). acc: m_total * NT * 8 floats of scratch.
+// Many rows (a decode batch): each group of NT adjacent tiles is dequantized once into NT KiB
+// of float32, then multiplies every row in register blocks (`gemm_rows`). Tile n of the run
+// has `rows_left - 8 n` valid rows (at most 8). acc: m_total * NT * 8 floats of scratch.
 template <int64_t QT, int NT, typename T>
 void tile_gemm(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total, const float* bias, T* out,
-               int64_t out_stride, int64_t valid, int64_t valid_next, float* acc) {
-  constexpr int MB = NT == 1 ? 8 : 6;
-  alignas(32) float w[NT * kGroup * kRows];
+               int64_t out_stride, int64_t rows_left, float* acc) {
+  constexpr int MB = gemm_rows<NT>();
+  alignas(64) float w[NT * kGroup * kRows];
   std::fill(acc, acc + m_total * NT * kRows, 0.f);
+  const int64_t pf_step = (NT * pk.tile_bytes + pk.groups - 1) / pk.groups;
   for (int64_t g = 0; g < pk.groups; ++g) {
-    for (int n = 0; n < NT; ++n) dequantize_group<QT>(pk, tile + n * pk.tile_bytes, g, w + n * kGroup * kRows, kRows);
+    prefetch_group(tile, g, pf_step, std::max<int64_t>(kPrefetchAhead, NT * pk.tile_bytes));
+    for (int n = 0; n < NT; ++n) dequantize_group<QT>(pk, tile + n * pk.tile_bytes, g, w + n * kRows, NT * kRows);
     const float* x = a.x + g * kGroup;
     int64_t m = 0;
-    for (; m + MB <= m_total; m += MB) group_gemm<MB, NT>(x + m * a.k, a.k, w, acc + m * NT * kRows);
+    for (; m + MB <= m_total; m += MB) group_gemm_block<MB, NT>(x + m * a.k, a.k, w, acc + m * NT * kRows);
     group_gemm_rest<NT>(m_total - m, x + m * a.k, a.k, w, acc + m * NT * kRows);
   }
   for (int64_t m = 0; m < m_total; ++m) {
-    store_tile(acc + m * NT * kRows, bias, out + m * out_stride, valid);
-    if constexpr (NT == 2) {
-      store_tile(acc + (m * 2 + 1) * kRows, bias ? bias + kRows : nullptr, out + m * out_stride + kRows, valid_next);
+    for (int n = 0; n < NT; ++n) {
+      const int64_t valid = std::min<int64_t>(kRows, rows_left - n * kRows);
+      store_tile(acc + (m * NT + n) * kRows, bias ? bias + n * kRows : nullptr, out + m * out_stride + n * kRows, valid);
     }
   }
 }
@@ -615,6 +677,13 @@ constexpr int64_t kRowsPerPass = 64;
 // From this many rows on, dequantizing each group once and multiplying every row (tile_gemm)
 // beats summing the codes against each row (tile_avx2).
 constexpr int64_t kGemmRows = 5;
+// Tiles the batched path takes at once where the range has them: 4 (two 512-bit registers
+// per column) with AVX-512, else 2.
+#if defined(__AVX512F__)
+constexpr int kGemmTiles = 4;
+#else
+constexpr int kGemmTiles = 2;
+#endif
 
 template <typename T>
 void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_t rows, const Acts& a,
@@ -624,7 +693,7 @@ void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_
     const int64_t mc = std::min(kRowsPerPass, m_total - m0);
     const Acts part{a.x + m0 * a.k, std::vector<float>(a.sums.begin() + m0 * pk.groups * 2, a.sums.begin() + (m0 + mc) * pk.groups * 2), a.k};
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(2 * mc * kRows);
+      std::vector<float> acc(kGemmTiles * mc * kRows);
       for (int64_t t = begin; t < end; ++t) {
         const uint8_t* tile = packed + t * pk.tile_bytes;
         const int64_t valid = std::min<int64_t>(kRows, rows - t * kRows);
@@ -632,16 +701,19 @@ void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_
         T* o = out + m0 * rows + t * kRows;
 #if defined(CADENCE_QUANT_AVX2)
         if (!portable) {
-          const bool gemm = mc >= kGemmRows, pair = gemm && t + 1 < end;
-          const int64_t valid_next = pair ? std::min<int64_t>(kRows, rows - (t + 1) * kRows) : 0;
+          const bool gemm = mc >= kGemmRows;
+          const int64_t run = end - t, left = rows - t * kRows;
 #define CADENCE_QUANT_TILE(QT)                                                                   \
   if (!gemm) {                                                                                   \
     tile_avx2<QT>(pk, tile, part, mc, b, o, rows, valid);                                        \
-  } else if (pair) {                                                                             \
-    tile_gemm<QT, 2>(pk, tile, part, mc, b, o, rows, valid, valid_next, acc.data());             \
-    ++t; /* the next tile is done too */                                                         \
+  } else if (kGemmTiles == 4 && run >= 4) {                                                      \
+    tile_gemm<QT, kGemmTiles>(pk, tile, part, mc, b, o, rows, left, acc.data());                 \
+    t += kGemmTiles - 1; /* the next tiles are done too */                                       \
+  } else if (run >= 2) {                                                                         \
+    tile_gemm<QT, 2>(pk, tile, part, mc, b, o, rows, left, acc.data());                          \
+    ++t;                                                                                         \
   } else {                                                                                       \
-    tile_gemm<QT, 1>(pk, tile, part, mc, b, o, rows, valid, 0, acc.data());                      \
+    tile_gemm<QT, 1>(pk, tile, part, mc, b, o, rows, left, acc.data());                          \
   }                                                                                              \
   continue;
           switch (qtype) {
