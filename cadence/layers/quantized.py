@@ -200,12 +200,12 @@ class QuantLinear(Linear):
         weight.check_parts()
         ops = torch.ops.cadence
         self.parts = []  # (qtype id or None for float rows, packed tiles or float rows, rows)
-        for qtype, part in zip(weight.qtypes, weight.parts):
+        for qtype, data in _runs_of_one_type(weight):
             if qtype == DENSE:
-                self.parts.append((None, part.data.clone(), part.shape[0]))
+                self.parts.append((None, data.clone(), data.shape[0]))
             else:
-                packed = ops.quant_repack(part.data.contiguous(), QTYPES[qtype], weight.columns)
-                self.parts.append((QTYPES[qtype], packed, part.shape[0]))
+                packed = ops.quant_repack(data.contiguous(), QTYPES[qtype], weight.columns)
+                self.parts.append((QTYPES[qtype], packed, data.shape[0]))
         self.qtypes = list(weight.qtypes)
         self.columns = weight.columns
         self.weight = None
@@ -239,6 +239,19 @@ class QuantLinear(Linear):
         if qtype is None:
             return F.linear(x.to(data.dtype), data).to(x.dtype)
         return torch.ops.cadence.quant_linear(x, data, qtype, rows, self.columns, None)
+
+
+def _runs_of_one_type(weight: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
+    """The weight's parts with adjacent parts of one type joined: (type, rows). A block is a
+    piece of one row, so joining rows is exact; a fused q|k|v of one type then runs as one
+    kernel call, one stream through memory, without a concatenation of the outputs."""
+    runs: list[tuple[str, list[torch.Tensor]]] = []
+    for qtype, part in zip(weight.qtypes, weight.parts):
+        if runs and runs[-1][0] == qtype:
+            runs[-1][1].append(part.data)
+        else:
+            runs.append((qtype, [part.data]))
+    return [(qtype, rows[0] if len(rows) == 1 else torch.cat(rows)) for qtype, rows in runs]
 
 
 def make_quantized_linear(weight: QuantizedWeight, bias=None, kernels: bool = True) -> Linear:

@@ -183,6 +183,24 @@ def test_a_fused_weight_of_several_types_and_float_rows():
     assert lin(x.view(3, 1, k)).shape == (3, 1, 40)
 
 
+def test_adjacent_parts_of_one_type_run_as_one_part():
+    k = 128
+    q, kk, v = (random_blocks("Q4_1", rows, k, seed) for rows, seed in ((24, 5), (13, 6), (13, 7)))
+    pieces = [QuantizedWeight.from_blocks("Q4_1", b) for b in (q, kk, v)]
+    pieces.append(QuantizedWeight.from_blocks("Q8_0", random_blocks("Q8_0", 9, k, 8)))
+    fused = QuantizedWeight.cat(pieces)
+    lin = QuantLinear(fused)
+    assert [(qtype, rows) for qtype, _, rows in lin.parts] == [
+        (QTYPES["Q4_1"], 50),
+        (QTYPES["Q8_0"], 9),
+    ]
+    for batch in (1, 6, 130):  # the one-row, batched and prefill paths
+        x = torch.randn(batch, k)
+        want = x.double() @ fused.dequantize().double().T
+        scale = (x.double().abs() @ fused.dequantize().double().abs().T).max().item()
+        torch.testing.assert_close(lin(x).double(), want, rtol=0, atol=2e-6 * scale)
+
+
 def test_rows_reorder_block_by_block_and_a_changed_kind_is_refused():
     k = 64
     weight = QuantizedWeight.from_blocks("Q8_0", random_blocks("Q8_0", 6, k, 3))
