@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -384,10 +385,8 @@ inline void column_pair(const uint8_t* codes, int k, __m256i* lo, __m256i* hi) {
   }
 }
 
-#ifndef CADENCE_PF
-#define CADENCE_PF 4096
-#endif
-constexpr int64_t kPrefetchAhead = CADENCE_PF;
+// How far ahead the product asks for weight bytes (2-16 KiB measured alike on Zen 5).
+constexpr int64_t kPrefetchAhead = 4096;
 
 // Asks for the cache lines `ahead` bytes past the part of a run of tiles that group g of G
 // reads (a tile's bytes spread evenly over its groups), so the reads of later tiles overlap
@@ -398,6 +397,7 @@ inline void prefetch_group(const uint8_t* tile, int64_t g, int64_t step, int64_t
   const uint8_t* p = tile + ahead + g * step;
   for (int64_t off = 0; off < step; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
 }
+
 // Rows [m0, m0 + MB) against one tile: acc[m] += the tile's 8 dot products.
 template <int64_t QT, int MB>
 inline void tile_block(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m0, __m256* acc) {
@@ -665,11 +665,18 @@ void dequantize_strip(const Packed& pk, const uint8_t* packed, int64_t t0, int64
 // Weight rows per strip of the dense path: K x 256 float32 (0.6 MiB at K = 576, 1.5 MiB at
 // 1536) is rewritten per strip and stays in the cache while the GEMM reads it.
 constexpr int64_t kStripRows = 256;
-// From this many activation rows on (a prefill chunk), dequantizing strips of the weight into
-// float32 and multiplying them with torch's float32 GEMM (MKL / oneDNN) beats tile_gemm: its
-// register and cache blocking are better than one 8-row tile at a time, and the cost of
-// dequantizing a strip (K x 256 values) is spread over this many rows.
+// From this many activation rows on (a prefill chunk), an AVX2 build dequantizes strips of
+// the weight into float32 and multiplies them with torch's float32 GEMM: there its register
+// and cache blocking beat tile_gemm's 256-bit loop, and dequantizing a strip (K x 256
+// values) is spread over this many rows. An AVX-512 build never does: its 512-bit tile_gemm
+// ran a 512-row prefill of SmolLM2's projections 2.0x faster than the strips (1,812 against
+// 904 tok/s on two Zen 5 cores, where torch's GEMM is MKL's), and past oneDNN's packed
+// float32 weights (1,666).
+#if defined(__AVX512F__)
+constexpr int64_t kDenseRows = std::numeric_limits<int64_t>::max();
+#else
 constexpr int64_t kDenseRows = 128;
+#endif
 
 // Rows per pass of the batched path: its x block (rows x K float32) stays in the L2 cache
 // while every tile of the weight goes by.
