@@ -109,6 +109,15 @@ def test_unfiltered_sampling_follows_the_distribution():
     assert counts[0] > counts[1] > counts[3]
 
 
+def test_unseeded_and_seeded_rows_in_one_batch_follow_the_distribution_and_skip_zeros():
+    q = [0.5, 0.0, 0.3, 0.0, 0.2, 0.0, 0.0, 0.0]  # a token of probability 0 is never drawn
+    rows = [row(temperature=1.0, seed=i if i % 2 else None) for i in range(3000)]
+    counts = Counter(sample(logits_of(*[q] * 3000), rows).next_ids)
+    assert set(counts) == {0, 2, 4}
+    # 3000 draws: token 0 near 1500 (sd ~ 27), token 4 near 600 (sd ~ 22)
+    assert 1380 < counts[0] < 1620 and 510 < counts[4] < 690
+
+
 def test_same_seed_same_tokens_and_seeds_differ():
     def run(seeds):
         rows = [row(seed=s, temperature=1.0) for s in seeds]
