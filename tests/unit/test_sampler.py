@@ -84,6 +84,23 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert set(counts) == {0, 1, 2}
 
 
+def test_a_nucleus_larger_than_the_first_candidates_is_kept_whole():
+    vocab = 5000  # a flat distribution: the nucleus runs past the first 256 candidates
+    probs = torch.arange(vocab, 0, -1, dtype=torch.float64)
+    probs /= probs.sum()
+    nucleus = int(((probs.cumsum(0) - probs) < 0.5).sum())  # tokens 0 .. nucleus - 1
+    assert nucleus > 1024
+    rows = [
+        SamplingInput(
+            SamplingParams(temperature=1.0, top_p=0.5), [0], [], None, None, 0, None, False
+        )
+        for _ in range(400)
+    ]
+    picked = sample(probs.log().float().expand(400, vocab).contiguous(), rows).next_ids
+    assert max(picked) < nucleus + 2  # float32 sums may move the boundary by a token
+    assert max(picked) > 1024  # drawn from the whole nucleus, not the first candidates
+
+
 def test_top_p_tiny_keeps_the_best_token():
     counts = draw(50, temperature=1.0, top_p=1e-6)
     assert counts == Counter({0: 50})
