@@ -9,13 +9,16 @@
 // gives gguf's own values bit for bit.
 //
 // `quant_linear` computes y = x W^T with activations in float32 (bfloat16/float16 rows are
-// widened first; the result takes x's dtype). Up to 4 rows, each column's 8 codes become
+// widened first; the result takes x's dtype). Up to 4 rows, each column's codes become
 // float32 lanes that multiply the broadcast activation, summed per group and scaled once
-// (tile_block); from 5 rows on (a decode batch), each group of two adjacent tiles is
-// dequantized once into 2 KiB and multiplies the rows in register blocks of 6 (tile_gemm);
-// from 128 rows on (a prefill chunk), strips of 256 weight rows are dequantized into float32
-// and multiplied by torch's float32 GEMM (linear_dense). All are AVX2 + FMA + F16C (compiled
-// for AVX-512 they use its registers); without them a portable loop computes the same sums.
+// (tile_block: one tile, 8 lanes; AVX-512 builds take two tiles of a 32-column type at once,
+// tile_pair_512); from 5 rows on (a decode batch), each group of a run of adjacent tiles is
+// dequantized once and multiplies the rows in register blocks (tile_gemm: runs of 4 tiles in
+// 512-bit registers with AVX-512, of 2 in 256-bit ones with AVX2); an AVX2 build takes 128
+// rows and more (a prefill chunk) as strips of 256 weight rows dequantized into float32 and
+// multiplied by torch's float32 GEMM (linear_dense). Every loop prefetches the weight bytes
+// ahead of the group it reads. All need AVX2 + FMA + F16C; without them a portable loop
+// computes the same sums.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -649,6 +652,106 @@ void tile_avx2(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_t
   }
 }
 
+#if defined(__AVX512F__)
+// The 1-4 row loop for two adjacent tiles of a 32-column type (Q4_0, Q4_1, Q8_0) in 512-bit
+// registers: lanes 0-7 are the first tile's rows, 8-15 the second's, so each code widening,
+// conversion and multiply-add covers 16 weights (tile_block covers 8).
+constexpr bool pairs_512(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0; }
+
+template <int kBits>
+inline void column_pair_512(const uint8_t* c0, const uint8_t* c1, int k, __m512i* lo, __m512i* hi) {
+  const int c = k / 4, kk = k % 4;
+  auto both = [&](int off) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c0 + off)),
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c1 + off)));
+  };
+  if constexpr (kBits == 8) {
+    *lo = _mm512_cvtepi8_epi32(both(32 * c + 8 * kk));
+    *hi = _mm512_cvtepi8_epi32(both(32 * (c + 4) + 8 * kk));
+  } else {
+    const __m512i v = _mm512_cvtepu8_epi32(both(32 * c + 8 * kk));
+    *lo = _mm512_and_si512(v, _mm512_set1_epi32(0x0F));
+    *hi = _mm512_srli_epi32(v, 4);
+  }
+}
+
+inline __m512 halves_512(const uint8_t* p0, const uint8_t* p1) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1));
+}
+
+template <int64_t QT, int MB>
+inline void tile_pair_block(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m0, __m512* acc) {
+  constexpr float kOffset = QT == kQ4_0 ? 8.f : 0.f;
+  const uint8_t* next = tile + pk.tile_bytes;
+  const int64_t G = pk.groups;
+  const int64_t pf_step = (2 * pk.tile_bytes + G - 1) / G;
+  for (int64_t g = 0; g < G; ++g) {
+    prefetch_group(tile, g, pf_step, std::max<int64_t>(kPrefetchAhead, 2 * pk.tile_bytes));
+    const uint8_t* c0 = tile + pk.codes_at(g);
+    const uint8_t* c1 = next + pk.codes_at(g);
+    const __m512 scale = halves_512(tile + pk.scales_at(g), next + pk.scales_at(g));
+    constexpr int kSplit = MB <= 2 ? 2 : 1;
+    __m512 dot[MB][2][kSplit];
+    for (int m = 0; m < MB; ++m) {
+      for (int j = 0; j < kSplit; ++j) dot[m][0][j] = dot[m][1][j] = _mm512_setzero_ps();
+    }
+    const float* x = a.x + m0 * a.k + g * kGroup;
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; ++k) {
+      __m512i qlo, qhi;
+      column_pair_512<bits_of(QT)>(c0, c1, k, &qlo, &qhi);
+      const __m512 wlo = _mm512_cvtepi32_ps(qlo), whi = _mm512_cvtepi32_ps(qhi);
+      for (int m = 0; m < MB; ++m) {
+        __m512* d = dot[m][0] + k % kSplit;
+        *d = _mm512_fmadd_ps(wlo, _mm512_set1_ps(x[m * a.k + k]), *d);
+        __m512* e = dot[m][1] + k % kSplit;
+        *e = _mm512_fmadd_ps(whi, _mm512_set1_ps(x[m * a.k + k + 16]), *e);
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      __m512 d = _mm512_add_ps(dot[m][0][0], dot[m][1][0]);
+      if constexpr (kSplit == 2) d = _mm512_add_ps(d, _mm512_add_ps(dot[m][0][1], dot[m][1][1]));
+      const float* xs = a.sums.data() + ((m0 + m) * G + g) * 2;
+      if constexpr (kOffset != 0.f) d = _mm512_sub_ps(d, _mm512_set1_ps(kOffset * (xs[0] + xs[1])));
+      acc[m] = _mm512_fmadd_ps(scale, d, acc[m]);
+      if constexpr (QT == kQ4_1) {
+        const __m512 minv = halves_512(tile + pk.scales_at(g) + 16, next + pk.scales_at(g) + 16);
+        acc[m] = _mm512_fmadd_ps(minv, _mm512_set1_ps(xs[0] + xs[1]), acc[m]);
+      }
+    }
+  }
+}
+
+// tile_avx2 for two adjacent tiles: the second has `valid_next` valid rows.
+template <int64_t QT, typename T>
+void tile_pair_512(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total, const float* bias, T* out,
+                   int64_t out_stride, int64_t valid, int64_t valid_next) {
+  int64_t m0 = 0;
+  auto run = [&](auto mb) {
+    constexpr int MB = decltype(mb)::value;
+    __m512 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    tile_pair_block<QT, MB>(pk, tile, a, m0, acc);
+    for (int m = 0; m < MB; ++m) {
+      alignas(64) float v[2 * kRows];
+      _mm512_store_ps(v, acc[m]);
+      store_tile(v, bias, out + (m0 + m) * out_stride, valid);
+      store_tile(v + kRows, bias ? bias + kRows : nullptr, out + (m0 + m) * out_stride + kRows, valid_next);
+    }
+    m0 += MB;
+  };
+  while (m_total - m0 >= 4) run(std::integral_constant<int, 4>());
+  switch (m_total - m0) {
+    case 3: run(std::integral_constant<int, 3>()); break;
+    case 2: run(std::integral_constant<int, 2>()); break;
+    case 1: run(std::integral_constant<int, 1>()); break;
+    default: break;
+  }
+}
+#endif
+
 // Tiles [t0, t0 + tiles) dequantized side by side into w [K, ldw] (float32): the right-hand
 // side of a float32 GEMM for the strip of weight rows they hold.
 template <int64_t QT>
@@ -688,8 +791,13 @@ constexpr int64_t kGemmRows = 5;
 // per column) with AVX-512, else 2.
 #if defined(__AVX512F__)
 constexpr int kGemmTiles = 4;
+constexpr bool kPairs1Row = true;  // 1-4 rows: tile_pair_512 for Q4_0, Q4_1, Q8_0
 #else
 constexpr int kGemmTiles = 2;
+constexpr bool kPairs1Row = false;
+constexpr bool pairs_512(int64_t) { return false; }
+template <int64_t QT, typename T>
+void tile_pair_512(const Packed&, const uint8_t*, const Acts&, int64_t, const float*, T*, int64_t, int64_t, int64_t) {}
 #endif
 
 template <typename T>
@@ -711,7 +819,10 @@ void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_
           const bool gemm = mc >= kGemmRows;
           const int64_t run = end - t, left = rows - t * kRows;
 #define CADENCE_QUANT_TILE(QT)                                                                   \
-  if (!gemm) {                                                                                   \
+  if (!gemm && kPairs1Row && pairs_512(QT) && run >= 2) {                                       \
+    tile_pair_512<QT>(pk, tile, part, mc, b, o, rows, valid, std::min<int64_t>(kRows, left - kRows)); \
+    ++t;                                                                                         \
+  } else if (!gemm) {                                                                            \
     tile_avx2<QT>(pk, tile, part, mc, b, o, rows, valid);                                        \
   } else if (kGemmTiles == 4 && run >= 4) {                                                      \
     tile_gemm<QT, kGemmTiles>(pk, tile, part, mc, b, o, rows, left, acc.data());                 \

@@ -89,6 +89,28 @@ def test_quant_linear_matches_float64_on_the_dequantized_weight(qtype, batch, po
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * scale.item())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_one_row_through_tile_pairs_whose_second_tile_is_partial(qtype, threads):
+    rows, k = 45, 96  # 6 tiles, the last with 5 rows: AVX-512 builds take tiles two at a time
+    blocks = random_blocks(qtype, rows, k, seed=11)
+    w = gguf_values(qtype, blocks, k)
+    packed = ops.quant_repack(torch.from_numpy(blocks), QTYPES[qtype], k)
+    bias = torch.randn(rows)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for batch in (1, 2, 4):
+            x = torch.randn(batch, k, generator=torch.Generator().manual_seed(batch))
+            got = ops.quant_linear(x, packed, QTYPES[qtype], rows, k, bias)
+            scale = (x.double().abs() @ torch.from_numpy(np.abs(w)).double().T).max()
+            torch.testing.assert_close(
+                got.double(), reference(x, w, bias), rtol=0, atol=2e-6 * scale.item()
+            )
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
 @pytest.mark.parametrize("rows", [523, 1291])
