@@ -12,10 +12,11 @@ At each concurrency C (default 1, 8, 32), C clients stream requests back to back
 fixed prompt/length mix of bench_serving.py (EOS ignored, so each yields exactly its
 length), --repeats times (default 3). Reported per level: output tok/s and TTFT p50 of the
 median pass; per server: the resident memory of its model process (Cadence: the scheduler
-child) after the run, against the target file size + KV pool + 300 MB for the quantized server. Then bench_offline's limit (the
-projections alone, through the engine's own kernels) for the quantized and the dequantized
-weights, at batch 1, 8, 32 and a 512-row prefill, and the in-process engine's prefill of one
-512-token prompt with each (a quantized GEMM must not make prefill slower).
+child) after the run, against the target file size + KV pool + 300 MB for the quantized
+server. Then bench_offline's limit (the projections alone, through the engine's own
+kernels) for the quantized and the dequantized weights, at batch 1, 8, 32 and a 512-row
+prefill, and the in-process engine's prefill of one 512-token prompt with each (a quantized
+GEMM must not make prefill slower).
 
 Targets (issue 22): c=1 >= 1.0x llama.cpp, c=8 >= 2x, c=32 >= 3x, and quantized c=32 >= the
 dequantized server's c=32.
