@@ -11,8 +11,7 @@
 // `quant_linear` computes y = x W^T with activations in float32 (bfloat16/float16 rows are
 // widened first; the result takes x's dtype). Up to 4 rows, each column's codes become
 // float32 lanes that multiply the broadcast activation, summed per group and scaled once
-// (tile_block: one tile, 8 lanes; AVX-512 builds take two tiles of a 32-column type at once,
-// tile_pair_512); from 5 rows on (a decode batch), each group of a run of adjacent tiles is
+// (tile_block: one tile, 8 lanes; AVX-512 builds take two tiles at once, tile_pair_512); from 5 rows on (a decode batch), each group of a run of adjacent tiles is
 // dequantized once and multiplies the rows in register blocks (tile_gemm: runs of 4 tiles in
 // 512-bit registers with AVX-512, of 2 in 256-bit ones with AVX2); an AVX2 build takes 128
 // rows and more (a prefill chunk) as strips of 256 weight rows dequantized into float32 and
@@ -401,6 +400,33 @@ inline void prefetch_group(const uint8_t* tile, int64_t g, int64_t step, int64_t
   for (int64_t off = 0; off < step; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
 }
 
+// A tile's factors for group g, one lane per row: the scale (for Q6_K, of columns 0-15, and
+// `scale_hi` of 16-31), and the min (Q4_1: added; Q4_K/Q5_K: dmin times the sub-block's m,
+// subtracted). Unused ones are zero.
+template <int64_t QT>
+inline void group_factors(const Packed& pk, const uint8_t* tile, int64_t g, __m256* scale, __m256* scale_hi,
+                          __m256* minv) {
+  const uint8_t* s = tile + pk.scales_at(g);
+  *scale_hi = *minv = _mm256_setzero_ps();
+  if constexpr (QT == kQ4_0 || QT == kQ8_0 || QT == kQ4_1) {
+    *scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+    if constexpr (QT == kQ4_1) *minv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
+  } else {
+    const uint8_t* sup = tile + pk.super_at(g / (kSuper / kGroup));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup)));
+    const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
+    const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 8));
+    if constexpr (QT == kQ6_K) {
+      *scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
+      *scale_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
+    } else {
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 16)));
+      *scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+      *minv = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
+    }
+  }
+}
+
 // Rows [m0, m0 + MB) against one tile: acc[m] += the tile's 8 dot products.
 template <int64_t QT, int MB>
 inline void tile_block(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m0, __m256* acc) {
@@ -412,25 +438,8 @@ inline void tile_block(const Packed& pk, const uint8_t* tile, const Acts& a, int
   for (int64_t g = 0; g < G; ++g) {
     prefetch_group(tile, g, pf_step, kPrefetchAhead);
     const uint8_t* codes = tile + pk.codes_at(g);
-    const uint8_t* s = tile + pk.scales_at(g);
-    __m256 scale, scale_hi = _mm256_setzero_ps(), minv = _mm256_setzero_ps();
-    if constexpr (QT == kQ4_0 || QT == kQ8_0 || QT == kQ4_1) {
-      scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-      if constexpr (QT == kQ4_1) minv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
-    } else {
-      const uint8_t* sup = tile + pk.super_at(g / (kSuper / kGroup));
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup)));
-      const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
-      const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 8));
-      if constexpr (kHalves) {
-        scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
-        scale_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
-      } else {
-        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 16)));
-        scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
-        minv = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));  // subtracted below
-      }
-    }
+    __m256 scale, scale_hi, minv;
+    group_factors<QT>(pk, tile, g, &scale, &scale_hi, &minv);
     // Independent sums (columns 0-15 and 16-31; with few rows, also even and odd columns) keep
     // enough multiply-adds in flight to hide their latency.
     constexpr int kSplit = MB <= 2 ? 2 : 1;
@@ -653,15 +662,13 @@ void tile_avx2(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_t
 }
 
 #if defined(__AVX512F__)
-// The 1-4 row loop for two adjacent tiles of a 32-column type (Q4_0, Q4_1, Q8_0) in 512-bit
-// registers: lanes 0-7 are the first tile's rows, 8-15 the second's, so each code widening,
-// conversion and multiply-add covers 16 weights (tile_block covers 8).
-constexpr bool pairs_512(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0; }
-
+// The 1-4 row loop for two adjacent tiles in 512-bit registers: lanes 0-7 are the first
+// tile's rows, 8-15 the second's, so each code widening, conversion and multiply-add covers
+// 16 weights (tile_block covers 8).
 template <int kBits>
 inline void column_pair_512(const uint8_t* c0, const uint8_t* c1, int k, __m512i* lo, __m512i* hi) {
   const int c = k / 4, kk = k % 4;
-  auto both = [&](int off) {
+  auto both = [&](int off) {  // 8 bytes of each tile at `off`, widened to 16 int32 lanes
     return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c0 + off)),
                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c1 + off)));
   };
@@ -672,18 +679,29 @@ inline void column_pair_512(const uint8_t* c0, const uint8_t* c1, int k, __m512i
     const __m512i v = _mm512_cvtepu8_epi32(both(32 * c + 8 * kk));
     *lo = _mm512_and_si512(v, _mm512_set1_epi32(0x0F));
     *hi = _mm512_srli_epi32(v, 4);
+    if constexpr (kBits == 5) {  // as column_pair: the 5th bits in one plane
+      const __m512i hb = _mm512_cvtepu8_epi32(both(128 + 8 * kk));
+      const __m512i bit = _mm512_set1_epi32(0x10);
+      *lo = _mm512_or_si512(*lo, _mm512_and_si512(_mm512_sllv_epi32(hb, _mm512_set1_epi32(4 - c)), bit));
+      *hi = _mm512_or_si512(*hi, _mm512_and_si512(_mm512_srlv_epi32(hb, _mm512_set1_epi32(c)), bit));
+    } else if constexpr (kBits == 6) {  // the 5th and 6th bits in two planes
+      const __m512i two = _mm512_set1_epi32(0x30);
+      const __m512i h0 = _mm512_cvtepu8_epi32(both(128 + 8 * kk));
+      const __m512i h1 = _mm512_cvtepu8_epi32(both(160 + 8 * kk));
+      const __m512i shift = _mm512_set1_epi32(2 * c);
+      *lo = _mm512_or_si512(*lo, _mm512_and_si512(_mm512_slli_epi32(_mm512_srlv_epi32(h0, shift), 4), two));
+      *hi = _mm512_or_si512(*hi, _mm512_and_si512(_mm512_slli_epi32(_mm512_srlv_epi32(h1, shift), 4), two));
+    }
   }
 }
 
-inline __m512 halves_512(const uint8_t* p0, const uint8_t* p1) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1));
-}
+inline __m512 join_512(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
 
 template <int64_t QT, int MB>
 inline void tile_pair_block(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m0, __m512* acc) {
-  constexpr float kOffset = QT == kQ4_0 ? 8.f : 0.f;
+  constexpr bool kHalves = QT == kQ6_K;
+  constexpr bool kHasMin = QT == kQ4_1 || QT == kQ4_K || QT == kQ5_K;
+  constexpr float kOffset = QT == kQ4_0 ? 8.f : QT == kQ6_K ? 32.f : 0.f;
   const uint8_t* next = tile + pk.tile_bytes;
   const int64_t G = pk.groups;
   const int64_t pf_step = (2 * pk.tile_bytes + G - 1) / G;
@@ -691,7 +709,10 @@ inline void tile_pair_block(const Packed& pk, const uint8_t* tile, const Acts& a
     prefetch_group(tile, g, pf_step, std::max<int64_t>(kPrefetchAhead, 2 * pk.tile_bytes));
     const uint8_t* c0 = tile + pk.codes_at(g);
     const uint8_t* c1 = next + pk.codes_at(g);
-    const __m512 scale = halves_512(tile + pk.scales_at(g), next + pk.scales_at(g));
+    __m256 s0, s0_hi, m0v, s1, s1_hi, m1v;
+    group_factors<QT>(pk, tile, g, &s0, &s0_hi, &m0v);
+    group_factors<QT>(pk, next, g, &s1, &s1_hi, &m1v);
+    const __m512 scale = join_512(s0, s1);
     constexpr int kSplit = MB <= 2 ? 2 : 1;
     __m512 dot[MB][2][kSplit];
     for (int m = 0; m < MB; ++m) {
@@ -711,14 +732,25 @@ inline void tile_pair_block(const Packed& pk, const uint8_t* tile, const Acts& a
       }
     }
     for (int m = 0; m < MB; ++m) {
-      __m512 d = _mm512_add_ps(dot[m][0][0], dot[m][1][0]);
-      if constexpr (kSplit == 2) d = _mm512_add_ps(d, _mm512_add_ps(dot[m][0][1], dot[m][1][1]));
+      for (int j = 1; j < kSplit; ++j) {
+        dot[m][0][0] = _mm512_add_ps(dot[m][0][0], dot[m][0][j]);
+        dot[m][1][0] = _mm512_add_ps(dot[m][1][0], dot[m][1][j]);
+      }
       const float* xs = a.sums.data() + ((m0 + m) * G + g) * 2;
-      if constexpr (kOffset != 0.f) d = _mm512_sub_ps(d, _mm512_set1_ps(kOffset * (xs[0] + xs[1])));
-      acc[m] = _mm512_fmadd_ps(scale, d, acc[m]);
-      if constexpr (QT == kQ4_1) {
-        const __m512 minv = halves_512(tile + pk.scales_at(g) + 16, next + pk.scales_at(g) + 16);
-        acc[m] = _mm512_fmadd_ps(minv, _mm512_set1_ps(xs[0] + xs[1]), acc[m]);
+      if constexpr (kHalves) {
+        const __m512 lo = _mm512_sub_ps(dot[m][0][0], _mm512_set1_ps(kOffset * xs[0]));
+        const __m512 hi = _mm512_sub_ps(dot[m][1][0], _mm512_set1_ps(kOffset * xs[1]));
+        acc[m] = _mm512_fmadd_ps(scale, lo, acc[m]);
+        acc[m] = _mm512_fmadd_ps(join_512(s0_hi, s1_hi), hi, acc[m]);
+      } else {
+        __m512 d = _mm512_add_ps(dot[m][0][0], dot[m][1][0]);
+        if constexpr (kOffset != 0.f) d = _mm512_sub_ps(d, _mm512_set1_ps(kOffset * (xs[0] + xs[1])));
+        acc[m] = _mm512_fmadd_ps(scale, d, acc[m]);
+        if constexpr (QT == kQ4_1) {
+          acc[m] = _mm512_fmadd_ps(join_512(m0v, m1v), _mm512_set1_ps(xs[0] + xs[1]), acc[m]);
+        } else if constexpr (kHasMin) {
+          acc[m] = _mm512_fnmadd_ps(join_512(m0v, m1v), _mm512_set1_ps(xs[0] + xs[1]), acc[m]);
+        }
       }
     }
   }
@@ -791,11 +823,10 @@ constexpr int64_t kGemmRows = 5;
 // per column) with AVX-512, else 2.
 #if defined(__AVX512F__)
 constexpr int kGemmTiles = 4;
-constexpr bool kPairs1Row = true;  // 1-4 rows: tile_pair_512 for Q4_0, Q4_1, Q8_0
+constexpr bool kPairs1Row = true;  // 1-4 rows: two tiles at a time (tile_pair_512)
 #else
 constexpr int kGemmTiles = 2;
 constexpr bool kPairs1Row = false;
-constexpr bool pairs_512(int64_t) { return false; }
 template <int64_t QT, typename T>
 void tile_pair_512(const Packed&, const uint8_t*, const Acts&, int64_t, const float*, T*, int64_t, int64_t, int64_t) {}
 #endif
@@ -819,7 +850,7 @@ void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_
           const bool gemm = mc >= kGemmRows;
           const int64_t run = end - t, left = rows - t * kRows;
 #define CADENCE_QUANT_TILE(QT)                                                                   \
-  if (!gemm && kPairs1Row && pairs_512(QT) && run >= 2) {                                       \
+  if (!gemm && kPairs1Row && run >= 2) {                                                        \
     tile_pair_512<QT>(pk, tile, part, mc, b, o, rows, valid, std::min<int64_t>(kRows, left - kRows)); \
     ++t;                                                                                         \
   } else if (!gemm) {                                                                            \
