@@ -70,7 +70,8 @@ def reference(x: torch.Tensor, w: np.ndarray, bias=None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
-@pytest.mark.parametrize("batch", [1, 3, 17, 64, 130])  # 130: a prefill chunk's float32 strips
+# 130 rows: an AVX2 build's float32 strips; 401: three passes of the batched path
+@pytest.mark.parametrize("batch", [1, 3, 17, 64, 130, 401])
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 def test_quant_linear_matches_float64_on_the_dequantized_weight(qtype, batch, portable):
     # 51 rows: 7 tiles, the last one partial; the batched path takes runs of 4, 2 and 1 tiles
