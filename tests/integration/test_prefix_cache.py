@@ -5,6 +5,7 @@ tree, sessions reuse every earlier turn and unpin on close, and nothing leaks.""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -181,6 +182,10 @@ async def test_no_leak_after_finished_aborted_and_failed_requests_with_the_cache
     def failing_check(req, token):  # one request fails while decoding, the others go on
         if req.rid == "boom" and len(req.output_ids) == 2:
             raise RuntimeError("injected failure")
+        if req.rid.startswith("ab"):
+            # At least 30 ms a token: the aborted requests are still running a second in
+            # however fast the machine decodes (60 tokens take 1.8 s or more).
+            time.sleep(0.03)
         return check(req, token)
 
     monkeypatch.setattr(sched.stops, "check", failing_check)
