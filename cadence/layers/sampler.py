@@ -254,8 +254,11 @@ def _sample(probs: torch.Tensor, rows: list[SamplingInput]) -> torch.Tensor:
         for i, r in enumerate(rows):
             if r.generator is not None:
                 u[i] = torch.rand(1, dtype=torch.float64, generator=r.generator)
-    u.mul_(cdf[:, -1:])  # in [0, total): the first entry whose cumulative sum exceeds u
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    total = cdf[:, -1:]
+    # u in [0, total) (the product may round up to total): the first entry whose cumulative
+    # sum exceeds u is then always one of positive probability.
+    u = torch.minimum(u.mul_(total), torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
 def _logprob_info(logits: torch.Tensor, next_ids: torch.Tensor, rows: list[SamplingInput]):
