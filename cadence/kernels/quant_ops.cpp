@@ -637,11 +637,24 @@ void tile_gemm(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_t
   }
 }
 
+// Calls run(std::integral_constant<int, MB>, m0) over rows [0, m_total) in blocks of at most
+// 4 rows: the 1-4 row loops keep one accumulator per row and tile in registers.
+template <typename Run>
+inline void for_row_blocks(int64_t m_total, Run&& run) {
+  int64_t m0 = 0;
+  for (; m_total - m0 >= 4; m0 += 4) run(std::integral_constant<int, 4>(), m0);
+  switch (m_total - m0) {
+    case 3: run(std::integral_constant<int, 3>(), m0); break;
+    case 2: run(std::integral_constant<int, 2>(), m0); break;
+    case 1: run(std::integral_constant<int, 1>(), m0); break;
+    default: break;
+  }
+}
+
 template <int64_t QT, typename T>
 void tile_avx2(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total, const float* bias, T* out,
                int64_t out_stride, int64_t valid) {
-  int64_t m0 = 0;
-  auto run = [&](auto mb) {
+  for_row_blocks(m_total, [&](auto mb, int64_t m0) {
     constexpr int MB = decltype(mb)::value;
     __m256 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
@@ -651,15 +664,7 @@ void tile_avx2(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_t
       _mm256_store_ps(v, acc[m]);
       store_tile(v, bias, out + (m0 + m) * out_stride, valid);
     }
-    m0 += MB;
-  };
-  while (m_total - m0 >= 4) run(std::integral_constant<int, 4>());
-  switch (m_total - m0) {
-    case 3: run(std::integral_constant<int, 3>()); break;
-    case 2: run(std::integral_constant<int, 2>()); break;
-    case 1: run(std::integral_constant<int, 1>()); break;
-    default: break;
-  }
+  });
 }
 
 #if defined(__AVX512F__)
@@ -761,8 +766,7 @@ inline void tile_pair_block(const Packed& pk, const uint8_t* tile, const Acts& a
 template <int64_t QT, typename T>
 void tile_pair_512(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total, const float* bias, T* out,
                    int64_t out_stride, int64_t valid, int64_t valid_next) {
-  int64_t m0 = 0;
-  auto run = [&](auto mb) {
+  for_row_blocks(m_total, [&](auto mb, int64_t m0) {
     constexpr int MB = decltype(mb)::value;
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
@@ -773,15 +777,7 @@ void tile_pair_512(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t
       store_tile(v, bias, out + (m0 + m) * out_stride, valid);
       store_tile(v + kRows, bias ? bias + kRows : nullptr, out + (m0 + m) * out_stride + kRows, valid_next);
     }
-    m0 += MB;
-  };
-  while (m_total - m0 >= 4) run(std::integral_constant<int, 4>());
-  switch (m_total - m0) {
-    case 3: run(std::integral_constant<int, 3>()); break;
-    case 2: run(std::integral_constant<int, 2>()); break;
-    case 1: run(std::integral_constant<int, 1>()); break;
-    default: break;
-  }
+  });
 }
 #endif
 
