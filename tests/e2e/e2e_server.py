@@ -9,7 +9,6 @@ reparented to. No psutil.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import glob
 import json
@@ -83,9 +82,18 @@ def child_pids(pid: int) -> list[int]:
     return kids
 
 
-def _stop_with_parent() -> None:
-    """In the server, before exec: SIGTERM it if the test run dies, so nothing outlives pytest."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# Runs first in a launched server's process, then execs the server: SIGTERM comes to it when
+# the test run dies (PR_SET_PDEATHSIG outlives exec), so nothing outlives pytest. Not a
+# `preexec_fn`: that makes subprocess fork() the whole pytest process, whose gRPC channels'
+# fork handlers then run and can deadlock it with the GIL held, where no test timeout fires.
+# Without one, subprocess starts the child with vfork and no fork handlers run.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('the test run ended before the server started')\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
@@ -128,6 +136,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.health_history, self.early_responses = [], {}
         cmd = [
+            *(sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid())),
             sys.executable,
             "-m",
             "cadence.launch_server",
@@ -156,7 +165,6 @@ class Server:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 env=env,
-                preexec_fn=_stop_with_parent,
             )
         self.started_at = time.monotonic()
         threading.Thread(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 import types
@@ -109,27 +110,50 @@ def test_a_whitelist_leaves_a_failing_plugin_out(plugins, monkeypatch):
     assert load_plugins() == ["a"]
 
 
-def test_a_forked_child_loads_again_and_registers_each_hook_once(plugins):
-    module, _ = plugins
-    load_plugins()
-    reader, writer = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report what loading did here, then leave without pytest's cleanup
-        try:
-            names = load_plugins()
-            report = {
-                "names": names,
-                "calls": module.calls,
-                "result": module.target(1),
-                "pid": os.getpid(),
-            }
-        except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
-            report = {"error": repr(e)}
-        os.write(writer, json.dumps(report).encode())
-        os._exit(0)
-    os.close(writer)
-    with os.fdopen(reader) as f:
-        report = json.loads(f.read())
-    os.waitpid(pid, 0)
-    assert report == {"names": ["a", "b"], "calls": ["a", "b", "a", "b"], "result": 20, "pid": pid}
-    assert module.calls == ["a", "b"]  # the parent did not load again
+# Run in a fresh interpreter: fork() in the pytest process, which holds gRPC channels from
+# other tests, runs gRPC's fork handlers there and can deadlock the whole run.
+FORK_SCRIPT = """
+import json, os, sys, textwrap, types
+from importlib.metadata import EntryPoint
+from cadence.plugins import load_plugins, loader
+
+module = types.ModuleType(sys.argv[1])
+sys.modules[sys.argv[1]] = module
+exec(textwrap.dedent(sys.argv[2]), module.__dict__)
+eps = [EntryPoint(n, f"{sys.argv[1]}:register_{n}", loader.PLUGIN_GROUP) for n in ("a", "b")]
+loader.entry_points = lambda group: [e for e in eps if e.group == group]
+load_plugins()
+reader, writer = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child: report what loading did here
+    try:
+        names = load_plugins()
+        report = {
+            "names": names, "calls": module.calls, "result": module.target(1), "pid": os.getpid()
+        }
+    except BaseException as e:
+        report = {"error": repr(e)}
+    os.write(writer, json.dumps(report).encode())
+    os._exit(0)
+os.close(writer)
+with os.fdopen(reader) as f:
+    child = json.loads(f.read())
+os.waitpid(pid, 0)
+print(json.dumps({"child": child, "pid": pid, "parent_calls": module.calls}))
+"""
+
+
+def test_a_forked_child_loads_again_and_registers_each_hook_once():
+    env = {k: v for k, v in os.environ.items() if k != "CADENCE_PLUGINS"}
+    out = subprocess.run(
+        [sys.executable, "-c", FORK_SCRIPT, MODULE, SOURCE],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    ).stdout
+    report = json.loads(out.splitlines()[-1])
+    child = {"names": ["a", "b"], "calls": ["a", "b", "a", "b"], "result": 20, "pid": report["pid"]}
+    assert report["child"] == child
+    assert report["parent_calls"] == ["a", "b"]  # the parent did not load again
