@@ -8,17 +8,22 @@ as fast as the server can move them. Never a server flag: it exists only where
 `CADENCE_PLUGINS=zero_cost` and this module's entry point are installed (`plugin_env`).
 
 Tokens cycle through `CYCLE` (ordinary word pieces, never an end-of-sequence token), by
-position, so two requests with the same prompt length get the same text.
+position, so two requests with the same prompt length get the same text. A step holding a
+request whose rid starts with `PACED_PREFIX` takes `PACED_STEP_S` (tests that need a known,
+unhurried token pace, whatever else the machine is doing).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 from cadence.plugins import HookType, plugin_hook
 
 CYCLE = list(range(300, 364))  # 64 ordinary tokens of the SmolLM2 vocabulary
+PACED_PREFIX = "paced-"
+PACED_STEP_S = 0.05
 
 
 def register() -> None:
@@ -28,6 +33,8 @@ def register() -> None:
     @plugin_hook("cadence.model_executor.model_runner.ModelRunner", type=HookType.REPLACE)
     class ZeroCostRunner(ModelRunner):
         def run(self, batch):
+            if any(item.rid.startswith(PACED_PREFIX) for item in batch.items):
+                time.sleep(PACED_STEP_S)
             results = []
             for item in batch.items:
                 result = ItemResult()
