@@ -6,6 +6,10 @@ run would sit until CI's own limit, printing nothing. A separate process therefo
 SIGABRT to pytest after SUITE_LIMIT_S: faulthandler, which pytest enables, prints every
 thread's stack from its signal handler (no GIL needed) and the run ends. The servers the
 tests launched die with it (they are SIGTERMed when their parent dies).
+
+The pytest process must not fork() once gRPC is loaded in it: gRPC's fork handlers then run
+there and can deadlock it in just that way. A test that forks it (os.fork, a `fork`
+multiprocessing context, subprocess with a preexec_fn) fails, with where the fork came from.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import os
 import signal
 import subprocess
 import sys
+import traceback
+
+import pytest
 
 # The full suite takes ~11 minutes on two cores; CI allows 90 for install and tests together.
 SUITE_LIMIT_S = 45 * 60
@@ -31,6 +38,24 @@ os.kill(pid, signal.SIGABRT)
 """
 
 _watchdog: subprocess.Popen | None = None
+_forks: list[str] = []  # where the pytest process forked with gRPC loaded
+
+
+def _before_fork() -> None:
+    if "grpc" in sys.modules:
+        _forks.append("".join(traceback.format_stack(limit=12)[:-1]))
+
+
+os.register_at_fork(before=_before_fork)
+
+
+@pytest.fixture(autouse=True)
+def _no_fork_with_grpc():
+    yield
+    if _forks:
+        where = _forks[0]
+        _forks.clear()
+        pytest.fail(f"this test forked the pytest process with gRPC loaded, from:\n{where}")
 
 
 def pytest_sessionstart(session):
