@@ -82,9 +82,9 @@ def main() -> int:
     res: dict = {"device": torch.cuda.get_device_name(0), "platform": current_platform.name}
     log(f"platform {res['platform']} on {res['device']}")
     cmd = [sys.executable, __file__, "--cpu-child", "--model-path", args.model_path]
-    cmd += ["--grammar-backend", args.grammar_backend]
+    cmd += ["--grammar-backend", args.grammar_backend] + ["--dequantize"] * args.dequantize
     cpu = subprocess.Popen(
-        cmd + (["--dequantize"] if args.dequantize else []),
+        cmd,
         stdout=subprocess.PIPE,
         text=True,
         env=dict(os.environ, CADENCE_PLATFORM="cpu"),
