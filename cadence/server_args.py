@@ -116,8 +116,8 @@ class ServerArgs:
     """Seconds the server waits for a keepalive ping's answer before closing the connection."""
     grpc_min_ping_interval_s: float = 5.0
     """Shortest interval between client pings the gRPC server accepts, even with no call or no data in flight (e.g. during a long prefill); faster pings count as abuse (too_many_pings)."""
-    grpc_max_message_mb: int = 256
-    """Largest gRPC message, in MiB, received or sent."""
+    grpc_max_message_mb: int = 16
+    """Largest gRPC message a client may send, in MiB: a larger one is refused with RESOURCE_EXHAUSTED before it is decoded (a 1M-token input_ids takes about 3 MiB). The server's own messages may be up to 256 MiB, or this if larger."""
     grpc_max_concurrent_requests: int | None = None
     """Most gRPC generation calls in flight (generate, embed, OpenAI pass-through); more get RESOURCE_EXHAUSTED. Default: --max-running-requests + --max-queued-requests."""
     grpc_stream_buffer: int = 256

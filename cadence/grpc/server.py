@@ -39,11 +39,19 @@ _OPEN_METHODS = (f"/{SERVICE_NAME}/HealthCheck", f"/{SCHEDULER_SERVICE_NAME}/Hea
 _OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
+# What the server sends is bounded by what a request may ask for (a batch of embeddings, the
+# logprobs of a long generation, the ids and echoed text of a tokenized document), not by
+# the size of the request: an answer may be many times larger than its request.
+MAX_SEND_MESSAGE_MB = 256
+
+
 def server_options(args: ServerArgs) -> list[tuple[str, int]]:
-    max_bytes = args.grpc_max_message_mb * 1024 * 1024
+    max_receive = args.grpc_max_message_mb * 1024 * 1024
+    max_send = max(args.grpc_max_message_mb, MAX_SEND_MESSAGE_MB) * 1024 * 1024
     return [
-        ("grpc.max_receive_message_length", max_bytes),
-        ("grpc.max_send_message_length", max_bytes),
+        # grpcio refuses a larger message from its length prefix, before it is decoded.
+        ("grpc.max_receive_message_length", max_receive),
+        ("grpc.max_send_message_length", max_send),
         ("grpc.keepalive_time_ms", int(args.grpc_keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(args.grpc_keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),

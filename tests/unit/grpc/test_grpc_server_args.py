@@ -57,15 +57,20 @@ def test_server_options_carry_the_flags():
             )
         )
     )
-    assert (
-        opts["grpc.max_receive_message_length"]
-        == opts["grpc.max_send_message_length"]
-        == 8 * 1024 * 1024
-    )
+    assert opts["grpc.max_receive_message_length"] == 8 * 1024 * 1024
     assert opts["grpc.http2.min_ping_interval_without_data_ms"] == 2500
     assert opts["grpc.keepalive_permit_without_calls"] == 1
     assert (opts["grpc.keepalive_time_ms"], opts["grpc.keepalive_timeout_ms"]) == (30000, 5000)
     assert opts["grpc.so_reuseport"] == 0
-    assert (
-        dict(server_options(ServerArgs()))["grpc.max_receive_message_length"] == 256 * 1024 * 1024
-    )
+
+
+def test_the_default_receive_limit_is_far_below_the_send_limit():
+    """A client's message is refused past 16 MiB (a 1M-token input_ids is ~3 MiB); answers,
+    bounded by what a request may ask for, may be larger than the request."""
+    from cadence.grpc.server import server_options
+
+    opts = dict(server_options(ServerArgs()))
+    assert opts["grpc.max_receive_message_length"] == 16 * 1024 * 1024
+    assert opts["grpc.max_send_message_length"] == 256 * 1024 * 1024
+    large = dict(server_options(ServerArgs(grpc_max_message_mb=512)))
+    assert large["grpc.max_send_message_length"] == large["grpc.max_receive_message_length"]
