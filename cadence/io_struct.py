@@ -370,11 +370,13 @@ class BatchEmbeddingOutput(_Message, kw_only=True):
 # -- control -------------------------------------------------------------------------------
 #
 # Every control request carries the asking front's address, so the answer reaches it when
-# several front processes share one scheduler; the answer carries it back.
+# several front processes share one scheduler, and an id of its own (`cid`), so the answer
+# finds the one caller that waits for it; the answer carries both back.
 
 
 class _ControlMessage(_Message, kw_only=True):
     http_worker_ipc: str | None = None  # ZMQ address of the asking front process
+    cid: str | None = None  # the control request's id (set by the front); its answer echoes it
 
 
 class AbortReq(_ControlMessage, kw_only=True):

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict, deque
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from cadence.errors import InvalidParameter, RequestError
+import msgspec
+
+from cadence.errors import CadenceError, InvalidParameter, RequestError
 from cadence.front.embedding import EmbeddingManager
 from cadence.front.engine_client import EngineClient, ModelInfo
 from cadence.front.request_checks import RequestOptions
@@ -66,8 +68,10 @@ class FrontClient(EngineClient):
             request_timeout_s=request_timeout_s,
             rid_in_use=self.tm.states.__contains__,
         )
-        self._waiters: dict[type, deque[asyncio.Future]] = defaultdict(deque)
-        self._control_lock: dict[type, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # The callers waiting for a control answer, by the id (`cid`) their request carried:
+        # an answer finds its own caller whatever the order answers come in, and a request
+        # that never left takes no one's answer.
+        self._control_waiters: dict[str, asyncio.Future] = {}
         self._is_paused = False
         # With several front processes (--api-workers), a flag in shared memory: a pause
         # through one front holds new generations on every front.
@@ -91,13 +95,11 @@ class FrontClient(EngineClient):
         if isinstance(msg, BatchEmbeddingOutput):
             self.embeds.handle_output(msg)
             return
-        waiters = self._waiters.get(type(msg))
-        if waiters:
-            fut = waiters.popleft()
-            if not fut.done():
-                fut.set_result(msg)
-        else:
-            logger.warning("unexpected %s from the scheduler", type(msg).__name__)
+        fut = self._control_waiters.pop(getattr(msg, "cid", None) or "", None)
+        if fut is None:  # its caller gave up (timed out, disconnected) before it came
+            logger.warning("a %s no caller waits for any more", type(msg).__name__)
+        elif not fut.done():
+            fut.set_result(msg)
 
     # ---- EngineClient -------------------------------------------------------------------------
 
@@ -136,21 +138,36 @@ class FrontClient(EngineClient):
             self._is_paused = isinstance(msg, PauseGenerationReqInput)
             if self.shared_pause is not None:
                 self.shared_pause.value = self._is_paused
-        reply_type = REPLY_TYPES.get(type(msg))
-        if reply_type is None:
-            self.send(msg)
+        if type(msg) not in REPLY_TYPES:
+            self._send_control(msg)
             return None
-        async with self._control_lock[reply_type]:  # one at a time per kind: answers come in order
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters[reply_type].append(fut)
+        msg.cid = uuid.uuid4().hex
+        fut = asyncio.get_running_loop().create_future()
+        self._control_waiters[msg.cid] = fut
+        try:
+            self._send_control(msg)
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise RequestError(
+                503, f"the scheduler did not answer {type(msg).__name__} in {timeout:.0f}s"
+            ) from None
+        finally:  # answered, failed to send, timed out or cancelled: no waiter stays behind
+            self._control_waiters.pop(msg.cid, None)
+
+    def _send_control(self, msg) -> None:
+        """Sends a control message; one that cannot be sent fails its caller at once."""
+        try:
             self.send(msg)
-            try:
-                return await asyncio.wait_for(fut, timeout)
-            except TimeoutError:
-                self._waiters[reply_type].remove(fut)
-                raise RequestError(
-                    503, f"the scheduler did not answer {type(msg).__name__} in {timeout:.0f}s"
-                ) from None
+        except CadenceError:
+            raise
+        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
+            # A value the codec cannot carry (the edge checks should have refused it first):
+            # this request's fault, and the server is unharmed.
+            raise RequestError(
+                500,
+                f"{type(msg).__name__} could not be sent to the scheduler: {type(e).__name__}: {e}",
+                is_request_fault=True,
+            ) from e
 
     @property
     def is_paused(self) -> bool:
@@ -170,3 +187,7 @@ class FrontClient(EngineClient):
     def end_all(self, message: str, status: int = 503) -> None:
         self.tm.end_all(message, status)
         self.embeds.end_all(message, status)
+        waiters, self._control_waiters = self._control_waiters, {}
+        for fut in waiters.values():  # the scheduler will not answer them either
+            if not fut.done():
+                fut.set_exception(RequestError(status, message))

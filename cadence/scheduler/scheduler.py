@@ -187,8 +187,9 @@ class Scheduler:
                 reply = REPLY_TYPES[type(msg)](
                     success=False, message=f"internal error: {type(e).__name__}: {e}"
                 )
-        if reply is not None:
+        if reply is not None:  # it goes back to the front that asked, to the caller that asked
             reply.http_worker_ipc = msg.http_worker_ipc
+            reply.cid = msg.cid
         return reply
 
     def _on_generate(self, msg: TokenizedGenerateReqInput) -> None:

@@ -267,11 +267,12 @@ def test_a_request_that_cannot_be_seeded_fails_alone():
 
 def test_control_messages_through_one_table(tmp_path):
     s, runner, alloc = make(num_pages=32, tmp_path=tmp_path)
-    reply = s.handle(FlushCacheReqInput(http_worker_ipc="front-0"))
+    reply = s.handle(FlushCacheReqInput(http_worker_ipc="front-0", cid="c1"))
     assert (
         isinstance(reply, FlushCacheReqOutput)
         and reply.success
         and reply.http_worker_ipc == "front-0"
+        and reply.cid == "c1"  # the answer finds the caller that asked
     )
     s.handle(request("a", max_new=50))
     s.step()
@@ -322,8 +323,9 @@ def test_control_messages_through_one_table(tmp_path):
 
 def test_a_control_message_that_fails_is_answered_not_raised(tmp_path):
     s, runner, alloc = make(tmp_path=tmp_path)
-    out = s.handle(ProfileReq(action="start", output_dir="../escape"))
+    out = s.handle(ProfileReq(action="start", output_dir="../escape", cid="c2"))
     assert isinstance(out, ProfileReqOutput) and not out.success and "internal error" in out.message
+    assert out.cid == "c2"
     assert s.handle(object()) is None  # not a message: logged and dropped
 
 
