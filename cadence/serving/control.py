@@ -1,8 +1,9 @@
 """The bodies of the control routes (abort, pause, profile, weight update), checked at the edge.
 
 Each is a typed struct: a wrong type, a wrong JSON shape (an array or a string where an
-object belongs), an unknown enum value or a non-boolean boolean is an `InvalidParameter`
-naming the field, so nothing malformed reaches the scheduler. Fields that SGLang's routes
+object belongs), an unknown enum value, a non-boolean boolean or an integer outside its
+range is an `InvalidParameter` naming the field, so nothing malformed reaches the scheduler
+(an integer the message codec cannot carry, above 2^64, would otherwise fail on the way). Fields that SGLang's routes
 take and this server does not use are accepted and ignored, like any unknown field.
 """
 
@@ -47,15 +48,18 @@ class OpenSessionBody(_Body, kw_only=True):
     streaming: bool = False  # every request appends to the session's latest one
     timeout: float | None = None  # idle seconds before the server closes it
 
-    def __post_init__(self) -> None:
-        if self.session_id is not None and not 0 < len(self.session_id) <= 256:
-            raise InvalidParameter("session_id", "session_id must be 1 to 256 characters")
-        if self.timeout is not None and not 0 < self.timeout <= 7 * 86400:
-            raise InvalidParameter("timeout", "timeout must be in (0, 604800] seconds")
-
 
 class CloseSessionBody(_Body, kw_only=True):
     session_id: str
+
+
+INT64_MAX = 2**63 - 1
+# The range of every integer field of a control body, by name; one not listed here may
+# still be no larger than a signed 64-bit integer.
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "capacity_of_str_len": (0, INT64_MAX),
+    "num_steps": (1, INT64_MAX),
+}
 
 
 def parse(cls: type, body: Any):
@@ -81,11 +85,34 @@ def parse(cls: type, body: Any):
         raise InvalidParameter("rid", "give either a rid (string) or abort_all: true")
     if isinstance(obj, AbortBody) and obj.rid is not None and not obj.rid:
         raise InvalidParameter("rid", "rid must not be empty")
+    for name in obj.__struct_fields__:
+        check_int_range(name, getattr(obj, name))
     if isinstance(obj, ProfileBody):
         check_profile_name(obj.output_dir)
-        if obj.num_steps is not None and obj.num_steps < 1:
-            raise InvalidParameter("num_steps", f"num_steps must be >= 1, got {obj.num_steps}")
+    if isinstance(obj, OpenSessionBody):  # here, not in __post_init__: msgspec would drop `param`
+        if obj.session_id is not None and not 0 < len(obj.session_id) <= 256:
+            raise InvalidParameter("session_id", "session_id must be 1 to 256 characters")
+        if obj.timeout is not None and not 0 < obj.timeout <= 7 * 86400:
+            raise InvalidParameter("timeout", "timeout must be in (0, 604800] seconds")
     return obj
+
+
+def check_int_range(name: str, value: Any) -> None:
+    """An integer field inside its range (`INT_RANGES`, else a signed 64-bit integer)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return
+    low, high = INT_RANGES.get(name, (-INT64_MAX - 1, INT64_MAX))
+    if not low <= value <= high:
+        # str() of a huge integer is slow, then refused (Python's int_max_str_digits)
+        bits = value.bit_length()
+        shown = str(value) if bits <= 100 else f"a number of about {int(bits * 0.30103) + 1} digits"
+        raise InvalidParameter(
+            name, f"{name} must be an integer in [{_bound(low)}, {_bound(high)}], got {shown}"
+        )
+
+
+def _bound(value: int) -> str:
+    return {INT64_MAX: "2^63-1", -INT64_MAX - 1: "-2^63"}.get(value, str(value))
 
 
 def check_pause_mode(mode: Any) -> str:

@@ -27,6 +27,14 @@ from cadence.serving import control
         (control.ProfileBody, {"output_dir": "x\x00"}, "output_dir"),
         (control.ProfileBody, {"num_steps": 0}, "num_steps"),
         (control.ProfileBody, {"num_steps": True}, "num_steps"),
+        (control.ProfileBody, {"num_steps": 10**23}, "num_steps"),
+        (control.ProfileBody, {"num_steps": 2**63}, "num_steps"),
+        (control.OpenSessionBody, {"capacity_of_str_len": 10**23}, "capacity_of_str_len"),
+        (control.OpenSessionBody, {"capacity_of_str_len": -(10**23)}, "capacity_of_str_len"),
+        (control.OpenSessionBody, {"capacity_of_str_len": -1}, "capacity_of_str_len"),
+        (control.OpenSessionBody, {"timeout": 10**30}, "timeout"),
+        (control.OpenSessionBody, {"timeout": 0}, "timeout"),
+        (control.OpenSessionBody, {"session_id": ""}, "session_id"),
         (control.UpdateWeightsBody, {}, "model_path"),
         (control.UpdateWeightsBody, {"model_path": 3}, "model_path"),
         (control.UpdateWeightsBody, {"model_path": "m", "load_format": []}, "load_format"),
@@ -48,3 +56,17 @@ def test_good_bodies_parse_and_unknown_fields_are_ignored():
     )
     assert (body.output_dir, body.num_steps) == ("run-1", 3)
     assert control.parse(control.UpdateWeightsBody, {"model_path": "/m.gguf"}).load_format is None
+
+
+def test_integers_at_the_edge_of_their_range_are_accepted():
+    top = 2**63 - 1
+    assert control.parse(control.ProfileBody, {"num_steps": top}).num_steps == top
+    body = control.parse(control.OpenSessionBody, {"capacity_of_str_len": top})
+    assert body.capacity_of_str_len == top
+
+
+def test_an_out_of_range_integer_is_named_not_printed_whole():
+    with pytest.raises(InvalidParameter) as e:
+        control.parse(control.OpenSessionBody, {"capacity_of_str_len": 10**5000})
+    assert "capacity_of_str_len must be an integer in [0, 2^63-1]" in str(e.value)
+    assert "about 5001 digits" in str(e.value) and len(str(e.value)) < 200
