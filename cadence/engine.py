@@ -330,8 +330,19 @@ class Engine:
     def get_load(self):
         return self.control(GetLoadReqInput())
 
-    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None):
-        return self.control(ProfileReq(action="start", output_dir=output_dir, num_steps=num_steps))
+    def start_profile(
+        self,
+        output_dir: str | None = None,
+        num_steps: int | None = None,
+        start_step: int | None = None,
+    ):
+        """Starts the torch profiler, after `start_step` forward steps when given; it stops
+        by itself after `num_steps` profiled steps when given, else at `stop_profile`."""
+        return self.control(
+            ProfileReq(
+                action="start", output_dir=output_dir, num_steps=num_steps, start_step=start_step
+            )
+        )
 
     def stop_profile(self):
         return self.control(ProfileReq(action="stop"))

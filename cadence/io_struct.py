@@ -475,6 +475,7 @@ class ProfileReq(_ControlMessage, kw_only=True):
     action: Literal["start", "stop"]
     output_dir: str | None = None  # where traces go; None: the server's default
     num_steps: int | None = None  # stop by itself after this many forward steps
+    start_step: int | None = None  # start only after this many forward steps (None, 0: now)
 
     def __post_init__(self) -> None:
         if self.action not in ("start", "stop"):

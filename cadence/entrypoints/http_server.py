@@ -368,7 +368,12 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     async def start_profile(request: Request):
         body = control.parse(control.ProfileBody, await read_json(request))
         out = await client().control(
-            ProfileReq(action="start", output_dir=body.output_dir, num_steps=body.num_steps)
+            ProfileReq(
+                action="start",
+                output_dir=body.output_dir,
+                num_steps=body.num_steps,
+                start_step=body.start_step,
+            )
         )
         return json_response(
             {"success": out.success, "message": out.message}, 200 if out.success else 400

@@ -379,20 +379,20 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
 
     @rpc
     async def StartProfile(self, request, context):
-        """Starts the torch profiler; traces go under the server's --profile-dir (a client
-        names a subdirectory at most). activities, with_stack, record_shapes and
-        profile_by_stage are the profiler's own choice here and are ignored."""
+        """Starts the torch profiler, after start_step forward steps when given; traces go
+        under the server's --profile-dir (a client names a subdirectory at most).
+        activities, with_stack, record_shapes and profile_by_stage are the profiler's own
+        choice here and are ignored."""
         output_dir = request.output_dir if request.HasField("output_dir") else None
         control.check_profile_name(output_dir)
-        if request.HasField("start_step"):
-            raise InvalidParameter(
-                "start_step", "start_step: profiling starts at once here; leave it unset"
-            )
         num_steps = request.num_steps if request.HasField("num_steps") else None
-        if num_steps is not None and num_steps < 1:
-            raise InvalidParameter("num_steps", f"num_steps must be >= 1, got {num_steps}")
+        start_step = request.start_step if request.HasField("start_step") else None
+        control.check_int_range("num_steps", num_steps)
+        control.check_int_range("start_step", start_step)
         out = await self._client().control(
-            ProfileReq(action="start", output_dir=output_dir, num_steps=num_steps)
+            ProfileReq(
+                action="start", output_dir=output_dir, num_steps=num_steps, start_step=start_step
+            )
         )
         return common.ProfileResponse(
             success=out.success, message=out.message or "profiling started"

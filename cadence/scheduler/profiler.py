@@ -2,14 +2,19 @@
 
 Traces go only under the operator's --profile-dir: a request may name one plain
 subdirectory of it (the front checked the name; a path that leaves the directory is refused
-here too). With `num_steps`, the profile stops by itself after that many forward steps.
+here too). With `start_step`, the profile is armed and starts once that many forward steps
+have run (SGLang's warm-up skip); with `num_steps`, it stops by itself after that many
+profiled steps.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
 
 
 class Profiler:
@@ -19,24 +24,41 @@ class Profiler:
         self._profile = None  # the running torch.profiler.profile
         self._dir = ""
         self._steps_left: int | None = None
+        self._steps_to_start: int | None = None  # armed: forward steps before it starts
 
     @property
     def is_running(self) -> bool:
         return self._profile is not None
 
-    def start(self, name: str | None, num_steps: int | None) -> tuple[bool, str]:
-        import torch
+    @property
+    def is_armed(self) -> bool:
+        return self._steps_to_start is not None
 
-        if self._profile is not None:
-            return False, "a profile is already running"
+    def start(
+        self, name: str | None, num_steps: int | None, start_step: int | None = None
+    ) -> tuple[bool, str]:
+        if self._profile is not None or self.is_armed:
+            return False, "a profile is already running (or armed to start); stop it first"
         self._dir = self._directory(name)
         os.makedirs(self._dir, mode=0o700, exist_ok=True)
-        self._profile = torch.profiler.profile(activities=self.activities())
-        self._profile.__enter__()
         self._steps_left = num_steps
+        if start_step:
+            self._steps_to_start = start_step
+            return True, f"profiling into {self._dir} after {start_step} forward steps"
+        self._begin()
         return True, f"profiling into {self._dir}"
 
+    def _begin(self) -> None:
+        import torch
+
+        self._steps_to_start = None
+        self._profile = torch.profiler.profile(activities=self.activities())
+        self._profile.__enter__()
+
     def stop(self) -> tuple[bool, str]:
+        if self.is_armed:  # stopped before its first step: nothing was recorded
+            self._steps_to_start = self._steps_left = None
+            return True, "the profile was stopped before it started; no trace was written"
         if self._profile is None:
             return False, "no profile is running; start one first"
         profile, self._profile, self._steps_left = self._profile, None, None
@@ -46,8 +68,17 @@ class Profiler:
         return True, path
 
     def on_step(self) -> None:
-        """A forward step ran: count it against num_steps."""
-        if self._steps_left is not None:
+        """A forward step ran: count it against start_step, or against num_steps."""
+        if self._steps_to_start is not None:
+            self._steps_to_start -= 1
+            if self._steps_to_start <= 0:
+                try:
+                    self._begin()
+                except Exception:  # the profiler's failure must not fail the step's requests
+                    logger.exception("the armed profile could not start")
+                    self._steps_to_start = self._steps_left = None
+            return
+        if self._profile is not None and self._steps_left is not None:
             self._steps_left -= 1
             if self._steps_left <= 0:
                 self.stop()

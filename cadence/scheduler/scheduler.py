@@ -253,7 +253,7 @@ class Scheduler:
 
     def _on_profile(self, msg: ProfileReq) -> ProfileReqOutput:
         if msg.action == "start":
-            ok, message = self.profiler.start(msg.output_dir, msg.num_steps)
+            ok, message = self.profiler.start(msg.output_dir, msg.num_steps, msg.start_step)
         else:
             ok, message = self.profiler.stop()
         return ProfileReqOutput(success=ok, message=message)

@@ -35,6 +35,7 @@ class ProfileBody(_Body, kw_only=True):
     # A name for the trace's subdirectory under the server's --profile-dir (never a path).
     output_dir: str | None = None
     num_steps: int | None = None  # stop by itself after this many forward steps (>= 1)
+    start_step: int | None = None  # start after this many forward steps (>= 0; 0: at once)
 
 
 class UpdateWeightsBody(_Body, kw_only=True):
@@ -59,6 +60,7 @@ INT64_MAX = 2**63 - 1
 INT_RANGES: dict[str, tuple[int, int]] = {
     "capacity_of_str_len": (0, INT64_MAX),
     "num_steps": (1, INT64_MAX),
+    "start_step": (0, INT64_MAX),
 }
 
 

@@ -272,6 +272,20 @@ async def test_profile_output_dir_must_be_a_plain_name():
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+async def test_profile_start_step_is_passed_on_and_a_negative_one_refused():
+    client = ScriptedClient([])
+    svc = servicer(client)
+    request = common.StartProfileRequest(start_step=3, num_steps=2)
+    assert (await svc.StartProfile(request, Context())).success
+    assert (client.controls[-1].start_step, client.controls[-1].num_steps) == (3, 2)
+    for field, value in [("start_step", -1), ("num_steps", 0)]:
+        context = Context()
+        with pytest.raises(Aborted):
+            await svc.StartProfile(common.StartProfileRequest(**{field: value}), context)
+        assert context.code == grpc.StatusCode.INVALID_ARGUMENT and field in context.details
+    assert len(client.controls) == 1  # the refused ones never reached the scheduler
+
+
 async def test_get_tokenizer_streams_a_zip_whose_last_chunk_carries_its_sha256(tmp_path):
     vocab = os.urandom(200_000)  # incompressible: several 64 KiB chunks
     (tmp_path / "tokenizer.json").write_bytes(vocab)

@@ -329,6 +329,27 @@ def test_a_control_message_that_fails_is_answered_not_raised(tmp_path):
     assert s.handle(object()) is None  # not a message: logged and dropped
 
 
+def test_a_profile_with_start_step_starts_after_that_many_steps(tmp_path):
+    s, runner, alloc = make(num_pages=32, tmp_path=tmp_path)
+    started = s.handle(ProfileReq(action="start", output_dir="late", start_step=2, num_steps=1))
+    assert started.success and "after 2 forward steps" in started.message
+    assert not s.handle(ProfileReq(action="start")).success  # armed counts as running
+    s.handle(request("a", max_new=8))
+    s.step()
+    assert not s.profiler.is_running and s.profiler.is_armed
+    s.step()
+    assert s.profiler.is_running  # two steps skipped: it runs from the third one on
+    s.step()
+    assert not s.profiler.is_running and list((tmp_path / "late").iterdir())  # num_steps=1
+    run_until_idle(s)
+    # Armed, then stopped before its first step: nothing recorded, nothing left armed.
+    assert s.handle(ProfileReq(action="start", output_dir="never", start_step=5)).success
+    stopped = s.handle(ProfileReq(action="stop"))
+    assert stopped.success and "before it started" in stopped.message
+    assert not s.profiler.is_armed and not list((tmp_path / "never").iterdir())
+    assert_pool_full(s, alloc)
+
+
 def order_of_admission(flags, priorities):
     s, runner, alloc = make(num_pages=3, max_running=1, **flags)  # one request at a time
     s.handle(request("first", max_new=1))

@@ -29,6 +29,9 @@ from cadence.serving import control
         (control.ProfileBody, {"num_steps": True}, "num_steps"),
         (control.ProfileBody, {"num_steps": 10**23}, "num_steps"),
         (control.ProfileBody, {"num_steps": 2**63}, "num_steps"),
+        (control.ProfileBody, {"start_step": -1}, "start_step"),
+        (control.ProfileBody, {"start_step": 10**23}, "start_step"),
+        (control.ProfileBody, {"start_step": 1.5}, "start_step"),
         (control.OpenSessionBody, {"capacity_of_str_len": 10**23}, "capacity_of_str_len"),
         (control.OpenSessionBody, {"capacity_of_str_len": -(10**23)}, "capacity_of_str_len"),
         (control.OpenSessionBody, {"capacity_of_str_len": -1}, "capacity_of_str_len"),
@@ -60,7 +63,7 @@ def test_good_bodies_parse_and_unknown_fields_are_ignored():
 
 def test_integers_at_the_edge_of_their_range_are_accepted():
     top = 2**63 - 1
-    assert control.parse(control.ProfileBody, {"num_steps": top}).num_steps == top
+    assert control.parse(control.ProfileBody, {"num_steps": top, "start_step": 0}).num_steps == top
     body = control.parse(control.OpenSessionBody, {"capacity_of_str_len": top})
     assert body.capacity_of_str_len == top
 
