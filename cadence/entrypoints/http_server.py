@@ -279,11 +279,9 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/loads")
     async def loads(request: Request):
+        rank = native_api.check_dp_rank(request.query_params.get("dp_rank"))
         load = await client().control(GetLoadReqInput())
-        rank = request.query_params.get("dp_rank")
-        if rank is not None and not rank.lstrip("-").isdigit():
-            raise InvalidParameter("dp_rank", f"dp_rank must be an integer, got {rank!r}")
-        entries = native_api.load_entries(load, None if rank is None else int(rank))
+        entries = native_api.load_entries(load, rank)
         if request.query_params.get("format") == "prometheus":
             lines = []
             for e in entries:

@@ -43,7 +43,7 @@ from cadence.grpc.errors import RpcError, rpc
 from cadence.grpc.streams import BacklogWatch
 from cadence.grpc.tokenizer_archive import TokenizerArchive, chunks
 from cadence.io_struct import FlushCacheReqInput, GenerateReqInput, GetLoadReqInput, ProfileReq
-from cadence.serving import control, embedding_serving
+from cadence.serving import control, embedding_serving, native_api
 from cadence.serving.state import ServerState
 from cadence.version import __version__
 
@@ -340,10 +340,11 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
                 "include",
                 f"include: unknown section {unknown[0]!r}; use {', '.join(sorted(LOAD_SECTIONS))}",
             )
+        dp_rank = native_api.check_dp_rank(request.dp_rank if request.HasField("dp_rank") else None)
         load = await self._client().control(GetLoadReqInput())
         loads = [_scheduler_load(load, self.args.max_running_requests, sections)]
-        if request.HasField("dp_rank"):
-            loads = [entry for entry in loads if entry.dp_rank == request.dp_rank]
+        if dp_rank is not None:
+            loads = [entry for entry in loads if entry.dp_rank == dp_rank]
         return pb.GetLoadsResponse(
             timestamp=datetime.now(UTC).isoformat(),
             version=__version__,

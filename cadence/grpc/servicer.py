@@ -283,8 +283,8 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     @rpc
     async def GetLoad(self, request, context):
+        dp_rank = native_api.check_dp_rank(request.dp_rank if request.HasField("dp_rank") else None)
         load = await self._client().control(GetLoadReqInput())
-        dp_rank = request.dp_rank if request.HasField("dp_rank") else None
         return pb.GetLoadResponse(json_info=_json(native_api.load_entries(load, dp_rank)))
 
     # ---- control -----------------------------------------------------------------------

@@ -152,6 +152,29 @@ async def metrics_body(state) -> bytes:
     return metrics.render(load, model)
 
 
+MAX_DP_RANK = 2**31 - 1  # an int32, as gRPC's dp_rank field is
+
+
+def check_dp_rank(value: int | str | None) -> int | None:
+    """A `dp_rank` filter (a query parameter's text, or gRPC's int32) as a rank; anything
+    but a whole number in [0, 2^31-1] is an InvalidParameter naming it."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if not (text.isascii() and text.isdigit() and len(text) <= len(str(MAX_DP_RANK))):
+            raise InvalidParameter(
+                "dp_rank",
+                f"dp_rank must be a whole number from 0 to {MAX_DP_RANK}, got {value[:40]!r}",
+            )
+        value = int(text)
+    if not 0 <= value <= MAX_DP_RANK:
+        raise InvalidParameter(
+            "dp_rank", f"dp_rank must be a whole number from 0 to {MAX_DP_RANK}, got {value}"
+        )
+    return value
+
+
 def load_entries(load, dp_rank: int | None = None) -> list[dict[str, Any]]:
     """The /v1/loads entries (one per data-parallel rank), only rank `dp_rank` when given."""
     entries = [{name: getattr(load, name) for name in LOAD_FIELDS}]

@@ -272,6 +272,15 @@ async def test_profile_output_dir_must_be_a_plain_name():
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+async def test_get_loads_refuses_a_negative_dp_rank_before_asking_the_scheduler():
+    client = ScriptedClient([])
+    context = Context()
+    with pytest.raises(Aborted):
+        await servicer(client).GetLoads(pb.GetLoadsRequest(dp_rank=-1), context)
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "dp_rank" in context.details
+    assert client.controls == []
+
+
 async def test_profile_start_step_is_passed_on_and_a_negative_one_refused():
     client = ScriptedClient([])
     svc = servicer(client)
