@@ -222,15 +222,17 @@ async def _cross_encoder_scores(client: EngineClient, query: str, documents: lis
 
 
 async def _cosine_scores(client: EngineClient, query: str, documents: list[str]):
-    results = await client.embed(EmbeddingReqInput(text=[query, *documents]))
-    q = results[0]["embedding"]
+    # The query goes on its own: --max-embedding-batch counts documents, so a request of
+    # exactly that many must fit (one after the other, the two never exceed it together).
+    q = (await client.embed(EmbeddingReqInput(text=[query])))[0]["embedding"]
+    results = await client.embed(EmbeddingReqInput(text=documents))
     q_norm = math.sqrt(sum(x * x for x in q)) or 1.0
     scores = []
-    for r in results[1:]:
+    for r in results:
         d = r["embedding"]
         d_norm = math.sqrt(sum(x * x for x in d)) or 1.0
         scores.append(max(-1.0, min(1.0, sum(a * b for a, b in zip(q, d)) / (q_norm * d_norm))))
-    return scores, [_meta(r) for r in results[1:]]
+    return scores, [_meta(r) for r in results]
 
 
 def _meta(result: dict) -> dict[str, Any]:

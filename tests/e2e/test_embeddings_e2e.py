@@ -253,6 +253,21 @@ def test_rerank_over_http_sorts_truncates_and_echoes(embedding_server):
     assert [r["index"] for r in bare] == [r["index"] for r in out] and "document" not in bare[0]
 
 
+def test_rerank_takes_exactly_max_embedding_batch_documents_and_refuses_one_more(
+    embedding_server,
+):
+    """The query is not one of the documents: 64 documents fit --max-embedding-batch 64
+    (it was refused as "65 inputs"), 65 are a 400 naming documents."""
+    docs = [f"{SENTENCES[i % len(SENTENCES)]} ({i})" for i in range(65)]
+    url = embedding_server.url + "/v1/rerank"
+    r = httpx.post(url, json={"query": "Berlin", "documents": docs[:64]}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert sorted(e["index"] for e in r.json()) == list(range(64))
+    r = httpx.post(url, json={"query": "Berlin", "documents": docs}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
+    assert "65" in r.json()["error"]["message"]
+
+
 def test_score_over_http_equals_a_transformers_forward_pass(server):
     from transformers import AutoModelForCausalLM
 
