@@ -28,9 +28,31 @@ CAPABILITIES = frozenset(
     }
 )
 
-# Cloud metadata services answer on link-local addresses or on these names; a worker
-# URL pointing there would turn the router into a credential-fetching proxy.
-_METADATA_HOSTS = frozenset({"metadata", "metadata.google.internal", "metadata.goog"})
+# Cloud metadata services answer on link-local addresses (169.254.169.254 and the rest of
+# 169.254/16, fe80::/10), on these well-known addresses outside them, or on these names; a
+# worker URL pointing there would turn the router into a credential-fetching proxy.
+_METADATA_ADDRESSES = frozenset(
+    ipaddress.ip_address(a)
+    for a in (
+        "100.100.100.200",  # Alibaba Cloud
+        "192.0.0.192",  # Oracle Cloud (its older metadata address)
+        "168.63.129.16",  # Azure's platform endpoint (WireServer)
+        "fd00:ec2::254",  # AWS IMDS over IPv6
+        "fd20:ce::254",  # Google Compute Engine over IPv6
+    )
+)
+_METADATA_HOSTS = frozenset(
+    {
+        "metadata",
+        "metadata.google.internal",
+        "metadata.goog",
+        "instance-data",  # AWS
+        "instance-data.ec2.internal",
+        "metadata.tencentyun.com",  # Tencent Cloud
+        "metadata.platformequinix.com",  # Equinix Metal
+    }
+)
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")  # an IPv4 address carried in IPv6 (RFC 6052)
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 # Bounds on what a worker entry may hold: whatever the source (flags, file, admin API),
@@ -245,7 +267,10 @@ def normalize_worker_url(url: str, field: str = "url") -> str:
     if parts.query or parts.fragment:
         raise ValueError(f"{field}: worker URL {url!r} must not have a query or fragment")
     if _is_metadata_host(host):
-        raise ValueError(f"{field}: worker URL {url!r} points at a link-local/metadata address")
+        raise ValueError(
+            f"{field}: worker URL {url!r} points at a link-local or cloud metadata address; "
+            "give the replica's own address"
+        )
     netloc = f"[{host}]" if ":" in host else host
     if port is not None and port != _DEFAULT_PORTS[scheme]:
         netloc = f"{netloc}:{port}"
@@ -253,7 +278,7 @@ def normalize_worker_url(url: str, field: str = "url") -> str:
 
 
 def _is_metadata_host(host: str) -> bool:
-    if host.rstrip(".") in _METADATA_HOSTS:
+    if host.rstrip(".").lower() in _METADATA_HOSTS:
         return True
     try:
         addr = ipaddress.ip_address(host)
@@ -264,9 +289,9 @@ def _is_metadata_host(host: str) -> bool:
     if isinstance(addr, ipaddress.IPv6Address):
         if addr.ipv4_mapped is not None:
             addr = addr.ipv4_mapped
-        elif addr == ipaddress.IPv6Address("fd00:ec2::254"):  # AWS IMDS over IPv6
-            return True
-    return addr.is_link_local
+        elif addr in _NAT64:
+            addr = ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF)
+    return addr.is_link_local or addr in _METADATA_ADDRESSES
 
 
 def _legacy_ipv4(host: str) -> ipaddress.IPv4Address | None:

@@ -53,6 +53,17 @@ def test_worker_urls_are_normalized(raw, normalized):
         ("http://[::ffff:169.254.169.254]", "link-local"),
         ("http://[fd00:ec2::254]", "link-local"),
         ("http://metadata.google.internal", "link-local"),
+        ("http://METADATA.google.internal.", "link-local"),
+        ("http://100.100.100.200/latest/meta-data", "metadata"),  # Alibaba Cloud
+        ("http://1684301000", "metadata"),  # 100.100.100.200 as one number
+        ("http://[::ffff:100.100.100.200]", "metadata"),
+        ("http://[64:ff9b::100.100.100.200]", "metadata"),  # NAT64
+        ("http://[64:ff9b::a9fe:a9fe]", "metadata"),  # 169.254.169.254 through NAT64
+        ("http://192.0.0.192", "metadata"),  # Oracle Cloud
+        ("http://168.63.129.16", "metadata"),  # Azure
+        ("http://[fd20:ce::254]", "metadata"),  # Google Compute Engine over IPv6
+        ("http://instance-data", "metadata"),
+        ("http://metadata.tencentyun.com", "metadata"),
         ("", "non-empty"),
         ("http://example.com/" + "p" * MAX_URL_LENGTH, "the limit is 2048"),
     ],
