@@ -25,6 +25,7 @@ import regex
 
 from cadence.errors import InvalidParameter
 from cadence.io_struct import SamplingParams
+from cadence.json_limits import TooDeep, check_depth
 
 # Stop conditions are checked on every step of a request (the detokenizer compares each
 # stop string's prefixes with the text's tail), so their number and size are bounded.
@@ -190,8 +191,11 @@ def _check_constraints(p: SamplingParams) -> None:
         )
     if p.json_schema is not None:
         try:
+            check_depth(p.json_schema)
             json.loads(p.json_schema)
-        except ValueError as e:
+        except TooDeep as e:
+            raise InvalidParameter("json_schema", f"json_schema is nested too deep: {e}") from None
+        except (ValueError, RecursionError) as e:
             raise InvalidParameter(
                 "json_schema", f"json_schema must be a schema encoded as a JSON string: {e}"
             ) from None

@@ -11,7 +11,6 @@ Pure functions, no I/O; every user error is an `InvalidParameter` naming the Ope
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from cadence.errors import InvalidParameter
 from cadence.parsers import tool_call_parser
 from cadence.parsers.tool_calls import JsonArrayParser, NamedParser, ToolCallParser
+from cadence.serving.errors import loads_bounded
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128
@@ -166,10 +166,9 @@ def _template_call(i: int, j: int, call: Any) -> dict:
         )
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
+        label = f"messages[{i}].tool_calls[{j}].function.arguments"
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            raise InvalidParameter(
-                "messages", f"messages[{i}].tool_calls[{j}].function.arguments is not JSON"
-            ) from None
+            arguments = loads_bounded(arguments, label) if arguments.strip() else {}
+        except InvalidParameter as e:
+            raise InvalidParameter("messages", str(e)) from None
     return {**call, "type": "function", "function": {**function, "arguments": arguments}}

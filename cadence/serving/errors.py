@@ -4,7 +4,8 @@ The error family is `cadence.errors` (every error carries its HTTP status); this
 the one table that turns a status into the HTTP error body's `type` and into a gRPC status
 code (by name: this module does not import grpc), so both protocols fail alike. It also
 holds the one decoder for JSON request bodies, which turns every way a body can be wrong
-(not JSON, not UTF-8) into an `InvalidParameter` naming the problem.
+(not JSON, not UTF-8, nested too deep) into an `InvalidParameter` naming the problem, and
+the one constructor of the internal error a request's own failure ends with.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any
 
 import msgspec
 
-from cadence.errors import InvalidParameter
+from cadence.errors import InvalidParameter, RequestError
+from cadence.front import metrics
+from cadence.json_limits import IntegerTooLarge, TooDeep, check_depth, check_integers
 
 # HTTP status -> (the JSON error body's `type`, the gRPC status code's name)
 STATUSES: dict[int, tuple[str, str]] = {
@@ -56,7 +59,17 @@ def decode_json(body: bytes | bytearray | memoryview | str, empty: Any = None) -
     if not len(body):
         return {} if empty is None else empty
     try:
-        return msgspec.json.decode(body)
+        check_depth(body)
+        value = msgspec.json.decode(body)
+        check_integers(body, value)
+        return value
+    except TooDeep as e:
+        where = f"the field {e.key!r}" if e.key is not None else "the request body"
+        raise InvalidParameter(e.key, f"{where} is nested too deep: {e}") from None
+    except IntegerTooLarge as e:
+        raise InvalidParameter(e.key, str(e)) from None
+    except RecursionError:  # a decoder deeper than the check (cannot happen below the limit)
+        raise InvalidParameter(None, "the request body is nested too deep") from None
     except UnicodeDecodeError as e:
         raise InvalidParameter(
             None,
@@ -65,3 +78,27 @@ def decode_json(body: bytes | bytearray | memoryview | str, empty: Any = None) -
         ) from None
     except msgspec.DecodeError as e:
         raise InvalidParameter(None, f"the request body is not valid JSON: {e}") from None
+
+
+def loads_bounded(text: str, field: str) -> Any:
+    """A JSON value sent inside a string field (a `json_schema`, a tool call's `arguments`),
+    decoded with the body's depth bound; raises `InvalidParameter` naming `field`."""
+    try:
+        check_depth(text)
+        return msgspec.json.decode(text)
+    except TooDeep as e:
+        raise InvalidParameter(field, f"{field} is nested too deep: {e}") from None
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise InvalidParameter(field, f"{field} is not valid JSON: {e}") from None
+
+
+def request_fault(where: str, error: BaseException) -> RequestError:
+    """The 500 a request ends with when serving it raised something unexpected: the server
+    survived it and the next request is served, so the error is marked as the request's own
+    (a router neither retries it elsewhere nor holds it against this server)."""
+    metrics.record_fault("front")
+    return RequestError(
+        500,
+        f"internal error while {where}: {type(error).__name__}; see the server log",
+        is_request_fault=True,
+    )
