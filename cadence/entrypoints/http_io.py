@@ -4,6 +4,7 @@ events, and noticing a client that went away."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,7 +13,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from cadence.errors import CadenceError, RequestError
-from cadence.serving.errors import FAULT_HEADER, decode_json, error_body
+from cadence.serving.errors import FAULT_HEADER, decode_json, error_body, request_fault
+
+logger = logging.getLogger(__name__)
 
 # Seconds a client told 429 (overloaded) should wait before trying again.
 RETRY_AFTER_S = 1
@@ -104,6 +107,10 @@ async def stream_response(gen: AsyncIterator) -> StreamingResponse:
                 yield sse(chunk)
         except CadenceError as e:
             yield sse(error_body(e.status, str(e), e.param))
+        except Exception as e:  # headers are gone: the failure is told in-band, as above
+            logger.exception("a stream failed")
+            fault = request_fault("streaming the response", e)
+            yield sse(error_body(fault.status, str(fault)))
         finally:
             await gen.aclose()  # aborts the request if the client left mid-stream
         yield b"data: [DONE]\n\n"

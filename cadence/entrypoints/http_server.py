@@ -43,7 +43,7 @@ from cadence.io_struct import (
     UpdateWeightFromDiskReqInput,
 )
 from cadence.serving import control, embedding_serving, native_api
-from cadence.serving.errors import decode_json, error_body
+from cadence.serving.errors import FAULT_HEADER, decode_json, error_body, request_fault
 from cadence.serving.state import ServerState
 from cadence.version import __version__
 
@@ -144,19 +144,17 @@ class Gate:
             status, out = 413, msgspec.json.encode(error_body(413, str(e)))
         except InvalidParameter as e:
             status, out = 400, msgspec.json.encode(error_body(400, str(e), e.param))
-        except Exception as e:  # same contract as the routes: a JSON 500, logged
+        except Exception as e:  # same contract as the routes: a marked JSON 500, logged
             logger.exception("%s failed", handler.__name__)
-            status, out = 500, msgspec.json.encode(error_body(500, f"internal error: {e}"))
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(out)).encode()),
-                ],
-            }
-        )
+            fault = request_fault(handler.__name__, e)
+            status, out = 500, msgspec.json.encode(error_body(500, str(fault)))
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(out)).encode()),
+        ]
+        if status >= 500:
+            headers.append((FAULT_HEADER.encode(), b"request"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": out})
 
     def _check(self, scope) -> Response | None:
@@ -206,8 +204,9 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(Exception)
     async def _internal(request, e: Exception):
         # Every error a client sees is the JSON body, never plain text. Logged with its
-        # traceback by the server (Starlette re-raises after answering).
-        return error_response(500, f"internal error: {type(e).__name__}; see the server log")
+        # traceback by the server (Starlette re-raises after answering). The server survived
+        # it, so it is this request's own failure (serving.errors.request_fault).
+        return error_of(request_fault(f"serving {request.url.path}", e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):

@@ -17,7 +17,7 @@ import grpc
 
 from cadence.errors import CadenceError, RequestError
 from cadence.front import metrics
-from cadence.serving.errors import FAULT_HEADER, grpc_code_name
+from cadence.serving.errors import FAULT_HEADER, grpc_code_name, request_fault
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +52,9 @@ def _status_of(e: Exception) -> tuple[grpc.StatusCode, str, tuple] | None:
 def _final_status(e: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple]:
     """The status a failed call ends with (an unexpected error is logged, INTERNAL)."""
     status = _status_of(e)
-    if status is None:
+    if status is None:  # the server survived it: the call's own failure (request_fault)
         logger.exception("gRPC %s failed", method)
-        status = grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log", ()
+        status = _status_of(request_fault(method, e))
     return status
 
 

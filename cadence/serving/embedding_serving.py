@@ -29,7 +29,7 @@ from cadence.front.engine_client import EngineClient
 from cadence.front.normalize import from_json_dict
 from cadence.io_struct import EmbeddingReqInput, GenerateReqInput
 from cadence.serving import embedding_protocol as proto
-from cadence.serving.errors import error_body
+from cadence.serving.errors import request_fault
 from cadence.serving.native_api import last_result, probe_request
 from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing, error_response
 
@@ -331,11 +331,9 @@ async def _answer(run, names: dict[str, str]) -> OpenAIResponse:
         return OpenAIResponse(200, msgspec.json.encode(await run()))
     except (InvalidParameter, RequestError) as e:
         return error_response(e, names)
-    except Exception:
+    except Exception as e:
         logger.exception("embedding request failed")
-        return OpenAIResponse(
-            500, msgspec.json.encode(error_body(500, "internal error; see the server log"))
-        )
+        return error_response(request_fault("serving the request", e), names)
 
 
 def encode_input(body: Any) -> EmbeddingReqInput:

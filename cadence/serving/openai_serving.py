@@ -31,14 +31,18 @@ import msgspec
 
 from cadence.errors import InvalidParameter, RequestError
 from cadence.front.engine_client import EngineClient
-from cadence.front.request_checks import require_generation_model
+from cadence.front.request_checks import (
+    check_message_count,
+    check_prompt_chars,
+    require_generation_model,
+)
 from cadence.io_struct import GenerateReqInput
 from cadence.parsers import reasoning_parser
 from cadence.parsers.tool_calls import Llama3Parser
 from cadence.serving import chat_tools, native_api, speech_chat
 from cadence.serving import openai_protocol as proto
 from cadence.serving.chat_answer import ChatAnswer, ChatAnswerStream
-from cadence.serving.errors import error_body
+from cadence.serving.errors import error_body, request_fault
 from cadence.serving.speech_serving import server_capabilities
 
 logger = logging.getLogger(__name__)
@@ -198,9 +202,13 @@ class OpenAIServing:
         name `prompt_field`."""
         if tools is not None:
             template_options = {**template_options, "tools": tools}
+        # The rendered prompt holds every message's text: one that cannot fit the context is
+        # refused before the template runs (a long chat renders on a worker thread).
+        num_chars = sum(len(m.get("content") or "") for m in messages)
+        check_prompt_chars(prompt_field, num_chars, self.client.info, self.client.tokenizer)
         try:
-            prompt = self.client.tokenizer.apply_chat_template(
-                messages, tokenize=False, chat_template=self.chat_template, **template_options
+            prompt = await self.client.tokenizer.render_chat_async(
+                messages, chat_template=self.chat_template, **template_options
             )
         except Exception as e:  # a template's raise_exception, or a malformed conversation
             raise InvalidParameter(
@@ -238,11 +246,9 @@ class OpenAIServing:
             return _ok(self._response(job, result if isinstance(result, list) else [result]))
         except (InvalidParameter, RequestError) as e:
             return OpenAIResponse(*_error(e, names))
-        except Exception:
+        except Exception as e:
             logger.exception("OpenAI request failed")
-            return OpenAIResponse(
-                500, msgspec.json.encode(error_body(500, "internal error; see the server log"))
-            )
+            return error_response(request_fault("serving the request", e))
 
     def _served_names(self) -> tuple[str, ...]:
         info = self.client.info
@@ -274,6 +280,7 @@ class OpenAIServing:
 
     async def chat_job(self, req: proto.ChatCompletionRequest) -> _Job:
         """A chat request rendered, tokenized and checked as a job (also for chat with audio)."""
+        check_message_count("messages", len(req.messages or ()), self.client.info)
         messages = chat_tools.template_messages(proto.chat_messages(req.messages))
         plan = chat_tools.plan(
             req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser

@@ -37,7 +37,7 @@ from cadence.front.normalize import drop_unknown
 from cadence.io_struct import GenerateReqInput
 from cadence.serving import native_api
 from cadence.serving import openai_protocol as proto
-from cadence.serving.errors import decode_json, error_body
+from cadence.serving.errors import decode_json, error_body, request_fault
 from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing, error_response
 
 logger = logging.getLogger(__name__)
@@ -164,8 +164,8 @@ def _check_text(text: dict[str, Any] | None) -> None:
         return
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind in ("json_object", "json_schema"):
-        raise InvalidParameter(
-            "text", f"text.format: {kind} output is not supported by this server yet"
+        raise InvalidParameter(  # not "text": that would read as the native prompt field
+            "text.format", f"text.format: {kind} output is not supported by this server yet"
         )
     if kind != "text":
         raise InvalidParameter("text", f"text.format.type must be text, got {kind!r}")
@@ -387,11 +387,9 @@ class ResponsesServing:
             return OpenAIResponse(400, msgspec.json.encode(body))
         except (InvalidParameter, RequestError) as e:
             return error_response(e, NAMES)
-        except Exception:
+        except Exception as e:
             logger.exception("Responses request failed")
-            return OpenAIResponse(
-                500, msgspec.json.encode(error_body(500, "internal error; see the server log"))
-            )
+            return error_response(request_fault("serving the request", e), NAMES)
 
     def retrieve(self, response_id: str) -> OpenAIResponse:
         stored = self.store.get(response_id)
@@ -488,7 +486,7 @@ class ResponsesServing:
             failure = e
         except Exception as e:
             logger.exception("Responses stream failed")
-            failure = RequestError(500, f"internal error: {type(e).__name__}; see the server log")
+            failure = request_fault("streaming the response", e)
         finally:
             await deltas.aclose()
             await gen.aclose()

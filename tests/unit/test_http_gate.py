@@ -75,11 +75,21 @@ def test_invalid_utf8_is_a_400_naming_it(route):
     assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"], r.text
 
 
-def test_unexpected_exceptions_are_json_500():
-    # No engine client behind a ready state: the route fails inside; the client gets JSON.
+def test_unexpected_exceptions_are_json_500_marked_as_the_requests_own():
+    # No engine client behind a ready state: the route fails inside; the client gets JSON,
+    # and the mark that tells a router not to retry it nor hold it against the server.
     r = client().get("/model_info")
     assert r.status_code == 500 and r.json()["error"]["code"] == 500
     assert "internal error" in r.json()["error"]["message"]
+    assert r.headers["x-cadence-fault"] == "request"
+
+
+@pytest.mark.parametrize("route", ["/generate", "/tokenize", "/v1/chat/completions"])
+def test_json_nested_too_deep_is_a_400_naming_the_field(route):
+    body = b'{"text": "hi", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    r = client().post(route, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "x" and "nested too deep" in r.text
 
 
 def test_unknown_routes_are_json_404():
