@@ -86,6 +86,12 @@ class Grammar(ABC):
         """The grammar is complete and accepted its end (the model's end-of-sequence token):
         the request must end."""
 
+    def allows_nothing(self) -> bool:
+        """No token may come next: the constraint has reached a dead end (a schema with no
+        finite value, e.g. a $ref that only refers to itself). An engine that cannot tell
+        answers False."""
+        return False
+
 
 class GrammarBackend(ABC):
     """A grammar engine bound to one model's vocabulary.
@@ -100,7 +106,8 @@ class GrammarBackend(ABC):
     @classmethod
     @abstractmethod
     def check(cls, key: GrammarKey) -> None:
-        """Raises InvalidGrammar when the engine cannot serve `key`. Cheap (no token masks)."""
+        """Raises InvalidGrammar when the engine cannot serve `key`, or when `key` admits no
+        output at all. Cheap (no model vocabulary)."""
 
     @abstractmethod
     def compile(self, key: GrammarKey) -> Any:

@@ -9,6 +9,7 @@ dialect SGLang's `ebnf` field speaks.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import xgrammar
@@ -26,9 +27,28 @@ def _reason(error: Exception) -> str:
     return text[:MAX_REASON_CHARS] or type(error).__name__
 
 
+@functools.cache
+def _byte_compiler() -> xgrammar.GrammarCompiler:
+    """A compiler over a vocabulary of the 256 single bytes and one stop token: enough to ask
+    what a grammar allows first, with no model's tokenizer at hand."""
+    vocab = [bytes([b]) for b in range(256)] + [b"</s>"]
+    info = xgrammar.TokenizerInfo(vocab, vocab_size=len(vocab), stop_token_ids=[256])
+    return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def _admits_output(grammar: xgrammar.Grammar) -> bool:
+    """False when `grammar` allows no first byte and cannot end either: every request under
+    it would dead-end at its first token."""
+    matcher = xgrammar.GrammarMatcher(_byte_compiler().compile_grammar(grammar))
+    bitmask = xgrammar.allocate_token_bitmask(1, 257)
+    matcher.fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
+
+
 class XGrammarGrammar(Grammar):
-    def __init__(self, matcher: xgrammar.GrammarMatcher):
+    def __init__(self, matcher: xgrammar.GrammarMatcher, vocab_size: int):
         self.matcher = matcher
+        self.vocab_size = vocab_size
 
     def fill_mask(self, bitmask, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -38,6 +58,11 @@ class XGrammarGrammar(Grammar):
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+    def allows_nothing(self) -> bool:
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask)
+        return not bool(bitmask.any())
 
 
 class XGrammarBackend(GrammarBackend):
@@ -64,13 +89,20 @@ class XGrammarBackend(GrammarBackend):
     def check(cls, key: GrammarKey) -> None:
         try:
             if key.field == "json_schema":
-                xgrammar.Grammar.from_json_schema(key.text)
+                grammar = xgrammar.Grammar.from_json_schema(key.text)
             elif key.field == "regex":
-                xgrammar.Grammar.from_regex(key.text)
+                grammar = xgrammar.Grammar.from_regex(key.text)
             else:
-                xgrammar.Grammar.from_ebnf(key.text)
+                grammar = xgrammar.Grammar.from_ebnf(key.text)
+            admits_output = _admits_output(grammar)
         except Exception as e:  # the engine raises RuntimeError, and ValueError for some input
             raise InvalidGrammar(key.field, _reason(e)) from None
+        if not admits_output:
+            raise InvalidGrammar(
+                key.field,
+                "it admits no output at all (a rule that only refers to itself, such as a "
+                'schema {"$ref": "#"})',
+            )
 
     def compile(self, key: GrammarKey) -> xgrammar.CompiledGrammar:
         try:
@@ -85,7 +117,7 @@ class XGrammarBackend(GrammarBackend):
             raise InvalidGrammar(key.field, _reason(e)) from None
 
     def new_grammar(self, compiled: xgrammar.CompiledGrammar) -> XGrammarGrammar:
-        return XGrammarGrammar(xgrammar.GrammarMatcher(compiled))
+        return XGrammarGrammar(xgrammar.GrammarMatcher(compiled), self.vocab_size)
 
     def compiled_size(self, compiled: xgrammar.CompiledGrammar) -> int:
         return int(getattr(compiled, "memory_size_bytes", 0))

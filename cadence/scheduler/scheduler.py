@@ -633,6 +633,9 @@ class Scheduler:
             req.pending_top.append(result.top_logprobs)
             req.pending_given.append(result.token_ids_logprobs)
         if req.grammar is not None and not req.grammar.accept(result.next_id):
+            if req.grammar.allows_nothing():
+                req.output_ids.pop()  # drawn from a row with nothing allowed: not an output
+                return self._end(req, self._dead_end_reason(req))
             raise RuntimeError(f"its grammar refused the token {result.next_id} it sampled")
         reason = self.stops.check(req, result.next_id)
         if reason is None and req.grammar is not None and req.grammar.is_terminated():
@@ -643,6 +646,22 @@ class Scheduler:
             req.num_sent == 0 or len(req.output_ids) - req.num_sent >= self.args.stream_interval
         ):
             self.outputs.append(self._output(req))  # the first token at once, then every K
+
+    @staticmethod
+    def _dead_end_reason(req: Req) -> dict:
+        """The request's constraint allows no next token (a schema with no finite value that
+        the edge could not see, e.g. a $ref cycle reached after a few tokens): the client's
+        own constraint is at fault, a 400 naming it."""
+        key = grammar_key(req.params)
+        field = key.field if key is not None else "json_schema"
+        return {
+            "type": "abort",
+            "status_code": 400,
+            "param": field,
+            "message": f"{field}: the constraint allows no token after {len(req.output_ids)} "
+            "tokens of output: it admits no complete value (does a $ref refer to itself "
+            "with nothing else to match?)",
+        }
 
     @staticmethod
     def _record_hidden_states(req: Req, start: int, states: list[list[float]]) -> None:

@@ -121,3 +121,41 @@ def test_ebnf(backend, vocab):
     assert allowed(grammar, ids) == {"a"}
     feed(grammar, ids, "ab")
     assert allowed(grammar, ids) == {"b", "c", "<eos>"}
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        GrammarKey("json_schema", json.dumps({"$ref": "#"})),
+        GrammarKey("ebnf", "root ::= root"),
+    ],
+)
+def test_a_constraint_with_no_output_at_all_is_refused_at_the_edge(key):
+    with pytest.raises(InvalidGrammar) as e:
+        check_grammar("xgrammar", key)
+    assert e.value.field == key.field and "admits no output" in e.value.reason
+
+
+def test_a_recursive_schema_with_a_finite_value_is_served():
+    finite = {
+        "type": "object",
+        "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+    }
+    check_grammar("xgrammar", GrammarKey("json_schema", json.dumps(finite)))
+
+
+def test_a_grammar_that_dead_ends_midway_says_it_allows_nothing(backend, vocab):
+    _, ids = vocab
+    schema = {
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/x"}},
+        "required": ["a"],
+        "$defs": {"x": {"$ref": "#/$defs/x"}},
+    }
+    key = GrammarKey("json_schema", json.dumps(schema))
+    check_grammar("xgrammar", key)  # its start allows `{`: the edge cannot see the dead end
+    grammar = backend.new_grammar(backend.compile(key))
+    assert not grammar.allows_nothing()
+    for piece in ['{"', "a", '":', " "]:
+        assert grammar.accept(ids[piece]), piece
+    assert grammar.allows_nothing()
