@@ -309,6 +309,49 @@ def test_a_request_that_fails_by_its_own_fault_reaches_one_replica_and_kills_non
     assert answered_by == {fleet.urls["replica_a"], fleet.urls["replica_b"]}
 
 
+def _post_raw(url: str, body: bytes) -> int:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_poison_bodies_through_the_router_are_400s_and_leave_both_replicas_healthy(fleet):
+    """Bodies nested 1,000 deep (once an outage: unmarked 500s that the router retried and
+    held against each replica) are each replica's 400, answered once; legitimate chats sent
+    between them all succeed, and both replicas stay healthy and routable."""
+    router = fleet.urls["round_robin"]
+    before = {url: w["num_requests"] for url, w in _workers(fleet, "round_robin").items()}
+    deep = b"[" * 1000 + b"]" * 1000
+    poison = {
+        "/v1/chat/completions": b'{"messages": [{"role": "user", "content": "hi"}], "x": '
+        + deep
+        + b"}",
+        "/v1/completions": b'{"prompt": "hi", "x": ' + deep + b"}",
+        "/generate": b'{"text": "hi", "x": ' + deep + b"}",
+    }
+    num_sent = 0
+    for round_ in range(3):
+        for path, body in poison.items():
+            assert _post_raw(router + path, body) == 400, path
+            num_sent += 1
+        _ask(fleet, "round_robin", [{"role": "user", "content": f"Still fine {round_}?"}])
+        num_sent += 1
+    after = _workers(fleet, "round_robin")
+    assert sum(after[url]["num_requests"] - before[url] for url in before) == num_sent, (
+        "a poison request was retried on the other replica"
+    )
+    for name in ("replica_a", "replica_b"):
+        worker = after[fleet.urls[name]]
+        assert worker["health"] == "healthy" and worker["routable"], worker
+        assert worker["consecutive_failures"] == 0, worker
+        assert fleet.procs[name].poll() is None, f"{name} died"
+    status, _ = _get(router + "/ready")
+    assert status == 200
+
+
 def test_killed_replica_leaves_rotation_and_router_keeps_answering(fleet):
     fleet.kill("replica_b")
     survivor, killed = fleet.urls["replica_a"], fleet.urls["replica_b"]
