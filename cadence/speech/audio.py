@@ -10,6 +10,10 @@ the sizes unknown (0xFFFFFFFF, as streaming servers write it); whole, the header
 mp3 through lameenc; opus (in Ogg) and aac (ADTS) through PyAV; flac through soundfile, whole
 at `finish` (its header is written last). Codec libraries are imported when an encoder of
 theirs is made.
+
+A text with nothing to say (".", an emoji) still ends in a valid file of every format: wav
+and pcm hold no samples; flac, mp3, opus and aac, whose codecs write no stream (or fail) for
+zero samples, hold `SILENCE_SAMPLES` of silence.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from cadence.speech.voices import SAMPLE_RATE
+
+SILENCE_SAMPLES = SAMPLE_RATE // 100  # 10 ms: the audio of nothing to say, where one is needed
 
 
 class AudioEncoder(ABC):
@@ -98,11 +104,10 @@ class FlacEncoder(AudioEncoder):
     def finish(self) -> bytes:
         import soundfile
 
-        # libsndfile writes no FLAC stream at all for zero samples: nothing to say is 10 ms
-        # of silence.
+        # libsndfile writes no FLAC stream at all for zero samples
         samples = np.concatenate(self._parts) if self._parts else np.zeros(0, dtype="<i2")
         if len(samples) == 0:
-            samples = np.zeros(SAMPLE_RATE // 100, dtype="<i2")
+            samples = np.zeros(SILENCE_SAMPLES, dtype="<i2")
         out = io.BytesIO()
         soundfile.write(out, samples, SAMPLE_RATE, format="FLAC", subtype="PCM_16")
         return out.getvalue()
@@ -117,12 +122,18 @@ class Mp3Encoder(AudioEncoder):
         self._lame.set_in_sample_rate(SAMPLE_RATE)
         self._lame.set_channels(1)
         self._lame.set_quality(5)
+        self._num_samples = 0
 
     def encode(self, pcm: np.ndarray) -> bytes:
+        if len(pcm) == 0:
+            return b""
+        self._num_samples += len(pcm)
         return bytes(self._lame.encode(to_int16(pcm).tobytes()))
 
     def finish(self) -> bytes:
-        return bytes(self._lame.flush())
+        # lame refuses to flush what it never started ("Not currently encoding")
+        head = b"" if self._num_samples else self.encode(np.zeros(SILENCE_SAMPLES, np.float32))
+        return head + bytes(self._lame.flush())
 
 
 class _Sink:
@@ -177,10 +188,12 @@ class PyAVEncoder(AudioEncoder):
         return self._sink.take()
 
     def finish(self) -> bytes:
+        # With no frame at all the muxer writes nothing, not even its header
+        head = b"" if self._pts else self.encode(np.zeros(SILENCE_SAMPLES, np.float32))
         for packet in self._stream.encode(None):
             self._container.mux(packet)
         self._container.close()
-        return self._sink.take()
+        return head + self._sink.take()
 
 
 def make_encoder(fmt: str, streaming: bool = True) -> AudioEncoder:

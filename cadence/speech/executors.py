@@ -18,7 +18,8 @@ Chunks, each stage to the next (every chunk carries the request's `options`):
 The encoder's result: {"transcript", "format", "sample_rate", "num_samples", "duration_s"}.
 
 The talker always ends with its final chunk, so every stage downstream runs even for a text
-with nothing to say (the client then gets a valid, empty file).
+with nothing to say (the client then gets a valid file: empty, or 10 ms of silence where
+the format needs a sample; see `cadence.speech.audio`).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import pytest
 from e2e_server import is_idle
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit", "speech"))
-from speech_checks import assert_speech, duration_s  # noqa: E402
+from speech_checks import assert_speech, decode, duration_s  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +47,28 @@ def test_every_format_is_speech_of_the_text(speech, fmt):
     assert_speech(audio.content, fmt, TEXT)
     mime = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac"}
     assert audio.response.headers["content-type"].startswith(mime.get(fmt, f"audio/{fmt}"))
+
+
+def test_nothing_speakable_is_a_valid_silent_file_in_every_format(speech, speech_server):
+    """Nothing to say (".", "?", an emoji): every format answers a file that decodes to
+    (near) silence; mp3 used to be a 500. The gRPC stream ends the same way."""
+    from grpc_support import stub
+
+    from cadence.grpc import sglang_pb2 as pb
+
+    for text in (".", "?", "\U0001f600"):
+        for fmt in FORMATS:
+            audio = speech.audio.speech.create(
+                model="tts-1", input=text, voice="alloy", response_format=fmt
+            )
+            samples, rate = decode(audio.content, fmt)
+            assert len(samples) <= 0.1 * rate and abs(samples).max(initial=0.0) < 0.01, fmt
+    chunks = list(
+        stub(speech_server).SynthesizeSpeech(
+            pb.SpeechRequest(input=".", response_format="mp3"), timeout=60
+        )
+    )
+    assert chunks[-1].finished and len(decode(b"".join(c.audio for c in chunks), "mp3")[0]) > 0
 
 
 @pytest.mark.parametrize("speed", [0.25, 0.5, 2.0, 4.0])

@@ -7,13 +7,15 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
-from speech_checks import assert_speech
+from speech_checks import assert_speech, decode
 
 import cadence
 from cadence.pipeline import LocalPipeline, load_pipeline_config
 from cadence.pipeline.errors import StageFailed
 from cadence.speech.executors import speech_request
+from cadence.speech.voices import FORMATS
 
 PIPELINES = Path(cadence.__file__).parent / "pipeline" / "pipelines"
 TEXT = (
@@ -69,10 +71,13 @@ async def test_speed_and_voice_reach_the_vocoder(pipeline):
     assert normal["duration_s"] / fast["duration_s"] == pytest.approx(2.0, rel=0.2)
 
 
-async def test_nothing_to_say_is_an_empty_valid_file(pipeline):
-    audio, _, result = await _collect(pipeline, speech_request("...", "en-us", 1.0, "wav", False))
-    assert result["num_samples"] == 0 and result["transcript"] == "..."
-    assert b"".join(audio)[:4] == b"RIFF"
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("text", ["...", "?", "\U0001f600"])
+async def test_nothing_to_say_is_a_valid_file_of_every_format(pipeline, text, fmt):
+    audio, _, result = await _collect(pipeline, speech_request(text, "en-us", 1.0, fmt, True))
+    assert result["num_samples"] == 0 and result["transcript"] == text
+    samples, _ = decode(b"".join(audio), fmt)
+    assert np.abs(samples).max(initial=0.0) < 0.01  # silence (lossy codecs: near 0)
 
 
 async def test_a_chat_request_without_an_llm_fails_naming_the_stage(pipeline):
