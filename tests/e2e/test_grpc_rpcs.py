@@ -179,6 +179,9 @@ def test_get_load_is_the_v1_loads_list_filtered_by_rank(rpc, http):
     assert loads[0]["num_used_tokens"] == 0
     assert json.loads(rpc.GetLoad(pb.GetLoadRequest(dp_rank=0)).json_info)[0]["dp_rank"] == 0
     assert rpc.GetLoad(pb.GetLoadRequest(dp_rank=5)).json_info == "[]"
+    with pytest.raises(grpc.RpcError) as e:
+        rpc.GetLoad(pb.GetLoadRequest(dp_rank=-1))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dp_rank" in e.value.details()
 
 
 # ---- control ------------------------------------------------------------------------------

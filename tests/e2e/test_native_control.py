@@ -216,3 +216,72 @@ def test_profile_writes_a_trace_into_the_given_directory(client, server, tmp_pat
         "the trace recorded the forward pass"
     )
     assert os.path.getsize(traces[0]) > 0
+
+
+def test_profile_with_start_step_skips_that_many_steps_then_stops_by_itself(client, server):
+    out_dir = Path(server.profile_dir) / "later"
+    r = client.post("/start_profile", json={"output_dir": "later", "start_step": 2, "num_steps": 2})
+    assert r.status_code == 200 and "after 2 forward steps" in r.json()["message"], r.text
+    assert not list(out_dir.iterdir())  # armed: nothing recorded before its steps
+    params = {"max_new_tokens": 8, "ignore_eos": True}
+    client.post("/generate", json={"text": PROMPTS[0], "sampling_params": params})
+    assert wait_until(lambda: list(out_dir.iterdir()), 60), "no trace after the profiled steps"
+    assert client.post("/stop_profile").status_code == 400  # it stopped by itself
+    # Armed, then stopped before its first step: no trace, and a new profile may start.
+    assert client.post(
+        "/start_profile", json={"output_dir": "never", "start_step": 10**6}
+    ).is_success
+    stopped = client.post("/stop_profile")
+    assert stopped.status_code == 200 and "before it started" in stopped.json()["message"]
+    assert not list((Path(server.profile_dir) / "never").iterdir())
+
+
+# ---- a control message that fails, fails alone ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        ("/open_session", {"capacity_of_str_len": 10**23}, "capacity_of_str_len"),
+        ("/open_session", {"capacity_of_str_len": -1}, "capacity_of_str_len"),
+        ("/start_profile", {"num_steps": 10**23}, "num_steps"),
+        ("/start_profile", {"start_step": 10**23}, "start_step"),
+        ("/start_profile", {"start_step": -1}, "start_step"),
+    ],
+)
+def test_an_out_of_range_integer_is_a_400_and_the_next_control_answers_at_once(
+    client, route, body, param
+):
+    """An integer above 2^64 used to fail in the message codec: a 500, and a reply waiter
+    left behind, so the next control of that kind waited 60 s for a 503."""
+    for _ in range(3):  # each one used to strand one waiter
+        r = client.post(route, json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    if route == "/open_session":
+        r = client.post(route, json={"capacity_of_str_len": 10}, timeout=10)
+        assert r.status_code == 200, r.text
+        assert client.post("/close_session", json={"session_id": r.json()}, timeout=10).is_success
+    else:
+        r = client.post(route, json={"output_dir": "after-bad", "num_steps": 1}, timeout=10)
+        assert r.status_code == 200, r.text
+        client.post(
+            "/generate", json={"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}}
+        )
+        assert client.post("/stop_profile", timeout=10).status_code == 400  # ended by itself
+
+
+def test_concurrent_controls_of_one_kind_each_get_their_own_answer(client, server, pool):
+    """Ids, not arrival order, match answers to callers: eight sessions opened at once get
+    eight distinct ids, each the one its caller named."""
+    names = [f"concurrent-{i}" for i in range(8)]
+    opened = list(
+        pool.map(
+            lambda name: httpx.post(
+                server.url + "/open_session", json={"session_id": name}, timeout=10
+            ),
+            names,
+        )
+    )
+    assert [r.json() for r in opened] == names, [r.text for r in opened]
+    for name in names:
+        assert client.post("/close_session", json={"session_id": name}).is_success

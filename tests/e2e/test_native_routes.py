@@ -87,8 +87,9 @@ def test_v1_loads_json_filter_and_prometheus(client):
         e["dp_rank"] for e in client.get("/v1/loads", params={"dp_rank": 0}).json()["loads"]
     ] == [0]
     assert client.get("/v1/loads", params={"dp_rank": 3}).json()["loads"] == []
-    bad = client.get("/v1/loads", params={"dp_rank": "first"})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "dp_rank"
+    for rank in ("first", "--1", "-1", "1.5", "9" * 5000):  # "--1" and 5,000 digits were a 500
+        bad = client.get("/v1/loads", params={"dp_rank": rank})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "dp_rank", bad.text
 
     prom = client.get("/v1/loads", params={"format": "prometheus"})
     assert prom.status_code == 200 and prom.headers["content-type"].startswith("text/plain")

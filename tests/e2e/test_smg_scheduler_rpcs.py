@@ -11,10 +11,11 @@ import hashlib
 import io
 import os
 import zipfile
+from pathlib import Path
 
 import grpc
 import pytest
-from e2e_server import API_KEY, is_idle
+from e2e_server import API_KEY, is_idle, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_support import target
 
@@ -111,6 +112,26 @@ def test_server_info_and_loads(rpc, http):
     want = http.get("/v1/loads").json()["loads"][0]
     assert (load.max_total_num_tokens, load.num_used_tokens) == (want["max_total_num_tokens"], 0)
     assert loads.dp_rank_count == 1 and load.max_running_requests > 0
+    with pytest.raises(grpc.RpcError) as e:
+        rpc.GetLoads(pb.GetLoadsRequest(dp_rank=-1))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dp_rank" in e.value.details()
+
+
+def test_start_profile_with_start_step_profiles_later_steps(smg_server, rpc, prompt_ids):
+    """SGLang's start_step: the profiler starts after that many forward steps, then stops
+    by itself after num_steps; a negative start_step is INVALID_ARGUMENT."""
+    with pytest.raises(grpc.RpcError) as e:
+        rpc.StartProfile(common.StartProfileRequest(start_step=-1))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "start_step" in e.value.details()
+    out_dir = Path(smg_server.profile_dir) / "late"
+    started = rpc.StartProfile(
+        common.StartProfileRequest(output_dir="late", start_step=2, num_steps=2)
+    )
+    assert started.success and "after 2 forward steps" in started.message
+    assert not list(out_dir.iterdir())  # armed, not started
+    list(rpc.Generate(generate(prompt_ids, params=greedy(8))))
+    assert wait_until(lambda: list(out_dir.iterdir()), 30), "no trace after the profiled steps"
+    assert not rpc.StopProfile(common.StopProfileRequest()).success  # it stopped by itself
 
 
 def test_get_tokenizer_streams_the_tokenizer_directory_as_a_zip(rpc):
