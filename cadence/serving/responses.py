@@ -34,6 +34,7 @@ import msgspec
 from cadence.errors import InvalidParameter, RequestError, readable
 from cadence.front.engine_client import EngineClient
 from cadence.front.normalize import drop_unknown
+from cadence.front.request_checks import check_message_count
 from cadence.io_struct import GenerateReqInput
 from cadence.serving import native_api
 from cadence.serving import openai_protocol as proto
@@ -417,6 +418,8 @@ class ResponsesServing:
             if previous is None:
                 raise PreviousResponseNotFound(req.previous_response_id)
             history += previous.messages
+        if isinstance(req.input, list):  # before any item is looked at
+            check_message_count("input", len(history) + len(req.input), self.client.info)
         history += input_messages(req.input)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         input_ids = await self.openai.render_chat(

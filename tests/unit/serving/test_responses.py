@@ -218,7 +218,7 @@ def test_bad_input_is_a_400_naming_input(items, words):
         ({"input": "x", "background": True}, "background", "not supported"),
         ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools", "tool calling"),
         ({"input": "x", "tool_choice": "required"}, "tool_choice", "tool calling"),
-        ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text", "json_object"),
+        ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format", "json_object"),
         ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16"),
         ({"input": "x", "metadata": {"k": 1}}, "metadata", "wrong type"),
         ({"input": "x", "conversation": "conv_1"}, "conversation", "not supported"),
