@@ -1,8 +1,9 @@
-"""Cadence's own CPU kernels (`cpu_ops.cpp` and the quantized projections of `quant_ops.cpp`,
-registered as `torch.ops.cadence.*`).
+"""Cadence's own CPU kernels, registered as `torch.ops.cadence.*`: `csrc/cpu_ops.cpp` and the
+quantized projections (`csrc/quant_layout.h` the tile layout, `quant_repack.cpp`,
+`quant_products.cpp`, `quant_registration.cpp`).
 
 They are compiled on this machine the first time they are needed (about 15 s with the
-system C++ compiler and ninja) and kept in the cache directory, keyed by the source, the
+system C++ compiler and ninja) and kept in the cache directory, keyed by the sources (headers included), the
 torch version and the CPU's instruction set; later processes only load the library.
 `python -m cadence.kernels` builds them ahead of time (the install script does).
 
@@ -24,9 +25,12 @@ from cadence import envs
 
 logger = logging.getLogger(__name__)
 
+CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = [
-    os.path.join(os.path.dirname(__file__), name) for name in ("cpu_ops.cpp", "quant_ops.cpp")
+    os.path.join(CSRC, name)
+    for name in ("cpu_ops.cpp", "quant_repack.cpp", "quant_products.cpp", "quant_registration.cpp")
 ]
+HEADERS = [os.path.join(CSRC, "quant_layout.h")]
 NAME = "cadence_cpu_ops"
 # -ffast-math lets the compiler vectorize the float32 reductions and call the vector expf;
 # glibc's libmvec provides it. OpenMP is torch's own runtime (same soname, loaded once).
@@ -39,7 +43,7 @@ def _cflags() -> list[str]:
 
 def _build_dir() -> str:
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         with open(source, "rb") as f:
             key.update(f.read())
     key.update(torch.__version__.encode())

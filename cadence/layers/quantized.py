@@ -5,7 +5,7 @@ matrix the file stores quantized (or that `--quantization` quantized at load): i
 the file's own blocks, untouched. The model only moves rows around (fusing q|k|v, the rotary
 row order) and passes it to `Platform.make_linear`; it never needs to know the type. The CPU
 platform's `QuantLinear` repacks it once into the layout of Cadence's kernels
-(`cadence/kernels/quant_ops.cpp`); elsewhere, or where the kernels cannot be built,
+(`cadence/kernels/csrc/quant_*.cpp`); elsewhere, or where the kernels cannot be built,
 `DequantizedLinear` widens it once to float32 and projects with `F.linear`.
 """
 
@@ -187,7 +187,7 @@ class DequantizedLinear(Linear):
 class QuantLinear(Linear):
     """y = x W^T (+ b) on the quantized blocks, through `torch.ops.cadence.quant_linear`.
 
-    The weight is repacked once into the kernel's tiles (an exact copy, see quant_ops.cpp);
+    The weight is repacked once into the kernel's tiles (an exact copy, see csrc/quant_layout.h);
     the blocks it came from are no longer read. Activations keep their dtype (float32,
     bfloat16 or float16) in and out; inside, the kernel reads them as float32 and sums in
     float32 (activations are not quantized), so the result is the dequantized weight's up to

@@ -1,4 +1,4 @@
-"""Quantized projections (cadence/kernels/quant_ops.cpp): the repacking of every GGUF type is
+"""Quantized projections (cadence/kernels/csrc/quant_*.cpp): the repacking of every GGUF type is
 exact against gguf's own dequantization, and the product matches a float64 reference on odd
 shapes and batch sizes, through the SIMD path this build has and through the portable loop."""
 
