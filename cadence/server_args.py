@@ -94,6 +94,10 @@ class ServerArgs:
     """Split <think>...</think> out of chat answers into reasoning_content: deepseek-r1 (the answer starts inside the reasoning, the template opened it) or qwen3 (reasoning only inside an explicit <think>)."""
     max_request_body_mb: float = 32.0
     """Largest HTTP request body, in MiB; a larger one gets 413 before it is read whole."""
+    max_tokenize_chars: int = 4 * 1024 * 1024
+    """Most characters one /tokenize request or gRPC Tokenize call may carry, its prompts (or rendered messages) together; more get a 400 before anything is tokenized. The default is about a million tokens of English text."""
+    max_detokenize_tokens: int = 1024 * 1024
+    """Most token ids one /detokenize request or gRPC Detokenize call may carry, its lists together; more get a 400 before anything is decoded."""
     watchdog_timeout: float = 30.0
     """Seconds the scheduler or detokenizer may go without making progress before the server reports itself unhealthy, fails waiting requests with 503 and exits non-zero (so an orchestrator restarts it)."""
     request_timeout_s: float | None = None
@@ -178,6 +182,9 @@ class ServerArgs:
             raise ValueError(
                 f"max_request_body_mb must be in (0, 4096], got {self.max_request_body_mb}"
             )
+        for name in ("max_tokenize_chars", "max_detokenize_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
         if self.watchdog_timeout <= 0:
             raise ValueError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:

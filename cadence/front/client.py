@@ -19,7 +19,11 @@ import msgspec
 from cadence.errors import CadenceError, InvalidParameter, RequestError
 from cadence.front.embedding import EmbeddingManager
 from cadence.front.engine_client import EngineClient, ModelInfo
-from cadence.front.request_checks import RequestOptions
+from cadence.front.request_checks import (
+    RequestOptions,
+    check_detokenize_size,
+    check_tokenize_size,
+)
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.front.tokenizer_manager import TokenizerManager
 from cadence.io_struct import (
@@ -47,6 +51,7 @@ class FrontClient(EngineClient):
         options: RequestOptions | None = None,
     ):
         self.info = info
+        self.options = options or RequestOptions()
         self.address = address  # where answers for this client go (its `http_worker_ipc`)
         self._send = send
         self.tm = TokenizerManager(
@@ -131,6 +136,30 @@ class FrontClient(EngineClient):
     async def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         self.tm.checker.check_token_ids("tokens", ids)
         return await self.tm.tokenizer.decode_async(ids, skip_special_tokens)
+
+    async def tokenize_batch(
+        self, texts: list[str], add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[list[int]]:
+        check_tokenize_size(param, texts, self.options.max_tokenize_chars)
+        return await self.tm.tokenizer.encode_many_async(texts, add_special_tokens)
+
+    async def detokenize_batch(
+        self, id_lists: list, skip_special_tokens: bool = True, param: str = "tokens"
+    ) -> list[str]:
+        check_detokenize_size(param, id_lists, self.options.max_detokenize_tokens)
+        checked = []
+        for ids in id_lists:
+            if not isinstance(ids, list | tuple):  # a protobuf repeated field
+                ids = list(ids)
+            try:  # one C pass over each list: ints only (not bools, floats or strings)
+                ids = msgspec.convert(ids, list[int], strict=True)
+            except msgspec.ValidationError:
+                raise InvalidParameter(
+                    param, f"{param} must be a list of token ids or a list of such lists"
+                ) from None
+            self.tm.checker.check_token_ids(param, ids)
+            checked.append(ids)
+        return await self.tm.tokenizer.decode_many_async(checked, skip_special_tokens)
 
     async def control(self, msg, timeout: float = 60.0):
         msg.http_worker_ipc = self.address

@@ -21,6 +21,7 @@ from typing import Any
 from cadence.errors import InvalidParameter, RequestError
 from cadence.front.engine_client import ModelInfo
 from cadence.front.normalize import items, normalize_batch_and_arguments
+from cadence.front.request_checks import check_prompt_chars
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.io_struct import (
     AbortReq,
@@ -113,15 +114,9 @@ class EmbeddingChecker:
             )
 
     async def _encode(self, parts: list[EmbeddingReqInput]) -> list[tuple[list[int], list[int]]]:
-        limit = self.info.context_len * self.tokenizer.max_token_chars * 2
         for item in parts:
             texts = item.text if isinstance(item.text, list) else [item.text]
-            if sum(len(t) for t in texts) > limit:
-                raise InvalidParameter(
-                    "text",
-                    f"text has {sum(len(t) for t in texts)} characters: far more tokens than "
-                    f"the context length ({self.info.context_len}) holds; shorten it",
-                )
+            check_prompt_chars("text", sum(map(len, texts)), self.info, self.tokenizer)
         if not parts:
             return []
         texts = [tuple(item.text) if isinstance(item.text, list) else item.text for item in parts]

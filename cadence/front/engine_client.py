@@ -132,6 +132,21 @@ class EngineClient(ABC):
         """The text of token ids; raises InvalidParameter for ids outside the vocabulary."""
 
     @abstractmethod
+    async def tokenize_batch(
+        self, texts: list[str], add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[list[int]]:
+        """The token ids of each text (/tokenize, gRPC Tokenize): more texts or characters
+        than the server tokenizes in one request are refused, naming `param`, first."""
+
+    @abstractmethod
+    async def detokenize_batch(
+        self, id_lists: list, skip_special_tokens: bool = True, param: str = "tokens"
+    ) -> list[str]:
+        """The text of each list of token ids (/detokenize, gRPC Detokenize): more lists or
+        ids than the server decodes in one request, ids that are not integers or are
+        outside the vocabulary are refused, naming `param`, first."""
+
+    @abstractmethod
     async def control(self, msg, timeout: float = 60.0):
         """Sends a control message (flush, pause, continue, load, profile, weight update) to
         the scheduler; returns its answer when the message has one, else None."""

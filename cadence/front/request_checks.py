@@ -33,6 +33,9 @@ MAX_LOGPROB_ENTRIES = 1 << 20
 MAX_TOP_LOGPROBS_NUM = 256  # top-k alternatives per position
 # Constraints longer than this are checked on a worker thread, off the event loop.
 OFF_LOOP_GRAMMAR_CHARS = 8192
+# Prompts of one /tokenize request, id lists of one /detokenize request: each costs the
+# event loop a few microseconds whatever its size, so their number is bounded too.
+MAX_TOKENIZER_ITEMS = 4096
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class RequestOptions:
     enable_custom_logit_processor: bool = False
     enable_return_hidden_states: bool = False
     max_embedding_batch: int = 1024  # inputs of one embedding request (--max-embedding-batch)
+    max_tokenize_chars: int = 4 << 20  # characters of one /tokenize request (--max-tokenize-chars)
+    max_detokenize_tokens: int = 1 << 20  # ids of one /detokenize request (--max-detokenize-tokens)
 
     @classmethod
     def of(cls, args) -> RequestOptions:
@@ -50,6 +55,75 @@ class RequestOptions:
             enable_custom_logit_processor=args.enable_custom_logit_processor,
             enable_return_hidden_states=args.enable_return_hidden_states,
             max_embedding_batch=args.max_embedding_batch,
+            max_tokenize_chars=args.max_tokenize_chars,
+            max_detokenize_tokens=args.max_detokenize_tokens,
+        )
+
+
+def max_prompt_chars(info: ModelInfo, tokenizer: FrontTokenizer) -> int:
+    """The most characters a prompt may have and still fit the context: no token is longer
+    than the longest vocabulary entry (twice that, for a margin)."""
+    return info.context_len * tokenizer.max_token_chars * 2
+
+
+def check_prompt_chars(param: str, num_chars: int, info: ModelInfo, tokenizer) -> None:
+    """Refuses, before it is rendered or tokenized, a prompt of `num_chars` characters too
+    long to fit the context in any case."""
+    if num_chars > max_prompt_chars(info, tokenizer):
+        raise InvalidParameter(
+            param,
+            f"{param} has {num_chars} characters: far more tokens than the context "
+            f"length ({info.context_len}) holds; shorten it",
+        )
+
+
+def check_message_count(param: str, num_messages: int, info: ModelInfo) -> None:
+    """Refuses, before any message is looked at, a chat of more messages than the context
+    holds tokens: each message renders to at least one token, so it cannot fit."""
+    if num_messages > info.context_len:
+        raise InvalidParameter(
+            param,
+            f"{param} has {num_messages} messages: more than the context length "
+            f"({info.context_len}) holds tokens, so it cannot fit; send fewer",
+        )
+
+
+def check_tokenize_size(param: str, texts: list[str], max_chars: int) -> None:
+    """Refuses, before anything is tokenized, more texts than MAX_TOKENIZER_ITEMS or more
+    characters in all than `max_chars`: tokenizing costs memory and time in proportion."""
+    if len(texts) > MAX_TOKENIZER_ITEMS:
+        raise InvalidParameter(
+            param,
+            f"{param} has {len(texts)} prompts; at most {MAX_TOKENIZER_ITEMS} are tokenized "
+            "in one request: send several requests",
+        )
+    check_tokenize_chars(param, sum(map(len, texts)), max_chars)
+
+
+def check_tokenize_chars(param: str, num_chars: int, max_chars: int) -> None:
+    if num_chars > max_chars:
+        raise InvalidParameter(
+            param,
+            f"{param} has {num_chars} characters; this server tokenizes at most {max_chars} "
+            "in one request (--max-tokenize-chars): split the text over several requests",
+        )
+
+
+def check_detokenize_size(param: str, id_lists: list, max_ids: int) -> None:
+    """Refuses, before anything is decoded, more id lists than MAX_TOKENIZER_ITEMS or more
+    ids in all than `max_ids`."""
+    if len(id_lists) > MAX_TOKENIZER_ITEMS:
+        raise InvalidParameter(
+            param,
+            f"{param} has {len(id_lists)} lists of ids; at most {MAX_TOKENIZER_ITEMS} are "
+            "decoded in one request: send several requests",
+        )
+    num_ids = sum(map(len, id_lists))
+    if num_ids > max_ids:
+        raise InvalidParameter(
+            param,
+            f"{param} has {num_ids} token ids; this server decodes at most {max_ids} in one "
+            "request (--max-detokenize-tokens): split them over several requests",
         )
 
 
@@ -82,6 +156,7 @@ class RequestChecker:
         """Normalizes `obj` and returns its items tokenized and checked, in order. Raises
         InvalidParameter before anything is sent."""
         require_generation_model(self.info)
+        self._check_prompt_sizes(obj)
         normalize_batch_and_arguments(obj, self.max_items)
         tokenized = [await self._check_item(item, worker_ipc) for item in items(obj)]
         if obj.parallel_sample_num > 1:
@@ -91,18 +166,28 @@ class RequestChecker:
                     t.sampling_params.seed += j % obj.parallel_sample_num
         return tokenized
 
+    def _check_prompt_sizes(self, obj: GenerateReqInput) -> None:
+        """Refuses a prompt that cannot fit the context from its length alone, before its
+        items are looked at one by one (normalizing a 5M-id prompt took seconds)."""
+        if isinstance(obj.text, str):
+            self.check_text_length("text", obj.text)
+        ids = obj.input_ids
+        if isinstance(ids, list) and ids:
+            if not isinstance(ids[0], list):
+                self._check_prompt_length("input_ids", len(ids))
+            elif len(ids) <= self.max_items:  # a longer batch is refused by its size
+                for one in ids:
+                    if isinstance(one, list):
+                        self._check_prompt_length("input_ids", len(one))
+
     def check_text_length(self, param: str, text: str) -> None:
-        """Refuses, before tokenizing it, a text too long to fit the context in any case: no
-        token is longer than the longest vocabulary entry (twice that, for a margin)."""
-        if len(text) > self.info.context_len * self.tokenizer.max_token_chars * 2:
-            raise InvalidParameter(
-                param,
-                f"{param} has {len(text)} characters: far more tokens than the context "
-                f"length ({self.info.context_len}) holds; shorten it",
-            )
+        """Refuses, before tokenizing it, a text too long to fit the context in any case."""
+        check_prompt_chars(param, len(text), self.info, self.tokenizer)
 
     def check_token_ids(self, param: str, ids: list[int]) -> None:
         vocab = self.info.vocab_size
+        if not ids or (min(ids) >= 0 and max(ids) < vocab):  # C loops: a long list is cheap
+            return
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidParameter(
@@ -201,6 +286,7 @@ class RequestChecker:
             input_ids = await self.tokenizer.encode_async(item.text)
         else:
             input_ids = list(item.input_ids)
+            self._check_prompt_length("input_ids", len(input_ids))  # before scanning the ids
             self.check_token_ids("input_ids", input_ids)
         if not input_ids:
             raise InvalidParameter("text", "text: the prompt is empty after tokenization")
@@ -210,12 +296,7 @@ class RequestChecker:
         self, item: GenerateReqInput, input_ids: list[int], params: SamplingParams
     ) -> None:
         ctx, num = self.info.context_len, len(input_ids)
-        if num >= ctx:
-            raise InvalidParameter(
-                "text" if item.text is not None else "input_ids",
-                f"the prompt has {num} tokens, which is at least the context length ({ctx}); "
-                "shorten it",
-            )
+        self._check_prompt_length("text" if item.text is not None else "input_ids", num)
         if num + params.max_new_tokens > ctx:
             raise InvalidParameter(
                 "max_new_tokens",
@@ -229,6 +310,15 @@ class RequestChecker:
                 f"max_new_tokens: the prompt ({num} tokens) plus max_new_tokens "
                 f"({params.max_new_tokens}) needs more KV memory than the whole pool holds "
                 f"({self.info.max_total_tokens} tokens); lower max_new_tokens",
+            )
+
+    def _check_prompt_length(self, param: str, num: int) -> None:
+        ctx = self.info.context_len
+        if num >= ctx:
+            raise InvalidParameter(
+                param,
+                f"the prompt has {num} tokens, which is at least the context length ({ctx}); "
+                "shorten it",
             )
 
     def _check_logprobs(self, item: GenerateReqInput, params: SamplingParams) -> None:

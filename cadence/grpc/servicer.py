@@ -217,7 +217,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     async def Tokenize(self, request, context):
         client = self._client()
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        tokens = await client.tokenize(request.text, add_special)
+        [tokens] = await client.tokenize_batch([request.text], add_special, param="text")
         return pb.TokenizeResponse(
             tokens=tokens,
             count=len(tokens),
@@ -227,9 +227,9 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     @rpc
     async def Detokenize(self, request, context):
-        return pb.DetokenizeResponse(
-            text=await native_api.detokenize(self._client(), list(request.tokens))
-        )
+        # The repeated field goes as it is: its size is checked before it becomes a list.
+        [text] = await self._client().detokenize_batch([request.tokens])
+        return pb.DetokenizeResponse(text=text)
 
     # ---- health and information --------------------------------------------------------
 

@@ -18,6 +18,11 @@ from typing import Any
 from cadence.errors import InvalidParameter
 from cadence.front.engine_client import EngineClient, ModelInfo
 from cadence.front.normalize import from_json_dict
+from cadence.front.request_checks import (
+    MAX_TOKENIZER_ITEMS,
+    check_message_count,
+    check_tokenize_chars,
+)
 from cadence.io_struct import GenerateReqInput, GetLoadReqInput
 from cadence.version import __version__
 
@@ -201,22 +206,32 @@ async def tokenize_body(state, body: Any) -> dict[str, Any]:
         )
     max_len = client.info.context_len
     if messages is not None:
-        text = _render_chat(state, body)
-        tokens = await client.tokenize(text, add_special_tokens=False)
+        text = await _render_chat(state, body)
+        [tokens] = await client.tokenize_batch([text], add_special_tokens=False, param="messages")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": max_len}
     if isinstance(prompt, str):
-        tokens = await client.tokenize(prompt, add_special)
+        [tokens] = await client.tokenize_batch([prompt], add_special)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": max_len}
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        tokens = [await client.tokenize(p, add_special) for p in prompt]
+    if isinstance(prompt, list) and prompt:
+        if len(prompt) <= MAX_TOKENIZER_ITEMS and not all(isinstance(p, str) for p in prompt):
+            raise InvalidParameter(
+                "prompt", "prompt must be a string or a non-empty list of strings"
+            )
+        tokens = await client.tokenize_batch(prompt, add_special)  # checks the count first
         return {"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": max_len}
     raise InvalidParameter("prompt", "prompt must be a string or a non-empty list of strings")
 
 
-def _render_chat(state, body: dict) -> str:
+async def _render_chat(state, body: dict) -> str:
+    """The /tokenize messages rendered with the chat template; a chat whose text alone is
+    more than /tokenize takes is refused before it is rendered."""
     from cadence.serving import openai_protocol as proto
 
-    messages = proto.chat_messages(body["messages"] if isinstance(body["messages"], list) else None)
+    raw = body["messages"] if isinstance(body["messages"], list) else None
+    check_message_count("messages", len(raw or ()), state.client.info)
+    messages = proto.chat_messages(raw)
+    num_chars = sum(len(m["content"]) for m in messages)
+    check_tokenize_chars("messages", num_chars, state.args.max_tokenize_chars)
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise InvalidParameter("chat_template_kwargs", "chat_template_kwargs must be an object")
@@ -232,8 +247,8 @@ def _render_chat(state, body: dict) -> str:
         options["add_generation_prompt"] = True
     options["continue_final_message"] = bool(options["continue_final_message"])
     try:
-        return state.client.tokenizer.apply_chat_template(
-            messages, tokenize=False, chat_template=getattr(state, "chat_template", None), **options
+        return await state.client.tokenizer.render_chat_async(
+            messages, chat_template=getattr(state, "chat_template", None), **options
         )
     except Exception as e:  # a template's raise_exception, or a malformed conversation
         raise InvalidParameter(
@@ -251,17 +266,15 @@ async def detokenize_body(state, body: Any) -> dict[str, Any]:
         raise InvalidParameter(
             "skip_special_tokens", f"skip_special_tokens must be true or false, got {skip!r}"
         )
-    if isinstance(tokens, list) and tokens and all(isinstance(t, list) for t in tokens):
-        return {"text": [await detokenize(state.client, t, skip) for t in tokens]}
-    return {"text": await detokenize(state.client, tokens, skip)}
-
-
-async def detokenize(client: EngineClient, ids: Any, skip_special_tokens: bool = True) -> str:
-    """The text of one list of token ids; ids must be ints inside the vocabulary."""
-    if not isinstance(ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in ids
-    ):
+    if not isinstance(tokens, list):
         raise InvalidParameter(
             "tokens", "tokens must be a list of token ids or a list of such lists"
         )
-    return await client.detokenize(ids, skip_special_tokens)
+    if tokens and isinstance(tokens[0], list):  # a list of lists: each one's text
+        if len(tokens) <= MAX_TOKENIZER_ITEMS and not all(isinstance(t, list) for t in tokens):
+            raise InvalidParameter(
+                "tokens", "tokens must be a list of token ids or a list of such lists"
+            )
+        return {"text": await state.client.detokenize_batch(tokens, skip)}
+    [text] = await state.client.detokenize_batch([tokens], skip)
+    return {"text": text}

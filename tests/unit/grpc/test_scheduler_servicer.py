@@ -95,6 +95,12 @@ class ScriptedClient(EngineClient):
     async def detokenize(self, ids, skip_special_tokens=True):
         return ""
 
+    async def tokenize_batch(self, texts, add_special_tokens=True, param="prompt"):
+        return [[] for _ in texts]
+
+    async def detokenize_batch(self, id_lists, skip_special_tokens=True, param="tokens"):
+        return ["" for _ in id_lists]
+
     async def control(self, msg, timeout=60.0):
         self.controls.append(msg)
         name = type(msg).__name__
