@@ -1,6 +1,6 @@
 """Regenerate the checked-in gRPC stubs from the protos under proto/.
 
-    python scripts/gen_grpc_stubs.py            # rewrite cadence/grpc/*_pb2*.py(i)
+    python scripts/gen_grpc_stubs.py            # rewrite cadence/grpc/stubs/*_pb2*.py(i)
     python scripts/gen_grpc_stubs.py --check    # exit 1 if the checked-in stubs are stale
 
 Needs grpcio-tools (a build/test dependency; users of the package never run protoc).
@@ -13,7 +13,7 @@ The protos and the stub modules generated from them:
   backends): smg_common_pb2* (named for its package: a bare `common_pb2` says nothing).
 
 protoc names the generated modules after the proto's path (`sglang.runtime.v1`, ...), so
-the imports between them are rewritten to point at `cadence.grpc`. Each descriptor keeps
+the imports between them are rewritten to point at `cadence.grpc.stubs`. Each descriptor keeps
 its proto's path as its file name (`sglang/runtime/v1/sglang.proto`, ...), which
 reflection reports. The modules of the scheduler service start with a line that keeps
 ruff's linter and formatter off them (pyproject.toml's exclude list names the older ones).
@@ -34,8 +34,8 @@ PROTO_FILES = (
     "smg/grpc/common/common.proto",
     "sglang/grpc/scheduler/sglang_scheduler.proto",
 )
-PACKAGE_DIR = REPO / "cadence" / "grpc"
-# generated file (relative to the output directory) -> its name in cadence/grpc
+PACKAGE_DIR = REPO / "cadence" / "grpc" / "stubs"
+# generated file (relative to the output directory) -> its name in cadence/grpc/stubs
 STUBS = {
     "sglang/runtime/v1/sglang_pb2.py": "sglang_pb2.py",
     "sglang/runtime/v1/sglang_pb2.pyi": "sglang_pb2.pyi",
@@ -48,11 +48,14 @@ STUBS = {
 }
 # (import protoc writes, the same import of the module in cadence.grpc)
 _IMPORTS = (
-    ("from sglang.runtime.v1 import sglang_pb2 as", "from cadence.grpc import sglang_pb2 as"),
-    ("from smg.grpc.common import common_pb2 as", "from cadence.grpc import smg_common_pb2 as"),
+    ("from sglang.runtime.v1 import sglang_pb2 as", "from cadence.grpc.stubs import sglang_pb2 as"),
+    (
+        "from smg.grpc.common import common_pb2 as",
+        "from cadence.grpc.stubs import smg_common_pb2 as",
+    ),
     (
         "from sglang.grpc.scheduler import sglang_scheduler_pb2 as",
-        "from cadence.grpc import sglang_scheduler_pb2 as",
+        "from cadence.grpc.stubs import sglang_scheduler_pb2 as",
     ),
 )
 _UNLINTED = ("smg_common_pb2", "sglang_scheduler_pb2")

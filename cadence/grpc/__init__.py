@@ -17,7 +17,28 @@ which SGLang's model gateway (SMG) drives with token ids (`scheduler_servicer`; 
 `sglang_scheduler_pb2*` and `smg_common_pb2`, from proto/sglang/grpc/scheduler/ and
 proto/smg/grpc/common/; docs/grpc.md, "SGLang's scheduler service").
 
-This module imports nothing: `server` (grpc.aio) is loaded by the front process only.
+The generated modules live in `cadence.grpc.stubs`; their public names stay
+`cadence.grpc.<stub>`, loaded on first use. This module imports nothing: `server`
+(grpc.aio) is loaded by the front process only.
 """
 
+import importlib
+
 SERVICE_NAME = "sglang.runtime.v1.SglangService"
+STUBS = frozenset(
+    {
+        "sglang_pb2",
+        "sglang_pb2_grpc",
+        "sglang_scheduler_pb2",
+        "sglang_scheduler_pb2_grpc",
+        "smg_common_pb2",
+    }
+)
+
+
+def __getattr__(name: str):
+    if name in STUBS:
+        module = importlib.import_module(f"cadence.grpc.stubs.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'cadence.grpc' has no attribute {name!r}")

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from cadence.grpc import sglang_pb2 as sglang_dot_runtime_dot_v1_dot_sglang__pb2
+from cadence.grpc.stubs import sglang_pb2 as sglang_dot_runtime_dot_v1_dot_sglang__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -5,8 +5,8 @@
 import grpc
 import warnings
 
-from cadence.grpc import sglang_scheduler_pb2 as sglang_dot_grpc_dot_scheduler_dot_sglang__scheduler__pb2
-from cadence.grpc import smg_common_pb2 as smg_dot_grpc_dot_common_dot_common__pb2
+from cadence.grpc.stubs import sglang_scheduler_pb2 as sglang_dot_grpc_dot_scheduler_dot_sglang__scheduler__pb2
+from cadence.grpc.stubs import smg_common_pb2 as smg_dot_grpc_dot_common_dot_common__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
