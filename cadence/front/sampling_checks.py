@@ -35,6 +35,9 @@ MAX_STOP_TOKEN_IDS = 1024
 # Stop regexes are searched on the tail of the output text at every step, as SGLang bounds them.
 MAX_STOP_REGEXES = 32
 MAX_STOP_REGEX_CHARS = 256
+# No vocabulary in use has more tokens than this (Gemma's: 262,144): a logit_bias with more
+# entries names a token that does not exist. Each entry costs microseconds to check.
+MAX_LOGIT_BIAS_ENTRIES = 1 << 18
 
 # Every integer crosses ZMQ as msgpack, which cannot carry more than 64 bits; a larger
 # value must be refused here rather than crash the encoder in the front process.
@@ -359,7 +362,25 @@ def coerce_field(name: str, value: Any) -> Any:
         raise InvalidParameter(name, _unknown_message(name))
     if value is None:
         return None
+    _check_count(name, value)
     return coercer(name, value)
+
+
+# The most entries of each list or object parameter, checked before any entry is read.
+_MAX_ENTRIES = {
+    "stop": (MAX_STOP_STRINGS, "strings"),
+    "stop_regex": (MAX_STOP_REGEXES, "patterns"),
+    "stop_token_ids": (MAX_STOP_TOKEN_IDS, "ids"),
+    "logit_bias": (MAX_LOGIT_BIAS_ENTRIES, "entries"),
+}
+
+
+def _check_count(name: str, value: Any) -> None:
+    limit = _MAX_ENTRIES.get(name)
+    if limit is not None and isinstance(value, list | tuple | dict) and len(value) > limit[0]:
+        raise InvalidParameter(
+            name, f"{name} has {len(value)} {limit[1]}; at most {limit[0]} are allowed"
+        )
 
 
 def _unknown_message(name: Any) -> str:

@@ -19,6 +19,7 @@ import msgspec
 
 from cadence.errors import InvalidParameter, readable
 from cadence.front.normalize import drop_unknown
+from cadence.front.sampling_checks import MAX_LOGIT_BIAS_ENTRIES
 from cadence.serving import chat_tools
 from cadence.serving.errors import decode_json
 
@@ -171,6 +172,12 @@ def _check_common(req: _Request) -> None:
     if req.stream_options is not None and not req.stream:
         raise InvalidParameter(
             "stream_options", "stream_options is only allowed when stream is true"
+        )
+    if len(req.logit_bias or ()) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidParameter(
+            "logit_bias",
+            f"logit_bias has {len(req.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} "
+            "are allowed",
         )
     for token_id, bias in (req.logit_bias or {}).items():
         if not -100 <= bias <= 100:
