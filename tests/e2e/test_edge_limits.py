@@ -13,7 +13,7 @@ import time
 import grpc
 import httpx
 import pytest
-from e2e_server import is_idle
+from e2e_server import is_idle, wait_until
 from grpc_support import stub, target
 
 from cadence.grpc import sglang_pb2 as pb
@@ -276,3 +276,146 @@ def test_undecodable_grpc_messages_are_invalid_argument(srv, raw, method):
             list(result) if method == "TextGenerate" else result
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     assert "not a valid" in e.value.details()
+
+
+# ---- tokenizer routes, chats, gRPC messages, memory ------------------------------------------
+
+MAX_TOKENIZE_CHARS = 4 * 1024 * 1024  # the default --max-tokenize-chars
+MAX_DETOKENIZE_TOKENS = 1024 * 1024  # the default --max-detokenize-tokens
+GRPC_LIMIT = 16 * 1024 * 1024  # the default --grpc-max-message-mb
+
+
+def test_oversize_tokenize_and_detokenize_are_refused_before_work(srv):
+    with srv.client(timeout=60) as client:
+        for route, body, param, words in (
+            ("/tokenize", {"prompt": "a" * (MAX_TOKENIZE_CHARS + 1)}, "prompt", "characters"),
+            ("/v1/tokenize", {"prompt": ["a"] * 4097}, "prompt", "at most 4096"),
+            (
+                "/tokenize",
+                {"messages": [{"role": "user", "content": "hi"}] * 9000},
+                "messages",
+                "9000 messages",
+            ),
+            ("/detokenize", {"tokens": [1] * (MAX_DETOKENIZE_TOKENS + 1)}, "tokens", "token ids"),
+            ("/v1/detokenize", {"tokens": [[1]] * 4097}, "tokens", "at most 4096"),
+        ):
+            start = time.monotonic()
+            assert_400(client.post(route, json=body), param, words)
+            assert time.monotonic() - start < 5, route  # refused, not worked through
+    rpc = stub(srv)
+    for call, request, words in (
+        (
+            rpc.Tokenize,
+            pb.TokenizeRequest(text="a" * (MAX_TOKENIZE_CHARS + 1)),
+            "max-tokenize-chars",
+        ),
+        (
+            rpc.Detokenize,
+            pb.DetokenizeRequest(tokens=[1] * (MAX_DETOKENIZE_TOKENS + 1)),
+            "max-detokenize-tokens",
+        ),
+    ):
+        with pytest.raises(grpc.RpcError) as e:
+            call(request, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
+
+
+def test_oversize_chats_and_sampling_lists_are_refused_before_work(srv):
+    hi = {"role": "user", "content": "hi"}
+    with srv.client(timeout=60) as client:
+        for route, body, param, words in (
+            ("/v1/chat/completions", {"messages": [hi] * 9000}, "messages", "9000 messages"),
+            ("/v1/responses", {"input": [hi] * 9000}, "input", "9000 messages"),
+            (
+                "/v1/chat/completions",
+                {"messages": [{**hi, "content": "a" * 3_000_000}]},
+                "messages",
+                "characters",
+            ),
+            ("/generate", {"input_ids": [1] * 2_000_000}, "input_ids", "context length"),
+            (
+                "/generate",
+                {"text": "hi", "sampling_params": {"stop_token_ids": [1] * 100_000}},
+                "stop_token_ids",
+                "at most 1024",
+            ),
+            (
+                "/v1/chat/completions",
+                {"messages": [hi], "logit_bias": {str(i): 1 for i in range(300_000)}},
+                "logit_bias",
+                "at most",
+            ),
+        ):
+            start = time.monotonic()
+            assert_400(client.post(route, json=body), param, words)
+            assert time.monotonic() - start < 5, route
+
+
+def test_a_grpc_message_over_the_limit_is_refused_while_health_answers(srv):
+    """A 40 MiB message (the limit is 16): RESOURCE_EXHAUSTED from its length prefix, and
+    /health answers within a second meanwhile. Sent pre-encoded, so that this process does
+    not hold the GIL encoding it."""
+    raw = pb.TokenizeRequest(text="a" * (40 * 1024 * 1024)).SerializeToString()
+    outcome: dict = {}
+
+    def send():
+        with grpc.insecure_channel(
+            target(srv), options=[("grpc.max_send_message_length", 64 * 1024 * 1024)]
+        ) as channel:
+            call = channel.unary_unary("/sglang.runtime.v1.SglangService/Tokenize")
+            try:
+                call(raw, timeout=60)
+            except grpc.RpcError as e:
+                outcome["error"] = e
+
+    latencies = _health_latencies_while(srv, send)
+    error = outcome["error"]
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+    assert str(GRPC_LIMIT) in error.details()
+    assert max(latencies) < 1.0, f"/health took up to {max(latencies) * 1000:.0f} ms"
+
+
+def test_front_memory_returns_after_a_large_tokenize(srv):
+    """2M characters (~500k tokens): accepted, tokenized off the event loop while /health
+    answers, and the front's resident memory comes back near where it was."""
+    text = ("The quick brown fox jumps over the lazy dog. " * 50_000)[:2_000_000]
+    before = _rss_mib(srv)
+    peak = [before]
+    outcome: dict = {}
+
+    def send():
+        with srv.client(timeout=300) as client:
+            outcome["response"] = client.post("/tokenize", json={"prompt": text})
+
+    latencies = _health_latencies_while(srv, send, lambda: peak.append(_rss_mib(srv)))
+    r = outcome["response"]
+    assert r.status_code == 200 and r.json()["count"] > 300_000, r.text[:200]
+    assert max(latencies) < 1.0, f"/health took up to {max(latencies) * 1000:.0f} ms"
+    assert max(peak) > before + 100, (before, max(peak))  # the request did take memory
+    assert wait_until(lambda: _rss_mib(srv) < before + 64, timeout=10), (
+        f"the front kept {_rss_mib(srv) - before:.0f} MiB: {before:.0f} MiB before, "
+        f"{max(peak):.0f} at the peak, {_rss_mib(srv):.0f} after"
+    )
+
+
+def _rss_mib(srv) -> float:
+    with open(f"/proc/{srv.proc.pid}/status") as f:  # the server's own process is the front
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kb / 1024
+
+
+def _health_latencies_while(srv, work, each=lambda: None) -> list[float]:
+    """/health's answer times while `work` runs on another thread."""
+    thread = threading.Thread(target=work)
+    latencies = []
+    with srv.client(timeout=5) as client:
+        client.get("/health")  # a warm connection
+        thread.start()
+        while thread.is_alive():
+            start = time.monotonic()
+            assert client.get("/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+            each()
+            time.sleep(0.01)
+    thread.join()
+    return latencies
