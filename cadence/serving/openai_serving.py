@@ -360,8 +360,12 @@ class OpenAIServing:
         if req.echo:
             prompts = prompt.get("text", prompt.get("input_ids"))
             prompts = prompts if is_batch else [prompts]
+            # The prompt as it was sent, special tokens included (as vLLM echoes it).
             job.prompt_texts = [
-                p if isinstance(p, str) else self.client.tokenizer.decode(p) for p in prompts
+                p
+                if isinstance(p, str)
+                else self.client.tokenizer.decode(p, skip_special_tokens=False)
+                for p in prompts
             ]
         return job
 
@@ -453,6 +457,9 @@ class OpenAIServing:
 
         try:
             if job.is_chat:
+                # Nothing is generated yet: the usage so far is the prompt's alone.
+                start = dict(first["meta_info"], completion_tokens=0) if first else None
+                usage = self._continuous_usage(job, start)
                 for i in range(job.num_choices):
                     yield chunk(
                         [
@@ -466,7 +473,8 @@ class OpenAIServing:
                                 "logprobs": None,
                                 "finish_reason": None,
                             }
-                        ]
+                        ],
+                        **({"usage": usage} if usage else {}),
                     )
             pending = [first] if first is not None else []
             while True:
@@ -481,8 +489,7 @@ class OpenAIServing:
                 counts[index] = delta["meta_info"]
                 usage = self._continuous_usage(job, delta["meta_info"])
                 for choice in self._delta_choices(job, index, delta, offsets, answers):
-                    extra = {"usage": usage} if usage and choice["finish_reason"] is None else {}
-                    yield chunk([choice], **extra)
+                    yield chunk([choice], **({"usage": usage} if usage else {}))
             if job.req.include_usage:
                 metas = [counts[i] for i in sorted(counts)]
                 firsts = metas[:: job.n]
@@ -498,10 +505,12 @@ class OpenAIServing:
             await gen.aclose()
 
     @staticmethod
-    def _continuous_usage(job: _Job, meta: dict) -> dict | None:
-        """stream_options.continuous_usage_stats: the usage so far on every content chunk."""
+    def _continuous_usage(job: _Job, meta: dict | None) -> dict | None:
+        """stream_options {include_usage, continuous_usage_stats}: the usage so far of the
+        chunk's choice on every chunk, as vLLM sends it (continuous_usage_stats alone adds
+        nothing: usage is only sent when include_usage asks for it)."""
         options = job.req.stream_options
-        if not (options and options.continuous_usage_stats):
+        if not (meta and job.req.include_usage and options.continuous_usage_stats):
             return None
         return proto.usage(
             meta["prompt_tokens"], meta["completion_tokens"], meta.get("cached_tokens", 0)
@@ -515,48 +524,40 @@ class OpenAIServing:
         offsets: dict[int, int],
         answers: dict[int, ChatAnswerStream],
     ) -> list[dict]:
-        """The choices a delta becomes: none (nothing to say yet), its text (for chat: its
-        content, reasoning_content and tool_calls), and for chat a separate closing choice
-        whose delta carries SGLang's null fields (content, reasoning_content, tool_calls), so
-        typed clients see those attributes."""
+        """The choices a delta becomes: none (nothing to say yet) or one; for chat, its
+        content, reasoning_content and tool_calls. The last one carries the finish_reason
+        together with the last text, as vLLM and OpenAI send it; its delta always has a
+        `content` string ("" when nothing is left to say) and SGLang's null fields, so
+        clients reading `delta.content` of every chunk, and typed clients, work."""
         meta = delta["meta_info"]
         reason = meta.get("finish_reason")
         if not job.is_chat:
             choice = self._delta_choice(job, index, delta, offsets)
             return [] if choice is None else [choice]
-        choices = []
         text = delta["text"]
+        offsets[index] = offsets.get(index, 0) + len(text)
         answer = answers.get(index)
         if answer is None:
             answer = answers[index] = job.answer.stream()
         delta_fields = answer.update(text, is_final=reason is not None)
         logprobs = self._chat_logprobs(job, meta)
-        if delta_fields or (logprobs and logprobs["content"]):
-            delta_fields.setdefault("reasoning_content", None)
-            choices.append(
-                {
-                    "index": index,
-                    "delta": delta_fields,
-                    "logprobs": logprobs,
-                    "finish_reason": None,
-                    "matched_stop": None,
-                }
-            )
+        if reason is None and not (delta_fields or (logprobs and logprobs["content"])):
+            return []
+        delta_fields.setdefault("reasoning_content", None)
+        finish = proto.finish_reason(reason)
         if reason is not None:
-            finish = proto.finish_reason(reason)
+            delta_fields.setdefault("content", "")
+            delta_fields.setdefault("tool_calls", None)
             if finish == "stop" and answer.has_tool_calls:
                 finish = "tool_calls"
-            choices.append(
-                {
-                    "index": index,
-                    "delta": {"content": None, "reasoning_content": None, "tool_calls": None},
-                    "logprobs": None,
-                    "finish_reason": finish,
-                    "matched_stop": proto.matched_stop(reason),
-                }
-            )
-        offsets[index] = offsets.get(index, 0) + len(text)
-        return choices
+        choice = {
+            "index": index,
+            "delta": delta_fields,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "matched_stop": proto.matched_stop(reason),
+        }
+        return [choice]
 
     def _delta_choice(
         self, job: _Job, index: int, delta: dict, offsets: dict[int, int]

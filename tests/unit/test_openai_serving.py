@@ -35,7 +35,7 @@ class CharTokenizer:
         return [ord(c) for c in text]
 
     def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids if i != EOS)
+        return "".join(chr(i) for i in ids if i != EOS or not skip_special_tokens)
 
     def apply_chat_template(
         self,
@@ -281,11 +281,21 @@ async def test_chat_stream_role_first_finish_last_then_usage():
     deltas = [e["choices"][0] for e in events[1:-1]]
     assert "".join(d["delta"].get("content") or "" for d in deltas) == "Hi!"
     assert [d["finish_reason"] for d in deltas] == [None] * (len(deltas) - 1) + ["stop"]
-    # The closing delta carries SGLang's null fields, so typed clients see the attributes.
-    assert deltas[-1]["delta"] == {"content": None, "reasoning_content": None, "tool_calls": None}
+    # EOS adds no text: the closing delta's content is "" (a string on every chunk), with
+    # SGLang's null fields, so typed clients see the attributes.
+    assert deltas[-1]["delta"] == {"content": "", "reasoning_content": None, "tool_calls": None}
     assert all("reasoning_content" in d["delta"] for d in deltas)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
     assert all(e["usage"] is None for e in events[:-1])
+
+
+async def test_chat_stream_finish_reason_comes_with_the_last_text():
+    serving, _ = make_serving(reply="Hi!")
+    stream = await serving.chat_completions(body(messages=USER, stream=True, max_tokens=2))
+    events = await sse_events(stream)
+    last = events[-1]["choices"][0]
+    assert last["finish_reason"] == "length" and last["delta"]["content"] == "i"
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
 
 
 async def test_stream_with_n_2_streams_each_choice_with_its_index():
@@ -343,6 +353,9 @@ async def test_completion_prompt_list_gives_a_choice_per_prompt_and_sample():
     }
     out = decoded(await serving.completions(body(prompt=[[104, 105]], max_tokens=1, echo=True)))
     assert out["choices"][0]["text"] == "hix"
+    # A token-id prompt is echoed with its special tokens (EOS here), as vLLM does.
+    out = decoded(await serving.completions(body(prompt=[104, EOS], max_tokens=1, echo=True)))
+    assert out["choices"][0]["text"] == f"h{chr(EOS)}x"
 
 
 async def test_completion_default_max_tokens_is_16():
@@ -499,14 +512,28 @@ async def test_any_model_name_is_served_and_echoed_unless_strict():
     )
 
 
-async def test_continuous_usage_stats_put_the_usage_on_every_content_chunk():
+@pytest.mark.parametrize("route", ["chat_completions", "completions"])
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(route):
     serving, _ = make_serving(reply="Hi!")
-    stream = await serving.chat_completions(
-        body(messages=USER, stream=True, stream_options={"continuous_usage_stats": True})
+    prompt = {"messages": USER} if route == "chat_completions" else {"prompt": "Q"}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = await sse_events(
+        await getattr(serving, route)(body(**prompt, stream=True, stream_options=options))
     )
-    events = await sse_events(stream)
-    content = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
-    assert content and all(e["usage"]["completion_tokens"] >= 1 for e in content)
-    assert [e["usage"]["completion_tokens"] for e in content] == sorted(
-        e["usage"]["completion_tokens"] for e in content
+    counts = [e["usage"]["completion_tokens"] for e in events]  # the role chunk's is 0
+    assert counts == sorted(counts) and counts[-1] == 4 and len(events) >= 4
+    assert all(e["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"] for e in events)
+    assert all(
+        e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
+        for e in events
     )
+    assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-1]["choices"] == []
+
+
+async def test_continuous_usage_stats_without_include_usage_sends_no_usage():
+    serving, _ = make_serving(reply="Hi!")
+    options = {"continuous_usage_stats": True}
+    events = await sse_events(
+        await serving.chat_completions(body(messages=USER, stream=True, stream_options=options))
+    )
+    assert events and all("usage" not in e for e in events)
