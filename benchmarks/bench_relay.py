@@ -15,9 +15,13 @@ Not a test. Measures, each next to the limit it is compared with:
     next to a bare ZMQ PUSH/PULL ping-pong of the same size between two processes (blocking
     sockets), and, to tell the event loop's share from the runtime's, the same ping-pong
     with both ends on an event loop reading through `channels.Inbox`.
+The three round trips run in rounds (`--rounds`, `--count` each), alternating, so that on a
+shared machine all three see the same load; the medians of the rounds are reported, and the
+spread of the round-by-round ratio next to them.
 Targets: shm >= 0.5x memcpy at 16 MiB (one-shot); control round trip <= 1.5x bare ZMQ.
 
     .venv/bin/python benchmarks/bench_relay.py [--json out.json] [--png out.png] [--quick]
+        [--control-only] [--rounds 5] [--count 1000] [--sizes 1 16 256] [--smoke]
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ CREDITS = 4
 
 
 def _reps(size_mib: int, quick: bool) -> int:
-    reps = {1: 200, 16: 30, 256: 4}[size_mib]
+    reps = {1: 200, 16: 30, 256: 4}.get(size_mib, max(4, 200 // size_mib))
     return max(2, reps // 4) if quick else reps
 
 
@@ -253,31 +257,6 @@ def run_zmq_echo(pull_at: str, push_to: str) -> None:
     ctx.destroy(linger=0)
 
 
-def zmq_rtt_us(count: int, size: int) -> float:
-    folder = tempfile.mkdtemp(prefix="cadence-bench-zmq-")
-    back, there = f"ipc://{folder}/back", f"ipc://{folder}/there"
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.bind(back)
-    push = ctx.socket(zmq.PUSH)
-    push.connect(there)
-    proc = mp.get_context("spawn").Process(target=run_zmq_echo, args=(there, back))
-    proc.start()
-    message = b"x" * size
-    times = []
-    for i in range(count + 200):
-        start = time.perf_counter_ns()
-        push.send(message)
-        pull.recv()
-        if i >= 200:
-            times.append(time.perf_counter_ns() - start)
-    push.send(b"stop")
-    proc.join(10)
-    ctx.destroy(linger=0)
-    shutil.rmtree(folder, ignore_errors=True)
-    return statistics.median(times) / 1000
-
-
 def run_loop_echo(pull_at: str, push_to: str) -> None:
     """Process: echoes every message from an event loop, as a stage process reads them."""
 
@@ -302,70 +281,138 @@ def run_loop_echo(pull_at: str, push_to: str) -> None:
     uvloop.run(main())
 
 
-async def zmq_loop_rtt_us(count: int) -> float:
-    """The ping-pong with both ends on an event loop (typed messages through `Inbox`): the
-    floor of any round trip that an asyncio process takes part in."""
-    folder = tempfile.mkdtemp(prefix="cadence-bench-loop-")
-    back, there = f"ipc://{folder}/back", f"ipc://{folder}/there"
-    ctx = zmq.Context()
-    pull = channels.bind(ctx, zmq.PULL, back)
-    push = channels.connect(ctx, zmq.PUSH, there)
-    proc = mp.get_context("spawn").Process(target=run_loop_echo, args=(there, back))
-    proc.start()
-    loop = asyncio.get_running_loop()
-    waiter: asyncio.Future | None = None
+class ControlPeers:
+    """The three round trips, each against a process of its own that lives for the whole
+    run, so that rounds can alternate between them and every figure of a round sees the
+    same machine load:
+      - control: a request through a one-stage pipeline (Submit -> echo -> Complete);
+      - bare: a blocking ZMQ PUSH/PULL ping-pong of the same size (the limit);
+      - loop: the ping-pong with both ends on an event loop reading through `Inbox`, the
+        floor of any round trip an asyncio process takes part in."""
 
-    def on_message(msg, frame) -> None:
-        waiter.set_result(None)
+    WARMUP = 200
 
-    inbox = channels.Inbox(pull, on_message, "ping")
-    inbox.start()
-    times = []
-    for i in range(count + 200):
-        waiter = loop.create_future()
-        start = time.perf_counter_ns()
-        channels.send(push, StatsQuery(token=i))
-        await waiter
-        if i >= 200:
+    async def start(self) -> None:
+        # Stage processes import this file by its name: its directory is on sys.path (main()).
+        config = PipelineConfig(
+            name="bench-control",
+            stages=[StageConfig(name="echo", executor="bench_relay:Echo", terminal=True)],
+        )
+        self.pipeline = await Pipeline.start(config)
+        self.request = {"text": "hi", "n": 1}
+        self.message_bytes = len(msgspec.msgpack.encode(self.request)) + 40  # ~ a Submit
+        self.folder = tempfile.mkdtemp(prefix="cadence-bench-control-")
+        self.ctx = zmq.Context()
+        spawn = mp.get_context("spawn")
+        self.bare_pull, self.bare_push = self.ctx.socket(zmq.PULL), self.ctx.socket(zmq.PUSH)
+        self.bare_pull.bind(f"ipc://{self.folder}/bare-back")
+        self.bare_push.connect(f"ipc://{self.folder}/bare-there")
+        self.bare_proc = spawn.Process(
+            target=run_zmq_echo,
+            args=(f"ipc://{self.folder}/bare-there", f"ipc://{self.folder}/bare-back"),
+        )
+        self.loop_pull = channels.bind(self.ctx, zmq.PULL, f"ipc://{self.folder}/loop-back")
+        self.loop_push = channels.connect(self.ctx, zmq.PUSH, f"ipc://{self.folder}/loop-there")
+        self.loop_proc = spawn.Process(
+            target=run_loop_echo,
+            args=(f"ipc://{self.folder}/loop-there", f"ipc://{self.folder}/loop-back"),
+        )
+        self.bare_proc.start()
+        self.loop_proc.start()
+        self._waiter: asyncio.Future | None = None
+        self.inbox = channels.Inbox(self.loop_pull, self._on_echo, "ping")
+        self.inbox.start()
+        await self.control(self.WARMUP)
+        self.bare(self.WARMUP)
+        await self.loop(self.WARMUP)
+
+    async def control(self, count: int) -> list[int]:
+        submit, request, times = self.pipeline.coordinator.submit, self.request, []
+        for _ in range(count):
+            start = time.perf_counter_ns()
+            await submit(request)
             times.append(time.perf_counter_ns() - start)
-    channels.send(push, StatsQuery(token=-1))
-    await asyncio.to_thread(proc.join, 10)
-    inbox.stop()
-    ctx.destroy(linger=0)
-    shutil.rmtree(folder, ignore_errors=True)
-    return statistics.median(times) / 1000
+        return times
 
-
-async def control_rtt(count: int) -> dict:
-    # Stage processes import this file by its name: its directory is on sys.path (main()).
-    config = PipelineConfig(
-        name="bench-control",
-        stages=[StageConfig(name="echo", executor="bench_relay:Echo", terminal=True)],
-    )
-    pipeline = await Pipeline.start(config)
-    try:
-        request = {"text": "hi", "n": 1}
-        size = len(msgspec.msgpack.encode(request)) + 40  # about a Submit's size
-        for _ in range(200):
-            await pipeline.coordinator.submit(request)
+    async def control_message(self, count: int) -> list[int]:
+        """A control message alone: StatsQuery (PUB) -> dispatch -> StageStats."""
         times = []
         for _ in range(count):
             start = time.perf_counter_ns()
-            await pipeline.coordinator.submit(request)
+            await self.pipeline.coordinator.stage_stats()
             times.append(time.perf_counter_ns() - start)
-        bare = []  # a control message alone: StatsQuery (PUB) -> dispatch -> StageStats
-        for _ in range(count // 2):
+        return times
+
+    def bare(self, count: int) -> list[int]:
+        push, pull, message, times = self.bare_push, self.bare_pull, b"x" * self.message_bytes, []
+        for _ in range(count):
             start = time.perf_counter_ns()
-            await pipeline.coordinator.stage_stats()
-            bare.append(time.perf_counter_ns() - start)
+            push.send(message)
+            pull.recv()
+            times.append(time.perf_counter_ns() - start)
+        return times
+
+    def _on_echo(self, msg, frame) -> None:
+        self._waiter.set_result(None)
+
+    async def loop(self, count: int) -> list[int]:
+        loop, times = asyncio.get_running_loop(), []
+        for i in range(count):
+            self._waiter = loop.create_future()
+            start = time.perf_counter_ns()
+            channels.send(self.loop_push, StatsQuery(token=i))
+            await self._waiter
+            times.append(time.perf_counter_ns() - start)
+        return times
+
+    async def stop(self) -> None:
+        await self.pipeline.shutdown()
+        self.bare_push.send(b"stop")
+        channels.send(self.loop_push, StatsQuery(token=-1))
+        await asyncio.to_thread(self.bare_proc.join, 10)
+        await asyncio.to_thread(self.loop_proc.join, 10)
+        self.inbox.stop()
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _median_us(times: list[int]) -> float:
+    return statistics.median(times) / 1000
+
+
+async def control_rtt(rounds: int, count: int) -> dict:
+    """Medians over `rounds` rounds; in each round every round trip runs `count` times, in
+    an order that rotates from round to round."""
+    peers = ControlPeers()
+    await peers.start()
+    per_round: dict[str, list[float]] = {"control": [], "bare": [], "loop": []}
+    pooled: list[int] = []
+    try:
+        for r in range(rounds):
+            names = list(per_round)
+            for name in names[r % 3 :] + names[: r % 3]:
+                times = getattr(peers, name)(count)
+                if asyncio.iscoroutine(times):
+                    times = await times
+                per_round[name].append(_median_us(times))
+                if name == "control":
+                    pooled += times
+        message = _median_us(await peers.control_message(max(1, count // 2)))
     finally:
-        await pipeline.shutdown()
-    times.sort()
+        await peers.stop()
+    ratios = [c / b for c, b in zip(per_round["control"], per_round["bare"])]
+    pooled.sort()
     return {
-        "control_rtt_us": statistics.median(times) / 1000,
-        "control_rtt_p99_us": times[int(len(times) * 0.99)] / 1000,
-        "control_msg_rtt_us": statistics.median(bare) / 1000,
-        "message_bytes": size,
+        "control_rtt_us": statistics.median(per_round["control"]),
+        "control_rtt_p99_us": pooled[int(len(pooled) * 0.99)] / 1000,
+        "control_msg_rtt_us": message,
+        "zmq_rtt_us": statistics.median(per_round["bare"]),
+        "zmq_loop_rtt_us": statistics.median(per_round["loop"]),
+        "control_vs_zmq": statistics.median(ratios),
+        "control_vs_zmq_rounds": ratios,
+        "control_rounds_us": per_round["control"],
+        "zmq_rounds_us": per_round["bare"],
+        "message_bytes": peers.message_bytes,
     }
 
 
@@ -378,40 +425,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def measure(quick: bool) -> dict:
+async def measure(args) -> dict:
     out: dict = {"machine": {"cpus": os.cpu_count(), "load": os.getloadavg()[0]}}
-    for size in SIZES_MIB:
-        limits = memcpy_figures(size, quick)
+    out["sizes_mib"] = [] if args.control_only else list(args.sizes)
+    for size in out["sizes_mib"]:
+        limits = memcpy_figures(size, args.quick)
         out[f"memcpy_gb_s_{size}mib"] = limits["memcpy"]
         out[f"memcpy_best_gb_s_{size}mib"] = limits["memcpy_best"]
         out[f"torch_copy_gb_s_{size}mib"] = limits["torch_copy"]
         for backend in BACKENDS:
-            figures = await _relay_figures(backend, size, quick)
+            figures = await _relay_figures(backend, size, args.quick)
             out[f"{backend}_gb_s_{size}mib"] = figures["one_shot"]
             out[f"{backend}_best_gb_s_{size}mib"] = figures["best"]
             out[f"{backend}_streamed_gb_s_{size}mib"] = figures["streamed"]
-    control = await control_rtt(500 if quick else 2000)
-    out.update(control)
-    out["zmq_rtt_us"] = zmq_rtt_us(500 if quick else 2000, control["message_bytes"])
-    out["zmq_loop_rtt_us"] = await zmq_loop_rtt_us(500 if quick else 2000)
-    out["shm_vs_memcpy_16mib"] = out["shm_gb_s_16mib"] / out["memcpy_gb_s_16mib"]
-    out["shm_vs_memcpy_best_16mib"] = out["shm_best_gb_s_16mib"] / out["memcpy_best_gb_s_16mib"]
-    out["control_vs_zmq"] = out["control_rtt_us"] / out["zmq_rtt_us"]
+    if 16 in out["sizes_mib"]:
+        out["shm_vs_memcpy_16mib"] = out["shm_gb_s_16mib"] / out["memcpy_gb_s_16mib"]
+        best = out["shm_best_gb_s_16mib"] / out["memcpy_best_gb_s_16mib"]
+        out["shm_vs_memcpy_best_16mib"] = best
+    out.update(await control_rtt(args.rounds, args.count))
     out["machine"]["load_after"] = os.getloadavg()[0]
     return out
 
 
-def print_report(res: dict) -> None:
-    machine = res["machine"]
-    print(
-        f"machine: {machine['cpus']} CPUs, load average {machine['load']:.1f} at the start, "
-        f"{machine['load_after']:.1f} at the end"
-    )
+def print_relay(res: dict) -> None:
     print(f"{'payload':>8} {'memcpy':>8} {'torch cp':>9}", end="")
     for backend in BACKENDS:
         print(f" {backend + ' 1-shot':>12} {backend + ' stream':>12}", end="")
     print("   (GB/s)")
-    for size in SIZES_MIB:
+    for size in res["sizes_mib"]:
         print(
             f"{size:>5} MiB {res[f'memcpy_gb_s_{size}mib']:>8.2f} "
             f"{res[f'torch_copy_gb_s_{size}mib']:>9.2f}",
@@ -424,6 +465,8 @@ def print_report(res: dict) -> None:
                 end="",
             )
         print()
+    if "shm_vs_memcpy_16mib" not in res:
+        return
     ok = res["shm_vs_memcpy_16mib"] >= TARGET_SHM_VS_MEMCPY
     print(
         f"shm at 16 MiB: {res['shm_vs_memcpy_16mib']:.2f}x memcpy "
@@ -434,11 +477,23 @@ def print_report(res: dict) -> None:
         f"{res['shm_best_gb_s_16mib']:.2f} GB/s, memcpy {res['memcpy_best_gb_s_16mib']:.2f} GB/s: "
         f"{res['shm_vs_memcpy_best_16mib']:.2f}x; torch {res['torch_best_gb_s_16mib']:.2f} GB/s"
     )
+
+
+def print_report(res: dict) -> None:
+    machine = res["machine"]
+    print(
+        f"machine: {machine['cpus']} CPUs, load average {machine['load']:.1f} at the start, "
+        f"{machine['load_after']:.1f} at the end"
+    )
+    if res["sizes_mib"]:
+        print_relay(res)
+    ratios = res["control_vs_zmq_rounds"]
     ok = res["control_vs_zmq"] <= TARGET_CONTROL_VS_ZMQ
     print(
         f"control round trip (Submit -> echo stage -> Complete) {res['control_rtt_us']:.0f} us "
         f"(p99 {res['control_rtt_p99_us']:.0f}) vs bare ZMQ PUSH/PULL {res['zmq_rtt_us']:.0f} us: "
-        f"{res['control_vs_zmq']:.2f}x (target <= {TARGET_CONTROL_VS_ZMQ}x): "
+        f"{res['control_vs_zmq']:.2f}x, median of {len(ratios)} rounds "
+        f"(spread {min(ratios):.2f}x to {max(ratios):.2f}x; target <= {TARGET_CONTROL_VS_ZMQ}x): "
         f"{'met' if ok else 'MISSED'}"
     )
     print(
@@ -456,20 +511,22 @@ def plot(res: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+    sizes = res["sizes_mib"]
     series = [("memcpy", "memcpy_gb_s_{}mib")]
     for backend in BACKENDS:
         series += [(f"{backend} one-shot", backend + "_gb_s_{}mib")]
         series += [(f"{backend} streamed", backend + "_streamed_gb_s_{}mib")]
     width = 0.8 / len(series)
-    for i, (label, key) in enumerate(series):
-        values = [res[key.format(size)] for size in SIZES_MIB]
-        ax.bar([x + i * width for x in range(len(SIZES_MIB))], values, width, label=label)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(SIZES_MIB))])
-    ax.set_xticklabels([f"{s} MiB" for s in SIZES_MIB])
-    ax.set_yscale("log")  # memcpy and the relays differ by orders of magnitude
+    for i, (label, key) in enumerate(series if sizes else []):
+        values = [res[key.format(size)] for size in sizes]
+        ax.bar([x + i * width for x in range(len(sizes))], values, width, label=label)
+    if sizes:
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(sizes))])
+        ax.set_xticklabels([f"{s} MiB" for s in sizes])
+        ax.set_yscale("log")  # memcpy and the relays differ by orders of magnitude
+        ax.legend(fontsize=8)
     ax.set_ylabel("GB/s (log scale)")
     ax.set_title("relay bandwidth between two processes")
-    ax.legend(fontsize=8)
     bx.bar(
         ["bare\nZMQ", "ZMQ on\na loop", "control\nplane"],
         [res["zmq_rtt_us"], res["zmq_loop_rtt_us"], res["control_rtt_us"]],
@@ -486,8 +543,25 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--png", default="bench_results/bench_relay.png")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=list(SIZES_MIB), help="payload sizes, MiB"
+    )
+    parser.add_argument("--control-only", action="store_true", help="only the control round trips")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="control rounds (medians of the rounds kept)"
+    )
+    parser.add_argument(
+        "--count", type=int, default=1000, help="round trips of each kind in a round"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every code path at the smallest size (1 MiB, one short round): for CI",
+    )
     args = parser.parse_args()
-    res = uvloop.run(measure(args.quick))  # the loop the server's front process runs
+    if args.smoke:
+        args.quick, args.sizes, args.rounds, args.count = True, [1], 1, 100
+    res = uvloop.run(measure(args))  # the loop the server's front process runs
     print_report(res)
     if args.json:
         with open(args.json, "w") as f:
