@@ -4,6 +4,12 @@ Receiving does not go through zmq.asyncio's per-message futures: the loop watche
 socket's file descriptor and `Inbox` drains every message available into a handler, in
 arrival order. Sending is a plain non-blocking send: queues are unbounded (HWM 0), so a send
 never waits on the loop, and flow control is the relay's credits and the requests in flight.
+
+A drain reads first and asks ZMQ_EVENTS only after each message (a wake-up nearly always
+has one: asking before the first read costs as much as the read), and learns whether a
+payload frame follows from the message itself (`carries_frame`), not from ZMQ_RCVMORE:
+every socket option read processes the socket's command queue, several times the cost of
+the read itself, and a control round trip crosses two drains.
 """
 
 from __future__ import annotations
@@ -19,6 +25,10 @@ from cadence.pipeline import messages
 logger = logging.getLogger(__name__)
 
 _MAX_BATCH = 256  # messages handled before the loop gets a turn
+_NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags cost a conversion per call
+_RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
@@ -44,12 +54,17 @@ def connect(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
 
 
 def send(sock: zmq.Socket, msg: messages.Message, frame=None) -> None:
-    """One message, and its inline payload frame if any (a buffer: bytes, numpy array)."""
+    """One message, and its inline payload frame if any (a buffer: bytes, numpy array): the
+    frame is there exactly when `messages.carries_frame(msg)` says so."""
     data = messages.encode(msg)
+    if (frame is not None) != messages.carries_frame(msg):
+        raise ValueError(
+            f"a {type(msg).__name__} {'without' if frame is None else 'with'} its frame"
+        )
     if frame is None:
-        sock.send(data, zmq.NOBLOCK)
+        sock.send(data, _NOBLOCK)
     else:
-        sock.send_multipart([data, frame], zmq.NOBLOCK, copy=False)
+        sock.send_multipart([data, frame], _NOBLOCK, copy=False)
 
 
 class Inbox:
@@ -76,19 +91,30 @@ class Inbox:
             self._loop = None
 
     def _drain(self) -> None:
+        # The socket's descriptor is edge-triggered: it fires again only after ZMQ_EVENTS
+        # (or a read) has found nothing left, so a drain ends only there, or hands over to
+        # the next turn of the loop, which goes on.
         sock = self.sock
+        if self._loop is None:  # stopped since this call was scheduled
+            return
         for _ in range(_MAX_BATCH):
-            if self._loop is None or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             try:
-                msg = messages.decode(frames[0].buffer)
+                data = sock.recv(_NOBLOCK)
+            except zmq.Again:  # woken with nothing to read
+                return
+            try:
+                msg = messages.decode(data)
             except Exception as e:
+                while sock.getsockopt(_RCVMORE):  # its frames too: the next read is a message
+                    sock.recv(_NOBLOCK)
                 logger.error("%s: dropped a message that does not decode: %s", self.name, e)
                 continue
+            frame = sock.recv(_NOBLOCK) if messages.carries_frame(msg) else None
             try:
-                self.handler(msg, frames[1].buffer if len(frames) > 1 else None)
+                self.handler(msg, frame)
             except Exception:
                 logger.exception("%s: handling %s failed", self.name, type(msg).__name__)
+            if self._loop is None or not sock.getsockopt(_EVENTS) & _POLLIN:
+                return  # stopped by the handler, or nothing left
         if self._loop is not None:
             self._loop.call_soon(self._drain)  # more may be waiting: after others had a turn

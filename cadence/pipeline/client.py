@@ -60,6 +60,12 @@ class RequestTracker:
         self.pending: dict[str, _Pending] = {}  # wire id -> request
         self.wire_of: dict[str, str] = {}  # caller's rid -> wire id
         self._seq = itertools.count(1)
+        self._prefix = uuid.uuid4().hex[:12]  # of the rids given to requests sent without one
+
+    def new_rid(self) -> str:
+        """A rid for a request sent without one: unique here, and cheaper than a uuid4 per
+        request (a control round trip is tens of microseconds)."""
+        return f"{self._prefix}-{next(self._seq)}"
 
     def open(self, rid: str, want_stream: bool) -> _Pending:
         if rid in self.wire_of:
@@ -148,7 +154,7 @@ class PipelineClient(ABC):
 
     async def submit(self, request: Any, rid: str | None = None, timeout: float | None = None):
         """The terminal stage's result (a dict by stage name when there are several)."""
-        rid = rid or uuid.uuid4().hex
+        rid = rid or self.tracker.new_rid()
         pending = self._open(rid, request, want_stream=False)
         try:
             if timeout is None:  # awaited directly: no shield's extra hop per request
@@ -165,7 +171,7 @@ class PipelineClient(ABC):
     async def stream(self, request: Any, rid: str | None = None) -> AsyncIterator[StreamItem]:
         """Chunks from the stages that stream to the client as they come (in order per stage),
         then each terminal stage's result (`is_final`), once every stream has ended."""
-        rid = rid or uuid.uuid4().hex
+        rid = rid or self.tracker.new_rid()
         pending = self._open(rid, request, want_stream=True)
         finished = False
         try:

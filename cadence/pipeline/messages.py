@@ -170,6 +170,13 @@ def decode(data) -> Message:
     return _decoder.decode(data)
 
 
+def carries_frame(msg: Message) -> bool:
+    """Whether a second frame, the payload's packed tensor bytes, follows `msg` on the wire:
+    a payload with tensor data that is not in a relay."""
+    payload = getattr(msg, "payload", None)
+    return payload is not None and payload.nbytes > 0 and getattr(msg, "relay", None) is None
+
+
 class StageProcessSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What a stage process is started with (the spawn argument, msgpack-encoded; not a
     socket message): its share of the pipeline and where everything else listens."""

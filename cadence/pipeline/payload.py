@@ -28,6 +28,7 @@ EXT_TUPLE = 2
 
 _encoder = msgspec.msgpack.Encoder()
 _PLAIN = (type(None), bool, int, float, str, bytes)
+_PLAIN_TYPES = frozenset(_PLAIN)
 
 
 class Extracted:
@@ -68,6 +69,8 @@ class Extracted:
 def extract(obj: Any) -> Extracted:
     """Takes the tensors out of `obj`; a value that msgpack cannot carry is a TypeError naming
     where it is."""
+    if _is_plain(obj):  # most control-plane payloads: msgpack as they are, no walk
+        return Extracted(PayloadHeader(msgspec.Raw(_encoder.encode(obj)), [], 0), [])
     tensors: list[torch.Tensor] = []
     metas: list[TensorMeta] = []
     end = 0
@@ -114,9 +117,11 @@ def restore(header: PayloadHeader, buf: torch.Tensor | None) -> Any:
     """The payload rebuilt; its tensors are views of `buf` (1-D uint8, any device), which
     must hold `header.nbytes` bytes (None when there are none)."""
     metas = header.tensors
-    device = buf.device if buf is not None else torch.device("cpu")
     if header.nbytes and (buf is None or buf.numel() < header.nbytes):
         raise ValueError(f"payload needs {header.nbytes} bytes of tensor data, got fewer")
+    if not metas:  # nothing to view: no per-call hook, no reference to `buf` to let go of
+        return msgspec.msgpack.decode(header.skeleton, ext_hook=_no_tensor_ext_hook)
+    device = buf.device if buf is not None else torch.device("cpu")
 
     def ext_hook(code: int, data: memoryview) -> Any:
         if code == EXT_TENSOR:
@@ -134,6 +139,34 @@ def restore(header: PayloadHeader, buf: torch.Tensor | None) -> Any:
         # ext_hook refers to itself (tuples): left alone, that cycle would keep `buf` alive
         # until the garbage collector runs, and a lent buffer goes back only once it dies.
         ext_hook = None  # noqa: F841
+
+
+def _no_tensor_ext_hook(code: int, data: memoryview) -> Any:
+    """`restore`'s extension hook for a payload without tensors."""
+    if code == EXT_TUPLE:
+        return tuple(msgspec.msgpack.decode(data, ext_hook=_no_tensor_ext_hook))
+    if code == EXT_TENSOR:
+        raise ValueError(f"payload placeholder {int.from_bytes(data, 'little')} has no tensor")
+    raise ValueError(f"unknown payload extension code {code}")
+
+
+def _is_plain(x: Any) -> bool:
+    """Only plain values (exactly their types), str/int-keyed dicts and lists: what msgpack
+    carries as it is, with no tensor or tuple to take out."""
+    kind = type(x)
+    if kind in _PLAIN_TYPES:
+        return True
+    if kind is dict:
+        for key, value in x.items():
+            if (type(key) is not str and type(key) is not int) or not _is_plain(value):
+                return False
+        return True
+    if kind is list:
+        for value in x:
+            if not _is_plain(value):
+                return False
+        return True
+    return False
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:

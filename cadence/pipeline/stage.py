@@ -160,12 +160,18 @@ class StageRuntime:
     async def _gather(self, state: _RequestState) -> Any:
         if not self.expected:
             return None
-        # Shielded: a cancelled run must not cancel a relay get before it ran (its sender's
-        # put would then never be drained).
-        values = {src: await asyncio.shield(state.inputs[src]) for src in self.expected}
+        values = {}
+        for src in self.expected:
+            value = state.inputs[src]
+            if isinstance(value, asyncio.Future) and value.done():
+                values[src] = value.result()  # arrived whole (inline, colocated): no wait
+            else:
+                # Shielded: a cancelled run must not cancel a relay get before it ran (its
+                # sender's put would then never be drained).
+                values[src] = await asyncio.shield(value)
         if self.merge is not None:
             return self.merge(values)
-        return next(iter(values.values()))
+        return values[self.expected[0]]
 
     def _emitter(self, rid: str, state: _RequestState):
         async def emit(chunk: Any) -> None:

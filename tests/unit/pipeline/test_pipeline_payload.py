@@ -131,6 +131,23 @@ def test_no_tensors_has_no_buffer():
     assert restore(extract(None).header, None) is None
 
 
+class _Dict(dict):
+    pass
+
+
+def test_plain_payloads_encode_as_the_walk_does():
+    """Plain data skips the walk; what it encodes to must not depend on which path ran."""
+    payload = {"text": "hi", 3: [1, 2.5, None, True, b"\x01"], "d": {"e": []}}
+    extracted = extract(payload)
+    assert bytes(extracted.header.skeleton) == msgspec.msgpack.encode(payload)
+    assert extracted.nbytes == 0 and extracted.tensors == []
+    # Not plain by exact type: a tuple, a dict subclass, a bool key; the walk handles them.
+    assert restore(extract({"t": (1, 2)}).header, None) == {"t": (1, 2)}
+    assert restore(extract(_Dict(a=[1])).header, None) == {"a": [1]}
+    with pytest.raises(TypeError, match="keys are str or int"):
+        extract({True: 1})
+
+
 def test_through_a_frame_copy_and_a_single_tensor_without_copy():
     payload = {"x": torch.arange(10, dtype=torch.float64), "y": [torch.ones(3, dtype=torch.int16)]}
     got, _ = _roundtrip(payload, via_frame=True)
@@ -174,3 +191,7 @@ def test_a_short_buffer_or_a_bad_placeholder_is_an_error():
     )
     with pytest.raises(ValueError, match="placeholder 5"):
         restore(header, extracted.pack())
+    no_tensors = extract({"a": 1}).header  # the path for payloads without tensors
+    no_tensors.skeleton = header.skeleton
+    with pytest.raises(ValueError, match="placeholder 5 has no tensor"):
+        restore(no_tensors, None)
