@@ -20,7 +20,7 @@ from typing import Any
 
 from cadence.errors import InvalidParameter, RequestError
 from cadence.front.engine_client import ModelInfo
-from cadence.front.normalize import items, normalize_batch_and_arguments
+from cadence.front.normalize import duplicate_rid_message, items, normalize_batch_and_arguments
 from cadence.front.request_checks import check_prompt_chars
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.io_struct import (
@@ -191,7 +191,7 @@ class EmbeddingManager:
         tokenized = await self.checker.check(obj, self.worker_ipc)
         for t in tokenized:
             if t.rid in self.states or self.rid_in_use(t.rid):
-                raise InvalidParameter("rid", f"rid: {t.rid!r} is already in use by a live request")
+                raise InvalidParameter("rid", duplicate_rid_message(t.rid))
         if len(self.states) + len(tokenized) > self.max_pending:
             raise RequestError(
                 429, "the server is overloaded: too many requests in flight; retry later"

@@ -448,12 +448,22 @@ def _check_rids(rid: Any, num: int, is_batch: bool) -> list[str]:
     return list(rids)
 
 
+def duplicate_rid_message(rid: str) -> str:
+    """The error of a rid that a live request already holds, in SGLang's words."""
+    return (
+        f"rid: Duplicate request ID {rid!r}: a live request already uses it; "
+        "give each request its own rid"
+    )
+
+
 def _check_unique(rids: list[str]) -> None:
     seen = set()
     for r in rids:
         if r in seen:
             raise InvalidParameter(
-                "rid", f"rid {r!r} is duplicated: every request in a batch needs its own rid"
+                "rid",
+                f"rid: Duplicate request ID {r!r} within the request: every request in a "
+                "batch needs its own rid",
             )
         seen.add(r)
 

@@ -189,6 +189,8 @@ class RequestChecker:
         if not ids or (min(ids) >= 0 and max(ids) < vocab):  # C loops: a long list is cheap
             return
         bad = [t for t in ids if not 0 <= t < vocab]
+        if bad and bad[0] < 0:
+            raise InvalidParameter(param, f"{param}: token ids must be non-negative, got {bad[0]}")
         if bad:
             raise InvalidParameter(
                 param, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})"

@@ -21,6 +21,7 @@ from cadence.errors import InvalidParameter, RequestError
 from cadence.front import metrics
 from cadence.front.engine_client import ModelInfo
 from cadence.front.metrics import RequestTimer
+from cadence.front.normalize import duplicate_rid_message
 from cadence.front.normalize import items as normalized_items
 from cadence.front.request_checks import RequestChecker, RequestOptions
 from cadence.front.tokenizer import FrontTokenizer
@@ -90,7 +91,7 @@ class TokenizerManager:
         tokenized = await self.checker.check_generate(obj, self.worker_ipc)
         for t in tokenized:
             if t.rid in self.states:
-                raise InvalidParameter("rid", f"rid: {t.rid!r} is already in use by a live request")
+                raise InvalidParameter("rid", duplicate_rid_message(t.rid))
         return tokenized
 
     # ---- request life -----------------------------------------------------------------

@@ -508,4 +508,6 @@ def _require_ids(ids) -> None:
         raise InvalidParameter("input_ids", "input_ids must not be empty")
     bad = [t for t in ids if t < 0]
     if bad:
-        raise InvalidParameter("input_ids", f"input_ids: token id {bad[0]} is negative")
+        raise InvalidParameter(
+            "input_ids", f"input_ids: token ids must be non-negative, got {bad[0]}"
+        )

@@ -314,7 +314,7 @@ def test_user_rids_kept():
 
 
 def test_duplicate_rids_rejected():
-    with raises_param("rid", match="rid 'x' is duplicated"):
+    with raises_param("rid", match="Duplicate request ID 'x' within the request"):
         normalized(text=["a", "b", "c"], rid=["x", "y", "x"])
 
 
@@ -472,7 +472,7 @@ def test_embedding_image_data():
 def test_embedding_errors():
     with raises_param("text", match="exactly one"):
         normalize_batch_and_arguments(EmbeddingReqInput())
-    with raises_param("rid", match="duplicated"):
+    with raises_param("rid", match="Duplicate request ID"):
         normalize_batch_and_arguments(EmbeddingReqInput(text=["a", "b"], rid=["x", "x"]))
     with raises_param("text", match="wrong type"):
         from_json_dict(EmbeddingReqInput, {"text": 5, "sampling_params": {}})
