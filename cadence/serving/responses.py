@@ -14,8 +14,9 @@ then one `EngineClient.generate`:
 
 Stored responses (`store`, true by default) live in this process's memory only: at most
 MAX_STORED_RESPONSES of them, each for STORED_RESPONSE_TTL_S; the oldest go first. They are
-what `retrieve`, `delete` and `previous_response_id` find. Background responses, tools,
-structured output and non-text input are refused with a 400 naming the field.
+what `retrieve`, `delete` and `previous_response_id` find. `text.format` json_schema and
+json_object constrain the answer as chat's `response_format` does. Background responses,
+tools and non-text input are refused with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ MAX_METADATA_VALUE_CHARS = 512
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")  # output_text: a replayed assistant output item
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+TEXT_FORMATS = ("text", "json_object", "json_schema")
+# The fields of a text.format the Response echoes (OpenAI's ResponseFormatTextConfig).
+_FORMAT_FIELDS = ("type", "name", "schema", "description", "strict")
 # HTTP status -> the `code` of a response that failed midway (any 5xx: server_error).
 FAILURE_CODES = {429: "rate_limit_exceeded"}
 
@@ -63,6 +67,7 @@ NAMES = {
     "text": "input",
     "input_ids": "input",
     "top_logprobs_num": "top_logprobs",
+    "json_schema": "text.format",
 }
 
 
@@ -86,7 +91,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     tools: list[Any] | None = None  # refused unless empty: no tool calling yet
     tool_choice: str | dict[str, Any] | None = None  # only "none" / "auto"
     parallel_tool_calls: bool | None = None  # echoed, not used
-    text: dict[str, Any] | None = None  # only {"format": {"type": "text"}}
+    # {"format": {"type": "text"}}, {"format": {"type": "json_object"}} or {"format":
+    # {"type": "json_schema", "name", "schema", "strict"}}: the last two constrain the answer
+    text: dict[str, Any] | None = None
     conversation: Any = None  # refused: no Conversations API
     prompt: Any = None  # refused: no stored prompt templates
 
@@ -160,16 +167,41 @@ def _check(req: ResponsesRequest) -> None:
 
 
 def _check_text(text: dict[str, Any] | None) -> None:
+    """text.format as OpenAI defines it. Errors name `text.format`, not `text` (that would
+    read as the native prompt field)."""
     fmt = (text or {}).get("format")
     if fmt is None:
         return
     kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind in ("json_object", "json_schema"):
-        raise InvalidParameter(  # not "text": that would read as the native prompt field
-            "text.format", f"text.format: {kind} output is not supported by this server yet"
+    if kind not in TEXT_FORMATS:
+        raise InvalidParameter(
+            "text.format",
+            f"text.format.type must be one of {', '.join(TEXT_FORMATS)}, got {kind!r}",
         )
-    if kind != "text":
-        raise InvalidParameter("text", f"text.format.type must be text, got {kind!r}")
+    if kind != "json_schema":
+        return
+    if not isinstance(fmt.get("schema"), dict):
+        raise InvalidParameter("text.format", "text.format.schema must be a JSON schema object")
+    if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+        raise InvalidParameter("text.format", "text.format.name must be a non-empty string")
+    if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
+        raise InvalidParameter("text.format", "text.format.strict must be true or false")
+
+
+def text_format(req: ResponsesRequest) -> dict[str, Any]:
+    """The request's text.format as the Response echoes it (text when none was given)."""
+    fmt = (req.text or {}).get("format") or {"type": "text"}
+    return {k: v for k, v in fmt.items() if k in _FORMAT_FIELDS}
+
+
+def json_schema(req: ResponsesRequest) -> str | None:
+    """The JSON schema text.format puts on the answer (chat's response_format constraint)."""
+    fmt = text_format(req)
+    if fmt["type"] == "json_object":
+        return '{"type":"object"}'
+    if fmt["type"] == "json_schema":
+        return msgspec.json.encode(fmt["schema"]).decode()
+    return None
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
@@ -432,6 +464,7 @@ class ResponsesServing:
             "max_new_tokens": max_tokens,
             "temperature": req.temperature,
             "top_p": req.top_p,
+            "json_schema": json_schema(req),  # checked at the edge like chat's constraint
         }
         rid = uuid.uuid4().hex
         obj = GenerateReqInput(
@@ -494,11 +527,17 @@ class ResponsesServing:
             await deltas.aclose()
             await gen.aclose()
         text = "".join(texts)
-        if failure is not None:
+        response = None
+        if failure is None:
+            try:
+                response = self._finish(job, text, logprobs, meta)
+            except Exception as e:  # the stream still ends with a terminal event
+                logger.exception("Responses stream failed")
+                failure = request_fault("finishing the response", e)
+        if response is None:
             async for failed in self._failure(job, event, text, logprobs, meta, failure):
                 yield failed
             return
-        response = self._finish(job, text, logprobs, meta)
         message = response["output"][0]
         yield event("response.output_text.done", **where, text=text, logprobs=logprobs)
         yield event("response.content_part.done", **where, part=message["content"][0])
@@ -591,7 +630,7 @@ class ResponsesServing:
             "tool_choice": req.tool_choice or "auto",
             "tools": [],
             "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": text_format(req)},
             "truncation": "disabled",
             "previous_response_id": req.previous_response_id,
             "metadata": req.metadata or {},

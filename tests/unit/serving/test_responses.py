@@ -117,6 +117,7 @@ def make_serving(reply="Paris.", context_len=256, store=None):
         context_len=context_len,
         vocab_size=0x3000,
         max_total_tokens=4096,
+        grammar_backend="xgrammar",
     )
     client = FrontClient(FrontTokenizer(CharTokenizer()), info, engine.send, max_pending=64)
     engine.tm = client.tm
@@ -218,7 +219,17 @@ def test_bad_input_is_a_400_naming_input(items, words):
         ({"input": "x", "background": True}, "background", "not supported"),
         ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools", "tool calling"),
         ({"input": "x", "tool_choice": "required"}, "tool_choice", "tool calling"),
-        ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format", "json_object"),
+        ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format", "one of text, json"),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}},
+            "text.format",
+            "schema must be a JSON schema object",
+        ),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}},
+            "text.format",
+            "name must be a non-empty string",
+        ),
         ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16"),
         ({"input": "x", "metadata": {"k": 1}}, "metadata", "wrong type"),
         ({"input": "x", "conversation": "conv_1"}, "conversation", "not supported"),
@@ -284,6 +295,36 @@ async def test_max_output_tokens_ends_it_incomplete():
     assert out["output"][0]["status"] == "incomplete"
     assert out["output"][0]["content"][0]["text"] == "Par"
     assert (out["max_output_tokens"], out["temperature"], out["top_p"]) == (3, 0, 0.5)
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize(
+    "fmt, constraint",
+    [
+        ({"type": "json_schema", "name": "city", "schema": SCHEMA, "strict": True}, SCHEMA),
+        ({"type": "json_object"}, {"type": "object"}),
+        ({"type": "text"}, None),
+    ],
+)
+async def test_text_format_constrains_the_answer_as_chat_response_format_does(fmt, constraint):
+    serving, engine = make_serving(reply='{"city": "Paris"}')
+    out = await create(serving, input="Q", text={"format": fmt})
+    schema = engine.requests[0].sampling_params.json_schema
+    assert (json.loads(schema) if schema else None) == constraint
+    assert out["text"] == {"format": fmt}  # echoed as the SDK's ResponseTextConfig
+    assert out["output"][0]["content"][0]["text"] == '{"city": "Paris"}'
+
+
+async def test_a_schema_the_grammar_refuses_is_a_400_naming_text_format():
+    serving, engine = make_serving()
+    fmt = {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}
+    result = await serving.create(body(input="Q", text={"format": fmt}))
+    error = decoded(result)["error"]
+    assert result.status == 400 and error["param"] == "text.format", error
+    assert error["message"].startswith("text.format is not a valid constraint"), error
+    assert engine.requests == []  # refused at the edge
 
 
 async def test_top_logprobs_returns_a_logprob_per_output_token():
