@@ -37,13 +37,30 @@ class KVPool:
         self.num_slots = num_pages * page_size
         self.dtype = dtype
         self.device = device
-        # torch.empty does not touch the memory: pages are faulted in only when written.
+        # torch.empty does not touch the memory: on the host, the OS commits each page only
+        # when it is first written, unless `commit` writes them all now.
         shape = (2, num_kv_heads, num_pages, page_size, head_dim)
         self.kv_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.is_committed = False
         # Row offset of each (K/V, head) plane in a layer's flat [-1, head_dim] view.
         self._planes = (
             torch.arange(2 * num_kv_heads, dtype=torch.int64, device=device) * self.num_slots
         )
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of K/V storage, every layer's together."""
+        return sum(buf.nbytes for buf in self.kv_buffer)
+
+    def commit(self) -> None:
+        """Writes every page once (zeros), so that the memory the pool will use under full
+        load is taken now: a server's resident memory at idle is then what it needs at its
+        busiest, and a memory limit set from it holds. Each buffer is written in place, layer
+        by layer, so nothing is ever held twice; on a device whose allocator commits at
+        allocation (CUDA) it only zeroes."""
+        for buf in self.kv_buffer:
+            buf.zero_()
+        self.is_committed = True
 
     def write_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Rows of the flat [-1, head_dim] view of a layer's buffer where tokens at `slots`

@@ -1,5 +1,7 @@
 """PageAllocator (the KVAllocator the scheduler borrows) and KVPool invariants: no model, no
-torch compute beyond tiny tensors."""
+torch compute beyond tiny tensors (and one 96 MiB pool, committed for real)."""
+
+import os
 
 import pytest
 import torch
@@ -165,3 +167,26 @@ def test_kv_pool_budget_matches_its_buffers():
     assert sum(t.numel() * t.element_size() for t in tensors) == per_token * pool.num_slots
     with pytest.raises(ValueError, match="max_total_tokens"):
         KVPool(0, 16, 1, 1, 8, torch.float32)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+def test_commit_takes_the_pools_memory_at_once_and_in_place():
+    # 48 MiB a layer: above any malloc mmap threshold, so the buffers are fresh, untouched maps.
+    pool = KVPool(
+        num_pages=3072, page_size=16, num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32
+    )
+    assert pool.num_bytes == 2 * (2 * 2 * 3072 * 16 * 64 * 4) and not pool.is_committed
+    where = [buf.data_ptr() for buf in pool.kv_buffer]
+    before = _resident_bytes()
+    pool.commit()
+    grown = _resident_bytes() - before
+    assert pool.is_committed
+    assert grown >= 0.9 * pool.num_bytes, f"{grown} of {pool.num_bytes} bytes became resident"
+    assert grown <= 1.1 * pool.num_bytes
+    assert [buf.data_ptr() for buf in pool.kv_buffer] == where  # written in place, not copied
+    assert all(not buf.any() for buf in pool.kv_buffer)
