@@ -4,7 +4,9 @@ The same scheduler core as the server's scheduler process runs on one background
 with the detokenizer; the same `EngineClient` as the server's front (a `FrontClient`) runs
 on a private event loop thread. Results are exactly what `/generate` answers, and every
 control message of the server works here too (flush, pause/continue, load, profile, weight
-update).
+update). One default differs from the server's: the KV pool's memory is left to be committed
+as it is first written (`lazy_kv_pool=True`); pass `lazy_kv_pool=False` to take it all at
+start as `cadence serve` does.
 
 The scheduler thread also loads the model. OpenMP keeps a worker team per calling thread;
 once two threads own teams on a small machine, libgomp stops spin-waiting and every parallel
@@ -133,6 +135,9 @@ class _SchedulerThread:
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any):
         load_plugins()  # front and scheduler share this process: every hook point fires here
+        # Lazy unless asked (see above): the engine lives in a host program, which decides
+        # what memory it may hold.
+        kwargs = {"lazy_kv_pool": True, **kwargs}
         self.args = finalize_server_args(ServerArgs.from_kwargs(model_path=model_path, **kwargs))
         path = resolve_model_path(self.args.model_path)
         self.tokenizer = load_tokenizer(path, self.args.tokenizer_path)

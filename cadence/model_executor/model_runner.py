@@ -4,6 +4,7 @@ then sampling and logprobs."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -61,6 +62,10 @@ class ModelRunner(Runner):
             cfg.head_dim,
             self.kv_dtype,
         )
+        if not args.lazy_kv_pool:
+            self.kv_pool.commit()
+        self.kv_pool_bytes = self.kv_pool.num_bytes
+        self.is_kv_pool_committed = self.kv_pool.is_committed
         # The scheduler borrows this; the runner only reads the page lists it is handed.
         self.kv_allocator: KVAllocator = self.platform.make_allocator(num_pages, self.page_size)
         self.attn = self.platform.make_attention_backend(
@@ -72,18 +77,20 @@ class ModelRunner(Runner):
             self.platform.make_linear,
             self.platform.make_layer_ops(),
         )
-        self.platform.weights_loaded()
         self._last_decode: tuple[list[int], list[int]] = (
             [],
             [],
         )  # uids and lengths of the last decode step
+        self._weights_loaded()
         if args.random_seed is not None:
             self.platform.seed(args.random_seed)
         logger.info(
-            "KV pool: %d tokens in %d pages of %d",
+            "KV pool: %d tokens in %d pages of %d, %.1f MiB (%s)",
             num_pages * self.page_size,
             num_pages,
             self.page_size,
+            self.kv_pool_bytes / 2**20,
+            "committed" if self.is_kv_pool_committed else "lazy: committed as first written",
         )
 
     SHAPE_FIELDS = (
@@ -129,7 +136,36 @@ class ModelRunner(Runner):
             for dst, src in zip(self.model.parameters(), model.parameters(), strict=True):
                 dst.data = src.data
         self.model.build_linears(self.platform.make_linear)
+        self._weights_loaded()
+
+    def _weights_loaded(self) -> None:
         self.platform.weights_loaded()
+        if not self.args.lazy_kv_pool and not self.args.skip_warmup:
+            self._commit_step_memory()  # after settling, which returns what a step left
+
+    # Prompts of the throwaway step are at most this long: its attention stays cheap, and what
+    # it allocates is the linear layers' activations, which grow with the step's tokens only.
+    COMMIT_STEP_ITEM_TOKENS = 512
+
+    def _commit_step_memory(self) -> None:
+        """Runs the largest step the scheduler may ask for once, on throwaway ids and pages:
+        a prefill of --chunked-prefill-size tokens (within the pool and the context). What its
+        activations take, the process keeps for the steps after it (a host heap holds freed
+        memory for reuse, a device allocator caches it), so the memory the first busy step
+        would add is taken at start, like the pool's; vLLM's profile run does the same."""
+        num_tokens = min(self.args.chunked_prefill_size, self.max_total_tokens, self.context_len)
+        items, num_pages = [], 0
+        per_item = max(self.COMMIT_STEP_ITEM_TOKENS // self.page_size, 1) * self.page_size
+        for start in range(0, num_tokens, per_item):  # whole pages, so they fit in the pool
+            n = min(per_item, num_tokens - start)
+            pages = list(range(num_pages, num_pages + self._pages_for(n)))
+            num_pages += len(pages)
+            items.append(BatchItem(rid="", uid=-1, token_ids=[0] * n, start=0, pages=pages))
+        started = time.perf_counter()
+        self.run(ScheduleBatch(is_decode=False, items=items, new_pages=list(range(num_pages))))
+        logger.info(
+            "a step's memory taken: %d tokens in %.1f s", num_tokens, time.perf_counter() - started
+        )
 
     def make_generator(self, seed: int):
         return self.platform.make_generator(seed)
@@ -355,8 +391,8 @@ class ModelRunner(Runner):
     def _zero_fresh_pages(self, pages: list[int]) -> None:
         """Zero the pages handed out for this step, where the attention backend's decode reads
         whole pages (`AttentionBackend.decode_reads_whole_pages`): a masked slot still
-        multiplies its V by 0, and stale memory there could hold NaN (0 * NaN = NaN). The pool
-        itself is never zeroed up front, so untouched pages cost no memory."""
+        multiplies its V by 0, and stale memory there could hold NaN (0 * NaN = NaN): a lazy
+        pool's never-written memory, or a non-finite K/V its last holder left."""
         if pages and self.attn.decode_reads_whole_pages:
             index = torch.tensor(pages, dtype=torch.int64, device=self.device)
             for buf in self.kv_pool.kv_buffer:

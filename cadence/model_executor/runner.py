@@ -90,6 +90,8 @@ class Runner(ABC):
     eos_token_ids: tuple[int, ...]  # the model's end-of-sequence tokens
     is_generation: bool = True  # serves generation (run); False: embeddings only (embed)
     embed_needs_kv: bool = False  # `embed` needs KV pages for its items (see EmbedItem)
+    kv_pool_bytes: int = 0  # host or device memory of the K/V tensors (an encoder has none)
+    is_kv_pool_committed: bool = False  # that memory was all written at start (--lazy-kv-pool)
 
     @abstractmethod
     def run(self, batch: ScheduleBatch) -> list[ItemResult]:

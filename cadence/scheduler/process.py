@@ -198,6 +198,9 @@ def runtime_facts(scheduler: Scheduler) -> dict:
         "context_len": runner.context_len,
         "vocab_size": runner.config.vocab_size,
         "max_total_tokens": runner.max_total_tokens,
+        # The KV pool: its size in memory, and whether that memory was all taken at start.
+        "kv_pool_bytes": runner.kv_pool_bytes,
+        "kv_pool_committed": runner.is_kv_pool_committed,
         "dtype": str(runner.dtype).replace("torch.", ""),
         "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""),
         "platform": runner.platform.name,

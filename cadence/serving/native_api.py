@@ -118,8 +118,8 @@ def model_info(info: ModelInfo) -> dict[str, Any]:
 async def server_info(state) -> dict[str, Any]:
     """GET /server_info; GetServerInfo's json_info, in SGLang's shape: the effective server
     arguments at the top level, the scheduler's facts (`max_total_num_tokens`,
-    `max_req_input_len`, ...), `internal_states` (one dict per data-parallel rank) and
-    `version`."""
+    `max_req_input_len`, `kv_pool_bytes`, ...), `internal_states` (one dict per
+    data-parallel rank) and `version`."""
     body = dataclasses.asdict(state.args)
     body.pop("api_key", None)  # never echo a secret
     runtime = dict(state.runtime)
@@ -129,7 +129,10 @@ async def server_info(state) -> dict[str, Any]:
         body["max_total_num_tokens"] = runtime["max_total_tokens"]
         body["max_req_input_len"] = runtime["context_len"] - 1
     body["status"] = "ready" if state.is_ready else "starting"
-    rank = {"dp_rank": 0, "memory_usage": {"token_capacity": runtime.get("max_total_tokens")}}
+    memory = {"token_capacity": runtime.get("max_total_tokens")}
+    if "kv_pool_bytes" in runtime:  # SGLang's figure: the KV cache's memory in GB
+        memory["kvcache"] = round(runtime["kv_pool_bytes"] / 2**30, 2)
+    rank = {"dp_rank": 0, "memory_usage": memory}
     if state.is_ready and state.client is not None and not state.is_shutting_down:
         load = await state.client.control(GetLoadReqInput(), timeout=10)
         rank.update(
