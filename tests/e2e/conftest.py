@@ -63,8 +63,11 @@ SERVER_SPECS: dict[str, list[str]] = {
     # Two front processes over one scheduler (test_api_workers.py).
     "workers_server": ["--api-workers", "2", "--max-total-tokens", "4096", "--skip-warmup"],
     # The zero-cost model runner (a plugin): tokens as fast as the server moves them, for the
-    # stream-coalescing and stream-interval tests.
-    "zero_cost_server": ["--api-workers", "2", "--max-total-tokens", "16384", "--skip-warmup"],
+    # stream-coalescing and stream-interval tests. It never writes its KV pool: no need to
+    # commit it.
+    "zero_cost_server": [
+        *("--api-workers", "2", "--max-total-tokens", "16384", "--skip-warmup", "--lazy-kv-pool"),
+    ],
     # Embedding models (test_embeddings_e2e.py): all-MiniLM-L6-v2 with its warm-up (an
     # embedding), and a small BERT classifier written when its server starts.
     "embedding_server": [
