@@ -542,7 +542,10 @@ class ResponsesServing:
         yield event("response.output_text.done", **where, text=text, logprobs=logprobs)
         yield event("response.content_part.done", **where, part=message["content"][0])
         yield event("response.output_item.done", output_index=0, item=message)
-        yield event(f"response.{response['status']}", response=response)
+        # Every finished generation ends with response.completed, as SGLang's streams do; its
+        # Response says whether the answer is whole (status, incomplete_details). The SDK's
+        # stream helper (get_final_response) and SGLang's clients wait for this event alone.
+        yield event("response.completed", response=response)
 
     async def _failure(
         self,
