@@ -15,7 +15,9 @@ from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing
 from cadence.serving.state import ServerState
 
 
-def register_embedding_routes(app: FastAPI, state: ServerState, openai: OpenAIServing) -> None:
+def register_embedding_routes(
+    app: FastAPI, state: ServerState, openai: OpenAIServing
+) -> EmbeddingServing:
     serving = EmbeddingServing(state, openai)
 
     @app.post("/encode")
@@ -39,6 +41,7 @@ def register_embedding_routes(app: FastAPI, state: ServerState, openai: OpenAISe
         ("/v1/rerank", serving.rerank),
     ):
         app.add_api_route(path, _route(method), methods=["POST"], name=path)
+    return serving
 
 
 def _route(method):

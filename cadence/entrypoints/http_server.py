@@ -28,7 +28,7 @@ from cadence.entrypoints.http_io import (
     stream_response,
     until_disconnected,
 )
-from cadence.entrypoints.openai_routes import register_openai_routes
+from cadence.entrypoints.openai_routes import register_invocations, register_openai_routes
 from cadence.entrypoints.speech_routes import register_speech_routes
 from cadence.errors import CadenceError, InvalidParameter
 from cadence.front import metrics
@@ -221,7 +221,8 @@ def build_app(state: ServerState) -> FastAPI:
     register_native_routes(app, state)
     openai = register_openai_routes(app, state)
     state.chat_template = openai.chat_template
-    register_embedding_routes(app, state, openai)
+    embeddings = register_embedding_routes(app, state, openai)
+    register_invocations(app, openai, embeddings)
     register_speech_routes(app, state)
     openapi.install(app)
     return app

@@ -3,9 +3,9 @@
 Each route hands the raw body to the serving module and writes back what it returns;
 the gRPC pass-through RPCs call the same module, so both protocols answer alike.
 /v1/tokenize and /v1/detokenize are the native routes' aliases (one implementation, in
-native_api). /invocations (SageMaker's route, as SGLang serves it) is chat completions:
-the same handler, and like every route here it reads the body whatever its content type.
-The API key and readiness checks are the app's middleware.
+native_api). /invocations (SageMaker's route, as vLLM serves it) answers a body with the
+route of its shape (`serving.invocations`); like every route here it reads the body whatever
+its content type. The API key and readiness checks are the app's middleware.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
 from cadence.entrypoints.http_io import error_headers, until_disconnected
+from cadence.serving.embedding_serving import EmbeddingServing
+from cadence.serving.invocations import Invocations
 from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing
 from cadence.serving.responses import ResponsesServing
 from cadence.serving.state import ServerState
@@ -31,7 +33,6 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> OpenAIServing:
         return _to_http(serving.retrieve_model(model_id))
 
     @app.post("/v1/chat/completions")
-    @app.post("/invocations")
     async def chat_completions(request: Request):
         body = await request.body()
         return _to_http(await until_disconnected(request, serving.chat_completions(body)))
@@ -61,6 +62,15 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> OpenAIServing:
         return _to_http(responses.delete(response_id))
 
     return serving
+
+
+def register_invocations(app: FastAPI, openai: OpenAIServing, embeddings: EmbeddingServing) -> None:
+    invocations = Invocations(openai, embeddings)
+
+    @app.post("/invocations")
+    async def invoke(request: Request):
+        body = await request.body()
+        return _to_http(await until_disconnected(request, invocations.invoke(body)))
 
 
 def _to_http(result) -> Response:

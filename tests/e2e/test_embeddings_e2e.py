@@ -268,6 +268,32 @@ def test_rerank_takes_exactly_max_embedding_batch_documents_and_refuses_one_more
     assert "65" in r.json()["error"]["message"]
 
 
+def test_invocations_answers_embedding_rerank_and_classify_bodies_as_their_routes(
+    embedding_server, classifier_server
+):
+    """vLLM's /invocations: `input` is embeddings (classification on a classification
+    model), `query` + `documents` a rerank; each answer is the route's own."""
+    cases = [
+        (embedding_server, "/v1/embeddings", {"input": SENTENCES[:2]}),
+        (embedding_server, "/v1/rerank", {"query": "How big is Berlin?", "documents": SENTENCES[8:11]}),
+        (classifier_server, "/v1/classify", {"input": ["great", "terrible service"]}),
+    ]  # fmt: skip
+    for srv, route, body in cases:
+        routed = httpx.post(srv.url + route, json=body, timeout=120).json()
+        invoked = httpx.post(srv.url + "/invocations", json=body, timeout=120).json()
+        if route == "/v1/rerank":  # a list of results, best first
+            assert [r["index"] for r in invoked] == [r["index"] for r in routed]
+            assert [r["score"] for r in invoked] == pytest.approx([r["score"] for r in routed])
+            continue
+        assert invoked.keys() == routed.keys() and invoked["object"] == routed["object"]
+        for got, expected in zip(invoked["data"], routed["data"], strict=True):
+            assert got.keys() == expected.keys()
+            values = "embedding" if "embedding" in got else "probs"
+            assert got[values] == pytest.approx(expected[values], abs=1e-5)
+    idle(embedding_server)
+    idle(classifier_server)
+
+
 def test_score_over_http_equals_a_transformers_forward_pass(server):
     from transformers import AutoModelForCausalLM
 

@@ -1,5 +1,6 @@
 """/v1/responses through the official openai client (with the SDK's strict response
-validation on) against the shared launched server, and /invocations answering a chat body.
+validation on) against the shared launched server, and /invocations answering each body as
+the route of its shape does.
 
 Generations are kept to a few greedy tokens. Each test ends with the server idle again
 (the `client` fixture checks it), so nothing a test started outlives it.
@@ -12,6 +13,7 @@ import json
 import httpx
 import openai
 import pytest
+from e2e_server import sse_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -78,7 +80,7 @@ def test_stream_events_in_order(strict, model):
         "response.output_item.done",
         kinds[-1],
     ]
-    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert kinds[-1] == "response.completed"
     assert set(kinds[4:-4]) == {"response.output_text.delta"}
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -141,6 +143,64 @@ def test_max_output_tokens_ends_it_incomplete(strict, model):
     assert out.usage.output_tokens == 2 and out.output[0].status == "incomplete"
 
 
+def test_a_stream_cut_by_max_output_tokens_ends_with_response_completed(strict, model):
+    """SGLang's streams end with response.completed; the Response in it says incomplete. The
+    SDK's stream helper (which waits for response.completed) gives the final Response."""
+    cut = {"model": model, "input": "Tell me a long story.", "max_output_tokens": 3,
+           "temperature": 0}  # fmt: skip
+    events = list(strict.responses.create(**cut, stream=True))
+    assert events[-1].type == "response.completed"
+    final = events[-1].response
+    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    with strict.responses.stream(**cut) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        helper = stream.get_final_response()
+    assert helper.status == "incomplete" and helper.output_text == "".join(deltas)
+    assert helper.usage.output_tokens == 3
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_format_json_schema_constrains_the_answer(strict, model, stream):
+    fmt = {"type": "json_schema", "name": "place", "schema": SCHEMA, "strict": True}
+    args = {"model": model, "input": "Where is the Eiffel tower? Answer in JSON.",
+            "max_output_tokens": 40, "temperature": 0, "text": {"format": fmt}}  # fmt: skip
+    if stream:
+        final = list(strict.responses.create(**args, stream=True))[-1].response
+    else:
+        final = strict.responses.create(**args)
+    assert final.text.format.type == "json_schema" and final.text.format.name == "place"
+    assert final.status == "completed", final.output_text
+    value = json.loads(final.output_text)
+    assert set(value) == {"city", "country"} and all(isinstance(v, str) for v in value.values())
+
+
+def test_text_format_json_object_answers_a_json_object(strict, model):
+    out = strict.responses.create(
+        model=model, input="Describe Paris in JSON.", max_output_tokens=48, temperature=0,
+        text={"format": {"type": "json_object"}},
+    )  # fmt: skip
+    assert out.text.format.type == "json_object"
+    if out.status == "completed":
+        assert isinstance(json.loads(out.output_text), dict)
+    else:  # cut by the length: still the start of an object
+        assert out.output_text.lstrip().startswith("{")
+
+
+def test_a_schema_the_grammar_refuses_is_a_400_naming_text_format(strict, model):
+    fmt = {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        strict.responses.create(model=model, input=QUESTION, text={"format": fmt}, **SHORT)
+    assert e.value.param == "text.format" and "objekt" in e.value.message
+
+
 def test_unknown_previous_response_id_is_a_400_naming_it(strict, model):
     with pytest.raises(openai.BadRequestError) as e:
         strict.responses.create(
@@ -174,3 +234,62 @@ def test_invocations_answers_a_chat_body(client, server, model, content_type):
     out = r.json()
     assert out["object"] == "chat.completion" and out["choices"][0]["message"]["content"]
     assert out["usage"]["completion_tokens"] <= 8
+
+
+def flushed(server) -> None:
+    """An empty prefix cache, so that two requests prefill exactly alike."""
+    assert httpx.post(server.url + "/flush_cache").status_code == 200
+
+
+CHAT = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 6, "temperature": 0}
+COMPLETION = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+SCORE = {"query": "The sky is", "items": [" blue", " green"], "label_token_ids": [28, 30]}
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION), ("/v1/score", SCORE)],
+)
+def test_invocations_answers_a_body_as_the_route_of_its_shape(client, server, route, body):
+    """vLLM's /invocations: the same keys and the same answer as the route itself."""
+    flushed(server)
+    routed = httpx.post(server.url + route, json=body, timeout=120).json()
+    flushed(server)
+    invoked = httpx.post(server.url + "/invocations", json=body, timeout=120).json()
+    assert invoked.keys() == routed.keys(), (invoked, routed)
+    if "choices" in routed:
+        assert invoked["object"] == routed["object"] and invoked["usage"] == routed["usage"]
+        assert invoked["choices"] == routed["choices"]
+    else:
+        for got, expected in zip(invoked["scores"], routed["scores"], strict=True):
+            assert got == pytest.approx(expected, rel=1e-3, abs=1e-9)
+
+
+def test_invocations_streams_as_the_route_does(client, server):
+    def content(path: str) -> tuple[str, list]:
+        body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", server.url + path, json=body, timeout=120) as r:
+            events = sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        text = "".join(c["choices"][0]["delta"]["content"] for c in chunks if c["choices"])
+        return text, [c["object"] for c in chunks]
+
+    flushed(server)
+    routed = content("/v1/chat/completions")
+    flushed(server)
+    assert content("/invocations") == routed and routed[0]
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"model": "m", "temperature": 0}, "found no route for this body"),
+        ({"query": "q"}, "found no route for this body"),
+        ([CHAT], "must be a JSON object"),  # what the chat route says of it
+        ({"messages": "hi"}, "messages"),
+    ],
+)
+def test_invocations_refuses_a_body_of_no_route_with_a_400(client, server, body, words):
+    r = httpx.post(server.url + "/invocations", json=body, timeout=60)
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
