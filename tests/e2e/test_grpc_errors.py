@@ -131,6 +131,12 @@ def test_detokenize_outside_the_vocabulary_is_invalid(rpc):
     assert e.code() == INVALID and "vocabulary" in e.details()
 
 
+def test_detokenize_of_a_negative_id_says_ids_must_be_non_negative(rpc):
+    e = _status(lambda: rpc.Detokenize(pb.DetokenizeRequest(tokens=[1, -5, 2])))
+    assert e.code() == INVALID and "must be non-negative" in e.details() and "-5" in e.details()
+    assert e.details().startswith("tokens")  # the field at fault
+
+
 def test_a_rid_in_use_is_invalid(rpc):
     call = rpc.TextGenerate(
         pb.TextGenerateRequest(
@@ -143,6 +149,7 @@ def test_a_rid_in_use_is_invalid(rpc):
     next(call)
     e = _status(lambda: list(rpc.TextGenerate(short_request(rid="grpc-dup"))))
     assert e.code() == INVALID and "grpc-dup" in e.details()
+    assert "Duplicate request ID" in e.details() and e.details().startswith("rid")
     call.cancel()
 
 

@@ -88,6 +88,39 @@ def test_abort_all_ends_every_request(server, client, pool):
     assert is_idle(server.wait_idle(2))
 
 
+def test_abort_all_under_32_concurrent_requests_ends_each_with_an_aborted_finish(server, client):
+    """SGLang's TestAbortAll: 32 long requests (half of them streams), then abort_all; each
+    one ends with finish_reason abort and HTTP 200, none with an error or a broken stream."""
+
+    def plain(i: int) -> tuple[int, dict]:
+        body = {"text": PROMPTS[i % 2], "sampling_params": LONG}
+        r = httpx.post(server.url + "/generate", json=body, timeout=120)
+        return r.status_code, r.json()
+
+    def stream(i: int) -> tuple[int, dict]:
+        body = {"text": PROMPTS[i % 2], "sampling_params": LONG, "stream": True}
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+            events = sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]", events[-3:]
+        return r.status_code, events[-2]
+
+    with concurrent.futures.ThreadPoolExecutor(32) as ex:
+        futures = [ex.submit(stream if i % 2 else plain, i) for i in range(32)]
+
+        def all_in() -> bool:
+            load = server.load()
+            return load["num_running_reqs"] + load["num_waiting_reqs"] == 32
+
+        assert wait_until(all_in, 60), server.load()
+        assert client.post("/abort_request", json={"abort_all": True}).status_code == 200
+        for f in futures:
+            status, last = f.result(timeout=60)
+            assert status == 200, last
+            assert last["meta_info"]["finish_reason"]["type"] == "abort", last
+            assert {"text", "output_ids"} <= last.keys()
+    assert is_idle(server.wait_idle(5))
+
+
 def test_abort_request_needs_a_rid_or_abort_all(client):
     r = client.post("/abort_request", json={})
     assert r.status_code == 400 and r.json()["error"]["param"] == "rid"

@@ -117,6 +117,47 @@ async def test_stream_matches_the_whole_answer(aclient, client, model):
     )
 
 
+def test_the_finish_chunk_carries_the_last_text_as_vllm_sends_it(client, model):
+    """vLLM's streaming test reads delta.content of every chunk and of the finish chunk."""
+    whole = greedy(client, model, max_tokens=5)
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=QUESTION, temperature=0, max_tokens=5, stream=True
+        )
+    )
+    choices = [c.choices[0] for c in chunks]
+    assert all(isinstance(c.delta.content, str) for c in choices)
+    assert [c.finish_reason for c in choices] == [None] * (len(choices) - 1) + ["length"]
+    assert choices[-1].delta.content  # the last token's text comes with finish_reason
+    assert "".join(c.delta.content for c in choices) == whole.choices[0].message.content
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, model):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=QUESTION, temperature=0, max_tokens=5, stream=True,
+            stream_options=options,
+        )
+    )  # fmt: skip
+    usages = [c.usage for c in chunks]
+    assert all(u is not None for u in usages), usages
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    assert len({u.prompt_tokens for u in usages}) == 1 and usages[0].prompt_tokens > 0
+    counts = [u.completion_tokens for u in usages]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 5  # role chunk first
+    assert (
+        chunks[-2].choices[0].finish_reason == "length" and chunks[-2].usage.completion_tokens == 5
+    )
+    assert chunks[-1].choices == []
+    # continuous_usage_stats without include_usage adds nothing (vLLM).
+    plain = client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=3, stream=True,
+        stream_options={"continuous_usage_stats": True},
+    )  # fmt: skip
+    assert all(c.usage is None for c in plain)
+
+
 async def test_n_2_streams_each_choice_with_its_index(aclient, model):
     stream = await aclient.chat.completions.create(
         model=model, messages=QUESTION, n=2, temperature=1.0, seed=7, max_tokens=6, stream=True

@@ -117,6 +117,39 @@ async def test_token_id_prompt_and_stream_n_2(aclient, server, model):
     assert all(t.startswith(PROMPT) and len(t) > len(PROMPT) for t in texts.values())
 
 
+def test_echo_of_a_token_id_prompt_keeps_its_special_tokens(client, server, model):
+    """vLLM echoes a token-id prompt as its text with the special tokens in it."""
+    text = "<|im_start|>user\nHi<|im_end|>\n"
+    ids = httpx.post(
+        server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}
+    ).json()["tokens"]
+    assert len(ids) < len(text) // 2  # <|im_start|> and <|im_end|> are one special token each
+    out = client.completions.create(model=model, prompt=ids, temperature=0, max_tokens=2, echo=True)
+    assert out.choices[0].text.startswith(text) and len(out.choices[0].text) > len(text)
+    stream = client.completions.create(
+        model=model, prompt=ids, temperature=0, max_tokens=2, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream) == out.choices[0].text
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, model):
+    chunks = list(
+        client.completions.create(
+            model=model, prompt=PROMPT, temperature=0, max_tokens=5, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )  # fmt: skip
+    usages = [c.usage for c in chunks]
+    assert all(u is not None for u in usages), usages
+    assert all(u.completion_tokens > 0 for u in usages)  # vLLM's test asks every chunk
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    counts = [u.completion_tokens for u in usages]
+    assert counts == sorted(counts) and counts[-1] == 5
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].usage.completion_tokens == 5
+    assert chunks[-1].choices == []
+
+
 def test_stop_sequence(client, model):
     text = (
         client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=12)

@@ -106,6 +106,58 @@ def test_rid_on_openai_routes_names_the_request_for_abort(server, http):
     assert all(c["id"] == "chatcmpl-my-chat-7" for c in seen[:-1])
 
 
+def test_a_duplicate_rid_says_duplicate_request_id(http):
+    long = {"max_new_tokens": 2000, "ignore_eos": True}
+    body = {"text": PROMPT, "rid": "dup-rid", "sampling_params": long, "stream": True}
+    with http.stream("POST", "/generate", json=body) as first:
+        lines = first.iter_lines()
+        assert next(line for line in lines if line).startswith("data: {")
+        again = {"text": PROMPT, "rid": "dup-rid", "sampling_params": GREEDY}
+        e = error(http.post("/generate", json=again))
+        assert e["param"] == "rid" and "Duplicate request ID 'dup-rid'" in e["message"]
+        assert http.post("/abort_request", json={"rid": "dup-rid"}).status_code == 200
+        assert sse_events(lines)[-1] == "[DONE]"
+    batch = {"text": [PROMPT, PROMPT], "rid": ["x", "x"], "sampling_params": GREEDY}
+    e = error(http.post("/generate", json=batch))
+    assert e["param"] == "rid" and "Duplicate request ID 'x'" in e["message"]
+
+
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+)
+
+
+def test_a_constrained_json_batch_answers_every_item(http):
+    """A /generate batch with json_schema in sampling_params (mixed with unconstrained items,
+    and with n > 1): every item has text, output_ids and meta_info, and each constrained one
+    that finished is JSON of the schema."""
+    texts = ["Give me a person as JSON:", "Say hi.", "A famous person as JSON:", "Count to 3."]
+    constrained = {"temperature": 0, "max_new_tokens": 48, "json_schema": SCHEMA}
+    params = [constrained, {**GREEDY}, constrained, {**GREEDY}]
+    n2 = {"text": texts[0], "sampling_params": {**constrained, "temperature": 0.7, "n": 2}}
+    for body in ({"text": texts, "sampling_params": params}, n2):
+        r = http.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert isinstance(out, list) and len(out) in (2, 4)
+        assert all({"text", "output_ids", "meta_info"} <= item.keys() for item in out), out
+        for item, p in zip(out, params if len(out) == 4 else [constrained] * 2):
+            if "json_schema" in p and item["meta_info"]["finish_reason"]["type"] == "stop":
+                value = json.loads(item["text"])
+                assert isinstance(value["name"], str) and isinstance(value["age"], int)
+    with http.stream("POST", "/generate", json={"text": texts, "sampling_params": params,
+                                               "stream": True}) as r:  # fmt: skip
+        events = sse_events(r.iter_lines())
+    last = {e["index"]: e for e in events[:-1]}
+    assert sorted(last) == [0, 1, 2, 3]
+    assert all({"text", "output_ids", "meta_info"} <= e.keys() for e in last.values())
+    assert all(e["meta_info"]["finish_reason"] is not None for e in last.values())
+
+
 def test_stop_regex_ends_generation_with_the_pattern(http):
     params = {"temperature": 0, "max_new_tokens": 40, "stop_regex": [r"\d{4}"]}
     body = {"text": "The year the Eiffel Tower was finished:", "sampling_params": params}
@@ -180,6 +232,7 @@ def test_continuous_usage_stats(http):
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         chunks = sse_events(r.iter_lines())[:-1]
+    assert all(c["usage"] is not None for c in chunks)  # SGLang's test: usage >= content chunks
     content = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
     assert content and all(c["usage"]["completion_tokens"] >= 1 for c in content)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
@@ -188,14 +241,19 @@ def test_continuous_usage_stats(http):
 # ---- stream shapes --------------------------------------------------------------------------
 
 
-def test_the_last_chat_chunk_carries_sglangs_null_fields(client, model):
+def test_every_chat_chunk_has_content_and_the_last_sglangs_null_fields(http, client, model):
     chunks = list(client.chat.completions.create(model=model, messages=USER, max_tokens=4,
                                                  temperature=0, stream=True))  # fmt: skip
     last = chunks[-1].choices[0]
     assert last.finish_reason in ("stop", "length")
-    assert last.delta.content is None and last.delta.tool_calls is None
+    assert isinstance(last.delta.content, str) and last.delta.tool_calls is None
     assert last.delta.reasoning_content is None  # typed clients see the attribute
     assert chunks[0].choices[0].delta.role == "assistant"
+    # A client reading the raw JSON finds delta.content, a string, on every chunk.
+    body = {"messages": USER, "max_tokens": 4, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        raw = sse_events(r.iter_lines())[:-1]
+    assert raw and all(isinstance(c["choices"][0]["delta"]["content"], str) for c in raw)
 
 
 def test_incremental_streaming_output_sends_deltas(fuzz):
