@@ -47,7 +47,9 @@ class ProcessSpec:
     """One child process, as its owner describes it."""
 
     name: str  # how logs and errors name it ("scheduler", "front 1", "stage thinker")
-    target: Callable[..., Any]  # its entry point, a module-level function (spawned)
+    # Its entry point: a module-level function, or "module:function", imported in the child
+    # only (so that the parent never imports what only the child needs, such as torch).
+    target: Callable[..., Any] | str
     args: tuple = ()
     # Receives a pipe's write end as its last argument and sends one report through it.
     reports_ready: bool = False
@@ -70,7 +72,7 @@ class Failure:
     def reason(self) -> str:
         if self.stalled_s is not None:
             return f"the {self.name} process made no progress for {self.stalled_s:.1f} s"
-        return f"the {self.name} process {exit_text(self.exitcode)}"
+        return f"the {self.name} process died ({exit_text(self.exitcode)})"
 
 
 @dataclass
@@ -90,9 +92,47 @@ def child_start(parent_pid: int) -> None:
         os._exit(0)
 
 
-def _entry(parent_pid: int, target: Callable[..., Any], args: tuple) -> None:
+def _entry(parent_pid: int, target: Callable[..., Any] | str, args: tuple) -> None:
     child_start(parent_pid)
-    target(*args)
+    # SIGTERM unwinds the child like an exception: its `finally` blocks run, then it ends
+    # at once (see exit_fast).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    code = 0
+    try:
+        if isinstance(target, str):
+            import importlib
+
+            module, _, name = target.partition(":")
+            target = getattr(importlib.import_module(module), name)
+        target(*args)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    exit_fast(code)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def exit_fast(code: int) -> None:
+    """Ends this process without the interpreter's teardown, which in a process that
+    imported torch spends seconds collecting every module's objects. Multiprocessing's
+    finalizers still run (a lock it made is released, not reported as leaked by the
+    resource tracker), and logs and streams are flushed."""
+    import sys
+
+    try:
+        multiprocessing.util._run_finalizers()  # private, but the only way to run them
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 class Supervisor:

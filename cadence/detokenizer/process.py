@@ -95,7 +95,7 @@ def run_detokenizer_process(
     while True:
         if heartbeat is not None:
             heartbeat.beat()
-        if not inbox.poll(1000):
+        if not inbox.poll(100):  # short: a signal another thread took is handled soon
             if os.getppid() != parent:
                 return
             continue

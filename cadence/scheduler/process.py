@@ -27,6 +27,9 @@ from cadence.server_args import ServerArgs
 
 logger = logging.getLogger("cadence.scheduler")
 
+# An idle loop wakes this often (ms): a signal that reached another thread (torch's) is
+# handled within it, so a stop is prompt.
+IDLE_POLL_MS = 100
 # How long loading new weights may stop the loop before the watchdog calls it stuck.
 WEIGHT_LOAD_GRACE_S = 900.0
 # Time a forward step may take per token it computes before the watchdog (--watchdog-timeout,
@@ -48,7 +51,7 @@ class SchedulerProcess:
         while True:
             if self.heartbeat is not None:
                 self.heartbeat.beat()
-            timeout = 0 if self.scheduler.has_work else 1000
+            timeout = 0 if self.scheduler.has_work else IDLE_POLL_MS
             if self.inbox.poll(timeout):
                 while True:
                     try:
@@ -152,11 +155,12 @@ def run_scheduler_process(
     args: ServerArgs,
     paths: IpcPaths,
     model_path: str,
+    heartbeat: Heartbeat | None,
     ready_pipe,
-    heartbeat: Heartbeat | None = None,
 ) -> None:
-    """Entry of the scheduler process. Reports the loaded model's facts (or the load error)
-    through `ready_pipe` as msgpack bytes, then serves until the server goes away."""
+    """Entry of the scheduler process (started by the launcher's supervisor). Reports the
+    loaded model's facts (or the load error) through `ready_pipe` as msgpack bytes, then
+    serves until the server goes away."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front process decides when we stop
     logging.basicConfig(

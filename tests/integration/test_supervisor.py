@@ -51,7 +51,7 @@ def test_a_death_is_reported_once_and_at_once():
         assert time.monotonic() - t0 < 2
         time.sleep(0.5)
     assert [(f.name, f.exitcode) for f in got] == [("detokenizer", 7)]
-    assert "detokenizer process exited with code 7" in got[0].reason
+    assert "detokenizer process died (exited with code 7)" in got[0].reason
 
 
 def test_a_stalled_heartbeat_is_a_failure():
