@@ -20,6 +20,7 @@ from e2e_server import API_KEY, is_idle, sse_events, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
+IDLE_STOP_WITHIN_S = 1.0  # an idle server: the front, the scheduler and the detokenizer
 STOP_WITHIN_S = 8.0  # "within a few seconds", with room for a loaded 2-core machine
 
 
@@ -120,7 +121,10 @@ def test_sigint_stops_everything(sigint_server):
     start = time.monotonic()
     srv.send_signal(signal.SIGINT)
     code = srv.wait_exit(STOP_WITHIN_S)
-    assert code == 0, f"exit code {code} after {time.monotonic() - start:.1f}s\n{srv.log_tail()}"
+    took = time.monotonic() - start
+    assert code == 0, f"exit code {code} after {took:.1f}s\n{srv.log_tail()}"
+    assert took < IDLE_STOP_WITHIN_S, f"an idle server took {took:.2f} s to stop"
+    assert "leaked" not in srv.log_text(), srv.log_tail()
     assert srv.socket_dirs() == []
     assert_nothing_left(srv, within=1.0)
 
