@@ -84,11 +84,12 @@ class _Child:
 
 
 def child_start(parent_pid: int) -> None:
-    """First thing in a spawned child: die with the parent, even if it is already gone."""
-    from cadence.liveness import die_with_parent
+    """First thing in a child: die with the parent, even if it is already gone (a child of
+    a forkserver has the forkserver as its parent, so the owner's pid is asked directly)."""
+    from cadence.liveness import die_with_parent, is_alive
 
     die_with_parent()
-    if os.getppid() != parent_pid:
+    if os.getppid() != parent_pid and not is_alive(parent_pid):
         os._exit(0)
 
 
@@ -267,17 +268,34 @@ class Supervisor:
         recent = [t for t in self.children[name].deaths if t > now - self.restart_window_s]
         return max(self.max_restarts - len(recent), 0)
 
+    def forget(self, name: str) -> None:
+        """Stops watching child `name` (stopped on purpose, e.g. to restart its group)."""
+        with self._lock:
+            child = self.children.get(name)
+        if child is not None:
+            self._reported.add(child.proc.pid)
+
+    def processes(self) -> dict[str, Any]:
+        """The current process of each child, by name."""
+        with self._lock:
+            return {name: child.proc for name, child in self.children.items()}
+
     # ---- stop ---------------------------------------------------------------------------
 
-    def stop(self, names: list[str] | None = None) -> None:
+    def stop(self, names: list[str] | None = None, patience_s: float = 0.0) -> None:
         """Stops the children `names` (all of them by default) in stop_rank order and reaps
-        them; a later failure of theirs is not reported. Idempotent."""
+        them; a later failure of theirs is not reported. `patience_s`: how long children
+        that were asked to end by other means (a shutdown message) get before any signal.
+        Idempotent."""
         if names is None:
             self._stopping.set()
         with self._lock:
             chosen = [c for n, c in self.children.items() if names is None or n in names]
         for child in chosen:
             self._reported.add(child.proc.pid)
+        deadline = time.monotonic() + patience_s
+        for child in chosen:
+            child.proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for rank in sorted({c.spec.stop_rank for c in chosen}):
             stop_together([c.proc for c in chosen if c.spec.stop_rank == rank],
                           max(c.spec.stop_grace_s for c in chosen if c.spec.stop_rank == rank))  # fmt: skip

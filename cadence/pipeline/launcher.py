@@ -5,28 +5,23 @@
     await pipeline.shutdown()
 
 Start-up sweeps what dead pipelines left (socket directories, shared memory), makes a
-private socket directory (0700), binds the coordinator, spawns one process per placement
-group and waits until each reports ready (a start-up error names the process and carries its
-traceback). A thread waits on the processes' sentinels, so a death is seen at once (well
-within a second): every request in flight fails with a 503 naming the process, the
-coordinator reports unhealthy, the dead process's shared memory is swept, and then either
-the process is started again (`restart_stages`; with a relay whose group cannot replace one
-member, such as torch, every process is) or `failed` is set, on which the server exits
-non-zero. Nothing waits forever.
+private socket directory (0700), binds the coordinator, starts one process per placement
+group through a `Supervisor` and waits until each reports ready (a start-up error names the
+process and carries its traceback). The supervisor sees a death at once (well within a
+second): every request in flight fails with a 503 naming the process, the coordinator
+reports unhealthy, the dead process's shared memory is swept, and then either the process
+is started again (`restart_stages`, within the supervisor's restart budget; with a relay
+whose group cannot replace one member, such as torch, every process is) or `failed` is set,
+on which the server exits non-zero. Nothing waits forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
-import multiprocessing.connection
 import os
 import shutil
-import signal
 import socket
-import threading
-import time
 import uuid
 
 from cadence.pipeline.config import PipelineConfig, load_pipeline_config
@@ -37,6 +32,7 @@ from cadence.pipeline.messages import StageProcessSpec, encode_spec
 from cadence.pipeline.process import run_stage_process
 from cadence.pipeline.relay.base import relay_class
 from cadence.pipeline.relay.shm import sweep_dead_segments
+from cadence.supervisor import Failure, ProcessSpec, Supervisor, exit_text
 
 logger = logging.getLogger("cadence.pipeline")
 
@@ -52,18 +48,26 @@ class Pipeline:
         self.config = config
         self.graph = config.graph
         self.restart_stages = restart_stages
-        self.processes: dict[str, mp.process.BaseProcess] = {}
+        self.supervisor = Supervisor(
+            max_restarts=MAX_RESTARTS,
+            restart_window_s=RESTART_WINDOW_S,
+            start_method=config.start_method,
+        )
+        if config.start_method == "forkserver":
+            self.supervisor.ctx.set_forkserver_preload(["cadence.pipeline.process"])
         self.failed = asyncio.Event()  # set when a stage died and will not come back
         self.failure: str | None = None
         self.coordinator: Coordinator | None = None
         self.pipeline_id = uuid.uuid4().hex[:8]
         self._closing = False
-        self._stopping = threading.Event()
-        self._deaths: dict[str, list[float]] = {}
         self._restart_task: asyncio.Task | None = None
-        self._watcher: threading.Thread | None = None
         self._store_address: str | None = None
         self._dir: str | None = None
+
+    @property
+    def processes(self) -> dict:
+        """The current process of each placement group, by name."""
+        return self.supervisor.processes()
 
     @classmethod
     async def start(cls, config: PipelineConfig | str, restart_stages: bool = False) -> Pipeline:
@@ -93,8 +97,7 @@ class Pipeline:
         self.coordinator.start()
         await self._launch(list(self.graph.processes), dropped=[])
         self.coordinator.mark_healthy()
-        self._watcher = threading.Thread(target=self._watch, name="pipeline-watch", daemon=True)
-        self._watcher.start()
+        self.supervisor.watch(self._lost(restart=False), self._lost(restart=True))
         logger.info(
             "pipeline %s ready: %d stage(s) in %d process(es), relay %s",
             self.config.name,
@@ -110,9 +113,6 @@ class Pipeline:
         ):
             self._store_address = f"127.0.0.1:{_free_port()}"
         self.coordinator.forget_ready(names)
-        context = mp.get_context(self.config.start_method)
-        if self.config.start_method == "forkserver":
-            context.set_forkserver_preload(["cadence.pipeline.process"])
         for name in names:
             spec = StageProcessSpec(
                 config=self.config.to_dict(),
@@ -126,11 +126,15 @@ class Pipeline:
                 dropped=dropped,
                 log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             )
-            proc = context.Process(
-                target=run_stage_process, args=(encode_spec(spec),), name=f"stage {name}"
+            self.supervisor.start(
+                ProcessSpec(
+                    name,
+                    run_stage_process,
+                    (encode_spec(spec),),
+                    restart=self.restart_stages,
+                    stop_grace_s=2.0,
+                )
             )
-            proc.start()
-            self.processes[name] = proc
 
         def is_alive(name: str) -> bool:
             return self.processes[name].exitcode is None
@@ -139,34 +143,30 @@ class Pipeline:
 
     # -- faults ---------------------------------------------------------------------------
 
-    def _watch(self) -> None:
-        """Thread: wakes on any stage process's exit and hands it to the loop."""
-        while not self._stopping.is_set():
-            procs = {p.sentinel: (n, p) for n, p in self.processes.items() if p.exitcode is None}
-            if not procs:
-                time.sleep(0.1)
-                continue
-            for sentinel in multiprocessing.connection.wait(list(procs), timeout=0.2):
-                name, proc = procs[sentinel]
-                proc.join(timeout=1)  # reap it: its pid is then dead to the shm sweep
-                if not self._stopping.is_set():
-                    self._loop.call_soon_threadsafe(self._on_death, name, proc)
+    def _lost(self, restart: bool):
+        """The supervisor's callback (on its thread) for a stage process that died: handed
+        to the loop, to restart it (within the budget) or to give up."""
 
-    def _on_death(self, name: str, proc) -> None:
-        if self._closing or self.processes.get(name) is not proc:
-            return  # shutting down, or a process we stopped on purpose
+        def lost(failure: Failure) -> None:
+            self._loop.call_soon_threadsafe(self._on_death, failure, restart)
+
+        return lost
+
+    def _on_death(self, failure: Failure, restart: bool) -> None:
+        if self._closing:
+            return
+        name = failure.name
         stages = ", ".join(self.graph.stages_of(name))
-        reason = f"stage process {name} (stages: {stages}; pid {proc.pid}) {_exit_text(proc)}"
+        reason = f"stage process {name} (stages: {stages}; pid {failure.pid}) {exit_text(failure.exitcode)}"
         logger.error("%s", reason)
         dropped = self.coordinator.mark_unhealthy(reason)
-        sweep_dead_segments(pids={proc.pid})
-        now = time.monotonic()
-        deaths = [t for t in self._deaths.get(name, []) if t > now - RESTART_WINDOW_S] + [now]
-        self._deaths[name] = deaths
+        sweep_dead_segments(pids={failure.pid})
         if not self.restart_stages:
             self._give_up(f"{reason}; the pipeline stops (restarting stages is off)")
-        elif len(deaths) > MAX_RESTARTS:
-            self._give_up(f"{reason}; it died {len(deaths)} times in {RESTART_WINDOW_S:g} s")
+        elif not restart:
+            self._give_up(
+                f"{reason}; it died more than {MAX_RESTARTS} times in {RESTART_WINDOW_S:g} s"
+            )
         elif self._restart_task is None or self._restart_task.done():
             self._restart_task = self._loop.create_task(self._restart(name, reason, dropped))
 
@@ -174,11 +174,10 @@ class Pipeline:
         names = [name]
         if not relay_class(self.config.relay.backend).can_replace_process:
             names = list(self.graph.processes)  # the group cannot take one new member
-            others = [p for n, p in self.processes.items() if n != name]
-            for n in names:
-                self.processes.pop(n, None)
-            await asyncio.to_thread(_stop, others, 0.0)
-            sweep_dead_segments(pids={p.pid for p in others})
+            others = [n for n in names if n != name]
+            pids = {self.processes[n].pid for n in others}
+            await asyncio.to_thread(self.supervisor.stop, others)
+            sweep_dead_segments(pids=pids)
         logger.warning("restarting stage process(es): %s", ", ".join(names))
         try:
             await self._launch(names, dropped)
@@ -201,19 +200,17 @@ class Pipeline:
         if self._closing:
             return
         self._closing = True
-        self._stopping.set()
         if self._restart_task is not None:
             self._restart_task.cancel()
-        procs = list(self.processes.values())
+        pids = {p.pid for p in self.processes.values() if p.pid}
         if self.coordinator is not None:
             self.coordinator.tracker.fail_all(PipelineUnavailable("the pipeline is shutting down"))
             self.coordinator.shutdown_stages()
-        await asyncio.to_thread(_stop, procs, STOP_GRACE_S)
+        # Asked to shut down above; a process still there after the grace gets SIGTERM.
+        await asyncio.to_thread(self.supervisor.stop, None, STOP_GRACE_S)
         if self.coordinator is not None:
             self.coordinator.close()
-        sweep_dead_segments(pids={p.pid for p in procs if p.pid})
-        if self._watcher is not None:
-            await asyncio.to_thread(self._watcher.join, 2)
+        sweep_dead_segments(pids=pids)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -222,31 +219,6 @@ class Pipeline:
 
     async def __aexit__(self, *exc) -> None:
         await self.shutdown()
-
-
-def _stop(procs, grace: float) -> None:
-    """Waits up to `grace` for a clean exit, then SIGTERM, then SIGKILL; reaps them all."""
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        if proc.pid is not None:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.pid is not None and proc.exitcode is None:
-            proc.terminate()
-            proc.join(timeout=2)
-        if proc.pid is not None and proc.exitcode is None:
-            proc.kill()
-            proc.join(timeout=2)
-
-
-def _exit_text(proc) -> str:
-    code = proc.exitcode
-    if code is not None and code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def _free_port() -> int:
