@@ -80,10 +80,10 @@ class FrontProcess:
         self.stopping = stopping  # set once stopping starts (also read by worker threads)
         self.state = ServerState(plan.args)
         self.exit_code = 0
-        self.http = None  # uvicorn.Server
-        self.serve_task: asyncio.Task | None = None
-        self.grpc = None  # cadence.grpc.server.GrpcServer
-        self.client = None  # cadence.front.ipc_client.IpcEngineClient
+        self.http: Any = None  # uvicorn.Server, made by _start_http
+        self.serve_task: Any = None  # asyncio.Task serving HTTP, made by _start_http
+        self.grpc: Any = None  # cadence.grpc.server.GrpcServer (None: --disable-grpc)
+        self.client: Any = None  # cadence.front.ipc_client.IpcEngineClient, once connected
         self.pipeline_task: asyncio.Task | None = None
         self.tasks: list[asyncio.Task] = []
 
@@ -250,8 +250,8 @@ class FrontProcess:
             warmup.cancel()
             if not self.state.is_shutting_down:
                 raise RuntimeError(f"the warm-up request did not finish in {WARMUP_TIMEOUT_S:g} s")
-        elif warmup.exception() is not None:
-            raise warmup.exception()
+        elif (error := warmup.exception()) is not None:
+            raise error
 
     async def _await_pipeline(self) -> None:
         if self.pipeline_task is None:
@@ -263,13 +263,15 @@ class FrontProcess:
             self.tasks.append(asyncio.create_task(self._watch_pipeline()))
 
     async def _watch_pipeline(self) -> None:
+        pipeline = self.state.pipeline
+        assert pipeline is not None  # watched once started
         health = asyncio.create_task(follow_pipeline_health(self.state, self.grpc))
         try:
-            await self.state.pipeline.failed.wait()
+            await pipeline.failed.wait()
         finally:
             health.cancel()
         if not self.state.is_shutting_down:
-            logger.error("the pipeline failed: %s", self.state.pipeline.failure)
+            logger.error("the pipeline failed: %s", pipeline.failure)
             self.stop(1, "a pipeline stage process died; the server is shutting down")
 
     async def _open(self) -> None:
@@ -326,7 +328,7 @@ async def _start_pipeline(args: ServerArgs):
     from cadence.pipeline import Pipeline, PipelineStartError, load_pipeline_config
 
     try:
-        config = load_pipeline_config(args.pipeline_path)
+        config = load_pipeline_config(args.pipeline_path or "")
         return await Pipeline.start(config, restart_stages=args.pipeline_restart_stages)
     except (ValueError, PipelineStartError) as e:
         raise StartupFailed(f"--pipeline {args.pipeline}: {e}") from None

@@ -83,7 +83,7 @@ def launch(args: ServerArgs) -> int:
         if args.pipeline is not None:  # a mistake in the declaration stops us before any start
             from cadence.pipeline import load_pipeline_config
 
-            load_pipeline_config(args.pipeline_path)
+            load_pipeline_config(args.pipeline_path or "")
     except (ValueError, FileNotFoundError) as e:
         logger.error("%s", e)
         return 2

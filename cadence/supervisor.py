@@ -105,6 +105,7 @@ def _entry(parent_pid: int, target: Callable[..., Any] | str, args: tuple) -> No
 
             module, _, name = target.partition(":")
             target = getattr(importlib.import_module(module), name)
+        assert callable(target)
         target(*args)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -128,7 +129,7 @@ def exit_fast(code: int) -> None:
     import sys
 
     try:
-        multiprocessing.util._run_finalizers()  # private, but the only way to run them
+        multiprocessing.util._run_finalizers()  # type: ignore[attr-defined]  # private, the only way
     finally:
         logging.shutdown()
         sys.stdout.flush()
@@ -146,7 +147,7 @@ class Supervisor:
         restart_window_s: float = 300.0,
         start_method: str = "spawn",
     ):
-        self.ctx = mp.get_context(start_method)
+        self.ctx: Any = mp.get_context(start_method)
         self.watchdog_timeout_s = watchdog_timeout_s
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
