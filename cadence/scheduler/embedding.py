@@ -1,11 +1,18 @@
 """Embedding requests inside the scheduler: queued, batched under a token budget per step like
-prefill, each run in one forward pass and finished in the step that ran it.
+prefill, each input run in one forward pass and finished in the step that ran it.
 
 They never decode, so they never wait behind decoding requests: every scheduler step runs
 one embedding batch (when any waits) besides its prefill or decode batch. An encoder needs
 no KV memory at all; a decoder served as an embedding model (--is-embedding) writes its K/V
-while attending, so its requests take pages for their step only and give them back at
+while attending, so its inputs take pages for their step only and give them back at
 once. Nothing goes into the prefix cache: an embedding leaves no state behind.
+
+One request may carry up to --max-embedding-batch inputs (1,024 × 512 tokens is minutes of
+work on a small CPU), so no request is run whole: each step takes inputs from every waiting
+request, the one that has had the fewest tokens computed first, one input each in turn,
+under a budget of `MIN_STEP_TOKENS`, or what the measured speed computes in `STEP_TARGET_S`
+where that is more. A one-input request that arrives behind a large one then runs in the
+next step. The front gathers a request's vectors until its last input is done.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +32,16 @@ logger = logging.getLogger(__name__)
 
 # The finish reason of a computed embedding (it "generated" nothing, like max_new_tokens 0).
 FINISHED = {"type": "length", "length": 0}
+
+# What an embedding step aims to take, where the device is fast enough: a request that
+# arrives while one runs waits for it, then runs in the next, first: about twice this.
+STEP_TARGET_S = 0.25
+# But a step takes at least this many tokens (one input of a BERT's whole context), however
+# slow the measured speed: on a small or busy CPU each step has a large fixed cost (every
+# parallel operation waits for its threads; ~0.3 s a step on a 2-core machine at load 10),
+# and steps that shrank with the speed would compute less and less each (one short input a
+# step, 8x less throughput). MiniLM takes ~0.14 s for 512 tokens on 2 idle cores.
+MIN_STEP_TOKENS = 512
 
 
 @dataclass
@@ -64,27 +82,58 @@ def embed_req_from_tokenized(t: TokenizedEmbeddingReqInput) -> EmbedReq:
     return EmbedReq(t.rid, list(t.input_ids), t.token_type_ids, t.http_worker_ipc)
 
 
+@dataclass
+class _Group:
+    """The waiting inputs of one embedding request (one message from the front), in order."""
+
+    reqs: deque[EmbedReq]
+    seq: int  # arrival order
+    num_served: int = 0  # input tokens of its inputs computed so far
+
+
 class EmbeddingQueue:
     """The scheduler's embedding requests. Single-threaded like the scheduler: only its
-    thread calls these methods."""
+    thread calls these methods. It keeps the books of every KV page an embedding holds: a
+    decoder's inputs take theirs in `_take` and give them back when their step ends."""
 
-    def __init__(self, runner: Runner, allocator: KVAllocator, prefix_cache, budget: int):
+    def __init__(
+        self,
+        runner: Runner,
+        allocator: KVAllocator,
+        prefix_cache,
+        max_step_tokens: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.runner = runner
         self.allocator = allocator
         self.cache = prefix_cache  # evicted from when a decoder's pages run short
-        self.budget = budget  # input tokens per step (--chunked-prefill-size); one request at least
-        self.waiting: deque[EmbedReq] = deque()
+        # Most input tokens in one step (--chunked-prefill-size); a step takes one input at least.
+        self.max_step_tokens = max_step_tokens
+        self.clock = clock
+        self.tokens_per_s: float | None = None  # measured over the last steps; None: not yet
+        self.groups: list[_Group] = []
+        self.num_waiting = 0  # inputs waiting, every group's together
+        self._num_groups = 0  # groups ever queued: the next one's arrival order
         self.num_failed_requests = 0
 
-    def add(self, req: EmbedReq) -> None:
-        self.waiting.append(req)
+    def add(self, reqs: list[EmbedReq]) -> None:
+        """Queues the inputs of one request, which are scheduled together (see `_take`)."""
+        if reqs:
+            self.groups.append(_Group(deque(reqs), self._num_groups))
+            self._num_groups += 1
+            self.num_waiting += len(reqs)
 
     def abort(self, rid: str | None, abort_all: bool, message: str) -> list[EmbedOutput]:
-        """Ends waiting requests (`rid`, or all); a request runs within one step, so none is
-        ever caught mid-way."""
-        hit = [req for req in self.waiting if abort_all or req.rid == rid]
-        for req in hit:
-            self.waiting.remove(req)
+        """Ends waiting inputs (`rid`, or all). No input is ever caught mid-way (one runs
+        within one step and holds nothing between steps); a request whose other inputs ran
+        already loses only those still waiting."""
+        hit = []
+        for group in self.groups:
+            for req in [r for r in group.reqs if abort_all or r.rid == rid]:
+                group.reqs.remove(req)
+                hit.append(req)
+        self._drop_empty_groups()
+        self.num_waiting -= len(hit)
         return [self._end(req, None, {"type": "abort", "message": message}) for req in hit]
 
     def fail(self, req: EmbedReq, error: BaseException, stage: str) -> EmbedOutput:
@@ -95,31 +144,62 @@ class EmbeddingQueue:
 
     # ---- a step ---------------------------------------------------------------------------
 
+    def step_budget(self) -> int:
+        """Input tokens the next step may take: what the measured speed computes in about
+        `STEP_TARGET_S`, but at least `MIN_STEP_TOKENS` and at most `max_step_tokens`."""
+        timed = 0 if self.tokens_per_s is None else int(self.tokens_per_s * STEP_TARGET_S)
+        return min(self.max_step_tokens, max(MIN_STEP_TOKENS, timed))
+
     def step(self) -> list[EmbedOutput]:
-        """Runs one batch of waiting requests (as many as the token budget takes, at least
+        """Runs one batch of waiting inputs (as many as the step's budget takes, at least
         one); returns their outputs."""
         batch = self._take()
         if not batch:
             return []
+        started = self.clock()
         try:
             return self._run(batch)
         finally:
             for req in batch:
                 self._release(req)
+            self._measure(sum(len(req.input_ids) for req in batch), self.clock() - started)
 
     def _take(self) -> list[EmbedReq]:
+        """The step's inputs: passes over the waiting requests, the one with the fewest tokens
+        computed first (then the oldest), each giving its next input while the budget allows,
+        so that no request waits behind another one's many inputs."""
+        budget = self.step_budget()
+        order = sorted(self.groups, key=lambda g: (g.num_served, g.seq))
         batch: list[EmbedReq] = []
         num_tokens = 0
-        while self.waiting:
-            req = self.waiting[0]
-            n = len(req.input_ids)
-            if batch and num_tokens + n > self.budget:
-                break
-            if self.runner.embed_needs_kv and not self._reserve(req):
-                break  # waits for pages; what is taken runs now
-            batch.append(self.waiting.popleft())
-            num_tokens += n
+        while order:
+            next_pass = []
+            for group in order:
+                req = group.reqs[0]
+                n = len(req.input_ids)
+                if batch and num_tokens + n > budget:
+                    continue  # done with it this step; another's shorter input may still fit
+                if self.runner.embed_needs_kv and not self._reserve(req):
+                    next_pass = []  # waits for pages; what is taken runs now
+                    break
+                batch.append(group.reqs.popleft())
+                group.num_served += n
+                num_tokens += n
+                if group.reqs:
+                    next_pass.append(group)
+            order = next_pass
+        self._drop_empty_groups()
+        self.num_waiting -= len(batch)
         return batch
+
+    def _drop_empty_groups(self) -> None:
+        self.groups = [group for group in self.groups if group.reqs]
+
+    def _measure(self, num_tokens: int, elapsed: float) -> None:
+        """Folds one step's speed into `tokens_per_s` (half the weight to the newest step: it
+        follows a change of load within a few steps, and one slow step only halves it)."""
+        rate = num_tokens / max(elapsed, 1e-6)
+        self.tokens_per_s = rate if self.tokens_per_s is None else (self.tokens_per_s + rate) / 2
 
     def _reserve(self, req: EmbedReq) -> bool:
         need = self.allocator.pages_for(len(req.input_ids))

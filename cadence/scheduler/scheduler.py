@@ -139,7 +139,7 @@ class Scheduler:
         self.chunked: Req | None = None  # admitted, prefill in progress
         self.is_paused = False
         self.outputs: list[ReqOutput] = []  # and EmbedOutputs (see `to_messages`)
-        # Embedding requests: one forward pass each, batched under the prefill budget.
+        # Embedding requests: one forward pass per input, in steps of at most the prefill budget.
         self.embeds = EmbeddingQueue(runner, allocator, self.cache, args.chunked_prefill_size)
         self.profiler = Profiler(args.effective_profile_dir, runner.profiler_activities)
         self.num_generated_tokens = 0
@@ -196,19 +196,17 @@ class Scheduler:
         self.add_request(req_from_tokenized(msg))
 
     def _on_embed(self, msg: TokenizedEmbeddingReqInput) -> None:
-        self.embeds.add(embed_req_from_tokenized(msg))
+        self.embeds.add([embed_req_from_tokenized(msg)])
 
     def _on_embed_batch(self, msg: BatchTokenizedEmbeddingReqInput) -> None:
-        reqs = [embed_req_from_tokenized(item) for item in msg.batch]  # all or none queued
-        for req in reqs:
-            self.embeds.add(req)
+        self.embeds.add([embed_req_from_tokenized(item) for item in msg.batch])  # all or none
 
     def _on_abort(self, msg: AbortReq) -> None:
         self.abort(msg.rid, msg.abort_all, msg.message or "aborted")
 
     def _on_flush(self, msg: FlushCacheReqInput) -> FlushCacheReqOutput:
         busy = bool(
-            self.running or self.waiting or self.chunked or self.grammars or self.embeds.waiting
+            self.running or self.waiting or self.chunked or self.grammars or self.embeds.num_waiting
         )
         if not busy:
             self.cache.reset()  # what open sessions pin stays (their next turns need it)
@@ -240,9 +238,7 @@ class Scheduler:
         return GetLoadReqOutput(
             dp_rank=0,
             num_running_reqs=len(self.running) + (1 if self.chunked else 0),
-            num_waiting_reqs=len(self.waiting)
-            + len(self.grammars or ())
-            + len(self.embeds.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.grammars or ()) + self.embeds.num_waiting,
             num_used_tokens=used,
             num_cached_tokens=self.cache.num_cached_pages * self.allocator.page_size,
             max_total_num_tokens=total,
@@ -416,13 +412,13 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return not self.is_paused and bool(
-            self.waiting or self.running or self.chunked or self.grammars or self.embeds.waiting
+            self.waiting or self.running or self.chunked or self.grammars or self.embeds.num_waiting
         )
 
     def step(self) -> list[ReqOutput]:
         """One scheduling round. Returns the outputs produced since the last call."""
         self.sessions.reap(time.monotonic())
-        if self.embeds.waiting and not self.is_paused:
+        if self.embeds.num_waiting and not self.is_paused:
             self.outputs.extend(self.embeds.step())
         if self.grammars:
             self._take_compiled()

@@ -82,7 +82,7 @@ def embedding_state(engine) -> dict:
     """What embedding requests may hold, read on the scheduler thread and in the front."""
     state = engine.run_in_scheduler(
         lambda s: {
-            "waiting": len(s.embeds.waiting),
+            "waiting": s.embeds.num_waiting,
             "free_pages": s.allocator.num_free_pages + s.cache.num_evictable_pages,
             "num_pages": s.allocator.num_pages,
             "cached_pages": s.cache.num_cached_pages,
@@ -178,10 +178,10 @@ async def test_nothing_is_left_after_bursts_aborts_and_failures(minilm, monkeypa
     minilm.pause_generation(mode="in_place")
     calls = [asyncio.ensure_future(minilm.async_encode(SENTENCES)) for _ in range(3)]
     for _ in range(200):
-        if minilm.run_in_scheduler(lambda s: len(s.embeds.waiting)) == 96:
+        if minilm.run_in_scheduler(lambda s: s.embeds.num_waiting) == 96:
             break
         await asyncio.sleep(0.02)
-    assert minilm.run_in_scheduler(lambda s: len(s.embeds.waiting)) == 96
+    assert minilm.run_in_scheduler(lambda s: s.embeds.num_waiting) == 96
     calls[0].cancel()
     minilm.abort(abort_all=True)  # the other two: ended by the server
     for call in calls[1:]:

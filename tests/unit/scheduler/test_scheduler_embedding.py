@@ -5,7 +5,8 @@ waiting, and a failing request that fails alone."""
 
 from __future__ import annotations
 
-from test_scheduler import PAGE, ScriptedRunner, assert_pool_full, make, request
+import pytest
+from test_scheduler import PAGE, ScriptedRunner, assert_pool_full, make, request, run_until_idle
 
 from cadence import io_struct
 from cadence.io_struct import (
@@ -18,7 +19,7 @@ from cadence.io_struct import (
     PauseGenerationReqInput,
     TokenizedEmbeddingReqInput,
 )
-from cadence.scheduler.embedding import EmbedOutput
+from cadence.scheduler.embedding import MIN_STEP_TOKENS, STEP_TARGET_S, EmbedOutput
 from cadence.scheduler.req import to_messages
 
 
@@ -166,7 +167,7 @@ def test_aborts_and_pauses_end_waiting_embeddings():
     s.handle(embed_request("d"))
     s.handle(PauseGenerationReqInput(mode="abort"))
     assert embeds_of(s.outputs)["d"].finished_reason["type"] == "abort"
-    assert not s.embeds.waiting
+    assert s.embeds.num_waiting == 0
 
 
 def test_the_token_types_reach_the_runner():
@@ -188,3 +189,134 @@ def test_outputs_leave_as_one_message_per_front_beside_the_token_outputs():
     assert embeds["ipc://f0"].rids == ["a", "c"] and embeds["ipc://f1"].rids == ["b"]
     assert set(embeds["ipc://f0"].http_worker_ipcs) == {"ipc://f0"}
     assert embeds["ipc://f1"].embeddings == [[4.0, 7.0, 0.0]]
+
+
+# ---- large requests are split into steps, taken fairly ---------------------------------------
+
+
+def batch_request(prefix, count, length=4, front=None) -> BatchTokenizedEmbeddingReqInput:
+    """One request of `count` inputs (rids prefix0, prefix1, ...), as the front sends it."""
+    return BatchTokenizedEmbeddingReqInput(
+        batch=[embed_request(f"{prefix}{i}", length=length, front=front) for i in range(count)]
+    )
+
+
+class Clock:
+    """A clock the runner moves: each embedding step takes `seconds_per_token` per token."""
+
+    def __init__(self, runner: EmbeddingRunner, seconds_per_token: float):
+        self.now = 0.0
+        self.seconds_per_token = seconds_per_token
+        real = runner.embed
+
+        def embed(items):
+            self.now += self.seconds_per_token * sum(len(item.token_ids) for item in items)
+            return real(items)
+
+        runner.embed = embed
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_one_input_request_runs_in_the_next_step_behind_a_large_one():
+    s, runner, alloc = make(runner=EmbeddingRunner(), chunk=16)
+    s.handle(batch_request("big", 8, length=8))  # 64 tokens: four steps of 16
+    assert set(embeds_of(s.step())) == {"big0", "big1"}
+    s.handle(embed_request("small", length=4))
+    out = embeds_of(s.step())
+    assert runner.embed_batches[1] == ["small", "big2"]  # first: it has had nothing computed
+    assert set(out) == {"small", "big2"}
+    outputs = run_until_idle(s)
+    assert set(embeds_of(outputs)) == {f"big{i}" for i in range(3, 8)}
+    assert [len(b) for b in runner.embed_batches] == [2, 2, 2, 2, 1]
+    assert s.embeds.num_waiting == 0 and not s.embeds.groups
+    assert_pool_full(s, alloc)
+
+
+def test_waiting_requests_take_turns_the_least_computed_first():
+    s, runner, _ = make(runner=EmbeddingRunner(), chunk=8)
+    s.handle(batch_request("a", 4))
+    s.handle(batch_request("b", 4))
+    s.step()
+    s.handle(batch_request("c", 2))  # nothing computed yet: it goes first
+    run_until_idle(s)
+    # One input per request in turn, the request with the fewest tokens computed first (the
+    # older one on a tie), while the step's budget of 8 tokens allows.
+    assert runner.embed_batches == [
+        ["a0", "b0"],
+        ["c0", "a1"],
+        ["b1", "c1"],
+        ["a2", "b2"],
+        ["a3", "b3"],
+    ]
+
+
+def test_a_request_alone_fills_each_step_with_its_inputs():
+    s, runner, _ = make(runner=EmbeddingRunner(), chunk=12)
+    s.handle(batch_request("x", 7, length=4))
+    run_until_idle(s)
+    assert runner.embed_batches == [["x0", "x1", "x2"], ["x3", "x4", "x5"], ["x6"]]
+
+
+def test_a_shorter_input_of_another_request_fills_what_a_long_one_leaves():
+    s, runner, _ = make(runner=EmbeddingRunner(), chunk=10)
+    s.handle(batch_request("long", 2, length=6))
+    s.handle(batch_request("short", 2, length=2))
+    s.step()
+    assert runner.embed_batches == [["long0", "short0", "short1"]]  # long1 does not fit
+
+
+def test_the_step_budget_follows_the_measured_speed_above_one_context():
+    s, runner, _ = make(runner=EmbeddingRunner(), chunk=8000)
+    queue = s.embeds
+    queue.clock = Clock(runner, seconds_per_token=1e-5)  # 100,000 tokens a second (a GPU)
+    assert queue.step_budget() == MIN_STEP_TOKENS  # nothing measured yet
+    s.handle(batch_request("x", 200, length=10))
+    s.step()
+    assert len(runner.embed_batches[0]) == 51  # 510 tokens
+    assert queue.tokens_per_s == pytest.approx(100_000)
+    assert queue.step_budget() == 8000  # STEP_TARGET_S would take more: the prefill budget caps it
+    s.step()
+    assert len(runner.embed_batches[1]) == 149  # the rest, in one step
+    queue.clock.seconds_per_token = 1e-4  # ten times slower
+    s.handle(batch_request("y", 10_000, length=10))
+    s.step()
+    assert queue.tokens_per_s == pytest.approx(55_000)  # half the newest step, half before
+    for _ in range(16):
+        s.step()
+    assert queue.step_budget() == pytest.approx(10_000 * STEP_TARGET_S, rel=0.01)
+    queue.clock.seconds_per_token = 1.0  # a busy CPU: steps never shrink below one context
+    for _ in range(10):
+        s.step()
+    assert queue.step_budget() == MIN_STEP_TOKENS
+    assert len(runner.embed_batches[-1]) == 51
+
+
+def test_an_abort_ends_a_partly_run_request_s_waiting_inputs_and_frees_everything():
+    s, runner, alloc = make(runner=EmbeddingRunner(needs_kv=True), num_pages=8, chunk=8)
+    s.handle(batch_request("big", 6, length=4))
+    s.handle(embed_request("other", length=4))
+    out = embeds_of(s.step())
+    assert set(out) == {"big0", "other"}
+    assert alloc.num_free_pages == alloc.num_pages  # pages are held within a step only
+    for i in range(1, 6):  # the client went away: the front aborts every unfinished input
+        s.handle(AbortReq(rid=f"big{i}", message="the client went away"))
+    out = embeds_of(s.step())
+    assert set(out) == {f"big{i}" for i in range(1, 6)}
+    assert all(o.embedding is None and o.finished_reason["type"] == "abort" for o in out.values())
+    assert s.embeds.num_waiting == 0 and not s.embeds.groups and not s.has_work
+    assert s.handle(GetLoadReqInput()).num_waiting_reqs == 0
+    assert len(runner.embed_batches) == 1  # nothing more ran
+    assert_pool_full(s, alloc)
+
+
+def test_abort_all_ends_every_request_whatever_ran_of_it():
+    s, runner, alloc = make(runner=EmbeddingRunner(), chunk=8)
+    s.handle(batch_request("a", 5))
+    s.handle(batch_request("b", 3))
+    s.step()
+    s.handle(AbortReq(abort_all=True, message="shutting down"))
+    assert set(embeds_of(s.outputs)) == {"a1", "a2", "a3", "a4", "b1", "b2"}
+    assert s.embeds.num_waiting == 0 and not s.embeds.groups
+    assert_pool_full(s, alloc)
