@@ -23,7 +23,7 @@ The sentences mix short queries and longer passages, as retrieval traffic does. 
 Each figure is measured `--rounds` times, interleaved with the others, and the median kept.
 
 Usage: python benchmarks/bench_embeddings.py [--json out.json] [--plot out.png]
-       [--seconds 10] [--rounds 3]
+       [--seconds 10] [--rounds 3] [--batches 16] [--smoke]
 Not a test: timings on a shared machine are noisy (the load average is reported with them).
 Progress goes to stderr, the table to stdout.
 """
@@ -220,10 +220,23 @@ async def wait_healthy(session, url: str, proc, timeout: float = 600) -> None:
 
 
 async def serve_run(
-    session, url: str, work, concurrency: int, seconds: float, pgid: int
+    url: str, work, concurrency: int, seconds: float, pgid: int
 ) -> tuple[float, float]:
     """Embeddings/s with `concurrency` clients posting batches one at a time: per second of
-    wall time and per second of the server's CPU time (all its processes; not the clients')."""
+    wall time and per second of the server's CPU time (all its processes; not the clients').
+
+    Connections of their own: kept-alive ones from an earlier run sit idle through the
+    in-process figures, past the server's keep-alive timeout, and one closing as a request
+    goes out fails it."""
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        return await _serve_run(session, url, work, concurrency, seconds, pgid)
+
+
+async def _serve_run(
+    session, url: str, work, concurrency: int, seconds: float, pgid: int
+) -> tuple[float, float]:
     done = 0
     stop_at = time.monotonic() + seconds
 
@@ -247,7 +260,9 @@ async def serve_run(
     return done / (time.monotonic() - start), done / (group_cpu_seconds(pgid) - cpu)
 
 
-async def measure(path: str, work, seconds: float, rounds: int) -> dict[str, list[float]]:
+async def measure(
+    path: str, work, seconds: float, rounds: int, warmup_s: float = 2.0
+) -> dict[str, list[float]]:
     """Every figure measured `rounds` times, interleaved (limit, peer, served at each
     concurrency, then again), so that a shared machine's changing load falls on all of them
     alike rather than on whichever ran last."""
@@ -273,7 +288,7 @@ async def measure(path: str, work, seconds: float, rounds: int) -> dict[str, lis
                 "st_emb_s": peer_fn(path, work),
             }
             await wait_healthy(session, url, proc)
-            await serve_run(session, url, work, 8, 2.0, proc.pid)  # warm-up
+            await serve_run(url, work, 8, warmup_s, proc.pid)  # warm-up
 
             def record(key: str, r: int, figures: tuple[float, float]) -> None:
                 runs.setdefault(key, []).append(figures[0])
@@ -284,7 +299,7 @@ async def measure(path: str, work, seconds: float, rounds: int) -> dict[str, lis
                 for key, (fn, batches_) in in_process.items():
                     record(key, r, timed(fn, batches_, seconds))
                 for c in CONCURRENCY:
-                    figures = await serve_run(session, url, work, c, seconds, proc.pid)
+                    figures = await serve_run(url, work, c, seconds, proc.pid)
                     record(f"served_emb_s_c{c}", r, figures)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -330,14 +345,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians kept")
     parser.add_argument("--json", help="write the figures (and every round's) as JSON here")
     parser.add_argument("--plot", default="bench_results/bench_embeddings.png")
+    parser.add_argument("--batches", type=int, default=16, help="distinct 32-sentence batches")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every figure once, briefly (0.2 s each, 2 batches): for CI",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.seconds, args.rounds, args.batches = 0.2, 1, 2
 
     from cadence.model_loader.locate import embedding_model_path
 
     path = embedding_model_path()
-    work = batches(16)
+    work = batches(args.batches)
     load_before = os.getloadavg()[0]
-    runs = asyncio.run(measure(path, work, args.seconds, args.rounds))
+    warmup_s = min(2.0, 2 * args.seconds)
+    runs = asyncio.run(measure(path, work, args.seconds, args.rounds, warmup_s))
     result = {key: statistics.median(values) for key, values in runs.items()}
     served, limit, peer = result["served_emb_s_c32"], result["limit_emb_s"], result["st_emb_s"]
     result.update(

@@ -11,9 +11,11 @@ Reported: compile ms (p50, max), mask µs per step (mean, p50, p99), and how man
 both engines allowed exactly the same tokens.
 
 llguidance is not a Cadence dependency: `pip install llguidance` (or put it on PYTHONPATH)
-to run this. Not a test: timings on shared machines are noisy.
+to compare with it; without it, xgrammar's figures are reported alone. Not a test: timings
+on shared machines are noisy.
 
-Usage: python benchmarks/bench_grammar_engines.py [--steps 64] [--json out.json]
+Usage: python benchmarks/bench_grammar_engines.py [--steps 64] [--schemas 50] [--json out.json]
+       [--smoke]
 """
 
 from __future__ import annotations
@@ -28,90 +30,113 @@ import time
 import numpy as np
 
 
+def log(msg: str) -> None:
+    print(f"[bench_grammar_engines] {msg}", file=sys.stderr, flush=True)
+
+
 def pct(values: list[float], q: float) -> float:
     return sorted(values)[min(len(values) - 1, int(len(values) * q))]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=64, help="longest walk per schema")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+def import_llguidance():
+    """llguidance's modules, or None (with a message) where it is not installed."""
     try:
         import llguidance
         import llguidance.hf
         import llguidance.numpy
     except ImportError:
-        sys.exit("llguidance is not installed: pip install llguidance")
-    import torch
-    import xgrammar
-    from bench_structured import varied_schemas
+        log("llguidance is not installed (pip install llguidance): xgrammar alone")
+        return None
+    return llguidance
 
-    from cadence.model_loader import default_model_path
-    from cadence.model_loader.loader import load_tokenizer
 
-    tokenizer = load_tokenizer(default_model_path())
-    vocab, eos = len(tokenizer), tokenizer.eos_token_id
-    start = time.perf_counter()
-    info = xgrammar.TokenizerInfo.from_huggingface(
-        tokenizer, vocab_size=vocab, stop_token_ids=[eos]
-    )
-    x_setup = time.perf_counter() - start
-    start = time.perf_counter()
-    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
-    l_setup = time.perf_counter() - start
-    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+class Engines:
+    """xgrammar, and llguidance when given, set up for one tokenizer."""
 
-    times: dict[str, list[float]] = {k: [] for k in ("x_compile", "l_compile", "x_mask", "l_mask")}
-    steps = same = 0
-    rng = random.Random(0)
-    x_bits = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
-    l_bits = llguidance.numpy.allocate_token_bitmask(1, vocab)
-    for schema in varied_schemas():
-        text = json.dumps(schema)
+    def __init__(self, tokenizer, llguidance):
+        import torch
+        import xgrammar
+
+        self.xgrammar, self.llguidance = xgrammar, llguidance
+        self.vocab, self.eos = len(tokenizer), tokenizer.eos_token_id
         start = time.perf_counter()
-        x_matcher = xgrammar.GrammarMatcher(
-            compiler.compile_json_schema(text, any_whitespace=False)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self.vocab, stop_token_ids=[self.eos]
         )
-        times["x_compile"].append((time.perf_counter() - start) * 1e3)
+        self.setup_s = {"xgrammar": time.perf_counter() - start}
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.x_bits = torch.zeros((1, (self.vocab + 31) // 32), dtype=torch.int32)
+        if llguidance is not None:
+            start = time.perf_counter()
+            self.lltok = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=self.vocab, eos_token=self.eos
+            )
+            self.setup_s["llguidance"] = time.perf_counter() - start
+            self.l_bits = llguidance.numpy.allocate_token_bitmask(1, self.vocab)
+
+    def compile(self, text: str, times: dict[str, list[float]]):
+        """Both matchers for one schema, each compile timed."""
+        compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
         start = time.perf_counter()
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=compact)
-        l_matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+        compiled = self.compiler.compile_json_schema(text, any_whitespace=False)
+        x_matcher = self.xgrammar.GrammarMatcher(compiled)
+        times["x_compile"].append((time.perf_counter() - start) * 1e3)
+        if self.llguidance is None:
+            return x_matcher, None
+        start = time.perf_counter()
+        grammar = self.llguidance.LLMatcher.grammar_from_json_schema(text, overrides=compact)
+        l_matcher = self.llguidance.LLMatcher(self.lltok, grammar, log_level=0)
         times["l_compile"].append((time.perf_counter() - start) * 1e3)
         if l_matcher.is_error():
             sys.exit(f"llguidance refused {text}: {l_matcher.get_error()}")
-        for _ in range(args.steps):
+        return x_matcher, l_matcher
+
+    def walk(self, x_matcher, l_matcher, steps: int, rng, times) -> tuple[int, int]:
+        """(steps taken, steps where both allowed the same tokens) of one seeded walk."""
+        taken = same = 0
+        for _ in range(steps):
             start = time.perf_counter()
-            x_matcher.fill_next_token_bitmask(x_bits, 0)
+            x_matcher.fill_next_token_bitmask(self.x_bits, 0)
             times["x_mask"].append((time.perf_counter() - start) * 1e6)
-            start = time.perf_counter()
-            llguidance.numpy.fill_next_token_bitmask(l_matcher, l_bits, 0)
-            times["l_mask"].append((time.perf_counter() - start) * 1e6)
-            x_row = np.unpackbits(x_bits.numpy()[0].view(np.uint8), bitorder="little")[:vocab]
-            l_row = np.unpackbits(l_bits[0].view(np.uint8), bitorder="little")[:vocab]
-            steps += 1
-            same += int((x_row == l_row).all())
-            allowed = [t for t in np.flatnonzero(x_row).tolist() if t != eos]
+            x_row = np.unpackbits(self.x_bits.numpy()[0].view(np.uint8), bitorder="little")
+            x_row = x_row[: self.vocab]
+            taken += 1
+            if l_matcher is not None:
+                start = time.perf_counter()
+                self.llguidance.numpy.fill_next_token_bitmask(l_matcher, self.l_bits, 0)
+                times["l_mask"].append((time.perf_counter() - start) * 1e6)
+                l_row = np.unpackbits(self.l_bits[0].view(np.uint8), bitorder="little")
+                same += int((x_row == l_row[: self.vocab]).all())
+            allowed = [t for t in np.flatnonzero(x_row).tolist() if t != self.eos]
             if not allowed:
                 break
             token = rng.choice(allowed)
-            if not (x_matcher.accept_token(token) and l_matcher.consume_token(token)):
+            if not x_matcher.accept_token(token):
                 break
+            if l_matcher is not None and not l_matcher.consume_token(token):
+                break
+        return taken, same
 
-    results = {"tokenizer_setup_s_xgrammar": x_setup, "tokenizer_setup_s_llguidance": l_setup}
+
+def summarize(engines: Engines, times: dict[str, list[float]], steps: int, same: int) -> dict:
+    results = {f"tokenizer_setup_s_{name}": s for name, s in engines.setup_s.items()}
     for engine, key in (("xgrammar", "x"), ("llguidance", "l")):
         compile_ms, mask_us = times[f"{key}_compile"], times[f"{key}_mask"]
+        if not compile_ms:
+            continue
         results[f"compile_ms_p50_{engine}"] = statistics.median(compile_ms)
         results[f"compile_ms_max_{engine}"] = max(compile_ms)
         results[f"mask_us_mean_{engine}"] = statistics.mean(mask_us)
         results[f"mask_us_p50_{engine}"] = statistics.median(mask_us)
         results[f"mask_us_p99_{engine}"] = pct(mask_us, 0.99)
-    results["steps"], results["steps_same_mask"] = steps, same
+    results["steps"] = steps
+    if engines.llguidance is not None:
+        results["steps_same_mask"] = same
+    return results
 
-    print(f"\n{len(times['x_compile'])} schemas, {steps} mask steps, vocab {vocab}")
+
+def print_report(results: dict, num_schemas: int, vocab: int) -> None:
+    print(f"\n{num_schemas} schemas, {results['steps']} mask steps, vocab {vocab}")
     print(f"{'':22} {'xgrammar':>10} {'llguidance':>11}")
     for label, key, unit in (
         ("tokenizer setup", "tokenizer_setup_s", "s"),
@@ -121,9 +146,44 @@ def main() -> int:
         ("mask per step p50", "mask_us_p50", "us"),
         ("mask per step p99", "mask_us_p99", "us"),
     ):
-        x, g = results[f"{key}_xgrammar"], results[f"{key}_llguidance"]
-        print(f"{label + ' (' + unit + ')':22} {x:10.2f} {g:11.2f}")
-    print(f"steps where both allowed the same tokens: {same} of {steps}")
+        x, g = results[f"{key}_xgrammar"], results.get(f"{key}_llguidance")
+        shown = f"{g:11.2f}" if g is not None else f"{'-':>11}"
+        print(f"{label + ' (' + unit + ')':22} {x:10.2f} {shown}")
+    if "steps_same_mask" in results:
+        print(f"steps where both allowed the same tokens: {results['steps_same_mask']} of "
+              f"{results['steps']}")  # fmt: skip
+    else:
+        print("llguidance: not installed (pip install llguidance), not compared")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=64, help="longest walk per schema")
+    parser.add_argument("--schemas", type=int, default=None, help="only the first N schemas")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--smoke", action="store_true", help="5 schemas, walks of 4 steps: for CI")
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.schemas = 4, 5
+    llguidance = import_llguidance()
+    from bench_structured import varied_schemas
+
+    from cadence.model_loader import default_model_path
+    from cadence.model_loader.loader import load_tokenizer
+
+    engines = Engines(load_tokenizer(default_model_path()), llguidance)
+    times: dict[str, list[float]] = {k: [] for k in ("x_compile", "l_compile", "x_mask", "l_mask")}
+    steps = same = 0
+    rng = random.Random(0)
+    schemas = varied_schemas()[: args.schemas]
+    for schema in schemas:
+        x_matcher, l_matcher = engines.compile(json.dumps(schema), times)
+        taken, agreed = engines.walk(x_matcher, l_matcher, args.steps, rng, times)
+        steps, same = steps + taken, same + agreed
+    results = summarize(engines, times, steps, same)
+    print_report(results, len(schemas), engines.vocab)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -13,6 +13,7 @@ With --stacks it also measures the floor and the ceiling of the stack choice: a 
 30-line aiohttp server + ClientSession proxy, and a FastAPI + httpx proxy on uvicorn.
 
     .venv/bin/python benchmarks/bench_router.py [--duration 5] [--json out.json] [--png out.png]
+        [--stacks] [--no-smg] [--no-install] [--smoke]
 """
 
 from __future__ import annotations
@@ -520,7 +521,15 @@ def main() -> int:
     )
     parser.add_argument("--stacks", action="store_true",
                         help="also measure a bare aiohttp proxy and a FastAPI+httpx proxy (the stack choice)")  # fmt: skip
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every target and phase for 0.5 s, no warm-up, smg only if it is already "
+        "installed: for CI",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.duration, args.warmup, args.no_install = 0.5, 0.0, True
     client = args.client if args.client != "auto" else ("wrk" if shutil.which("wrk") else "aiohttp")
     fleet = Fleet(
         with_smg=not args.no_smg, install_smg=not args.no_install, with_stacks=args.stacks
