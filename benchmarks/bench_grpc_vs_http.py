@@ -32,7 +32,7 @@ both see the same machine load on a shared box.
 
 Usage: python benchmarks/bench_grpc_vs_http.py [--duration 5] [--stream-duration 15] [--rounds 3]
        [--json out.json] [--plot bench_results/bench_grpc_vs_http.png] [--http-client python|wrk]
-       [--with-smg] [--stream-only]
+       [--with-smg] [--stream-only] [--smoke]
 Not a test: timings on shared machines are noisy. Progress goes to stderr, figures to stdout.
 """
 
@@ -46,6 +46,7 @@ envs.set_openmp_defaults()  # as `cadence serve` gives its children; before anyt
 
 import argparse
 import json
+import shlex
 import shutil
 import statistics
 import sys
@@ -91,6 +92,7 @@ def run(args) -> dict:
     ]
     if args.model_path:
         cmd += ["--model-path", args.model_path]
+    cmd += shlex.split(args.server_args)  # later flags win
     try:
         log(f"logs in {procs.tmp}")
         server = procs.spawn("server", cmd)
@@ -107,7 +109,9 @@ def run(args) -> dict:
         wait_for(lambda: grpc_ok(echo_target), "the grpc.aio echo server", grpc_echo)
         wait_for(lambda: urllib_post_ok(echo_url + "/tokenize"), "the uvicorn echo app", http_echo)
         smg = model = None
-        if args.with_smg:  # started once Cadence is ready: SMG reads the model's facts at once
+        if args.with_smg and smg_script() is None:
+            log("--with-smg: smg is not installed (pip install smg); measuring without it")
+        elif args.with_smg:  # started once Cadence is ready: SMG reads the model's facts at once
             smg_port = free_port()
             smg_url = f"http://127.0.0.1:{smg_port}"
             smg = procs.spawn("smg", smg_command(grpc_target, smg_port))
@@ -175,15 +179,16 @@ def run(args) -> dict:
     return summarize(rounds, args)
 
 
-def smg_command(grpc_target: str, port: int) -> list[str]:
-    """`smg launch` fronting Cadence's gRPC port (the console script of this environment)."""
+def smg_script() -> str | None:
+    """SMG's console script: this environment's, else one on PATH; None if neither."""
     script = os.path.join(os.path.dirname(sys.executable), "smg")
-    if not os.path.exists(script):
-        script = shutil.which("smg") or sys.exit(
-            "--with-smg: smg is not installed (pip install smg)"
-        )
+    return script if os.path.exists(script) else shutil.which("smg")
+
+
+def smg_command(grpc_target: str, port: int) -> list[str]:
+    """`smg launch` fronting Cadence's gRPC port."""
     return [
-        script,
+        smg_script(),
         "launch",
         "--worker-urls",
         f"grpc://{grpc_target}",
@@ -217,6 +222,11 @@ def smg_model(url: str) -> str | None:
     except OSError:
         return None
     return next((i for i in ids if i != "unknown"), None)
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b; NaN when b is zero or NaN (a phase that completed nothing in its window)."""
+    return a / b if b and b == b else float("nan")
 
 
 def summarize(rounds: dict[str, list[dict]], args) -> dict:
@@ -258,19 +268,23 @@ def summarize(rounds: dict[str, list[dict]], args) -> dict:
         out["smg_gateway_cpu_s_per_1k_tok"] = med(
             1000 * r["gateway_cpu_s"] / r["units"] for r in results if r["units"]
         )
-        out["smg_vs_http_stream"] = out["smg_grpc_stream_tok_s_c32"] / out["http_stream_tok_s_c32"]
-        out["smg_vs_http_cpu_per_tok"] = (
-            out["smg_grpc_cpu_s_per_1k_tok"] / out["http_cpu_s_per_1k_tok"]
+        out["smg_vs_http_stream"] = ratio(
+            out["smg_grpc_stream_tok_s_c32"], out["http_stream_tok_s_c32"]
+        )
+        out["smg_vs_http_cpu_per_tok"] = ratio(
+            out["smg_grpc_cpu_s_per_1k_tok"], out["http_cpu_s_per_1k_tok"]
         )
     if "grpc_cpu_s_per_1k_tok_short" in out:
-        out["grpc_vs_http_cpu_per_tok_short"] = (
-            out["grpc_cpu_s_per_1k_tok_short"] / out["http_cpu_s_per_1k_tok_short"]
+        out["grpc_vs_http_cpu_per_tok_short"] = ratio(
+            out["grpc_cpu_s_per_1k_tok_short"], out["http_cpu_s_per_1k_tok_short"]
         )
     if "grpc_tokenize_rps" in out:
-        out["grpc_tokenize_vs_echo"] = out["grpc_tokenize_rps"] / out["grpc_echo_rps"]
-        out["http_tokenize_vs_echo"] = out["http_tokenize_rps"] / out["http_echo_rps"]
-    out["grpc_vs_http_stream"] = out["grpc_stream_tok_s_c32"] / out["http_stream_tok_s_c32"]
-    out["grpc_vs_http_cpu_per_tok"] = out["grpc_cpu_s_per_1k_tok"] / out["http_cpu_s_per_1k_tok"]
+        out["grpc_tokenize_vs_echo"] = ratio(out["grpc_tokenize_rps"], out["grpc_echo_rps"])
+        out["http_tokenize_vs_echo"] = ratio(out["http_tokenize_rps"], out["http_echo_rps"])
+    out["grpc_vs_http_stream"] = ratio(out["grpc_stream_tok_s_c32"], out["http_stream_tok_s_c32"])
+    out["grpc_vs_http_cpu_per_tok"] = ratio(
+        out["grpc_cpu_s_per_1k_tok"], out["http_cpu_s_per_1k_tok"]
+    )
     out.update(
         duration_s=args.duration,
         stream_duration_s=args.stream_duration,
@@ -477,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", default="bench_results/bench_grpc_vs_http.png")
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument(
+        "--server-args", default="", help="extra flags for the server, e.g. '--lazy-kv-pool'"
+    )
+    parser.add_argument(
         "--with-smg",
         action="store_true",
         help="also stream through SGLang's gateway SMG fronting cadence over gRPC (pip install smg)",
@@ -486,7 +503,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only the stream phases (skip Tokenize, one-token generate and the bare transports)",
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every phase once and briefly (1 s unary, 5 s streams of 8 tokens, 4 unary "
+        "clients): for CI",
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.duration, args.stream_duration, args.concurrency = 1, 1.0, 5.0, 4
+        args.stream_tokens, args.short_stream_tokens, args.grpc_channels = 8, 4, 2
+        args.server_args += " --lazy-kv-pool"  # no start-up step at full size
     if args.http_client == "wrk" and shutil.which("wrk") is None:
         parser.error("--http-client wrk: wrk is not installed")
     load_at_start = os.getloadavg()[0]
