@@ -17,6 +17,7 @@ Targets: served real-time factor >= 0.7x the limit at concurrency 8; time to fir
 byte of chat <= time to the first sentence's text + 150 ms.
 
     .venv/bin/python benchmarks/bench_speech.py [--json out.json] [--plot out.png] [--quick]
+        [--modes speech,speech_colocated] [--texts 12] [--passes 3] [--smoke]
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def _audio_seconds(data: bytes, fmt: str) -> float:
     return len(samples) / rate
 
 
-async def chat(client: httpx.AsyncClient, topic: str) -> dict:
+async def chat(client: httpx.AsyncClient, topic: str, max_tokens: int = 64) -> dict:
     """One streamed chat with audio: times to the first text, the first complete sentence of
     text, the first audio byte; seconds of audio."""
     body = {
@@ -147,7 +148,7 @@ async def chat(client: httpx.AsyncClient, topic: str) -> dict:
         "messages": [{"role": "user", "content": f"Tell me about {topic} in three sentences."}],
         "modalities": ["text", "audio"],
         "audio": {"voice": "alloy", "format": "pcm16"},
-        "max_tokens": 64,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
     }
@@ -187,13 +188,18 @@ async def concurrent(fn, items: list, concurrency: int) -> tuple[list, float]:
     return results, time.perf_counter() - started
 
 
-async def measure(mode: str, quick: bool) -> dict[str, float]:
+async def measure(mode: str, args) -> dict[str, float]:
     port = free_port()
     log_path = f"bench_results/bench_speech_{mode}.log"
     os.makedirs("bench_results", exist_ok=True)
     proc = launch(mode, port, log_path)
     out: dict[str, float] = {}
-    reps = 1 if quick else 3
+    reps = 1 if args.quick else 3
+    texts, topics = TEXTS[: args.texts], TOPICS[: args.texts]
+
+    def talk(topic: str):
+        return chat(client, topic, args.chat_tokens)
+
     try:
         limits = httpx.Limits(max_connections=32)
         async with httpx.AsyncClient(
@@ -203,16 +209,16 @@ async def measure(mode: str, quick: bool) -> dict[str, float]:
             log(f"{mode}: ready")
             # Warm up, discarded: a server just started is still settling (its first
             # requests, the model's first batches), which once skewed whichever mode ran first.
-            await concurrent(lambda t: speak(client, t, "mp3"), TEXTS, 8)
-            await concurrent(lambda t: chat(client, t), list(TOPICS[:2]), 2)
+            await concurrent(lambda t: speak(client, t, "mp3"), texts, 8)
+            await concurrent(talk, list(topics[:2]), 2)
             for fmt in ("pcm", "mp3"):
                 for c in (1, 8):
                     # Passes of under a second each: the best of PASSES, as for the limit
                     # (the median is kept too).
                     rtfs, firsts = [], []
-                    for _ in range(PASSES):
+                    for _ in range(args.passes):
                         results, wall = await concurrent(
-                            lambda t, fmt=fmt: speak(client, t, fmt), TEXTS * reps, c
+                            lambda t, fmt=fmt: speak(client, t, fmt), texts * reps, c
                         )
                         rtfs.append(sum(a for _, a in results) / wall)
                         firsts += [f for f, _ in results]
@@ -221,13 +227,12 @@ async def measure(mode: str, quick: bool) -> dict[str, float]:
                     if c == 1:
                         out[f"ttfa_speech_ms_p50_{fmt}"] = 1000 * p50(firsts)
                     log(f"{mode} speech {fmt} c{c}: rtf {out[f'served_rtf_c{c}_{fmt}']:.1f}")
-            topics = list(TOPICS[: 4 if quick else 8])
-            results, wall = await concurrent(lambda t: chat(client, t), topics, 1)
+            results, wall = await concurrent(talk, list(topics[: 4 if args.quick else 8]), 1)
             out["ttfa_chat_ms_p50"] = 1000 * p50([r["first_audio_s"] for r in results])
             out["first_sentence_text_ms_p50"] = 1000 * p50([r["first_sentence_s"] for r in results])
             out["first_text_ms_p50"] = 1000 * p50([r["first_text_s"] for r in results])
             out["chat_rtf_c1"] = sum(r["audio_s"] for r in results) / wall
-            results, wall = await concurrent(lambda t: chat(client, t), list(TOPICS), 8)
+            results, wall = await concurrent(talk, list(topics), 8)
             out["chat_rtf_c8"] = sum(r["audio_s"] for r in results) / wall
             log(f"{mode} chat: ttfa {out['ttfa_chat_ms_p50']:.0f} ms, first sentence "
                 f"{out['first_sentence_text_ms_p50']:.0f} ms")  # fmt: skip
@@ -282,16 +287,29 @@ def main() -> None:
     parser.add_argument("--plot", default="bench_results/bench_speech.png")
     parser.add_argument("--quick", action="store_true", help="fewer requests per measurement")
     parser.add_argument("--modes", default=",".join(MODES), help="pipelines to serve, in order")
+    parser.add_argument("--texts", type=int, default=len(TEXTS), help="texts (and chat topics)")
+    parser.add_argument("--passes", type=int, default=PASSES, help="speech passes per level")
+    parser.add_argument("--chat-tokens", type=int, default=64, help="max_tokens of each chat")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every figure once on 2 texts, chats of 16 tokens, one limit pass: for CI",
+    )
     args = parser.parse_args()
+    limit_rounds = 5
+    if args.smoke:
+        args.quick, args.texts, args.passes, args.chat_tokens, limit_rounds = True, 2, 1, 16, 1
 
     load_before = os.getloadavg()[0]
-    limits = [limit_rtf(5)]
+    limits = [limit_rtf(limit_rounds)]
     modes = args.modes.split(",")
     result: dict[str, float] = {}
     for mode in modes:
-        for key, value in asyncio.run(measure(mode, args.quick)).items():
+        for key, value in asyncio.run(measure(mode, args)).items():
             result[f"{mode}.{key}"] = value
-        limits.append(limit_rtf(5))  # again after each server: the best of all is the limit
+        limits.append(
+            limit_rtf(limit_rounds)
+        )  # again after each server: the best of all is the limit
     result["limit_rtf_c8"] = result["limit_rtf_c1"] = max(limits)
     main_mode = modes[0]
     for key in ("ttfa_chat_ms_p50", "first_sentence_text_ms_p50"):
