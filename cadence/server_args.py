@@ -1,4 +1,12 @@
-"""Server arguments: one frozen dataclass, whose field docstrings double as `--help` text.
+"""Server arguments: one frozen dataclass per concern, one flat command line.
+
+`ServerArgs` holds a `ModelArgs`, `SchedulerArgs`, `HttpArgs`, `GrpcArgs`, `OutputArgs`,
+`RuntimeArgs` and `PipelineArgs`; each checks its own fields (a `ValueError` naming the field)
+and documents each field with the docstring under it, which is also its flag's `--help`.
+Flags stay flat (`--max-running-requests`, as SGLang spells them), and so does reading:
+`args.max_running_requests` is `args.scheduler.max_running_requests`. A part of the server
+that needs one concern may take just its group. Checks across groups (a gRPC port beside
+the HTTP one, a pipeline with one front) are `ServerArgs`'s own.
 
 Imports nothing heavy, so `cadence serve --help` answers at once.
 """
@@ -9,14 +17,23 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 from cadence.config_docs import field_docs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def _at_least_one(obj: Any, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) < 1:
+            raise ValueError(f"{name} must be ≥ 1, got {getattr(obj, name)}")
+
+
 @dataclass(frozen=True)
-class ServerArgs:
+class ModelArgs:
+    """Which model is served, in which precision, under which names."""
+
     model_path: str | None = None
     """A .gguf file or a Hugging Face model directory; default: the embedded SmolLM2-135M-Instruct."""
     tokenizer_path: str | None = None
@@ -27,10 +44,6 @@ class ServerArgs:
     """Refuse (404) a request whose `model` is not one of the served names, instead of serving it with the one model as SGLang does."""
     chat_template: str | None = None
     """A Jinja chat template file overriding the model's own."""
-    host: str = "127.0.0.1"
-    """Address the HTTP and gRPC servers bind."""
-    port: int = 30000
-    """HTTP port."""
     dtype: str = "auto"
     """Weight and activation dtype: auto (bfloat16 where the CPU supports it, else float32), float32, bfloat16, float16."""
     kv_cache_dtype: str = "auto"
@@ -41,16 +54,47 @@ class ServerArgs:
     """Quantize the model's float weights at load, weight-only and group-wise: int8 (GGUF Q8_0 blocks) or int4 (Q4_1); activations keep --dtype. A GGUF file's quantized matrices keep their own types. See docs/quantization.md."""
     context_length: int | None = None
     """Longest sequence (prompt + output) served; default: the model's own."""
+    is_embedding: bool = False
+    """Serve a decoder (the Llama family) as an embedding model: the last token's final hidden state, normalized (or the pooling its modules.json declares). Encoders (BERT) are detected from their config.json and served as embedding models without this flag."""
+
+    def __post_init__(self) -> None:
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}"
+                )
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
+        if self.quantization is not None and self.dequantize:
+            raise ValueError("quantization and dequantize contradict each other: give one")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be ≥ 2, got {self.context_length}")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(
+                f"chat_template: no such file {self.chat_template!r}; give a Jinja template file"
+            )
+
+    def served_model_names(self, model_path: str) -> list[str]:
+        """The names the model answers to: --served-model-name's, or the model file's name."""
+        if self.served_model_name:
+            names = [n.strip() for n in self.served_model_name.split(",") if n.strip()]
+            if names:
+                return names
+        from cadence.model_loader.locate import model_name
+
+        return [model_name(model_path)]
+
+
+@dataclass(frozen=True)
+class SchedulerArgs:
+    """How the scheduler batches, caches and admits: the KV pool and its policies."""
+
     max_running_requests: int = 64
     """Most requests decoded together in one batch."""
     max_queued_requests: int = 1024
     """Most requests waiting for a batch slot; more are refused with 429."""
-    api_workers: int = 1
-    """Front processes serving HTTP and gRPC on the same ports, all feeding one scheduler (each with its own tokenizer and event loop). The HTTP socket is bound once and shared; gRPC ports are shared with SO_REUSEPORT."""
     stream_interval: int = 1
     """Streamed requests get an output every this many tokens (the first token and the last output are sent at once); a client that reads slower than tokens arrive gets what waits merged into one message anyway."""
-    enable_metrics: bool = False
-    """Accepted for SGLang compatibility: GET /metrics (Prometheus text format) is always served."""
     max_total_tokens: int | None = None
     """KV pool size in tokens; default: derived from --kv-cache-memory-fraction."""
     kv_cache_memory_fraction: float = 0.2
@@ -69,12 +113,6 @@ class ServerArgs:
     """Seconds a session (/open_session) may stay idle before the server closes it and unpins its KV; a session may ask for its own timeout. 0: never."""
     random_seed: int | None = None
     """Seed of the server's own sampling randomness (requests with a `seed` use their own)."""
-    api_key: str | None = None
-    """Require `Authorization: Bearer <key>` on every route but the health checks."""
-    log_level: str = "info"
-    """Logging level: debug, info, warning, error."""
-    skip_warmup: bool = False
-    """Report healthy without running the warm-up generation first, nor the throwaway full-size prefill that takes a step's working memory at start (the KV pool is still committed)."""
     enable_priority_scheduling: bool = False
     """Admit waiting requests by their `priority` (higher first) instead of in arrival order; equal priorities stay in arrival order."""
     schedule_low_priority_values_first: bool = False
@@ -83,29 +121,94 @@ class ServerArgs:
     """Let requests name a logit processor registered by a plugin (`custom_logit_processor`); never code from the request."""
     enable_return_hidden_states: bool = False
     """Let requests ask for the final hidden states of their positions (`return_hidden_states`)."""
+
+    def __post_init__(self) -> None:
+        _at_least_one(
+            self, "max_running_requests", "max_queued_requests", "stream_interval", "page_size"
+        )
+        _at_least_one(self, "chunked_prefill_size")
+        if not 0 < self.kv_cache_memory_fraction < 1:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}"
+            )
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(
+                f"max_total_tokens must be ≥ page_size ({self.page_size}), got {self.max_total_tokens}"
+            )
+        if self.schedule_policy not in (None, "lpm", "fcfs"):
+            raise ValueError(f"schedule_policy must be lpm or fcfs, got {self.schedule_policy!r}")
+        if self.session_timeout_s is not None and self.session_timeout_s < 0:
+            raise ValueError(f"session_timeout_s must be ≥ 0, got {self.session_timeout_s}")
+
+    @property
+    def effective_schedule_policy(self) -> str:
+        if self.schedule_policy is not None:
+            return self.schedule_policy
+        return "fcfs" if self.disable_radix_cache else "lpm"
+
+    @property
+    def effective_session_timeout_s(self) -> float | None:
+        return self.session_timeout_s or None
+
+
+@dataclass(frozen=True)
+class HttpArgs:
+    """The HTTP server and the front's bounds on what one request may carry."""
+
+    host: str = "127.0.0.1"
+    """Address the HTTP and gRPC servers bind."""
+    port: int = 30000
+    """HTTP port."""
+    api_workers: int = 1
+    """Front processes serving HTTP and gRPC on the same ports, all feeding one scheduler (each with its own tokenizer and event loop). The HTTP socket is bound once and shared; gRPC ports are shared with SO_REUSEPORT."""
+    api_key: str | None = None
+    """Require `Authorization: Bearer <key>` on every route but the health checks."""
+    enable_metrics: bool = False
+    """Accepted for SGLang compatibility: GET /metrics (Prometheus text format) is always served."""
     incremental_streaming_output: bool = False
     """Stream /generate as deltas (each event only the new text and ids) instead of SGLang's default, where every event carries the text and output ids so far."""
-    # -- structured output, tool calling and reasoning (docs/structured_output.md) --
-    grammar_backend: str = "xgrammar"
-    """Engine of constrained decoding (json_schema, regex, ebnf, response_format, forced tool calls): xgrammar, or none to refuse constraints with a 400."""
-    constrained_json_any_whitespace: bool = False
-    """Let JSON-schema constraints allow any whitespace between JSON tokens instead of the compact form of json.dumps (small models tend to emit whitespace without end when allowed)."""
-    tool_call_parser: str | None = None
-    """How tool calls are found in the model's text when tool_choice is auto: hermes (alias qwen, qwen25: <tool_call>{...}</tool_call>) or llama3 (a JSON object {"name", "parameters"}, after <|python_tag|> or alone). Without it, tool_choice auto answers with text; required and named choices work either way."""
-    reasoning_parser: str | None = None
-    """Split <think>...</think> out of chat answers into reasoning_content: deepseek-r1 (the answer starts inside the reasoning, the template opened it) or qwen3 (reasoning only inside an explicit <think>)."""
     max_request_body_mb: float = 32.0
     """Largest HTTP request body, in MiB; a larger one gets 413 before it is read whole."""
     max_tokenize_chars: int = 4 * 1024 * 1024
     """Most characters one /tokenize request or gRPC Tokenize call may carry, its prompts (or rendered messages) together; more get a 400 before anything is tokenized. The default is about a million tokens of English text."""
     max_detokenize_tokens: int = 1024 * 1024
     """Most token ids one /detokenize request or gRPC Detokenize call may carry, its lists together; more get a 400 before anything is decoded."""
-    watchdog_timeout: float = 30.0
-    """Seconds the scheduler or detokenizer may go without making progress before the server reports itself unhealthy, fails waiting requests with 503 and exits non-zero (so an orchestrator restarts it)."""
     request_timeout_s: float | None = None
     """Server-side deadline of every generation request, in seconds: past it the request is aborted (finish reason abort) and what it generated so far is returned. Default: none."""
-    profile_dir: str | None = None
-    """Directory the torch profiler writes traces under (a request may only name a subdirectory); default: profiles/ under the server's state directory (CADENCE_STATE_DIR, default ~/.local/state/cadence)."""
+    max_embedding_batch: int = 1024
+    """Most inputs one embedding, classification, score or rerank request may carry; more get a 400."""
+    max_speech_chars: int = 4096
+    """Longest `input` /v1/audio/speech (and the SynthesizeSpeech RPC) accepts, in characters; a longer one gets a 400 naming the field (docs/speech.md)."""
+
+    def __post_init__(self) -> None:
+        _at_least_one(self, "port", "api_workers", "max_tokenize_chars", "max_detokenize_tokens")
+        _at_least_one(self, "max_embedding_batch", "max_speech_chars")
+        if not 0 < self.max_request_body_mb <= 4096:
+            raise ValueError(
+                f"max_request_body_mb must be in (0, 4096], got {self.max_request_body_mb}"
+            )
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0 seconds, got {self.request_timeout_s}")
+        if self.api_key is not None:
+            if not self.api_key:
+                raise ValueError("api_key must not be empty")
+            try:
+                self.api_key.encode("latin-1")
+            except UnicodeEncodeError:
+                raise ValueError(
+                    "api_key must be Latin-1 text (HTTP headers carry nothing else); "
+                    "choose a key of ASCII characters"
+                ) from None
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        return int(self.max_request_body_mb * 1024 * 1024)
+
+
+@dataclass(frozen=True)
+class GrpcArgs:
+    """The gRPC server: its port, TLS, keepalive and flow bounds."""
+
     grpc_port: int | None = None
     """gRPC port (the native sglang.runtime.v1.SglangService); default: --port + 10000."""
     disable_grpc: bool = False
@@ -128,133 +231,10 @@ class ServerArgs:
     """Most gRPC generation calls in flight (generate, embed, OpenAI pass-through); more get RESOURCE_EXHAUSTED. Default: --max-running-requests + --max-queued-requests."""
     grpc_stream_buffer: int = 256
     """Most output tokens (OpenAI pass-through streams: chunks) a gRPC stream may hold back while its client does not read; beyond that the call ends with RESOURCE_EXHAUSTED and its request is aborted."""
-    # -- embeddings, classification, scoring and reranking (docs/embeddings.md) --
-    is_embedding: bool = False
-    """Serve a decoder (the Llama family) as an embedding model: the last token's final hidden state, normalized (or the pooling its modules.json declares). Encoders (BERT) are detected from their config.json and served as embedding models without this flag."""
-    max_embedding_batch: int = 1024
-    """Most inputs one embedding, classification, score or rerank request may carry; more get a 400."""
-    # -- stage pipeline (docs/pipeline.md) --
-    pipeline: str | None = None
-    """A stage pipeline the front process starts and coordinates next to the model: the path of a YAML declaration, or the name of one shipped with Cadence (cadence/pipeline/pipelines/NAME.yaml). The server is ready once every stage is; /health answers 503 while a stage process is down."""
-    pipeline_restart_stages: bool = False
-    """Restart a --pipeline stage process that dies (its requests in flight fail with 503 meanwhile); without it, a stage's death stops the server with exit code 1."""
-    max_speech_chars: int = 4096
-    """Longest `input` /v1/audio/speech (and the SynthesizeSpeech RPC) accepts, in characters; a longer one gets a 400 naming the field (docs/speech.md)."""
 
     def __post_init__(self) -> None:
-        for name in ("dtype", "kv_cache_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(
-                    f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}"
-                )
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
-        if self.quantization is not None and self.dequantize:
-            raise ValueError("quantization and dequantize contradict each other: give one")
-        for name in (
-            "port",
-            "max_running_requests",
-            "page_size",
-            "chunked_prefill_size",
-            "max_queued_requests",
-            "api_workers",
-            "stream_interval",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
-        if not 0 < self.kv_cache_memory_fraction < 1:
-            raise ValueError(
-                f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}"
-            )
-        if self.context_length is not None and self.context_length < 2:
-            raise ValueError(f"context_length must be ≥ 2, got {self.context_length}")
-        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            raise ValueError(
-                f"max_total_tokens must be ≥ page_size ({self.page_size}), got {self.max_total_tokens}"
-            )
-        if self.schedule_policy not in (None, "lpm", "fcfs"):
-            raise ValueError(f"schedule_policy must be lpm or fcfs, got {self.schedule_policy!r}")
-        if self.session_timeout_s is not None and self.session_timeout_s < 0:
-            raise ValueError(f"session_timeout_s must be ≥ 0, got {self.session_timeout_s}")
-        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
-            raise ValueError(
-                f"log_level must be debug, info, warning or error, got {self.log_level!r}"
-            )
-        if not 0 < self.max_request_body_mb <= 4096:
-            raise ValueError(
-                f"max_request_body_mb must be in (0, 4096], got {self.max_request_body_mb}"
-            )
-        for name in ("max_tokenize_chars", "max_detokenize_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
-        if self.watchdog_timeout <= 0:
-            raise ValueError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
-        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s must be > 0 seconds, got {self.request_timeout_s}")
-        if self.api_key is not None:
-            if not self.api_key:
-                raise ValueError("api_key must not be empty")
-            try:
-                self.api_key.encode("latin-1")
-            except UnicodeEncodeError:
-                raise ValueError(
-                    "api_key must be Latin-1 text (HTTP headers carry nothing else); "
-                    "choose a key of ASCII characters"
-                ) from None
-        if self.chat_template is not None and not os.path.isfile(self.chat_template):
-            raise ValueError(
-                f"chat_template: no such file {self.chat_template!r}; give a Jinja template file"
-            )
-        self._check_grpc()
-        self._check_structured_output()
-        if self.max_embedding_batch < 1:
-            raise ValueError(f"max_embedding_batch must be ≥ 1, got {self.max_embedding_batch}")
-        self._check_pipeline()
-        if self.max_speech_chars < 1:
-            raise ValueError(f"max_speech_chars must be ≥ 1, got {self.max_speech_chars}")
-
-    def _check_pipeline(self) -> None:
-        if self.pipeline is None:
-            if self.pipeline_restart_stages:
-                raise ValueError("pipeline_restart_stages needs --pipeline")
-            return
-        if self.api_workers > 1:
-            raise ValueError(
-                "pipeline: one front process owns a pipeline's coordinator; "
-                "give --api-workers 1 with --pipeline"
-            )
-        from cadence.pipeline.config import resolve_pipeline_path
-
-        resolve_pipeline_path(self.pipeline)  # a missing file is an error now, not after loading
-
-    def _check_structured_output(self) -> None:
-        from cadence.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
-
-        if self.grammar_backend not in ("xgrammar", "none"):
-            raise ValueError(
-                f"grammar_backend must be xgrammar or none, got {self.grammar_backend!r}"
-            )
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(
-                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
-                f"got {self.tool_call_parser!r}"
-            )
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(
-                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
-                f"got {self.reasoning_parser!r}"
-            )
-
-    def _check_grpc(self) -> None:
         if self.grpc_port is not None and not 1 <= self.grpc_port <= 65535:
             raise ValueError(f"grpc_port must be in [1, 65535], got {self.grpc_port}")
-        if not self.disable_grpc and self.grpc_port is None and self.port + 10000 > 65535:
-            raise ValueError(
-                f"grpc_port defaults to port + 10000 = {self.port + 10000}, which is not a port; "
-                "give --grpc-port or --disable-grpc"
-            )
-        if not self.disable_grpc and self.effective_grpc_port == self.port:
-            raise ValueError(f"grpc_port must differ from port ({self.port})")
         if (self.grpc_tls_cert is None) != (self.grpc_tls_key is None):
             raise ValueError("grpc_tls_cert and grpc_tls_key go together: give both or neither")
         if self.grpc_tls_client_ca is not None and self.grpc_tls_cert is None:
@@ -275,28 +255,61 @@ class ServerArgs:
             raise ValueError(
                 f"grpc_max_concurrent_requests must be ≥ 1, got {self.grpc_max_concurrent_requests}"
             )
-        if self.grpc_stream_buffer < 1:
-            raise ValueError(f"grpc_stream_buffer must be ≥ 1, got {self.grpc_stream_buffer}")
+        _at_least_one(self, "grpc_stream_buffer")
 
-    def served_model_names(self, model_path: str) -> list[str]:
-        """The names the model answers to: --served-model-name's, or the model file's name."""
-        if self.served_model_name:
-            names = [n.strip() for n in self.served_model_name.split(",") if n.strip()]
-            if names:
-                return names
-        from cadence.model_loader.locate import model_name
 
-        return [model_name(model_path)]
+@dataclass(frozen=True)
+class OutputArgs:
+    """Structured output, tool calling and reasoning (docs/structured_output.md)."""
 
-    @property
-    def effective_schedule_policy(self) -> str:
-        if self.schedule_policy is not None:
-            return self.schedule_policy
-        return "fcfs" if self.disable_radix_cache else "lpm"
+    grammar_backend: str = "xgrammar"
+    """Engine of constrained decoding (json_schema, regex, ebnf, response_format, forced tool calls): xgrammar, or none to refuse constraints with a 400."""
+    constrained_json_any_whitespace: bool = False
+    """Let JSON-schema constraints allow any whitespace between JSON tokens instead of the compact form of json.dumps (small models tend to emit whitespace without end when allowed)."""
+    tool_call_parser: str | None = None
+    """How tool calls are found in the model's text when tool_choice is auto: hermes (alias qwen, qwen25: <tool_call>{...}</tool_call>) or llama3 (a JSON object {"name", "parameters"}, after <|python_tag|> or alone). Without it, tool_choice auto answers with text; required and named choices work either way."""
+    reasoning_parser: str | None = None
+    """Split <think>...</think> out of chat answers into reasoning_content: deepseek-r1 (the answer starts inside the reasoning, the template opened it) or qwen3 (reasoning only inside an explicit <think>)."""
 
-    @property
-    def effective_session_timeout_s(self) -> float | None:
-        return self.session_timeout_s or None
+    def __post_init__(self) -> None:
+        from cadence.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+        if self.grammar_backend not in ("xgrammar", "none"):
+            raise ValueError(
+                f"grammar_backend must be xgrammar or none, got {self.grammar_backend!r}"
+            )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
+            )
+
+
+@dataclass(frozen=True)
+class RuntimeArgs:
+    """The server's life: logging, warm-up, the watchdog, profiles."""
+
+    log_level: str = "info"
+    """Logging level: debug, info, warning, error."""
+    skip_warmup: bool = False
+    """Report healthy without running the warm-up generation first, nor the throwaway full-size prefill that takes a step's working memory at start (the KV pool is still committed)."""
+    watchdog_timeout: float = 30.0
+    """Seconds the scheduler or detokenizer may go without making progress before the server reports itself unhealthy, fails waiting requests with 503 and exits non-zero (so an orchestrator restarts it)."""
+    profile_dir: str | None = None
+    """Directory the torch profiler writes traces under (a request may only name a subdirectory); default: profiles/ under the server's state directory (CADENCE_STATE_DIR, default ~/.local/state/cadence)."""
+
+    def __post_init__(self) -> None:
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError(
+                f"log_level must be debug, info, warning or error, got {self.log_level!r}"
+            )
+        if self.watchdog_timeout <= 0:
+            raise ValueError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
 
     @property
     def effective_profile_dir(self) -> str:
@@ -305,6 +318,25 @@ class ServerArgs:
         from cadence import envs
 
         return os.path.join(envs.state_dir(), "profiles")
+
+
+@dataclass(frozen=True)
+class PipelineArgs:
+    """A stage pipeline served next to the model (docs/pipeline.md)."""
+
+    pipeline: str | None = None
+    """A stage pipeline the front process starts and coordinates next to the model: the path of a YAML declaration, or the name of one shipped with Cadence (cadence/pipeline/pipelines/NAME.yaml). The server is ready once every stage is; /health answers 503 while a stage process is down."""
+    pipeline_restart_stages: bool = False
+    """Restart a --pipeline stage process that dies (its requests in flight fail with 503 meanwhile); without it, a stage's death stops the server with exit code 1."""
+
+    def __post_init__(self) -> None:
+        if self.pipeline is None:
+            if self.pipeline_restart_stages:
+                raise ValueError("pipeline_restart_stages needs --pipeline")
+            return
+        from cadence.pipeline.config import resolve_pipeline_path
+
+        resolve_pipeline_path(self.pipeline)  # a missing file is an error now, not after loading
 
     @property
     def pipeline_path(self) -> str | None:
@@ -315,9 +347,102 @@ class ServerArgs:
 
         return resolve_pipeline_path(self.pipeline)
 
-    @property
-    def max_request_body_bytes(self) -> int:
-        return int(self.max_request_body_mb * 1024 * 1024)
+
+GROUPS: dict[str, type] = {
+    "model": ModelArgs,
+    "scheduler": SchedulerArgs,
+    "http": HttpArgs,
+    "grpc": GrpcArgs,
+    "output": OutputArgs,
+    "runtime": RuntimeArgs,
+    "stages": PipelineArgs,
+}
+# flat field (and property) name -> the group that holds it
+_GROUP_OF: dict[str, str] = {
+    name: group
+    for group, cls in GROUPS.items()
+    for name in [f.name for f in fields(cls)]
+    + [n for n, v in vars(cls).items() if isinstance(v, property) or n == "served_model_names"]
+}
+
+
+class ServerArgs:
+    """Every argument of a server, grouped by concern (see the module docstring).
+
+    Built from flat keyword arguments (`ServerArgs(max_total_tokens=4096)`), frozen, equal
+    by value, picklable (children receive it), read flat or by group."""
+
+    model: ModelArgs
+    scheduler: SchedulerArgs
+    http: HttpArgs
+    grpc: GrpcArgs
+    output: OutputArgs
+    runtime: RuntimeArgs
+    stages: PipelineArgs
+    GROUPS: ClassVar[dict[str, type]] = GROUPS
+
+    def __init__(self, **flat: Any) -> None:
+        unknown = sorted(set(flat) - set(self.field_names()))
+        if unknown:
+            raise TypeError(f"unknown server argument(s): {', '.join(unknown)}")
+        for group, cls in GROUPS.items():
+            names = {f.name for f in fields(cls)}
+            object.__setattr__(self, group, cls(**{k: v for k, v in flat.items() if k in names}))
+        self._check_across_groups()
+
+    def _check_across_groups(self) -> None:
+        if not self.disable_grpc and self.grpc_port is None and self.port + 10000 > 65535:
+            raise ValueError(
+                f"grpc_port defaults to port + 10000 = {self.port + 10000}, which is not a port; "
+                "give --grpc-port or --disable-grpc"
+            )
+        if not self.disable_grpc and self.effective_grpc_port == self.port:
+            raise ValueError(f"grpc_port must differ from port ({self.port})")
+        if self.pipeline is not None and self.api_workers > 1:
+            raise ValueError(
+                "pipeline: one front process owns a pipeline's coordinator; "
+                "give --api-workers 1 with --pipeline"
+            )
+
+    # ---- flat reading -------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        group = _GROUP_OF.get(name)
+        if group is None or name.startswith("__"):
+            raise AttributeError(f"ServerArgs has no argument {name!r}")
+        return getattr(object.__getattribute__(self, group), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """Every argument's (flat) name, in flag order."""
+        return [f.name for group in GROUPS.values() for f in fields(group)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every argument by its flat name (what /server_info reports)."""
+        return {name: getattr(self, name) for name in self.field_names()}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ServerArgs) and self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(tuple(getattr(self, group) for group in GROUPS))
+
+    def __repr__(self) -> str:
+        changed = [
+            f"{name}={value!r}"
+            for name, value in self.to_dict().items()
+            if value != _DEFAULTS.get(name)
+        ]
+        return f"ServerArgs({', '.join(changed)})"
+
+    def __reduce__(self):
+        # The groups pickle as they are (already checked): a child does not check again.
+        return (_from_groups, tuple(getattr(self, group) for group in GROUPS))
+
+    # ---- derived values -----------------------------------------------------------------
 
     @property
     def effective_grpc_port(self) -> int:
@@ -330,33 +455,47 @@ class ServerArgs:
             return self.grpc_max_concurrent_requests
         return self.max_running_requests + self.max_queued_requests
 
-    def replace(self, **changes) -> ServerArgs:
-        return dataclasses.replace(self, **changes)
+    def replace(self, **changes: Any) -> ServerArgs:
+        return ServerArgs(**{**self.to_dict(), **changes})
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> ServerArgs:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
-        return cls(**kwargs)
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise ValueError(str(e)) from None
 
 
-def add_cli_args(parser: argparse.ArgumentParser, cls: type = ServerArgs) -> None:
-    docs = field_docs(cls)
-    for f in fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = docs.get(f.name, "")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
-            continue
-        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
-        conv = int if "int" in kind else float if "float" in kind else str
-        kwargs = {"choices": DTYPES} if f.name in ("dtype", "kv_cache_dtype") else {}
-        if f.name == "schedule_policy":
-            kwargs = {"choices": ("lpm", "fcfs")}
-        parser.add_argument(flag, type=conv, default=f.default, help=help_text, **kwargs)
+def _from_groups(*groups: Any) -> ServerArgs:
+    args = object.__new__(ServerArgs)
+    for name, value in zip(GROUPS, groups):
+        object.__setattr__(args, name, value)
+    return args
 
 
-def from_cli_args(ns: argparse.Namespace, cls: type = ServerArgs):
-    return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+_DEFAULTS: dict[str, Any] = {f.name: f.default for group in GROUPS.values() for f in fields(group)}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """One flat flag per argument, every group's, with its docstring as help."""
+    for group in GROUPS.values():
+        docs = field_docs(group)
+        section = parser.add_argument_group((group.__doc__ or group.__name__).split("\n")[0])
+        for f in fields(group):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = docs.get(f.name, "")
+            if f.type in ("bool", bool):
+                section.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                continue
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
+            conv = int if "int" in kind else float if "float" in kind else str
+            kwargs: dict[str, Any] = {}
+            if f.name in ("dtype", "kv_cache_dtype"):
+                kwargs = {"choices": DTYPES}
+            elif f.name == "schedule_policy":
+                kwargs = {"choices": ("lpm", "fcfs")}
+            section.add_argument(flag, type=conv, default=f.default, help=help_text, **kwargs)
+
+
+def from_cli_args(ns: argparse.Namespace) -> ServerArgs:
+    return ServerArgs(**{name: getattr(ns, name) for name in ServerArgs.field_names()})

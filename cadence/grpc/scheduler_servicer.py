@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -295,7 +294,7 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
     async def GetServerInfo(self, request, context):
         client = self._client()
         info, args = client.info, self.args
-        server_args = dataclasses.asdict(args)
+        server_args = args.to_dict()
         server_args.pop("api_key", None)  # never echo a secret
         server_args.update(
             model_path=info.model_path,

@@ -9,7 +9,6 @@ involved. Bad input raises `InvalidParameter`, which each adapter maps to its ow
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -120,7 +119,7 @@ async def server_info(state) -> dict[str, Any]:
     arguments at the top level, the scheduler's facts (`max_total_num_tokens`,
     `max_req_input_len`, `kv_pool_bytes`, ...), `internal_states` (one dict per
     data-parallel rank) and `version`."""
-    body = dataclasses.asdict(state.args)
+    body = state.args.to_dict()
     body.pop("api_key", None)  # never echo a secret
     runtime = dict(state.runtime)
     body.update(version=__version__, is_ready=state.is_ready, uptime_s=time.time() - state.started)

@@ -9,7 +9,6 @@ reparented to. No psutil.
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import os
@@ -47,7 +46,7 @@ def free_port() -> int:
 def _server_arg_names() -> set[str]:
     from cadence.server_args import ServerArgs
 
-    return {f.name for f in dataclasses.fields(ServerArgs)}
+    return set(ServerArgs.field_names())
 
 
 def tagged_pids(tag: str) -> list[int]:
