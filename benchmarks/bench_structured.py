@@ -16,7 +16,7 @@ All figures come from one run, one process, one in-process Engine:
 The limit compared with: constrained >= 0.9x unconstrained at batch 32.
 
 Usage: python benchmarks/bench_structured.py [--repeats 3] [--readings 48] [--json out.json]
-       [--plot out.png]  (the plot goes beside --json unless --plot says where)
+       [--plot out.png] [--schemas 50] [--smoke]  (the plot goes beside --json unless --plot says where)
 Not a test: timings on shared machines are noisy; each figure is the median of --repeats.
 """
 
@@ -199,8 +199,9 @@ def decode_rates(engine, clock: Clock, batch: int, repeats: int, readings: int) 
     return out
 
 
-def compile_times(engine) -> list[float]:
-    """ms to compile each schema cold, on the scheduler's thread (nothing else runs)."""
+def compile_times(engine, num_schemas: int | None = None) -> list[float]:
+    """ms to compile each schema (the first `num_schemas`) cold, on the scheduler's thread
+    (nothing else runs)."""
     from cadence.constrained import GrammarKey, create_backend
 
     def run(scheduler):
@@ -212,7 +213,7 @@ def compile_times(engine) -> list[float]:
             sorted(scheduler.stops.eos_ids),
         )
         times = []
-        for schema in varied_schemas():
+        for schema in varied_schemas()[:num_schemas]:
             start = time.perf_counter()
             backend.compile(GrammarKey("json_schema", json.dumps(schema)))
             times.append((time.perf_counter() - start) * 1e3)
@@ -228,12 +229,13 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    xs = range(len(BATCHES))
-    c = [results[f"constrained_tok_s_b{b}"] for b in BATCHES]
-    u = [results[f"unconstrained_tok_s_b{b}"] for b in BATCHES]
+    batches = results["batches"]
+    xs = range(len(batches))
+    c = [results[f"constrained_tok_s_b{b}"] for b in batches]
+    u = [results[f"unconstrained_tok_s_b{b}"] for b in batches]
     ax.bar([x - 0.2 for x in xs], u, 0.4, label="unconstrained")
     ax.bar([x + 0.2 for x in xs], c, 0.4, label="JSON schema")
-    ax.set_xticks(list(xs), [f"batch {b}" for b in BATCHES])
+    ax.set_xticks(list(xs), [f"batch {b}" for b in batches])
     ax.set_ylabel("decode tokens/s")
     ax.set_title("Decode throughput")
     ax.legend()
@@ -255,11 +257,20 @@ def main() -> int:
     parser.add_argument(
         "--readings", type=int, default=48, help="integers of the decode schema (~4 tokens each)"
     )
+    parser.add_argument("--schemas", type=int, default=None, help="compile only the first N")
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--json", default=None, help="write the results as one flat JSON object")
     parser.add_argument(
         "--plot", default=None, help="PNG path (default: beside --json, or bench_results/)"
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every figure once at batch 1 and 4, with 4 readings and 5 schemas to compile: for CI",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.readings, args.schemas, args.batches = 1, 4, 5, [1, 4]
 
     from cadence import Engine
 
@@ -272,15 +283,16 @@ def main() -> int:
             "grammar_backend": engine.args.grammar_backend,
             "readings": args.readings,
             "repeats": args.repeats,
+            "batches": args.batches,
         }
-        for batch in BATCHES:
+        for batch in args.batches:
             log(f"decode batch {batch}")
             rates = decode_rates(engine, clock, batch, args.repeats, args.readings)
             results[f"constrained_tok_s_b{batch}"] = rates["c"]
             results[f"unconstrained_tok_s_b{batch}"] = rates["u"]
             results[f"constraint_share_b{batch}"] = rates["share"]
         log("compile times")
-        times = compile_times(engine)
+        times = compile_times(engine, args.schemas)
     finally:
         engine.shutdown()
     results["compile_ms"] = times
@@ -293,7 +305,7 @@ def main() -> int:
         f"{'':10} {'constrained':>12} {'unconstrained':>14} {'ratio':>7} {'limit':>7}"
         f" {'constraint share':>17}"
     )
-    for b in BATCHES:
+    for b in args.batches:
         c, u = results[f"constrained_tok_s_b{b}"], results[f"unconstrained_tok_s_b{b}"]
         limit = f">={TARGET_RATIO_B32}" if b == 32 else "-"
         share = results[f"constraint_share_b{b}"]
