@@ -16,7 +16,7 @@ Targets (issue 15, this machine): warm TTFT >= 10x faster than cold; multi-turn 
 >= 3x better and throughput >= 1.5x with the cache on.
 
 Usage: python benchmarks/bench_prefix_cache.py [--json out.json] [--plot out.png]
-       [--dtype float32] [--repeats 3]
+       [--dtype float32] [--repeats 3] [--conversations 16] [--turns 6] [--smoke]
 Not a test: timings on shared machines are noisy. Progress goes to stderr, figures to stdout.
 """
 
@@ -31,6 +31,7 @@ envs.set_openmp_defaults()  # as `cadence serve` gives its children
 import argparse
 import asyncio
 import json
+import shlex
 import signal
 import socket
 import statistics
@@ -73,9 +74,13 @@ def document(topic: str, sentences: int) -> str:
     return " ".join(parts)
 
 
-SYSTEM_PROMPT = "You are a careful assistant. Use only the reference material below.\n" + document(
-    "the reference archive", 80
-)
+SYSTEM_SENTENCES = 80  # ~2,000 tokens
+
+
+def system_prompt(sentences: int) -> str:
+    return "You are a careful assistant. Use only the reference material below.\n" + document(
+        "the reference archive", sentences
+    )
 
 
 def free_port() -> int:
@@ -94,6 +99,7 @@ def launch(args, port: int, cache_on: bool, log_path: str) -> subprocess.Popen:
     ]  # fmt: skip
     if not cache_on:
         cmd.append("--disable-radix-cache")
+    cmd += shlex.split(args.server_args)  # later flags win
     with open(log_path, "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -145,13 +151,13 @@ async def chat(session, url, messages, max_tokens) -> tuple[float, str, dict]:
     return ttft if ttft is not None else time.perf_counter() - start, "".join(text), usage
 
 
-async def shared_prompt(session, url, repeats: int) -> tuple[float, float, int]:
+async def shared_prompt(session, url, args) -> tuple[float, float, int]:
     """Median cold and warm TTFT (s) of the long shared system prompt, and its token count."""
     colds, warms, num = [], [], 0
-    for k in range(repeats):
+    system = {"role": "system", "content": system_prompt(args.system_sentences)}
+    for k in range(args.repeats):
         async with session.post(url + "/flush_cache") as r:
             await r.read()
-        system = {"role": "system", "content": SYSTEM_PROMPT}
         cold, _, usage = await chat(
             session, url, [system, {"role": "user", "content": f"Question {k}: hello?"}], 4
         )
@@ -165,9 +171,9 @@ async def shared_prompt(session, url, repeats: int) -> tuple[float, float, int]:
     return statistics.median(colds), statistics.median(warms), num
 
 
-async def multiturn(session, url) -> tuple[float, list[list[float]]]:
+async def multiturn(session, url, args) -> tuple[float, list[list[float]]]:
     """Completion tok/s over the run, and TTFTs per turn (seconds)."""
-    per_turn: list[list[float]] = [[] for _ in range(TURNS)]
+    per_turn: list[list[float]] = [[] for _ in range(args.turns)]
     tokens = 0
 
     async def conversation(c: int):
@@ -175,9 +181,9 @@ async def multiturn(session, url) -> tuple[float, list[list[float]]]:
         messages = [
             {"role": "system", "content": "Answer briefly.\n" + document(TOPICS[c], 16)},
         ]
-        for t in range(TURNS):
-            messages.append({"role": "user", "content": QUESTIONS[t]})
-            ttft, answer, usage = await chat(session, url, messages, ANSWER_TOKENS)
+        for t in range(args.turns):
+            messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
+            ttft, answer, usage = await chat(session, url, messages, args.answer_tokens)
             per_turn[t].append(ttft)
             tokens += usage.get("completion_tokens", 0)
             messages.append({"role": "assistant", "content": answer})
@@ -185,7 +191,7 @@ async def multiturn(session, url) -> tuple[float, list[list[float]]]:
     async with session.post(url + "/flush_cache") as r:
         await r.read()
     start = time.perf_counter()
-    await asyncio.gather(*(conversation(c) for c in range(CONVERSATIONS)))
+    await asyncio.gather(*(conversation(c) for c in range(args.conversations)))
     return tokens / (time.perf_counter() - start), per_turn
 
 
@@ -200,9 +206,11 @@ async def measure(args, cache_on: bool) -> dict:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await wait_healthy(session, url, proc)
             log(f"cache {name}: server up (log {log_path})")
-            cold, warm, num = await shared_prompt(session, url, args.repeats)
-            log(f"cache {name}: multi-turn, {CONVERSATIONS} conversations x {TURNS} turns")
-            tok_s, per_turn = await multiturn(session, url)
+            cold, warm, num = await shared_prompt(session, url, args)
+            log(
+                f"cache {name}: multi-turn, {args.conversations} conversations x {args.turns} turns"
+            )
+            tok_s, per_turn = await multiturn(session, url, args)
             async with session.get(url + "/v1/loads") as r:
                 loads = (await r.json())["loads"][0]
         return {
@@ -222,19 +230,19 @@ def p50(values) -> float:
     return statistics.median(values)
 
 
-def plot(path: str, on: dict, off: dict) -> None:
+def plot(path: str, on: dict, off: dict, conversations: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    turns = list(range(1, TURNS + 1))
+    turns = list(range(1, len(on["per_turn"]) + 1))
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, data, marker in (("cache on", on, "o"), ("cache off", off, "s")):
         ax.plot(turns, [p50(t) * 1e3 for t in data["per_turn"]], marker=marker, label=label)
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT p50 (ms)")
-    ax.set_title(f"{CONVERSATIONS} concurrent conversations: time to first token per turn")
+    ax.set_title(f"{conversations} concurrent conversations: time to first token per turn")
     ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
     ax.legend()
@@ -250,7 +258,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the figures as one flat JSON object here")
     parser.add_argument("--plot", default="bench_results/bench_prefix_cache.png")
+    parser.add_argument("--conversations", type=int, default=CONVERSATIONS)
+    parser.add_argument("--turns", type=int, default=TURNS)
+    parser.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS)
+    parser.add_argument(
+        "--system-sentences",
+        type=int,
+        default=SYSTEM_SENTENCES,
+        help="length of the shared system prompt (~25 tokens a sentence)",
+    )
+    parser.add_argument(
+        "--server-args", default="", help="extra flags for both servers, e.g. '--lazy-kv-pool'"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the whole path at the smallest size, for CI: one repeat, 2 conversations x 2 "
+        "turns of 4 tokens, a short system prompt, servers with --lazy-kv-pool",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.conversations, args.turns, args.answer_tokens = 1, 2, 2, 4
+        args.system_sentences = 8
+        args.server_args += " --lazy-kv-pool"
 
     on = asyncio.run(measure(args, cache_on=True))
     off = asyncio.run(measure(args, cache_on=False))
@@ -275,7 +305,7 @@ def main() -> None:
     for key, value in result.items():
         print(f"| {key} | {value:.3f} |" if isinstance(value, float) else f"| {key} | {value} |")
     print("\n| turn | TTFT p50 on (ms) | TTFT p50 off (ms) |\n|---:|---:|---:|")
-    for t in range(TURNS):
+    for t in range(args.turns):
         print(
             f"| {t + 1} | {p50(on['per_turn'][t]) * 1e3:.0f} | {p50(off['per_turn'][t]) * 1e3:.0f} |"
         )
@@ -283,7 +313,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     if args.plot:
-        plot(args.plot, on, off)
+        plot(args.plot, on, off, args.conversations)
 
 
 if __name__ == "__main__":
