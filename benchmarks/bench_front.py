@@ -21,6 +21,7 @@ cores, which caps what a second front process can add; the load average is repor
 Usage: python benchmarks/bench_front.py [--rounds 3] [--stream-duration 10]
        [--json out.json] [--plot bench_results/bench_front.png] [--skip-real-model]
        [--load-procs 1] [--model-path PATH] [--server-args='--dequantize --dtype bfloat16']
+       [--clients 256] [--real-clients 32] [--smoke]
 Not a test: timings on shared machines are noisy. Progress goes to stderr, figures to stdout.
 """
 
@@ -61,7 +62,7 @@ def launch(procs: g.Processes, name: str, workers: int, zero_cost: bool, args):
         sys.executable, "-m", "cadence.launch_server", "--port", str(port),
         "--grpc-port", str(grpc_port), "--api-workers", str(workers), "--dtype", "float32",
         "--log-level", "warning", "--skip-warmup",
-        "--max-running-requests", str(CLIENTS if zero_cost else REAL_CLIENTS),
+        "--max-running-requests", str(args.clients if zero_cost else args.real_clients),
         "--max-queued-requests", "1024", "--max-total-tokens", "65536",
         "--grpc-max-concurrent-requests", "2048",
     ]  # fmt: skip
@@ -124,14 +125,17 @@ def run(args) -> dict:
         )
         for w in (1, 2):
             _, url, target = servers[f"zc{w}"]
-            phases += [(f"http_tok_s_w{w}", url, CLIENTS), (f"grpc_tok_s_w{w}", target, CLIENTS)]
+            phases += [
+                (f"http_tok_s_w{w}", url, args.clients),
+                (f"grpc_tok_s_w{w}", target, args.clients),
+            ]
         phases += [
-            ("http_limit_tok_s", f"http://127.0.0.1:{echo_http}", CLIENTS),
-            ("grpc_limit_tok_s", f"127.0.0.1:{echo_grpc}", CLIENTS),
+            ("http_limit_tok_s", f"http://127.0.0.1:{echo_http}", args.clients),
+            ("grpc_limit_tok_s", f"127.0.0.1:{echo_grpc}", args.clients),
         ]
         if not args.skip_real_model:
             for w in (1, 2):
-                phases.append((f"real_http_tok_s_w{w}", servers[f"real{w}"][1], REAL_CLIENTS))
+                phases.append((f"real_http_tok_s_w{w}", servers[f"real{w}"][1], args.real_clients))
         rounds: dict[str, list[float]] = {name: [] for name, _, _ in phases}
         for r in range(args.rounds):
             for name, target, conc in phases:
@@ -153,7 +157,7 @@ def run(args) -> dict:
     return res
 
 
-def plot(path: str, res: dict) -> None:
+def plot(path: str, res: dict, clients: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,7 +175,7 @@ def plot(path: str, res: dict) -> None:
     ax.bar([i + width for i in x], limit, width, label="bare transport (limit)")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("streamed tokens/s")
-    ax.set_title(f"{CLIENTS} streaming clients, zero-cost engine")
+    ax.set_title(f"{clients} streaming clients, zero-cost engine")
     ax.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -193,9 +197,20 @@ def main() -> int:
     parser.add_argument(
         "--server-args", default="", help="extra flags for every server, e.g. '--dequantize'"
     )
+    parser.add_argument("--clients", type=int, default=CLIENTS, help="zero-cost and bare phases")
+    parser.add_argument("--real-clients", type=int, default=REAL_CLIENTS)
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default="bench_results/bench_front.png")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every phase once for 1 s with 8 clients (4 on the real model), 8-token streams: "
+        "for CI",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.stream_duration, args.stream_tokens = 1, 1.0, 8
+        args.clients, args.real_clients, args.grpc_channels = 8, 4, 2
     args.duration = args.stream_duration
     load_start = os.getloadavg()[0]
     res = run(args)
@@ -208,7 +223,7 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
     if args.plot:
-        plot(args.plot, res)
+        plot(args.plot, res, args.clients)
     return 0
 
 
