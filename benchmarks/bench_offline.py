@@ -9,7 +9,8 @@ All figures come from one run, one process, one dtype:
     same multiplies through plain F.linear are reported as *_limit_plain_tok_s;
   - peer: transformers' own decode loop (generate with a KV cache) on the same GGUF weights.
 
-Usage: python benchmarks/bench_offline.py [--dtype bfloat16] [--json out.json] [--plot out.png]
+Usage: python benchmarks/bench_offline.py [--dtype auto] [--json out.json] [--plot out.png]
+       [--repeats 3] [--new-tokens 128] [--prefill-len 512] [--skip-hf] [--smoke]
 Not a test: timings on shared machines are noisy; each figure is the median of --repeats.
 """
 
@@ -48,9 +49,11 @@ def prompts(tokenizer, batch: int) -> list[list[int]]:
     return [base + tokenizer.encode(f" {i + 1}:") for i in range(batch)]
 
 
-def bench_ours(engine, repeats: int) -> dict:
+def bench_ours(
+    engine, repeats: int, new_tokens: int = NEW_TOKENS, prefill_len: int = PREFILL_LEN
+) -> dict:
     out = {}
-    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
     for bs in BATCHES:
         ids = prompts(engine.tokenizer, bs)
         engine.generate(input_ids=ids, sampling_params=dict(params, max_new_tokens=4))
@@ -58,7 +61,7 @@ def bench_ours(engine, repeats: int) -> dict:
 
         def run():
             res = engine.generate(input_ids=ids, sampling_params=params)
-            assert sum(r["meta_info"]["completion_tokens"] for r in res) == bs * NEW_TOKENS
+            assert sum(r["meta_info"]["completion_tokens"] for r in res) == bs * new_tokens
 
         # Subtract the prefill so the figure is decode alone.
         prefill = median_time(
@@ -66,17 +69,18 @@ def bench_ours(engine, repeats: int) -> dict:
             repeats,
         )
         total = median_time(run, repeats)
-        out[f"decode_b{bs}_tok_s"] = bs * (NEW_TOKENS - 1) / max(total - prefill, 1e-9)
-    long_ids = [(engine.tokenizer.encode("The sea was calm that night. ") * 64)[:PREFILL_LEN]]
-    log("ours: prefill 512")
+        out[f"decode_b{bs}_tok_s"] = bs * (new_tokens - 1) / max(total - prefill, 1e-9)
+    sentence = engine.tokenizer.encode("The sea was calm that night. ")
+    long_ids = [(sentence * (prefill_len // len(sentence) + 1))[:prefill_len]]
+    log(f"ours: prefill {prefill_len}")
     t = median_time(
         lambda: engine.generate(input_ids=long_ids, sampling_params={"max_new_tokens": 1}), repeats
     )
-    out["prefill_512_tok_s"] = PREFILL_LEN / t
+    out[f"prefill_{prefill_len}_tok_s"] = prefill_len / t
     return out
 
 
-def bench_limit(model, dtype, repeats: int) -> dict:
+def bench_limit(model, dtype, repeats: int, prefill_len: int = PREFILL_LEN) -> dict:
     """The model's projections alone, through the very objects the engine calls (packed
     oneDNN weights on CPU), and the same shapes through plain F.linear for reference."""
     linears = [
@@ -87,7 +91,7 @@ def bench_limit(model, dtype, repeats: int) -> dict:
         torch.randn(lin.out_features, lin.in_features, dtype=dtype) for lin in linears
     ]  # values don't matter
     out = {}
-    for rows in BATCHES + (PREFILL_LEN,):
+    for rows in BATCHES + (prefill_len,):
         xs = {lin.in_features: torch.randn(rows, lin.in_features, dtype=dtype) for lin in linears}
 
         def run():
@@ -98,14 +102,14 @@ def bench_limit(model, dtype, repeats: int) -> dict:
             for w in plain:
                 F.linear(xs[w.shape[1]], w)
 
-        key = f"prefill_{rows}_limit" if rows == PREFILL_LEN else f"decode_b{rows}_limit"
+        key = f"prefill_{rows}_limit" if rows == prefill_len else f"decode_b{rows}_limit"
         for suffix, fn in (("_tok_s", run), ("_plain_tok_s", run_plain)):
             fn()
             out[key + suffix] = rows / median_time(fn, repeats * 3)
     return out
 
 
-def bench_hf(model_path: str, dtype, repeats: int, tokenizer) -> dict:
+def bench_hf(model_path: str, dtype, repeats: int, tokenizer, new_tokens: int = NEW_TOKENS) -> dict:
     from transformers import AutoModelForCausalLM
 
     log("peer: loading transformers' GGUF model")
@@ -132,8 +136,8 @@ def bench_hf(model_path: str, dtype, repeats: int, tokenizer) -> dict:
                 )
 
         prefill = median_time(lambda: gen(1), max(1, repeats // 2))
-        total = median_time(lambda: gen(NEW_TOKENS), max(1, repeats // 2))
-        out[f"decode_b{bs}_hf_tok_s"] = bs * (NEW_TOKENS - 1) / max(total - prefill, 1e-9)
+        total = median_time(lambda: gen(new_tokens), max(1, repeats // 2))
+        out[f"decode_b{bs}_hf_tok_s"] = bs * (new_tokens - 1) / max(total - prefill, 1e-9)
     return out
 
 
@@ -177,17 +181,41 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model-path", default=None)
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="auto: what `cadence serve` runs (bfloat16 where the CPU has bfloat16 "
+        "instructions, else float32)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument("--json", default=None, help="write the results as one flat JSON object")
     parser.add_argument("--plot", default="bench_results/bench_offline.png")
+    parser.add_argument(
+        "--new-tokens", type=int, default=NEW_TOKENS, help="decoded per request (at least 2)"
+    )
+    parser.add_argument(
+        "--prefill-len", type=int, default=PREFILL_LEN, help="tokens of the prefill figure"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every figure once with 4 new tokens per request and a 64-token prefill (the "
+        "peer included): for CI",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.new_tokens, args.prefill_len = 1, 4, 64
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2: decode is timed beyond the first token")
 
     from cadence import Engine
+    from cadence.platforms import get_current_platform
 
-    dtype = getattr(torch, args.dtype)
-    log("loading the engine")
+    dtype = get_current_platform().resolve_dtype(args.dtype)
+    args.dtype = str(dtype).removeprefix("torch.")
+    log(f"loading the engine ({args.dtype})")
     engine = Engine(
         model_path=args.model_path,
         dtype=args.dtype,
@@ -196,26 +224,29 @@ def main() -> int:
     )
     try:
         results = {"dtype": args.dtype, "threads": torch.get_num_threads()}
-        results.update(bench_ours(engine, args.repeats))
+        results.update(new_tokens=args.new_tokens, prefill_len=args.prefill_len)
+        results.update(bench_ours(engine, args.repeats, args.new_tokens, args.prefill_len))
         log("limit: weight matmuls alone")
         # On the engine's own thread: OpenMP keeps a worker team per calling thread, and a
         # second team on this thread would slow both down (see cadence/engine.py).
         results.update(
             engine.run_in_scheduler(
-                lambda s: bench_limit(s.runner.model, dtype, args.repeats), timeout=600
+                lambda s: bench_limit(s.runner.model, dtype, args.repeats, args.prefill_len),
+                timeout=600,
             )
         )
         model_path = engine.info.model_path
     finally:
         engine.shutdown()  # its thread, and with it its OpenMP team, ends here
     if not args.skip_hf:
-        results.update(bench_hf(model_path, dtype, args.repeats, engine.tokenizer))
+        results.update(bench_hf(model_path, dtype, args.repeats, engine.tokenizer, args.new_tokens))
 
+    n = args.prefill_len
     rows = [
         ("decode b1", "decode_b1_tok_s", "decode_b1_limit_tok_s", "decode_b1_hf_tok_s"),
         ("decode b8", "decode_b8_tok_s", "decode_b8_limit_tok_s", None),
         ("decode b32", "decode_b32_tok_s", "decode_b32_limit_tok_s", "decode_b32_hf_tok_s"),
-        ("prefill 512", "prefill_512_tok_s", "prefill_512_limit_tok_s", None),
+        (f"prefill {n}", f"prefill_{n}_tok_s", f"prefill_{n}_limit_tok_s", None),
     ]
     print(
         f"\nCadence offline, dtype={args.dtype}, threads={results['threads']}; limit = the engine's matmul "
