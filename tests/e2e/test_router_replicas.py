@@ -152,9 +152,14 @@ def fleet(tmp_path_factory):
         for name in ("replica_a", "replica_b"):
             port = _free_port_pair()
             # With the fault-injection test plugin: a marked request fails inside the replica.
+            # Their default-sized KV pools (a share of the machine's memory) stay lazy: taken
+            # at start, two replicas would hold GBs this test never writes.
             fleet.spawn(
                 name,
-                ["-m", "cadence.launch_server", *_default_model_args(), "--port", str(port)],
+                [
+                    *("-m", "cadence.launch_server", *_default_model_args()),
+                    *("--port", str(port), "--lazy-kv-pool"),
+                ],
                 port,
                 env=fault_plugin_env(),
             )
