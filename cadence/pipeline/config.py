@@ -25,6 +25,10 @@ CLIENT = "client"  # not a stage name: the coordinator's side of every edge
 RELAY_BACKENDS_BUILTIN = ("shm", "torch")
 MIB = 1 << 20
 START_METHODS = ("forkserver", "spawn")
+PLACEMENTS = ("process", "front")
+# The process name of the stages placed in the front: the coordinator's own process. Never a
+# stage process's name (those are stage names, which cannot hold parentheses).
+FRONT = "(front)"
 PACKAGED_DIR = os.path.join(os.path.dirname(__file__), "pipelines")  # shipped YAML declarations
 
 
@@ -111,6 +115,12 @@ class StageConfig:
     async iterator; a stage fed only by a stream starts at its first chunk."""
     stream_to_client: bool = False
     """Send this stage's chunks to the client through the coordinator (`stream()`)."""
+    placement: str = "process"
+    """Where the stage runs: `process`, a stage process (its own, or shared through
+    colocate_with), or `front`: in the process that started the pipeline, beside the
+    coordinator (a server's front process), where its executor can use what that process
+    hands its front stages (`Pipeline.start(services=...)`, e.g. the server's engine client).
+    Payloads to and from a front stage travel inside control messages, never a relay."""
 
     def __post_init__(self) -> None:
         if (
@@ -140,6 +150,15 @@ class StageConfig:
                 raise ValueError(f"{where}: {name} must be true or false")
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"{where}: device must be a device name such as cpu or cuda:0")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"{where}: placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
+            )
+        if self.placement == "front" and self.colocate_with:
+            raise ValueError(
+                f"{where}: placement front runs the stage in the front process, with every other "
+                f"front stage; drop colocate_with or the placement"
+            )
 
 
 @dataclass(frozen=True)
@@ -256,7 +275,9 @@ class PipelineGraph:
     """What routing needs, derived from the stages once.
 
     Processes are named after their stages (sorted, joined by "+"), and numbered in the order
-    of the stage list: that number is a process's rank in a relay's group."""
+    of the stage list: that number is a process's rank in a relay's group. Stages placed in
+    the front have the process FRONT, which is not among `processes`: it is the
+    coordinator's, started by no one and in no relay group."""
 
     stages: dict[str, StageConfig]
     entry: str
@@ -264,8 +285,9 @@ class PipelineGraph:
     data_inputs: dict[str, tuple[str, ...]]  # stage -> stages whose result it receives
     stream_input: dict[str, str]  # stage -> the stage streaming into it (at most one)
     process_of: dict[str, str]  # stage -> its process name
-    processes: tuple[str, ...]  # process names, by rank
+    processes: tuple[str, ...]  # stage process names, by rank (FRONT is not one)
     client_streams: tuple[str, ...]  # stages that stream to the client
+    front_stages: tuple[str, ...] = ()  # stages placed in the front (process FRONT)
 
     def stages_of(self, process: str) -> tuple[str, ...]:
         return tuple(s for s, p in self.process_of.items() if p == process)
@@ -323,7 +345,9 @@ class PipelineGraph:
         if not terminals:
             raise ValueError("no stage is terminal: mark the stage(s) whose result the client gets")
         process_of = _placements(stages)
-        processes = tuple(dict.fromkeys(process_of[s.name] for s in config.stages))
+        processes = tuple(
+            dict.fromkeys(process_of[s.name] for s in config.stages if s.placement != "front")
+        )
         return cls(
             stages=stages,
             entry=entry,
@@ -333,6 +357,7 @@ class PipelineGraph:
             process_of=process_of,
             processes=processes,
             client_streams=tuple(n for n, s in stages.items() if s.stream_to_client),
+            front_stages=tuple(n for n, s in stages.items() if s.placement == "front"),
         )
 
 
@@ -394,7 +419,15 @@ def _reachable(stages: dict[str, StageConfig], entry: str) -> set[str]:
 
 
 def _placements(stages: dict[str, StageConfig]) -> dict[str, str]:
-    """Union of the colocate_with relations: each group is one process."""
+    """Union of the colocate_with relations: each group is one process; the front stages'
+    process is FRONT."""
+    for s in stages.values():
+        for other in s.colocate_with:
+            if stages[other].placement == "front":
+                raise ValueError(
+                    f"stage {s.name!r}: colocate_with names {other!r}, which is placed in the "
+                    f"front; a stage process cannot share the front process"
+                )
     parent = {name: name for name in stages}
 
     def root(x: str) -> str:
@@ -409,7 +442,10 @@ def _placements(stages: dict[str, StageConfig]) -> dict[str, str]:
     groups: dict[str, list[str]] = {}
     for name in stages:
         groups.setdefault(root(name), []).append(name)
-    return {name: "+".join(sorted(groups[root(name)])) for name in stages}
+    return {
+        name: FRONT if stages[name].placement == "front" else "+".join(sorted(groups[root(name)]))
+        for name in stages
+    }
 
 
 def _reference(value: Any, where: str) -> str:

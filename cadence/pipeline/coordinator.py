@@ -5,6 +5,11 @@ socket (Abort, Shutdown, ProfilerStart/Stop, StatsQuery go out to every stage pr
 PUSHes Submit to the entry stage's process with the request's tensors inline. It knows
 nothing of processes: the launcher tells it when one is ready, dies, or is back
 (`mark_unhealthy` / `mark_healthy`); while unhealthy every request fails at once (503).
+
+Stages placed in the front (`front`, a `FrontStages`) run on its own loop: a request whose
+entry stage is there is handed over without a socket, their results and client chunks come
+back by reference, aborts reach them with the broadcast, and what the stage processes send
+them (DataReady) arrives on the coordinator's PULL.
 """
 
 from __future__ import annotations
@@ -12,19 +17,22 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from cadence.pipeline import channels
 from cadence.pipeline.client import PipelineClient, RequestTracker
-from cadence.pipeline.config import PipelineConfig
+from cadence.pipeline.config import FRONT, PipelineConfig
 from cadence.pipeline.errors import PipelineStartError, PipelineUnavailable
 from cadence.pipeline.messages import (
     Abort,
     Complete,
+    DataAck,
+    DataReady,
     ProfilerStart,
     ProfilerStop,
     Shutdown,
@@ -35,6 +43,9 @@ from cadence.pipeline.messages import (
     Submit,
 )
 from cadence.pipeline.payload import buffer_from_frame, extract, restore
+
+if TYPE_CHECKING:
+    from cadence.pipeline.front import FrontStages
 
 logger = logging.getLogger("cadence.pipeline")
 
@@ -47,7 +58,7 @@ class Addresses:
 
     coordinator: str
     broadcast: str
-    processes: dict[str, str]  # process name -> its PULL
+    processes: dict[str, str]  # process name -> its PULL (FRONT: the coordinator's)
 
 
 class Coordinator(PipelineClient):
@@ -62,13 +73,18 @@ class Coordinator(PipelineClient):
         self._pull = channels.bind(self._ctx, zmq.PULL, addresses.coordinator)
         self._pub = channels.bind(self._ctx, zmq.PUB, addresses.broadcast)
         entry_process = self.graph.process_of[self.graph.entry]
-        self._entry = channels.connect(self._ctx, zmq.PUSH, addresses.processes[entry_process])
+        self._entry = None  # the entry stage's process, unless the entry is in the front
+        if entry_process != FRONT:
+            self._entry = channels.connect(self._ctx, zmq.PUSH, addresses.processes[entry_process])
+        self.front: FrontStages | None = None  # the stages placed in the front, if any
         self._inbox = channels.Inbox(self._pull, self._dispatch, "coordinator")
         self._handlers = {
             Complete: self._on_complete,
             Stream: self._on_stream,
             StageReady: self._on_ready,
             StageStats: self._on_stats,
+            DataReady: self._on_data_ready,
+            DataAck: lambda msg, frame: None,  # the front lends nothing: no credit to return
         }
         self.ready: dict[str, int] = {}  # process -> pid, for processes that reported ready
         self.start_errors: dict[str, str] = {}
@@ -84,6 +100,14 @@ class Coordinator(PipelineClient):
         """Starts reading replies; call on the loop that will use the coordinator."""
         self._ready_changed = asyncio.Event()
         self._inbox.start()
+
+    def host_front_stages(self) -> FrontStages:
+        """The runtime of the stages placed in the front, on this coordinator's loop and
+        sockets (set up by the launcher, with its caller's services)."""
+        from cadence.pipeline.front import FrontStages
+
+        self.front = FrontStages(self.config, self, self._ctx, self.addresses.processes)
+        return self.front
 
     # -- health ---------------------------------------------------------------------------
 
@@ -111,7 +135,7 @@ class Coordinator(PipelineClient):
         self.unhealthy_reason = reason
         rids = self.tracker.fail_all(PipelineUnavailable(reason))
         if rids:
-            self._publish(Abort(rids=rids, reason=reason))
+            self._abort_everywhere(rids, reason)
         return rids
 
     def mark_healthy(self) -> None:
@@ -155,6 +179,9 @@ class Coordinator(PipelineClient):
     def _send(self, wire: str, request: Any) -> None:
         if self.unhealthy_reason is not None:
             raise PipelineUnavailable(f"the pipeline cannot take requests: {self.unhealthy_reason}")
+        if self._entry is None:
+            self.front.submit(wire, request)
+            return
         payload = extract(request)
         frame = payload.pack("cpu").numpy() if payload.nbytes else None
         msg = Submit(rid=wire, stage=self.graph.entry, payload=payload.header)
@@ -162,6 +189,9 @@ class Coordinator(PipelineClient):
 
     def _abort_everywhere(self, rids: list[str], reason: str) -> None:
         self._publish(Abort(rids=rids, reason=reason))
+        if self.front is not None:
+            for rid in rids:
+                self.front.drop(rid)
 
     def _publish(self, msg) -> None:
         if not self.closed:
@@ -182,8 +212,7 @@ class Coordinator(PipelineClient):
         result = None
         if msg.error is None:
             result = restore(msg.payload, buffer_from_frame(frame) if frame else None)
-        if self.tracker.complete(msg.rid, msg.stage, result, msg.error):
-            self._abort_everywhere([msg.rid], f"stage {msg.stage} failed")
+        self.complete(msg.rid, msg.stage, result, msg.error)
 
     def _on_stream(self, msg: Stream, frame) -> None:
         pending = self.tracker.pending.get(msg.rid)
@@ -192,9 +221,25 @@ class Coordinator(PipelineClient):
         data = None
         if msg.payload is not None and pending.queue is not None:
             data = restore(msg.payload, buffer_from_frame(frame) if frame else None)
-        failed = self.tracker.chunk(msg.rid, msg.stage, msg.chunk_id, data, msg.is_done, msg.error)
-        if failed:
-            self._abort_everywhere([msg.rid], f"stage {msg.stage} failed")
+        self.stream_chunk(msg.rid, msg.stage, msg.chunk_id, data, msg.is_done, msg.error)
+
+    def complete(self, rid: str, stage: str, result: Any, error: str | None) -> None:
+        """A terminal stage's result, or a stage's failure of request `rid` (a wire id)."""
+        if self.tracker.complete(rid, stage, result, error):
+            self._abort_everywhere([rid], f"stage {stage} failed")
+
+    def stream_chunk(
+        self, rid: str, stage: str, chunk_id: int, data: Any, is_done: bool, error: str | None
+    ) -> None:
+        """A chunk for the client (or the end, or the failure, of a stage's chunks)."""
+        if self.tracker.chunk(rid, stage, chunk_id, data, is_done, error):
+            self._abort_everywhere([rid], f"stage {stage} failed")
+
+    def _on_data_ready(self, msg: DataReady, frame) -> None:
+        if self.front is None:
+            logger.warning("coordinator: a DataReady for %s, which is not in the front", msg.stage)
+            return
+        self.front.on_data_ready(msg, frame)
 
     def _on_ready(self, msg: StageReady, frame) -> None:
         if msg.error is not None:
@@ -214,20 +259,27 @@ class Coordinator(PipelineClient):
     # -- operations -----------------------------------------------------------------------
 
     async def stage_stats(self, timeout: float = 5.0) -> dict[str, StageStats]:
-        """Each ready process's StageStats: rids it holds state for, relay accounting."""
+        """Each ready process's StageStats: rids it holds state for, relay accounting (the
+        front's too, under FRONT, when stages are placed there)."""
         token = next(self._tokens)
         future = asyncio.get_running_loop().create_future()
         got: dict[str, StageStats] = {}
         self._stats[token] = (future, got)
         self._publish(StatsQuery(token=token))
         try:
-            async with asyncio.timeout(timeout):
-                return await future
+            if self.ready:
+                async with asyncio.timeout(timeout):
+                    await future
         except TimeoutError:
             missing = ", ".join(sorted(set(self.ready) - set(got)))
             raise TimeoutError(f"no stats from {missing} in {timeout} s") from None
         finally:
             del self._stats[token]
+        if self.front is not None:
+            got[FRONT] = StageStats(
+                token=token, process=FRONT, pid=os.getpid(), live=self.front.live(), relay={}
+            )
+        return got
 
     def start_profile(self, output_dir: str) -> None:
         self._publish(ProfilerStart(output_dir=output_dir))
@@ -246,6 +298,9 @@ class Coordinator(PipelineClient):
         self.unhealthy_reason = "closed"
         self.closed = True
         self._inbox.stop()
+        if self.front is not None:
+            self.front.close()
         for sock in (self._pull, self._pub, self._entry):
-            sock.close(linger=0)
+            if sock is not None:
+                sock.close(linger=0)
         self._ctx.term()

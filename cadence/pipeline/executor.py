@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
+
+from cadence.pipeline.config import FRONT
 
 
 class StreamError(RuntimeError):
@@ -35,7 +37,18 @@ class StageContext:
 
     name: str
     device: str
-    process: str  # the process it shares with its colocated stages
+    process: str  # the process it shares with its colocated stages; "local": LocalPipeline's
+    services: Mapping[str, Any] = field(default_factory=dict)
+    """What the process hosting the pipeline hands its in-process stages (those placed in the
+    front, and every stage of a LocalPipeline), by name: `Pipeline.start(services=...)`. A
+    Cadence server hands "engine_client", an awaitable of its EngineClient that resolves
+    once the model is loaded. Stage processes get none: services do not cross processes."""
+
+    @property
+    def has_own_process(self) -> bool:
+        """The stage runs in a stage process, not in the caller's (front or local): settings
+        of the whole process (thread counts, signal handlers) are then the stage's to make."""
+        return self.process not in ("local", FRONT)
 
 
 class ChunkStream:

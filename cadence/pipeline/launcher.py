@@ -7,12 +7,14 @@
 Start-up sweeps what dead pipelines left (socket directories, shared memory), makes a
 private socket directory (0700), binds the coordinator, starts one process per placement
 group through a `Supervisor` and waits until each reports ready (a start-up error names the
-process and carries its traceback). The supervisor sees a death at once (well within a
-second): every request in flight fails with a 503 naming the process, the coordinator
-reports unhealthy, the dead process's shared memory is swept, and then either the process
-is started again (`restart_stages`, within the supervisor's restart budget; with a relay
-whose group cannot replace one member, such as torch, every process is) or `failed` is set,
-on which the server exits non-zero. Nothing waits forever.
+process and carries its traceback), then sets up the stages placed in the front (in this
+process, beside the coordinator: front.py) with the caller's `services`, watching the stage
+processes meanwhile. The supervisor sees a death at once (well within a second): every
+request in flight fails with a 503 naming the process, the coordinator reports unhealthy,
+the dead process's shared memory is swept, and then either the process is started again
+(`restart_stages`, within the supervisor's restart budget; with a relay whose group cannot
+replace one member, such as torch, every process is) or `failed` is set, on which the
+server exits non-zero. Nothing waits forever.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import os
 import shutil
 import socket
 import uuid
+from collections.abc import Mapping
+from typing import Any
 
-from cadence.pipeline.config import PipelineConfig, load_pipeline_config
+from cadence.pipeline.config import FRONT, PipelineConfig, load_pipeline_config
 from cadence.pipeline.coordinator import Addresses, Coordinator
-from cadence.pipeline.errors import PipelineUnavailable
+from cadence.pipeline.errors import PipelineStartError, PipelineUnavailable
 from cadence.pipeline.lifecycle import make_socket_dir
 from cadence.pipeline.messages import StageProcessSpec, encode_spec
 from cadence.pipeline.process import run_stage_process
@@ -70,41 +74,70 @@ class Pipeline:
         return self.supervisor.processes()
 
     @classmethod
-    async def start(cls, config: PipelineConfig | str, restart_stages: bool = False) -> Pipeline:
+    async def start(
+        cls,
+        config: PipelineConfig | str,
+        restart_stages: bool = False,
+        services: Mapping[str, Any] | None = None,
+    ) -> Pipeline:
         """Starts the pipeline (a config, or the path of a YAML declaration) and returns once
-        every stage is ready; PipelineStartError (with everything stopped again) otherwise."""
+        every stage is ready; PipelineStartError (with everything stopped again) otherwise.
+        `services` go to the setup of the stages placed in the front (`StageContext`)."""
         if isinstance(config, str):
             config = load_pipeline_config(config)
         relay_class(config.relay.backend)  # an unknown backend fails here, not in each process
         pipeline = cls(config, restart_stages)
         try:
-            await pipeline._start()
+            await pipeline._start(services or {})
         except BaseException:
             await pipeline.shutdown()
             raise
         return pipeline
 
-    async def _start(self) -> None:
+    async def _start(self, services: Mapping[str, Any]) -> None:
         sweep_dead_segments()
         self._loop = asyncio.get_running_loop()
         self._dir = make_socket_dir()
+        coordinator = f"ipc://{self._dir}/coordinator"
+        processes = {p: f"ipc://{self._dir}/p{i}" for i, p in enumerate(self.graph.processes)}
+        if self.graph.front_stages:
+            processes[FRONT] = coordinator  # what stage processes send the front reaches it
         addresses = Addresses(
-            coordinator=f"ipc://{self._dir}/coordinator",
-            broadcast=f"ipc://{self._dir}/broadcast",
-            processes={p: f"ipc://{self._dir}/p{i}" for i, p in enumerate(self.graph.processes)},
+            coordinator=coordinator, broadcast=f"ipc://{self._dir}/broadcast", processes=processes
         )
         self.coordinator = Coordinator(self.config, addresses)
         self.coordinator.start()
         await self._launch(list(self.graph.processes), dropped=[])
-        self.coordinator.mark_healthy()
         self.supervisor.watch(self._lost(restart=False), self._lost(restart=True))
+        if self.graph.front_stages:
+            await self._setup_front(services)
+        if self.coordinator.unhealthy_reason == "starting":  # not since lost and restarted
+            self.coordinator.mark_healthy()
         logger.info(
-            "pipeline %s ready: %d stage(s) in %d process(es), relay %s",
+            "pipeline %s ready: %d stage(s) in %d process(es) and %d in the front, relay %s",
             self.config.name,
-            len(self.graph.stages),
+            len(self.graph.stages) - len(self.graph.front_stages),
             len(self.graph.processes),
+            len(self.graph.front_stages),
             self.config.relay.backend,
         )
+
+    async def _setup_front(self, services: Mapping[str, Any]) -> None:
+        """Sets up the front stages once the processes are ready: a front stage may wait in
+        its setup for a service (a server's engine client, once the model is loaded), and a
+        stage process lost meanwhile (for good) fails the start at once."""
+        setup = asyncio.ensure_future(self.coordinator.host_front_stages().setup(services))
+        failed = asyncio.ensure_future(self.failed.wait())
+        try:
+            await asyncio.wait({setup, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+            if not setup.done():
+                setup.cancel()
+                await asyncio.gather(setup, return_exceptions=True)
+        if self.failed.is_set():
+            raise PipelineStartError(f"the pipeline failed while starting: {self.failure}")
+        setup.result()
 
     async def _launch(self, names: list[str], dropped: list[str]) -> None:
         if (
@@ -209,6 +242,8 @@ class Pipeline:
         # Asked to shut down above; a process still there after the grace gets SIGTERM.
         await asyncio.to_thread(self.supervisor.stop, None, STOP_GRACE_S)
         if self.coordinator is not None:
+            if self.coordinator.front is not None:
+                await self.coordinator.front.aclose()
             self.coordinator.close()
         sweep_dead_segments(pids=pids)
         if self._dir is not None:

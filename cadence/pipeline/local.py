@@ -3,11 +3,12 @@
 Every stage is colocated: payloads and chunks pass by reference, with no socket, relay or
 message in between, through the same `StageRuntime` the stage processes use. It is the
 reference a multi-process pipeline's outputs are checked against, and a way to run a small
-pipeline without processes.
+pipeline without processes. Placements are moot here; every executor gets `services`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from cadence.pipeline.client import PipelineClient, RequestTracker
@@ -29,11 +30,13 @@ class LocalPipeline(PipelineClient):
         self.runtimes: dict[str, StageRuntime] = {}
 
     @classmethod
-    async def start(cls, config: PipelineConfig) -> LocalPipeline:
+    async def start(
+        cls, config: PipelineConfig, services: Mapping[str, Any] | None = None
+    ) -> LocalPipeline:
         pipeline = cls(config)
         for name, cfg in pipeline.graph.stages.items():
             executor = pipeline.executors[name] = build_executor(config, name)
-            await executor.setup(StageContext(name, cfg.device, "local"))
+            await executor.setup(StageContext(name, cfg.device, "local", services or {}))
             merge = resolve(cfg.merge) if cfg.merge else None
             pipeline.runtimes[name] = StageRuntime(cfg, pipeline.graph, executor, pipeline, merge)
         return pipeline

@@ -32,7 +32,7 @@ import torch
 import zmq
 
 from cadence.pipeline import channels
-from cadence.pipeline.config import CLIENT, PipelineConfig
+from cadence.pipeline.config import CLIENT, FRONT, PipelineConfig
 from cadence.pipeline.messages import Complete, DataAck, DataReady, Stream, Submit
 from cadence.pipeline.payload import buffer_from_frame, extract, restore
 from cadence.pipeline.relay.base import Relay, RelayError
@@ -72,7 +72,7 @@ class Transport:
         process: str,
         relay: Relay | None,
         ctx: zmq.Context,
-        coordinator_address: str,
+        coordinator_address: str | None,
         process_addresses: dict[str, str],
     ):
         self.config = config
@@ -85,7 +85,10 @@ class Transport:
         self._ctx = ctx
         self._addresses = process_addresses
         self._peers: dict[str, zmq.Socket] = {}
-        self.coordinator = channels.connect(ctx, zmq.PUSH, coordinator_address)
+        # None in the front, whose stages hand their results to the coordinator directly.
+        self.coordinator = (
+            channels.connect(ctx, zmq.PUSH, coordinator_address) if coordinator_address else None
+        )
         self.dropped: dict[str, float] = {}  # rid -> when: aborted, or ended with a stream open
         self._closed = False
         self._lent: dict[str, int] = {}  # rid -> lent payloads of it still alive here
@@ -133,7 +136,11 @@ class Transport:
         msg = DataReady(rid=rid, stage=dst, src_stage=src, payload=payload.header)
         msg.chunk_id, msg.is_done = chunk_id, chunk_id is None
         peer = self._peer(dst)
-        if payload.nbytes == 0 or payload.nbytes <= self.inline_max or self.relay is None:
+        if (
+            payload.nbytes <= self.inline_max
+            or self.relay is None
+            or self.graph.process_of[dst] == FRONT  # the front joins no relay
+        ):
             frame = payload.pack("cpu").numpy() if payload.nbytes else None
             channels.send(peer, msg, frame)
             return None
@@ -329,4 +336,5 @@ class Transport:
             self._gc_handle.cancel()
         for sock in self._peers.values():
             sock.close(linger=0)
-        self.coordinator.close(linger=0)
+        if self.coordinator is not None:
+            self.coordinator.close(linger=0)

@@ -62,7 +62,7 @@ def chat_request(
 
 class _SpeechStage(Executor):
     async def setup(self, ctx: StageContext) -> None:
-        if ctx.process != "local":
+        if ctx.has_own_process:
             import torch
 
             # Small tensors and one synthesizer per process: several stage processes each

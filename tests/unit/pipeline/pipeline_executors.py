@@ -10,6 +10,7 @@ unread: the moment to kill it mid-transfer).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
 import time
 
@@ -37,7 +38,7 @@ async def _obey(req: StageRequest, options: dict) -> None:
 
 class _Small(Executor):
     async def setup(self, ctx) -> None:
-        if ctx.process != "local":
+        if ctx.has_own_process:
             # Tiny tensors: one thread. Several stage processes each starting an OpenMP team
             # on a small shared machine stall each other for milliseconds per op.
             torch.set_num_threads(1)
@@ -95,6 +96,25 @@ class Sink(Executor):
 
     async def run(self, req: StageRequest):
         return {"ok": True}
+
+
+class ServiceEcho(Step):
+    """Step, and the result carries what the host handed it as service `name` (awaited when
+    it is awaitable) and whether it has a process of its own."""
+
+    def __init__(self, name: str = "tag", **kwargs):
+        super().__init__(**kwargs)
+        self.name = name
+
+    async def setup(self, ctx) -> None:
+        await super().setup(ctx)
+        value = ctx.services.get(self.name)
+        self.value = await value if inspect.isawaitable(value) else value
+        self.own_process = ctx.has_own_process
+
+    async def run(self, req: StageRequest):
+        out = await super().run(req)
+        return {**out, "service": self.value, "own_process": self.own_process}
 
 
 class NotAnExecutor:

@@ -84,7 +84,39 @@ def colocated(relay: RelayConfig | None = None) -> PipelineConfig:
     )
 
 
-GRAPHS = {"linear": linear, "fan": fan, "stream": stream, "colocated": colocated}
+def front(relay: RelayConfig | None = None) -> PipelineConfig:
+    """a and d placed in the front (the coordinator's process), b and c in processes: the
+    request enters at a, a -> b crosses from the front, b streams to c (and to the client)
+    across processes, c -> d crosses back to the front, d's result goes to the client."""
+    return PipelineConfig(
+        name="front",
+        relay=relay or RelayConfig(),
+        stages=[
+            StageConfig(
+                name="a", executor=E + "Step", args={"add": 1.0}, next="b", placement="front"
+            ),
+            StageConfig(
+                name="b",
+                executor=E + "Producer",
+                args={"num_chunks": 3},
+                stream_to="c",
+                stream_to_client=True,
+            ),
+            StageConfig(name="c", executor=E + "Collect", next="d"),
+            StageConfig(
+                name="d", executor=E + "Step", args={"scale": 3.0}, terminal=True, placement="front"
+            ),
+        ],
+    )
+
+
+GRAPHS = {
+    "linear": linear,
+    "fan": fan,
+    "stream": stream,
+    "colocated": colocated,
+    "front": front,
+}
 
 
 def request(i: int, numel: int = 2048, **options) -> dict:

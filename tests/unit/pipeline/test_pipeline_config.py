@@ -9,6 +9,7 @@ import pytest
 from pipeline_executors import Step, concat
 
 from cadence.pipeline import PipelineConfig, RelayConfig, StageConfig, load_pipeline_config
+from cadence.pipeline.config import FRONT
 
 E = "pipeline_executors:"
 
@@ -74,6 +75,52 @@ def test_stream_edges_and_an_explicit_entry():
     )
     assert config.graph.stream_input == {"voc": "talk"}
     assert config.graph.data_inputs["voc"] == ()
+
+
+def test_stages_placed_in_the_front_have_no_process_of_their_own(tmp_path):
+    text = """
+    stages:
+      - {name: llm, executor: "pipeline_executors:Step", placement: front, stream_to: [talk]}
+      - {name: talk, executor: "pipeline_executors:Step", stream_to: [voc]}
+      - {name: voc, executor: "pipeline_executors:Step", colocate_with: [talk], next: out}
+      - {name: out, executor: "pipeline_executors:Step", placement: front, terminal: true}
+    """
+    config = load_pipeline_config(_yaml(tmp_path, text))
+    graph = config.graph
+    assert graph.front_stages == ("llm", "out") and graph.processes == ("talk+voc",)
+    assert graph.process_of["llm"] == graph.process_of["out"] == FRONT
+    assert graph.colocated("llm", "out") and not graph.colocated("llm", "talk")
+    assert graph.rank_of("talk+voc") == 0  # the front takes no rank in a relay group
+    assert PipelineConfig.from_dict(config.to_dict()) == config
+    assert StageConfig(name="x", executor=Step).placement == "process"
+
+
+@pytest.mark.parametrize(
+    "stages, message",
+    [
+        (
+            [{"name": "a", "terminal": True, "placement": "server"}],
+            "stage 'a': placement must be one of process, front, got 'server'",
+        ),
+        (
+            [
+                {"name": "a", "next": "b"},
+                {"name": "b", "terminal": True, "placement": "front", "colocate_with": ["a"]},
+            ],
+            "stage 'b': placement front runs the stage in the front process",
+        ),
+        (
+            [
+                {"name": "a", "next": "b", "placement": "front"},
+                {"name": "b", "terminal": True, "colocate_with": ["a"]},
+            ],
+            "stage 'b': colocate_with names 'a', which is placed in the front",
+        ),
+    ],
+)
+def test_placement_mistakes_name_the_stage(stages, message):
+    with pytest.raises(ValueError, match=message):
+        PipelineConfig(stages=[StageConfig(executor=Step, **s) for s in stages])
 
 
 @pytest.mark.parametrize(
