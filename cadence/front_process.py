@@ -85,6 +85,8 @@ class FrontProcess:
         self.grpc: Any = None  # cadence.grpc.server.GrpcServer (None: --disable-grpc)
         self.client: Any = None  # cadence.front.ipc_client.IpcEngineClient, once connected
         self.pipeline_task: asyncio.Task | None = None
+        # The engine client for the pipeline's stages placed here (its thinker), once connected.
+        self.stage_client: asyncio.Future | None = None
         self.tasks: list[asyncio.Task] = []
 
     # ---- the steps ------------------------------------------------------------------------
@@ -156,7 +158,9 @@ class FrontProcess:
                 logger.error("%s", task.exception())
                 self.stop(1)  # at once, not after the model has loaded
 
-        self.pipeline_task = asyncio.create_task(_start_pipeline(self.args))
+        self.stage_client = asyncio.get_running_loop().create_future()
+        services = {"engine_client": self.stage_client}
+        self.pipeline_task = asyncio.create_task(_start_pipeline(self.args, services))
         self.pipeline_task.add_done_callback(started)
 
     async def _start_grpc(self) -> None:
@@ -254,8 +258,9 @@ class FrontProcess:
             raise error
 
     async def _await_pipeline(self) -> None:
-        if self.pipeline_task is None:
+        if self.pipeline_task is None or self.stage_client is None:
             return
+        self.stage_client.set_result(self.client)  # the engine has passed its warm-up
         done = {self.pipeline_task, self.serve_task}
         await asyncio.wait(done, return_when=asyncio.FIRST_COMPLETED)
         if self.pipeline_task.done() and self.pipeline_task.exception() is None:
@@ -323,13 +328,16 @@ def _as_503(reason: str) -> str:
     return reason.split(" (")[0]
 
 
-async def _start_pipeline(args: ServerArgs):
-    """--pipeline: starts its stage processes; this front process owns their coordinator."""
+async def _start_pipeline(args: ServerArgs, services: dict):
+    """--pipeline: starts its stage processes; this front process owns their coordinator and
+    runs the stages placed in the front (the speech thinker, on this server's engine client)."""
     from cadence.pipeline import Pipeline, PipelineStartError, load_pipeline_config
 
     try:
         config = load_pipeline_config(args.pipeline_path or "")
-        return await Pipeline.start(config, restart_stages=args.pipeline_restart_stages)
+        return await Pipeline.start(
+            config, restart_stages=args.pipeline_restart_stages, services=services
+        )
     except (ValueError, PipelineStartError) as e:
         raise StartupFailed(f"--pipeline {args.pipeline}: {e}") from None
 

@@ -3,7 +3,9 @@
 
 The chat is rendered to token ids here, by the same code as a text chat (template, tools,
 sampling fields); the thinker generates from those ids, so the server's model and the
-thinker's must be one (a 400 says so otherwise). Answers are OpenAI's:
+thinker's must be one: the shipped declarations' thinker generates with the server's own
+engine, and a thinker with an Engine of its own must load the served model (a 400 says so
+otherwise). Answers are OpenAI's:
 
 - not streamed: `choices[0].message` has `content` and `audio` {id, data (base64 of the
   whole file), transcript (= content), expires_at};
@@ -148,6 +150,8 @@ def _check_audio_output(serving: ChatServing) -> None:
             "this server has no speech pipeline with an LLM, so it answers text only: start it "
             'with --pipeline speech, or drop "audio" from modalities',
         )
+    if SpeechServing.thinker_is_the_server(state):
+        return  # it generates with this server's engine: the model is the server's
     from cadence.model_loader.locate import resolve_model_path
 
     thinker = SpeechServing.thinker_model(state)

@@ -21,7 +21,8 @@ from cadence.serving.state import ServerState
 from cadence.speech import voices
 
 SPEECH_EXECUTORS = ("cadence.speech.executors:Vocoder", "cadence.speech.executors:Encoder")
-THINKER = "cadence.engine_stage:EngineStage"
+THINKER = "cadence.engine_stage:EngineStage"  # an Engine of its own (model_path, llm args)
+SERVER_THINKER = "cadence.serving.client_stage:EngineClientStage"  # the server's own model
 SPEECH_FIELDS = ("model", "input", "voice", "response_format", "speed", "stream_format")
 IGNORED_FIELDS = ("instructions",)  # OpenAI's steering prompt for its own voices: no effect
 
@@ -99,26 +100,28 @@ def speech_params(body: Any, max_chars: int) -> SpeechParams:
 
 def pipeline_capabilities(config) -> set[str]:
     """What a pipeline declaration adds to a server: speech with a vocoder and an encoder,
-    audio output with a thinker that runs an LLM too."""
+    audio output with a thinker that runs an LLM too (the server's, or one of its own)."""
     executors = {s.executor: s for s in config.stages}
     if not all(e in executors for e in SPEECH_EXECUTORS):
         return set()
     caps = {"speech"}
     thinker = executors.get(THINKER)
-    if thinker is not None and thinker.args.get("llm", True):
+    if SERVER_THINKER in executors or (thinker is not None and thinker.args.get("llm", True)):
         caps.add("audio_output")
     return caps
 
 
 @functools.cache
-def _declaration(pipeline_path: str) -> tuple[frozenset[str], str | None]:
-    """A declaration's capabilities, and its thinker's model_path (None: the default)."""
+def _declaration(pipeline_path: str) -> tuple[frozenset[str], str | None, bool]:
+    """A declaration's capabilities, the model_path of a thinker with an Engine of its own
+    (None: the default model), and whether its thinker is the server's own engine."""
     from cadence.pipeline import load_pipeline_config
 
     config = load_pipeline_config(pipeline_path)
     thinkers = [s for s in config.stages if s.executor == THINKER]
     model = thinkers[0].args.get("model_path") if thinkers else None
-    return frozenset(pipeline_capabilities(config)), model
+    is_server = any(s.executor == SERVER_THINKER for s in config.stages)
+    return frozenset(pipeline_capabilities(config)), model, is_server
 
 
 def server_capabilities(state: ServerState) -> list[str]:
@@ -152,6 +155,11 @@ class SpeechServing:
     def thinker_model(state: ServerState) -> str | None:
         """The model_path of --pipeline's thinker (None: the default model)."""
         return _declaration(state.args.pipeline_path)[1]
+
+    @staticmethod
+    def thinker_is_the_server(state: ServerState) -> bool:
+        """--pipeline's thinker generates with the server's own engine (so with its model)."""
+        return _declaration(state.args.pipeline_path)[2]
 
     def check_speech(self, capability: str = "speech", field: str | None = None) -> None:
         if capability not in self.pipeline_caps:

@@ -90,6 +90,8 @@ SERVER_SPECS: dict[str, list[str]] = {
     "pipeline_exit_server": [*_SMALL, "--pipeline", PIPELINE_YAML],
     # The shipped speech pipeline (test_speech_e2e.py): thinker, talker, vocoder, encoder.
     "speech_server": [*_SMALL, "--pipeline", "speech", "--max-speech-chars", "2000"],
+    # The same server without the pipeline: what the speech server's memory is compared with.
+    "speech_baseline_server": [*_SMALL, "--max-speech-chars", "2000"],
 }
 SERVER_ENVS = {
     "fuzz_server": fault_plugin_env,

@@ -1,13 +1,16 @@
 """Speech end to end: `cadence serve --pipeline speech` through the official openai client.
 
-Every format decodes back (soundfile, miniaudio, PyAV) to a non-silent waveform whose length
-fits the text at the asked speed; streamed speech gives its first bytes long before the
-last; bad input is a 400 naming the field; the server says what it can do, and a server
-without the pipeline refuses speech with a 400 saying how to start one."""
+The server holds one copy of the model: its thinker generates on the server's own scheduler
+(measured: resident memory, and the scheduler's load while a chat is spoken). Every format
+decodes back (soundfile, miniaudio, PyAV) to a non-silent waveform whose length fits the text
+at the asked speed; streamed speech gives its first bytes long before the last; bad input is
+a 400 naming the field; the server says what it can do, and a server without the pipeline
+refuses speech with a 400 saying how to start one."""
 
 from __future__ import annotations
 
 import base64
+import glob
 import json
 import os
 import signal
@@ -17,7 +20,7 @@ import time
 import httpx
 import openai
 import pytest
-from e2e_server import is_idle
+from e2e_server import child_pids, is_idle, tagged_pids
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit", "speech"))
 from speech_checks import assert_speech, decode, duration_s  # noqa: E402
@@ -37,6 +40,136 @@ def speech(speech_server):
     ) as c:
         yield c
     assert is_idle(speech_server.wait_idle()), "a request outlived its test"
+
+
+# ---- one copy of the model ----------------------------------------------------------------
+# First in this file: the speech server is compared fresh with a fresh server without the
+# pipeline, after the same small amount of work on each.
+
+QUESTION = [{"role": "user", "content": "Describe the sea in three short sentences."}]
+MIB = 1 << 20
+
+
+def _rss(pid: int) -> int:
+    """VmRSS of one process, from /proc (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _stage_processes(srv) -> dict[str, int]:
+    """The pid of each stage process of the server's pipeline, by process name: the one that
+    bound its PULL socket (p<rank> in the pipeline's socket directory)."""
+    from cadence.pipeline import load_pipeline_config, resolve_pipeline_path
+
+    graph = load_pipeline_config(resolve_pipeline_path("speech")).graph
+    (directory,) = glob.glob(os.path.join(srv.tmpdir, "cadence-pipe-*"))
+    paths = {os.path.join(directory, f"p{graph.rank_of(p)}"): p for p in graph.processes}
+    inodes = {}
+    with open("/proc/net/unix") as f:
+        for line in f.readlines()[1:]:
+            parts = line.split()
+            if len(parts) >= 8 and parts[7] in paths:
+                inodes[parts[6]] = paths[parts[7]]
+    owners = {}
+    for pid in tagged_pids(srv.tag):
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        for link in links:
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                owners[inodes[link[8:-1]]] = pid
+    return owners
+
+
+def _same_small_work(srv, spoken: bool) -> None:
+    with srv.client() as c:
+        chat = {"model": "m", "messages": QUESTION, "max_tokens": 8, "temperature": 0}
+        assert c.post(CHAT_PATH, json=chat).status_code == 200
+        if spoken:
+            r = c.post(SPEECH_PATH, json={"model": "m", "input": TEXT, "response_format": "wav"})
+            assert r.status_code == 200
+            audio = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}
+            assert c.post(CHAT_PATH, json={**chat, **audio}).status_code == 200
+    assert is_idle(srv.wait_idle())
+
+
+def test_the_speech_server_holds_one_copy_of_the_model(speech_server, speech_baseline_server):
+    """Resident memory of the server with --pipeline speech <= the same server without it +
+    the vocoder's share: the model-free processes the pipeline adds (its fork server, and the
+    stage processes that run only talker, vocoder or encoder) and, for the thinker now placed
+    in the front, what one model-free stage process costs, all measured here. A thinker with
+    an engine of its own (the old declaration: its process took 416 MiB against 161 to 169
+    MiB for each model-free stage, measured with the same flags) does not fit."""
+    from cadence.pipeline import load_pipeline_config, resolve_pipeline_path
+
+    _same_small_work(speech_baseline_server, spoken=False)
+    _same_small_work(speech_server, spoken=True)
+    graph = load_pipeline_config(resolve_pipeline_path("speech")).graph
+    stages = _stage_processes(speech_server)
+    model_free = {
+        name: pid
+        for name, pid in stages.items()
+        if all(
+            graph.stages[s].executor.startswith("cadence.speech.executors:")
+            for s in graph.stages_of(name)
+        )
+    }
+    (fork_server,) = {
+        p for p in child_pids(speech_server.proc.pid) if set(stages.values()) & set(child_pids(p))
+    }
+    without = {pid: _rss(pid) for pid in tagged_pids(speech_baseline_server.tag)}
+    with_pipeline = {pid: _rss(pid) for pid in tagged_pids(speech_server.tag)}
+    one_stage = max(_rss(pid) for pid in model_free.values())
+    share = _rss(fork_server) + sum(_rss(pid) for pid in model_free.values()) + one_stage
+    figures = (
+        f"without the pipeline {sum(without.values()) / MIB:.0f} MiB "
+        f"({len(without)} processes); with it {sum(with_pipeline.values()) / MIB:.0f} MiB "
+        f"({len(with_pipeline)} processes); the vocoder's share {share / MIB:.0f} MiB = fork "
+        f"server {_rss(fork_server) / MIB:.0f} + "
+        + " + ".join(f"{name} {_rss(pid) / MIB:.0f}" for name, pid in sorted(model_free.items()))
+        + f" + the thinker in the front, at most one model-free stage {one_stage / MIB:.0f}; "
+        f"front process {_rss(speech_server.proc.pid) / MIB:.0f} MiB with the pipeline, "
+        f"{_rss(speech_baseline_server.proc.pid) / MIB:.0f} MiB without"
+    )
+    print(figures)
+    assert sum(with_pipeline.values()) <= sum(without.values()) + share, figures
+    # And in structure: no stage process of the thinker; every other process the pipeline
+    # added is the fork server or one of its stage processes.
+    assert set(stages) == set(model_free) == {"talker", "vocoder", "encoder"}, stages
+    assert set(child_pids(fork_server)) == set(stages.values())
+    assert len(with_pipeline) == len(without) + 1 + len(stages)
+
+
+def test_a_chat_spoken_runs_on_the_servers_scheduler_and_leaving_aborts_it(speech_server):
+    """While a chat is spoken its generation is a request of the server's own scheduler
+    (/v1/loads counts it); a client that leaves the stream aborts it there at once, long
+    before its 1500 tokens could have been written."""
+    body = {
+        "model": "m",
+        "messages": QUESTION,
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "alloy", "format": "pcm16"},
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", speech_server.url + CHAT_PATH, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        while not next(lines).startswith('data: {"id"'):
+            pass
+        load = speech_server.load()
+        assert load["num_running_reqs"] + load["num_waiting_reqs"] == 1, load
+    left = time.monotonic()
+    assert is_idle(speech_server.wait_idle(timeout=5)), speech_server.load()
+    assert time.monotonic() - left < 5
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -170,8 +303,6 @@ def test_a_server_without_the_pipeline_refuses_speech(server):
 
 
 # ---- chat with audio output: thinker -> talker -> vocoder -> encoder ------------------------
-
-QUESTION = [{"role": "user", "content": "Describe the sea in three short sentences."}]
 
 
 def test_chat_with_audio_speaks_its_answer(speech):

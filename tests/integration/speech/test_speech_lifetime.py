@@ -1,29 +1,26 @@
-"""Lifetime of the speech pipeline in stage processes: 200 requests (speech and chat with
-audio), about half abandoned by their client mid-stream, leave no stage request state, no
-per-request shared memory and no KV pages in the thinker's engine; a SIGKILLed vocoder is
-noticed at once and reported (503 naming it), not hung on, and the restarted stage serves."""
+"""Lifetime of the speech pipeline in stage processes, run without a server (its thinker an
+Engine of its own, `EngineStage`): 200 requests (speech and chat with audio), about half
+abandoned by their client mid-stream, leave no stage request state, no per-request shared
+memory and no KV pages in the thinker's engine; a SIGKILLed vocoder is noticed at once and
+reported (503 naming it), not hung on, and the restarted stage serves."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import random
 import signal
 import time
-from pathlib import Path
 
 import pytest
-from speech_checks import assert_speech
+from speech_checks import assert_speech, standalone_speech
 
-import cadence
-from cadence.pipeline import Pipeline, load_pipeline_config
+from cadence.pipeline import Pipeline
 from cadence.pipeline.errors import PipelineUnavailable
 from cadence.speech.executors import chat_request, speech_request
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-PIPELINES = Path(cadence.__file__).parent / "pipeline" / "pipelines"
 NUM_REQUESTS = 200
 CONCURRENCY = 8
 TEXT = "One sentence comes first. Another follows it. And a third ends the text."
@@ -32,15 +29,9 @@ FORMATS = ("mp3", "wav", "pcm", "opus", "aac", "flac")
 
 
 def _config():
-    config = load_pipeline_config(str(PIPELINES / "speech.yaml"))
+    """The shipped declaration without a server: its thinker an Engine of its own."""
     engine_args = {"max_total_tokens": 2048, "max_running_requests": 8}
-    stages = tuple(
-        dataclasses.replace(s, args={**s.args, "engine_args": engine_args})
-        if s.name == "thinker"
-        else s
-        for s in config.stages
-    )
-    return dataclasses.replace(config, stages=stages)
+    return standalone_speech("speech", llm=True, engine_args=engine_args)
 
 
 def _request(rng: random.Random) -> dict:

@@ -1,39 +1,29 @@
-"""The speech pipeline in stage processes over the shm relay: each stage in its own process,
-and talker + vocoder + encoder colocated; the thinker runs the real small model. Every test
-ends with no stage holding state and no shared memory left."""
+"""The speech pipeline in stage processes over the shm relay, as a pipeline runs without a
+Cadence server (the thinker `EngineStage`, an Engine of its own in a stage process; under a
+server the thinker is the server's engine: tests/e2e/test_speech_e2e.py): each stage in its
+own process, and talker + vocoder + encoder colocated; the thinker runs the real small model.
+Every test ends with no stage holding state and no shared memory left."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import time
-from pathlib import Path
 
 import pytest
-from speech_checks import assert_speech
+from speech_checks import assert_speech, standalone_speech
 
-import cadence
-from cadence.pipeline import Pipeline, load_pipeline_config
+from cadence.pipeline import Pipeline
 from cadence.speech.executors import chat_request, speech_request
 
 pytestmark = pytest.mark.slow
 
-PIPELINES = Path(cadence.__file__).parent / "pipeline" / "pipelines"
 TEXT = "Hello from the speech pipeline. Each stage runs in a process of its own. Goodbye."
 
 
 def _config(name: str, llm: bool):
-    config = load_pipeline_config(str(PIPELINES / f"{name}.yaml"))
-    stages = tuple(
-        dataclasses.replace(
-            s, args={**s.args, "llm": llm, "engine_args": {"max_total_tokens": 2048}}
-        )
-        if s.name == "thinker"
-        else s
-        for s in config.stages
-    )
-    return dataclasses.replace(config, stages=stages)
+    """The shipped declaration without a server: its thinker an Engine of its own."""
+    return standalone_speech(name, llm=llm, engine_args={"max_total_tokens": 2048})
 
 
 def _segments(pipeline) -> list[str]:

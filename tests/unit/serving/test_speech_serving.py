@@ -79,13 +79,23 @@ def test_capabilities_follow_the_declaration():
     assert pipeline_capabilities(speech) == {"speech", "audio_output"}
     colocated = load_pipeline_config(str(PIPELINES / "speech_colocated.yaml"))
     assert pipeline_capabilities(colocated) == {"speech", "audio_output"}
-    no_llm = dataclasses.replace(
-        speech,
-        stages=tuple(
-            dataclasses.replace(s, args={**s.args, "llm": False}) if s.name == "thinker" else s
-            for s in speech.stages
-        ),
-    )
-    assert pipeline_capabilities(no_llm) == {"speech"}
+    # A thinker with an Engine of its own (a pipeline without a server): audio output only
+    # when it loads an LLM.
+    for llm, caps in [(True, {"speech", "audio_output"}), (False, {"speech"})]:
+        engine = dataclasses.replace(
+            speech,
+            stages=tuple(
+                dataclasses.replace(
+                    s,
+                    executor="cadence.engine_stage:EngineStage",
+                    placement="process",
+                    args={"llm": llm},
+                )
+                if s.name == "thinker"
+                else s
+                for s in speech.stages
+            ),
+        )
+        assert pipeline_capabilities(engine) == caps
     other = PipelineConfig(stages=(StageConfig("only", "x.y:Z", terminal=True),))
     assert pipeline_capabilities(other) == set()

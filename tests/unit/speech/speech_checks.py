@@ -59,3 +59,28 @@ def assert_speech(data: bytes, fmt: str, text: str, speed: float = 1.0) -> float
         f"(eSpeak: {low}-{high})"
     )
     return seconds
+
+
+STANDALONE_THINKER = "cadence.engine_stage:EngineStage"
+
+
+def standalone_speech(name: str = "speech", llm: bool = False, engine_args: dict | None = None):
+    """A shipped speech declaration as a pipeline run without a Cadence server: its thinker
+    (the server's engine, placed in the front) becomes `EngineStage`, an Engine of its own in
+    a stage process (`llm`: whether it loads the model; `engine_args`: its ServerArgs)."""
+    import dataclasses
+    from pathlib import Path
+
+    import cadence
+    from cadence.pipeline import load_pipeline_config
+
+    path = Path(cadence.__file__).parent / "pipeline" / "pipelines" / f"{name}.yaml"
+    config = load_pipeline_config(str(path))
+    args = {"llm": llm, "engine_args": dict(engine_args or {"max_total_tokens": 2048})}
+    stages = tuple(
+        dataclasses.replace(s, executor=STANDALONE_THINKER, placement="process", args=args)
+        if s.name == "thinker"
+        else s
+        for s in config.stages
+    )
+    return dataclasses.replace(config, stages=stages)

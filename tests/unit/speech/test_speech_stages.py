@@ -4,12 +4,11 @@ chunk; the thinker runs no LLM here (the integration tests run the real one)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
-from speech_checks import assert_speech, decode
+from speech_checks import assert_speech, decode, standalone_speech
 
 import cadence
 from cadence.pipeline import LocalPipeline, load_pipeline_config
@@ -25,13 +24,8 @@ TEXT = (
 
 
 def speech_config(name: str = "speech"):
-    """The shipped declaration with the thinker's LLM off."""
-    config = load_pipeline_config(str(PIPELINES / f"{name}.yaml"))
-    stages = tuple(
-        dataclasses.replace(s, args={**s.args, "llm": False}) if s.name == "thinker" else s
-        for s in config.stages
-    )
-    return dataclasses.replace(config, stages=stages)
+    """The shipped declaration as a pipeline without a server, its thinker's LLM off."""
+    return standalone_speech(name, llm=False)
 
 
 @pytest.fixture
@@ -100,6 +94,16 @@ async def test_leaving_a_stream_early_stops_every_stage(pipeline):
         await asyncio.sleep(0.01)
     assert all(not rids for rids in pipeline.live().values()), pipeline.live()
     assert not pipeline.abort("early")  # nothing left in flight under that rid
+
+
+def test_the_shipped_thinker_is_the_servers_engine_in_the_front():
+    for name, processes in [
+        ("speech", ("talker", "vocoder", "encoder")),
+        ("speech_colocated", ("encoder+talker+vocoder",)),
+    ]:
+        graph = load_pipeline_config(str(PIPELINES / f"{name}.yaml")).graph
+        assert graph.front_stages == ("thinker",) and graph.processes == processes
+        assert graph.stages["thinker"].executor == "cadence.serving.client_stage:EngineClientStage"
 
 
 async def test_colocated_variant_runs_the_same_stages_in_two_processes(pipeline):
