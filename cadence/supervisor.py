@@ -224,9 +224,13 @@ class Supervisor:
             period = min(period, self.watchdog_timeout_s / 4)
         while not self._stopping.is_set():
             with self._lock:
-                live = {
-                    c.proc.sentinel: c for c in self.children.values() if c.proc.exitcode is None
-                }
+                children = list(self.children.values())
+            live = {c.proc.sentinel: c for c in children if c.proc.exitcode is None}
+            for child in children:  # dead before the watch began, or between two waits
+                if child.proc.exitcode is not None and child.proc.pid not in self._reported:
+                    self._report(
+                        child, Failure(child.spec.name, child.proc.pid, child.proc.exitcode)
+                    )
             fired = multiprocessing.connection.wait(list(live), timeout=period) if live else []
             if not live:
                 self._stopping.wait(period)

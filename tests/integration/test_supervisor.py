@@ -107,3 +107,13 @@ def test_stop_goes_in_rank_order_and_kills_what_ignores_sigterm(tmp_path):
     assert stubborn.exitcode == -9
     assert all(c.proc.exitcode is not None for c in sup.children.values())
     assert got == [], "children stopped on purpose are not failures"
+
+
+def test_a_child_dead_before_the_watch_began_is_reported():
+    got, event, on = collector()
+    with Supervisor() as sup:
+        proc = sup.start(ProcessSpec("early", kids.exits, (5,)))
+        proc.join(timeout=30)
+        sup.watch(on)
+        assert event.wait(5)
+    assert [(f.name, f.exitcode) for f in got] == [("early", 5)]
