@@ -283,7 +283,7 @@ async def measure(
                 "limit_emb_s": (embed, items),
                 "limit_budget_emb_s": (
                     embed,
-                    budget_batches(items, ServerArgs.chunked_prefill_size),
+                    budget_batches(items, ServerArgs().chunked_prefill_size),  # the default
                 ),
                 "st_emb_s": peer_fn(path, work),
             }
