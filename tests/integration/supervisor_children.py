@@ -36,8 +36,9 @@ def beats(heartbeat, seconds: float) -> None:
     time.sleep(60)
 
 
-def ignores_sigterm() -> None:
+def ignores_sigterm(ready: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open(ready, "w").close()
     time.sleep(60)
 
 
@@ -50,4 +51,5 @@ def records_stop(path: str) -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
+    open(path + ".ready", "w").close()
     time.sleep(60)

@@ -93,11 +93,21 @@ def test_stop_goes_in_rank_order_and_kills_what_ignores_sigterm(tmp_path):
     front, backend = tmp_path / "front", tmp_path / "backend"
     sup = Supervisor()
     stubborn = sup.start(
-        ProcessSpec("stubborn", kids.ignores_sigterm, stop_rank=2, stop_grace_s=0.3)
+        ProcessSpec(
+            "stubborn",
+            kids.ignores_sigterm,
+            (str(tmp_path / "stubborn.ready"),),
+            stop_rank=2,
+            stop_grace_s=0.3,
+        )  # fmt: skip
     )
     sup.start(ProcessSpec("backend", kids.records_stop, (str(backend),), stop_rank=1))
     sup.start(ProcessSpec("front", kids.records_stop, (str(front),), stop_rank=0))
-    time.sleep(1.0)  # every child has installed its handler
+    ready = [tmp_path / "stubborn.ready", tmp_path / "front.ready", tmp_path / "backend.ready"]
+    deadline = time.monotonic() + 60
+    while not all(p.exists() for p in ready):  # every child has installed its handler
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     got, _, on = collector()
     sup.watch(on)
     t0 = time.monotonic()
