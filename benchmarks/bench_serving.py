@@ -160,12 +160,7 @@ def launch_server(args, port: int, log_path: str) -> subprocess.Popen:
     ]
     if args.model_path:
         cmd += ["--model-path", args.model_path]
-    from dataclasses import fields
-
-    from cadence.server_args import ServerArgs
-
-    if "grpc_port" in {f.name for f in fields(ServerArgs)}:
-        cmd += ["--grpc-port", str(free_port())]
+    cmd += ["--grpc-port", str(free_port())]  # not the default port: others may hold it
     cmd += shlex.split(args.server_args)  # later flags win
     with open(log_path, "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
