@@ -1,4 +1,4 @@
-"""`FrontClient`: the `EngineClient` over the front's tokenizer manager.
+"""`FrontClient`: the `EngineClient` over the front's request book and its request kinds.
 
 Messages to the scheduler go through a `send` callable; whatever comes back (text outputs,
 control answers) is handed to `on_message` on the client's event loop. The front process
@@ -19,6 +19,7 @@ import msgspec
 from cadence.errors import CadenceError, InvalidParameter, RequestError
 from cadence.front.embedding import EmbeddingManager
 from cadence.front.engine_client import EngineClient, ModelInfo
+from cadence.front.request_book import RequestBook
 from cadence.front.request_checks import (
     RequestOptions,
     check_detokenize_size,
@@ -54,24 +55,11 @@ class FrontClient(EngineClient):
         self.options = options or RequestOptions()
         self.address = address  # where answers for this client go (its `http_worker_ipc`)
         self._send = send
-        self.tm = TokenizerManager(
-            tokenizer,
-            info,
-            self.send,
-            max_pending=max_pending,
-            worker_ipc=address,
-            request_timeout_s=request_timeout_s,
-            options=options,
-        )
+        # Every request in flight, of every kind: one rid registry, budget, deadline and abort.
+        self.book = RequestBook(self.send, worker_ipc=address, request_timeout_s=request_timeout_s)
+        self.tm = TokenizerManager(tokenizer, info, self.book, max_pending, self.options)
         self.embeds = EmbeddingManager(
-            tokenizer,
-            info,
-            self.send,
-            max_pending=max_pending,
-            max_items=(options or RequestOptions()).max_embedding_batch,
-            worker_ipc=address,
-            request_timeout_s=request_timeout_s,
-            rid_in_use=self.tm.states.__contains__,
+            tokenizer, info, self.book, max_pending, self.options.max_embedding_batch
         )
         # The callers waiting for a control answer, by the id (`cid`) their request carried:
         # an answer finds its own caller whatever the order answers come in, and a request
@@ -94,11 +82,8 @@ class FrontClient(EngineClient):
 
     def on_message(self, msg) -> None:
         """Something from the scheduler side arrived (called on this client's event loop)."""
-        if isinstance(msg, BatchStrOutput):
-            self.tm.handle_output(msg)
-            return
-        if isinstance(msg, BatchEmbeddingOutput):
-            self.embeds.handle_output(msg)
+        if isinstance(msg, BatchStrOutput | BatchEmbeddingOutput):
+            self.book.on_output(msg)
             return
         fut = self._control_waiters.pop(getattr(msg, "cid", None) or "", None)
         if fut is None:  # its caller gave up (timed out, disconnected) before it came
@@ -118,13 +103,14 @@ class FrontClient(EngineClient):
         self, rid: str | None = None, abort_all: bool = False, message: str = "aborted"
     ) -> bool:
         if abort_all:
-            self.tm.abort_request(abort_all=True, message=message)
+            self.book.abort_all(message)
             return True
         if not isinstance(rid, str) or not rid:
             raise InvalidParameter("rid", "give a rid (string) or abort_all: true")
-        is_live = bool(self.tm.matching(rid) or self.embeds.matching(rid))
-        self.tm.abort_request(rid, message=message)
-        return is_live
+        matching = self.book.matching(rid)
+        for r in matching or [rid]:  # not live here: it may still be queued in the scheduler
+            self.book.abort(r, message)
+        return bool(matching)
 
     async def tokenize(
         self, text: str, add_special_tokens: bool = True, prompt_field: str | None = None
@@ -209,13 +195,12 @@ class FrontClient(EngineClient):
 
     def stats(self) -> dict[str, Any]:
         return {
-            "request_faults": dict(self.tm.num_request_faults),
-            "num_live_requests": len(self.tm.states) + len(self.embeds.states),
+            "request_faults": dict(self.book.num_request_faults),
+            "num_live_requests": len(self.book),
         }
 
     def end_all(self, message: str, status: int = 503) -> None:
-        self.tm.end_all(message, status)
-        self.embeds.end_all(message, status)
+        self.book.end_all(message, status)
         waiters, self._control_waiters = self._control_waiters, {}
         for fut in waiters.values():  # the scheduler will not answer them either
             if not fut.done():

@@ -1,30 +1,28 @@
 """The front's embedding requests: checked and tokenized once for every adapter, sent to the
-scheduler one item at a time, gathered by rid.
+scheduler one request at a time, gathered by rid.
 
 `EmbeddingChecker` is the one checking stage of an `EmbeddingReqInput` (as `RequestChecker`
 is of a generation): the model must be an embedding model, the inputs few enough
 (--max-embedding-batch), inside the vocabulary and the context, `dimensions` one the model
-serves. `EmbeddingManager` keeps the per-request state of embeddings in flight, beside the
-tokenizer manager's generations (one `FrontClient` holds both, and rids are unique across
-them), and turns each item's vector into its result: {"embedding", "meta_info"}.
+serves. `EmbeddingManager` is the embedding kind of the front's one `RequestBook` (which
+holds the generations too, so rids are unique across both, and one budget, deadline and
+abort serve every kind); it turns each item's vector into its result: {"embedding",
+"meta_info"}.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from cadence.errors import InvalidParameter, RequestError
 from cadence.front.engine_client import ModelInfo
-from cadence.front.normalize import duplicate_rid_message, items, normalize_batch_and_arguments
+from cadence.front.normalize import items, normalize_batch_and_arguments
+from cadence.front.request_book import LiveRequest, RequestBook, RequestKind, until_finished
 from cadence.front.request_checks import check_prompt_chars
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.io_struct import (
-    AbortReq,
     BatchEmbeddingOutput,
     BatchTokenizedEmbeddingReqInput,
     EmbeddingReqInput,
@@ -151,103 +149,63 @@ class EmbeddingChecker:
             )
 
 
-@dataclass
-class _EmbedState:
-    rid: str
-    created: float
+@dataclass(kw_only=True, eq=False)
+class _EmbedState(LiveRequest):
     dimensions: int | None
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    finished: bool = False
     expired: bool = False  # ended by the server's deadline
     embedding: list[float] | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
 
 
-class EmbeddingManager:
-    """Embedding requests in flight in one front process."""
+class EmbeddingManager(RequestKind):
+    """Embedding requests in flight in one front process: checked here, booked in the
+    front's one `RequestBook` beside the generations."""
 
     def __init__(
         self,
         tokenizer: FrontTokenizer,
         info: ModelInfo,
-        send: Callable[[Any], None],
+        book: RequestBook,
         max_pending: int,
         max_items: int,
-        worker_ipc: str | None = None,
-        request_timeout_s: float | None = None,
-        rid_in_use: Callable[[str], bool] = lambda rid: False,
     ):
         self.info = info
-        self.send = send
+        self.book = book
         self.checker = EmbeddingChecker(tokenizer, info, max_items)
         # A request of the largest allowed batch always fits when nothing else is in flight.
         self.max_pending = max(max_pending, max_items)
-        self.worker_ipc = worker_ipc
-        self.request_timeout_s = request_timeout_s
-        self.rid_in_use = rid_in_use  # a live generation holds it
-        self.states: dict[str, _EmbedState] = {}
+
+    @property
+    def states(self) -> dict[str, LiveRequest]:
+        """The live embeddings by rid."""
+        return self.book.of_kind(self)
 
     async def embed(self, obj: EmbeddingReqInput) -> dict | list[dict]:
-        tokenized = await self.checker.check(obj, self.worker_ipc)
-        for t in tokenized:
-            if t.rid in self.states or self.rid_in_use(t.rid):
-                raise InvalidParameter("rid", duplicate_rid_message(t.rid))
-        if len(self.states) + len(tokenized) > self.max_pending:
-            raise RequestError(
-                429, "the server is overloaded: too many requests in flight; retry later"
-            )
+        tokenized = await self.checker.check(obj, self.book.worker_ipc)
+        self.book.check_rids([t.rid for t in tokenized])
+        self.book.check_room(len(tokenized), self.max_pending)
         now = time.monotonic()
-        states = [_EmbedState(t.rid, now, obj.dimensions) for t in tokenized]
-        for st in states:
-            self.states[st.rid] = st
-        deadline = None
-        if self.request_timeout_s is not None:
-            deadline = asyncio.get_running_loop().call_later(
-                self.request_timeout_s, self._expire, states
-            )
-        try:
+        states = [
+            _EmbedState(rid=t.rid, kind=self, created=now, dimensions=obj.dimensions)
+            for t in tokenized
+        ]
+        with self.book.hold(states):
             # One message for the whole request: the scheduler queues its items together.
-            self.send(
+            self.book.send(
                 tokenized[0]
                 if len(tokenized) == 1
                 else BatchTokenizedEmbeddingReqInput(batch=tokenized)
             )
             for st in states:
-                while not st.finished:
-                    await st.event.wait()
-                    st.event.clear()
+                await until_finished(st)
             results = [self._result(st) for st in states]
-        finally:
-            if deadline is not None:
-                deadline.cancel()
-            for st in states:
-                if not st.finished:  # the caller went away: the scheduler drops it
-                    self.send(
-                        AbortReq(
-                            rid=st.rid,
-                            message="the client went away",
-                            http_worker_ipc=self.worker_ipc,
-                        )
-                    )
-                self.states.pop(st.rid, None)
         return results[0] if obj.is_single else results
-
-    def _expire(self, states: list[_EmbedState]) -> None:
-        for st in states:
-            if not st.finished:
-                st.expired = True
-                self.send(AbortReq(rid=st.rid, message="deadline", http_worker_ipc=self.worker_ipc))
 
     def _result(self, st: _EmbedState) -> dict:
         reason = st.meta.get("finish_reason") or {}
         if reason.get("type") == "abort":
-            message = reason.get("message", "aborted")
             if st.expired:
-                raise RequestError(
-                    504,
-                    f"the request ran past the server's deadline (--request-timeout-s "
-                    f"{self.request_timeout_s:g})",
-                )
+                raise RequestError(504, self.book.deadline_message)
+            message = reason.get("message", "aborted")
             status = reason.get("status_code") or 499
             raise RequestError(
                 status,
@@ -264,33 +222,16 @@ class EmbeddingManager:
         meta = {"id": st.rid, **st.meta, "e2e_latency": time.monotonic() - st.created}
         return {"embedding": vector, "meta_info": meta}
 
-    # ---- results in (on the event loop) ----------------------------------------------------
+    # ---- the book's embedding kind (on the event loop) ---------------------------------------
 
-    def handle_output(self, out: BatchEmbeddingOutput) -> None:
-        for i, rid in enumerate(out.rids):
-            st = self.states.get(rid)
-            if st is None or st.finished:
-                continue  # the client already left, or the front ended it (end_all)
-            st.embedding = out.embeddings[i]
-            st.meta.update(
-                prompt_tokens=out.prompt_tokens[i],
-                cached_tokens=out.cached_tokens[i],
-                finish_reason=out.finished_reasons[i],
-            )
-            st.finished = True
-            st.event.set()
+    def take_output(self, st: _EmbedState, out: BatchEmbeddingOutput, i: int) -> bool:
+        st.embedding = out.embeddings[i]
+        st.meta.update(
+            prompt_tokens=out.prompt_tokens[i],
+            cached_tokens=out.cached_tokens[i],
+            finish_reason=out.finished_reasons[i],
+        )
+        return True
 
-    def matching(self, rid: str) -> list[str]:
-        return [rid] if rid in self.states else []
-
-    def end_all(self, message: str, status: int = 503) -> None:
-        """Ends every embedding in flight with an error of `status`, at once."""
-        for st in self.states.values():
-            if not st.finished:
-                st.meta["finish_reason"] = {
-                    "type": "abort",
-                    "message": message,
-                    "status_code": status,
-                }
-                st.finished = True
-                st.event.set()
+    def on_deadline(self, st: _EmbedState) -> None:
+        st.expired = True  # its consumer gets a 504, not the scheduler's abort

@@ -1,10 +1,11 @@
-"""The front's per-request state: send checked requests, gather their results by rid.
+"""The front's generation requests: send checked requests, gather their results by rid.
 
 Both protocol adapters and the in-process `Engine` reach it through one `EngineClient`
 (`front/client.py`), so validation and results can never drift apart. It checks requests
-through `RequestChecker`, talks to the scheduler through a `send` callable and receives
-`BatchStrOutput`s via `handle_output`; whether those travel over ZMQ or stay in one process
-is the client's business.
+through `RequestChecker` and keeps them in the front's one `RequestBook` (rid registry,
+admission budget, deadline, abort on leave, end_all); as the book's generation kind it
+turns each row of a `BatchStrOutput` into its request's text, ids and logprobs. Whether
+messages travel over ZMQ or stay in one process is the client's business.
 """
 
 from __future__ import annotations
@@ -12,21 +13,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from cadence import hooks
-from cadence.errors import InvalidParameter, RequestError
-from cadence.front import metrics
+from cadence.errors import RequestError
 from cadence.front.engine_client import ModelInfo
 from cadence.front.metrics import RequestTimer
-from cadence.front.normalize import duplicate_rid_message
 from cadence.front.normalize import items as normalized_items
+from cadence.front.request_book import LiveRequest, RequestBook, RequestKind, until_finished
 from cadence.front.request_checks import RequestChecker, RequestOptions
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.io_struct import (
-    AbortReq,
     BatchStrOutput,
     GenerateReqInput,
     Logprobs,
@@ -36,19 +35,14 @@ from cadence.io_struct import (
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _ReqState:
+@dataclass(kw_only=True, eq=False)
+class _ReqState(LiveRequest):
     obj: GenerateReqInput  # the single item
-    created: float
-    chunks: list[tuple[str, list[int]]] = field(
-        default_factory=list
-    )  # (text, ids) deltas not yet yielded
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    finished: bool = False
+    # (text, ids) deltas not yet yielded
+    chunks: list[tuple[str, list[int]]] = field(default_factory=list)
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     logprobs: dict[str, list] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
     logprobs_sent: dict[str, int] = field(default_factory=dict)  # stream: entries already yielded
     hidden: list[list[float]] = field(default_factory=list)  # final hidden states, per position
     timer: RequestTimer | None = None  # its latencies and tokens, for /metrics
@@ -64,34 +58,30 @@ _LP_FIELDS = (
 )
 
 
-class TokenizerManager:
+class TokenizerManager(RequestKind):
     def __init__(
         self,
         tokenizer: FrontTokenizer,
         info: ModelInfo,
-        send: Callable[[Any], None],
+        book: RequestBook,
         max_pending: int = 1088,
-        worker_ipc: str | None = None,
-        request_timeout_s: float | None = None,
         options: RequestOptions | None = None,
     ):
         self.tokenizer = tokenizer
         self.info = info
-        self.send = send
+        self.book = book
         self.max_pending = max_pending
-        self.worker_ipc = worker_ipc
-        self.request_timeout_s = request_timeout_s
         self.checker = RequestChecker(tokenizer, info, max_pending, options)
-        self.states: dict[str, _ReqState] = {}
-        # Requests that ended in an internal error of their own, by where it happened.
-        self.num_request_faults: dict[str, int] = {"scheduler": 0, "detokenizer": 0, "front": 0}
+
+    @property
+    def states(self) -> dict[str, LiveRequest]:
+        """The live generations by rid."""
+        return self.book.of_kind(self)
 
     async def prepare(self, obj: GenerateReqInput) -> list[TokenizedGenerateReqInput]:
         """Checks and tokenizes every item; raises InvalidParameter before anything is sent."""
-        tokenized = await self.checker.check_generate(obj, self.worker_ipc)
-        for t in tokenized:
-            if t.rid in self.states:
-                raise InvalidParameter("rid", duplicate_rid_message(t.rid))
+        tokenized = await self.checker.check_generate(obj, self.book.worker_ipc)
+        self.book.check_rids([t.rid for t in tokenized])
         return tokenized
 
     # ---- request life -----------------------------------------------------------------
@@ -100,66 +90,28 @@ class TokenizerManager:
         """Yields results: one final dict (or list for a batch), or stream chunks (dicts with
         an `index` for batches) when `obj.stream`. Raises InvalidParameter / RequestError."""
         tokenized = await self.prepare(obj)
-        if len(self.states) + len(tokenized) > self.max_pending:
-            raise RequestError(
-                429, "the server is overloaded: too many requests in flight; retry later"
-            )
-        now = time.monotonic()
+        self.book.check_room(len(tokenized), self.max_pending)
         items = normalized_items(obj)  # the same items the checker cut
         for item in items:
-            hooks.request_received(item)  # may raise to refuse; nothing is registered or sent yet
-        states = []
+            hooks.request_received(item)  # may raise to refuse; nothing is booked or sent yet
+        now = time.monotonic()
         model = self.info.served_model_name
-        for item, tok in zip(items, tokenized):
-            st = _ReqState(item, now, timer=RequestTimer(model, now))
-            self.states[tok.rid] = st
-            states.append(st)
-        deadline = None
-        if self.request_timeout_s is not None:
-            deadline = asyncio.get_running_loop().call_later(
-                self.request_timeout_s, self._expire, tokenized
-            )
-        try:
+        states = [
+            _ReqState(rid=tok.rid, kind=self, created=now, obj=item, timer=RequestTimer(model, now))
+            for item, tok in zip(items, tokenized)
+        ]
+        with self.book.hold(states):
             for tok in tokenized:
-                self.send(tok)
+                self.book.send(tok)
             if obj.stream:
                 async for chunk in self._stream(states, obj.is_single):
                     yield chunk
             else:
                 results = [await self._wait_final(st) for st in states]
                 yield results[0] if obj.is_single else results
-        finally:
-            if deadline is not None:
-                deadline.cancel()
-            for tok, st in zip(tokenized, states):
-                if not st.finished:
-                    st.timer.on_finish(
-                        {**st.meta, "finish_reason": {"type": "abort"}}, time.monotonic()
-                    )
-                    self.abort_request(tok.rid, "the client went away")
-                    hooks.notify(
-                        hooks.request_finished,
-                        tok.rid,
-                        {
-                            **st.meta,
-                            "finish_reason": {"type": "abort", "message": "the client went away"},
-                        },
-                    )
-                self.states.pop(tok.rid, None)
-
-    def _expire(self, tokenized: list[TokenizedGenerateReqInput]) -> None:
-        """The server-side deadline passed: the scheduler ends what still runs (finish reason
-        abort) and the client gets what was generated so far."""
-        message = f"the request ran past the server's deadline (--request-timeout-s {self.request_timeout_s:g})"
-        for tok in tokenized:
-            st = self.states.get(tok.rid)
-            if st is not None and not st.finished:
-                self.send(AbortReq(rid=tok.rid, message=message, http_worker_ipc=self.worker_ipc))
 
     async def _wait_final(self, st: _ReqState) -> dict:
-        while not st.finished:
-            await st.event.wait()
-            st.event.clear()
+        await until_finished(st)
         st.chunks.clear()
         return self._result(st, st.text, st.output_ids)
 
@@ -173,22 +125,28 @@ class TokenizerManager:
             return self._result(st, text, ids, delta=True)
         return None
 
-    async def _stream(self, states: list[_ReqState], is_single: bool):
+    def _stream(self, states: list[_ReqState], is_single: bool) -> AsyncIterator[dict]:
         if len(states) == 1:
-            # One request (the common case): wait on it directly. Every streamed token passes
-            # here, so no helper task and queue in between.
-            st = states[0]
-            while True:
-                await st.event.wait()
-                st.event.clear()
-                done = st.finished  # as of this delta: more may arrive while the consumer holds it
-                chunk = self._take_delta(st)
-                if chunk is not None:
-                    if not is_single:
-                        chunk["index"] = 0
-                    yield chunk
-                if done:
-                    return
+            return self._stream_one(states[0], is_single)
+        return self._stream_many(states, is_single)
+
+    async def _stream_one(self, st: _ReqState, is_single: bool) -> AsyncIterator[dict]:
+        """One request (the common case): waits on it directly. Every streamed token passes
+        here, so no helper task and queue in between."""
+        while True:
+            await st.event.wait()
+            st.event.clear()
+            done = st.finished  # as of this delta: more may arrive while the consumer holds it
+            chunk = self._take_delta(st)
+            if chunk is not None:
+                if not is_single:
+                    chunk["index"] = 0
+                yield chunk
+            if done:
+                return
+
+    async def _stream_many(self, states: list[_ReqState], is_single: bool) -> AsyncIterator[dict]:
+        """Several requests (a batch, n > 1): each one's deltas as they come, by index."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, st: _ReqState):
@@ -262,53 +220,15 @@ class TokenizerManager:
             ]
         return [one(v, i) for v, i in values]
 
-    # ---- results in (called on the event loop) ------------------------------------------------
+    # ---- the book's generation kind (called on the event loop) ---------------------------
 
-    def handle_output(self, out: BatchStrOutput) -> None:
-        for i, rid in enumerate(out.rids):
-            st = self.states.get(rid)
-            if st is None:
-                continue  # the client already left; its abort is on the way
-            if st.finished:
-                # Final once finished: the scheduler's own outputs still in flight after the front
-                # ended a request (end_all on shutdown) must not overwrite its finish reason.
-                continue
-            try:
-                self._add_output(st, rid, out, i)
-            except Exception as e:  # this request fails alone; the others get their outputs
-                logger.exception(
-                    "taking the output of request %s failed; it ends with an error", rid
-                )
-                self._fail(
-                    st, rid, f"internal error while taking its output: {type(e).__name__}: {e}"
-                )
-
-    def _fail(self, st: _ReqState, rid: str, message: str) -> None:
-        self.num_request_faults["front"] += 1
-        metrics.record_fault("front")
-        st.meta["finish_reason"] = {
-            "type": "abort",
-            "status_code": 500,
-            "request_fault": True,
-            "message": message,
-        }
-        st.finished = True
-        if st.timer is not None:
-            st.timer.on_finish(st.meta, time.monotonic())
-        self.abort_request(rid, message)
-        hooks.notify(hooks.request_finished, rid, dict(st.meta))
-        st.event.set()
-
-    def _add_output(self, st: _ReqState, rid: str, out: BatchStrOutput, i: int) -> None:
+    def take_output(self, st: _ReqState, out: BatchStrOutput, i: int) -> bool:
         reason = out.finished_reasons[i]
         if reason is not None and reason.get("request_fault"):
             origin = reason.get("origin", "scheduler")
-            self.num_request_faults[origin] = self.num_request_faults.get(origin, 0) + 1
-            metrics.record_fault(origin)
-            if origin == "detokenizer":
-                self.abort_request(
-                    rid, reason.get("message", "failed")
-                )  # it still runs in the scheduler
+            self.book.record_fault(origin)
+            if origin == "detokenizer":  # it still runs in the scheduler
+                self.book.abort(st.rid, reason.get("message", "failed"))
         st.text += out.output_strs[i]
         st.output_ids.extend(out.output_ids[i])
         st.chunks.append((out.output_strs[i], out.output_ids[i]))
@@ -323,14 +243,19 @@ class TokenizerManager:
         if out.hidden_states and out.hidden_states[i]:
             st.hidden.extend(out.hidden_states[i])
         if st.timer is not None:
-            now = time.monotonic()
-            st.timer.on_tokens(len(out.output_ids[i]), now)
-            if reason is not None:
-                st.timer.on_finish(st.meta, now)
-        if reason is not None:
-            st.finished = True
-            hooks.notify(hooks.request_finished, rid, dict(st.meta))
-        st.event.set()
+            st.timer.on_tokens(len(out.output_ids[i]), time.monotonic())
+        return reason is not None
+
+    def on_finish(self, st: _ReqState) -> None:
+        if st.timer is not None:
+            st.timer.on_finish(st.meta, time.monotonic())
+        hooks.notify(hooks.request_finished, st.rid, dict(st.meta))
+
+    def on_leave(self, st: _ReqState, message: str) -> None:
+        meta = {**st.meta, "finish_reason": {"type": "abort", "message": message}}
+        if st.timer is not None:
+            st.timer.on_finish(meta, time.monotonic())
+        hooks.notify(hooks.request_finished, st.rid, meta)
 
     @staticmethod
     def _add_logprobs(st: _ReqState, lp: Logprobs) -> None:
@@ -339,36 +264,8 @@ class TokenizerManager:
             if vals is not None:
                 st.logprobs.setdefault(name, []).extend(zip(vals, idxs))
 
-    def abort_request(
-        self, rid: str | None = None, message: str = "aborted", abort_all: bool = False
-    ) -> None:
-        """Asks the scheduler to end the request(s); `rid` also matches the samples `rid-j` of n > 1."""
-        if abort_all:
-            self.send(AbortReq(abort_all=True, message=message, http_worker_ipc=self.worker_ipc))
-            return
-        targets = self.matching(rid) or [rid]
-        for r in targets:
-            self.send(AbortReq(rid=r, message=message, http_worker_ipc=self.worker_ipc))
-
-    def matching(self, rid: str) -> list[str]:
-        """The live rids `rid` names: itself, or the samples `rid-j` of an n > 1 request."""
-        return [r for r in self.states if r == rid or r.startswith(f"{rid}-")]
-
     def backlog(self, rids: list[str], consumed: int) -> int:
         """Tokens these requests produced beyond `consumed` (0 once none of them is live)."""
-        produced = sum(len(self.states[rid].output_ids) for rid in rids if rid in self.states)
+        live = [self.book.get(rid) for rid in rids]
+        produced = sum(len(st.output_ids) for st in live if isinstance(st, _ReqState))
         return produced - consumed if produced else 0
-
-    def end_all(self, message: str, status: int = 503) -> None:
-        """Ends every request at once with an error of `status`, without waiting for the
-        scheduler (the server is stopping, or a child died and will never answer)."""
-        if not self.states:
-            return
-        self.send(AbortReq(abort_all=True, message=message, http_worker_ipc=self.worker_ipc))
-        reason = {"type": "abort", "message": message, "status_code": status}
-        for rid, st in list(self.states.items()):
-            if not st.finished:
-                st.meta["finish_reason"] = dict(reason)
-                st.finished = True
-                hooks.notify(hooks.request_finished, rid, dict(st.meta))
-                st.event.set()

@@ -11,6 +11,7 @@ import pytest
 from cadence import hooks
 from cadence.errors import RequestError
 from cadence.front.engine_client import ModelInfo
+from cadence.front.request_book import RequestBook
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.front.tokenizer_manager import TokenizerManager
 from cadence.io_struct import BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
@@ -43,11 +44,11 @@ def manager():
         vocab_size=100,
         max_total_tokens=1024,
     )
-    return TokenizerManager(FrontTokenizer(_Tokenizer()), info, sent.append), sent
+    return TokenizerManager(FrontTokenizer(_Tokenizer()), info, RequestBook(sent.append)), sent
 
 
 def _finish(tm: TokenizerManager, rid: str) -> None:
-    tm.handle_output(
+    tm.book.on_output(
         BatchStrOutput(
             rids=[rid],
             http_worker_ipcs=[None],

@@ -88,7 +88,7 @@ class ScriptedEngine:
                 reason = {"type": "length", "length": limit}
             else:
                 reason = None
-            self.tm.handle_output(
+            self.tm.book.on_output(
                 BatchStrOutput(
                     rids=[req.rid],
                     http_worker_ipcs=[None],

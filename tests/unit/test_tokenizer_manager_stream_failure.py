@@ -9,6 +9,7 @@ import pytest
 
 from cadence.errors import RequestError
 from cadence.front.engine_client import ModelInfo
+from cadence.front.request_book import RequestBook
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.front.tokenizer_manager import TokenizerManager
 from cadence.io_struct import AbortReq, BatchStrOutput, GenerateReqInput
@@ -46,14 +47,15 @@ async def test_failure_mid_stream_raises_in_the_consumer(n):
         vocab_size=100,
         max_total_tokens=1024,
     )
-    tm = TokenizerManager(FrontTokenizer(_Tokenizer()), info, sent.append)
+    book = RequestBook(sent.append)
+    tm = TokenizerManager(FrontTokenizer(_Tokenizer()), info, book)
     gen = tm.generate_request(GenerateReqInput(text="hi", stream=True, sampling_params={"n": n}))
     first = asyncio.ensure_future(gen.__anext__())
     await asyncio.sleep(0)
-    tm.handle_output(_output(sent[0].rid, None, "a"))
+    book.on_output(_output(sent[0].rid, None, "a"))
     assert (await asyncio.wait_for(first, 2))["text"] == "a"
     failed = {"type": "abort", "message": "the model step failed", "status_code": 500}
-    tm.handle_output(_output(sent[0].rid, failed, ""))
+    book.on_output(_output(sent[0].rid, failed, ""))
     with pytest.raises(RequestError, match="the model step failed") as info:
         await asyncio.wait_for(gen.__anext__(), 2)
     assert info.value.status == 500
@@ -74,21 +76,22 @@ async def test_outputs_after_the_finish_do_not_change_the_outcome():
         vocab_size=100,
         max_total_tokens=1024,
     )
-    tm = TokenizerManager(FrontTokenizer(_Tokenizer()), info, sent.append)
+    book = RequestBook(sent.append)
+    tm = TokenizerManager(FrontTokenizer(_Tokenizer()), info, book)
     gen = tm.generate_request(GenerateReqInput(text="hi", stream=True))
     first = asyncio.ensure_future(gen.__anext__())
     await asyncio.sleep(0)
     rid = sent[0].rid
-    tm.handle_output(_output(rid, None, "a"))
+    book.on_output(_output(rid, None, "a"))
     assert (await asyncio.wait_for(first, 2))["text"] == "a"
     # The consumer is busy: the front's 503, then late scheduler outputs, arrive before it reads on.
-    tm.handle_output(
+    book.on_output(
         _output(
             rid, {"type": "abort", "message": "the server is shutting down", "status_code": 503}, ""
         )
     )
-    tm.handle_output(_output(rid, None, "b"))
-    tm.handle_output(_output(rid, {"type": "abort", "message": "aborted"}, ""))
+    book.on_output(_output(rid, None, "b"))
+    book.on_output(_output(rid, {"type": "abort", "message": "aborted"}, ""))
     with pytest.raises(RequestError, match="shutting down") as info:
         await asyncio.wait_for(gen.__anext__(), 2)
     assert info.value.status == 503

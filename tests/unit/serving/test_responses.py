@@ -91,7 +91,7 @@ class ScriptedEngine:
                 output_top_logprobs_val=[[-0.5, -1.5][:num]],
                 output_top_logprobs_idx=[[token, token + 1][:num]],
             )
-            self.tm.handle_output(
+            self.tm.book.on_output(
                 BatchStrOutput(
                     rids=[req.rid],
                     http_worker_ipcs=[None],
