@@ -29,19 +29,7 @@ from cadence.front.engine_client import ModelInfo
 from cadence.front.request_checks import RequestOptions
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.hooks import finalize_server_args
-from cadence.io_struct import (
-    BatchTokenIDOutput,
-    CloseSessionReqInput,
-    ContinueGenerationReqInput,
-    EmbeddingReqInput,
-    FlushCacheReqInput,
-    GenerateReqInput,
-    GetLoadReqInput,
-    OpenSessionReqInput,
-    PauseGenerationReqInput,
-    ProfileReq,
-    UpdateWeightFromDiskReqInput,
-)
+from cadence.io_struct import BatchTokenIDOutput, EmbeddingReqInput, GenerateReqInput
 from cadence.model_loader.loader import load_tokenizer, tokenizer_dir
 from cadence.model_loader.locate import resolve_model_path
 from cadence.plugins import load_plugins
@@ -320,20 +308,25 @@ class Engine:
     # ---- control: the server's control messages, in process ----------------------------
 
     def control(self, msg, timeout: float = 600):
-        """Sends a control message to the scheduler core; returns its answer (or None)."""
+        """Sends a control message to the scheduler core; returns its answer (or None). The
+        named methods below are the checked way to the same messages."""
         return self._call(self.client.control(msg, timeout))
 
-    def flush_cache(self):
-        return self.control(FlushCacheReqInput())
+    def flush_cache(self, wait_s: float = 0.0):
+        """Drops the prefix cache (see `EngineClient.flush_cache`): success False while
+        requests run, unless they end within `wait_s`."""
+        return self._call(self.client.flush_cache(wait_s))
 
     def pause_generation(self, mode: str = "abort") -> None:
-        self.control(PauseGenerationReqInput(mode=mode))
+        self._call(self.client.pause_generation(mode))
 
     def continue_generation(self) -> None:
-        self.control(ContinueGenerationReqInput())
+        self._call(self.client.continue_generation())
 
     def get_load(self):
-        return self.control(GetLoadReqInput())
+        """The scheduler's load report (GetLoadReqOutput)."""
+        [load] = self._call(self.client.get_load())
+        return load
 
     def start_profile(
         self,
@@ -343,19 +336,13 @@ class Engine:
     ):
         """Starts the torch profiler, after `start_step` forward steps when given; it stops
         by itself after `num_steps` profiled steps when given, else at `stop_profile`."""
-        return self.control(
-            ProfileReq(
-                action="start", output_dir=output_dir, num_steps=num_steps, start_step=start_step
-            )
-        )
+        return self._call(self.client.start_profile(output_dir, num_steps, start_step))
 
     def stop_profile(self):
-        return self.control(ProfileReq(action="stop"))
+        return self._call(self.client.stop_profile())
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None):
-        return self.control(
-            UpdateWeightFromDiskReqInput(model_path=model_path, load_format=load_format)
-        )
+        return self._call(self.client.update_weights_from_disk(model_path, load_format))
 
     def open_session(
         self,
@@ -364,23 +351,15 @@ class Engine:
         streaming: bool = False,
         timeout: float | None = None,
     ) -> str:
-        """Opens a session (see `/open_session`); returns its id. Raises ValueError when the
-        session cannot be opened (its id is taken)."""
-        out = self.control(
-            OpenSessionReqInput(
-                capacity_of_str_len=capacity_of_str_len,
-                session_id=session_id,
-                streaming=streaming,
-                timeout=timeout,
-            )
+        """Opens a session (see `/open_session`); returns its id. Raises ValueError
+        (InvalidParameter) when the session cannot be opened (its id is taken)."""
+        return self._call(
+            self.client.open_session(capacity_of_str_len, session_id, streaming, timeout)
         )
-        if not out.success:
-            raise ValueError(f"cannot open the session: {out.message}")
-        return out.session_id
 
     def close_session(self, session_id: str) -> bool:
         """Closes a session, unpinning its KV; False when no such session was open."""
-        return self.control(CloseSessionReqInput(session_id=session_id)).success
+        return self._call(self.client.close_session(session_id))
 
     def run_in_scheduler(self, fn, timeout: float = 60):
         """Runs fn(scheduler) on the scheduler thread and returns its result (tests, admin)."""

@@ -244,7 +244,7 @@ class FrontProcess:
     async def _warm_up(self) -> None:
         if self.args.skip_warmup:
             return
-        from cadence.serving.embedding_serving import probe
+        from cadence.front.health import probe
 
         warmup = asyncio.ensure_future(probe(self.client, "Hello"))
         await asyncio.wait(

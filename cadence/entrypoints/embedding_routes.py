@@ -10,15 +10,13 @@ from starlette.responses import Response
 
 from cadence.entrypoints.http_io import error_headers, json_response, read_json, until_disconnected
 from cadence.serving import embedding_serving
-from cadence.serving.embedding_serving import EmbeddingServing
-from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing
+from cadence.serving.bundle import Serving
+from cadence.serving.openai_serving import OpenAIResponse
 from cadence.serving.state import ServerState
 
 
-def register_embedding_routes(
-    app: FastAPI, state: ServerState, openai: OpenAIServing
-) -> EmbeddingServing:
-    serving = EmbeddingServing(state, openai)
+def register_embedding_routes(app: FastAPI, state: ServerState, bundle: Serving) -> None:
+    serving = bundle.embeddings
 
     @app.post("/encode")
     async def encode(request: Request):
@@ -41,7 +39,6 @@ def register_embedding_routes(
         ("/v1/rerank", serving.rerank),
     ):
         app.add_api_route(path, _route(method), methods=["POST"], name=path)
-    return serving
 
 
 def _route(method):

@@ -1,48 +1,32 @@
-"""The HTTP adapter: SGLang's native routes over one `EngineClient`.
+"""The HTTP adapter: the app, its gate, and every route over one `EngineClient`.
 
 Thin by design: parse the body, build the request struct, call the engine client, turn its
-results (or its errors) into responses. Validation lives below, shared with gRPC.
+results (or its errors) into responses. Validation lives below, shared with gRPC. The
+routes are registered by area: `native_routes` (SGLang's own), `openai_routes`,
+`embedding_routes`, `speech_routes`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import os
-import time
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import Response
 
 from cadence.entrypoints import openapi
 from cadence.entrypoints.embedding_routes import register_embedding_routes
-from cadence.entrypoints.http_io import (
-    BodyTooLarge,
-    error_of,
-    error_response,
-    json_response,
-    read_json,
-    stream_response,
-    until_disconnected,
-)
+from cadence.entrypoints.http_io import BodyTooLarge, error_of, error_response
+from cadence.entrypoints.native_routes import register_native_routes
 from cadence.entrypoints.openai_routes import register_invocations, register_openai_routes
 from cadence.entrypoints.speech_routes import register_speech_routes
-from cadence.errors import CadenceError, InvalidParameter
+from cadence.errors import CadenceError, InvalidParameter, RequestError
 from cadence.front import metrics
-from cadence.io_struct import (
-    CloseSessionReqInput,
-    ContinueGenerationReqInput,
-    FlushCacheReqInput,
-    GetLoadReqInput,
-    OpenSessionReqInput,
-    PauseGenerationReqInput,
-    ProfileReq,
-    UpdateWeightFromDiskReqInput,
-)
-from cadence.serving import control, embedding_serving, native_api
+from cadence.serving import native_api
+from cadence.serving.bundle import serving_of
 from cadence.serving.errors import FAULT_HEADER, decode_json, error_body, request_fault
 from cadence.serving.state import ServerState
 from cadence.version import __version__
@@ -165,10 +149,11 @@ class Gate:
                 return error_response(
                     401, "missing or wrong API key: send `Authorization: Bearer <key>`"
                 )
-        if state.is_shutting_down and path != "/metrics":
-            return error_response(503, "the server is shutting down")
-        if path not in self.OPEN_WHILE_LOADING and not state.is_ready:
-            return error_response(503, "the server is starting: the model is loading")
+        if path != "/metrics":  # a scrape is answered even while stopping
+            try:
+                state.check_ready(while_loading=path in self.OPEN_WHILE_LOADING)
+            except RequestError as e:
+                return error_of(e)
         length = _content_length(scope)
         if length is not None and length > self.max_body:
             return error_response(
@@ -218,180 +203,11 @@ def build_app(state: ServerState) -> FastAPI:
         return error_response(e.status_code, message)
 
     app.add_middleware(Gate, state=state)
+    bundle = serving_of(state)  # the same objects the gRPC servicers answer through
     register_native_routes(app, state)
-    openai = register_openai_routes(app, state)
-    state.chat_template = openai.chat_template
-    embeddings = register_embedding_routes(app, state, openai)
-    register_invocations(app, openai, embeddings)
-    register_speech_routes(app, state)
+    register_openai_routes(app, bundle)
+    register_embedding_routes(app, state, bundle)
+    register_invocations(app, bundle)
+    register_speech_routes(app, state, bundle)
     openapi.install(app)
     return app
-
-
-def register_native_routes(app: FastAPI, state: ServerState) -> None:
-    def client():
-        return state.client
-
-    @app.get("/health")
-    async def health():
-        if not state.is_ready or state.is_shutting_down:
-            return error_response(
-                503, "starting" if not state.is_shutting_down else "shutting down"
-            )
-        if state.pipeline_problem is not None:
-            return error_response(503, state.pipeline_problem)
-        return Response(status_code=200)
-
-    @app.get("/health_generate")
-    async def health_generate():
-        await asyncio.wait_for(embedding_serving.probe(client()), 30)
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(
-            await native_api.metrics_body(state), media_type="text/plain; version=0.0.4"
-        )
-
-    @app.get("/model_info")
-    @app.get("/get_model_info")
-    async def model_info():
-        return json_response(native_api.model_info(client().info))
-
-    @app.get("/server_info")
-    @app.get("/get_server_info")
-    async def server_info():
-        return json_response(await native_api.server_info(state))
-
-    @app.get("/get_load")
-    async def get_load():
-        load = await client().control(GetLoadReqInput())
-        return json_response(
-            [
-                {
-                    "dp_rank": load.dp_rank,
-                    "num_reqs": load.num_running_reqs,
-                    "num_waiting_reqs": load.num_waiting_reqs,
-                    "num_tokens": load.num_used_tokens,
-                }
-            ]
-        )
-
-    @app.get("/v1/loads")
-    async def loads(request: Request):
-        rank = native_api.check_dp_rank(request.query_params.get("dp_rank"))
-        load = await client().control(GetLoadReqInput())
-        entries = native_api.load_entries(load, rank)
-        if request.query_params.get("format") == "prometheus":
-            lines = []
-            for e in entries:
-                for name, value in e.items():
-                    if name != "dp_rank":
-                        lines.append(f'cadence_{name}{{dp_rank="{e["dp_rank"]}"}} {float(value)}')
-            return PlainTextResponse(
-                "\n".join(lines) + "\n", media_type="text/plain; version=0.0.4"
-            )
-        return json_response({"timestamp": time.time(), "version": __version__, "loads": entries})
-
-    @app.post("/generate")
-    async def generate(request: Request):
-        obj = native_api.generate_input(await read_json(request))
-        gen = client().generate(obj)
-        if obj.stream:
-            if not state.args.incremental_streaming_output:
-                gen = native_api.cumulative(gen)
-            return await stream_response(gen)
-        return json_response(await until_disconnected(request, native_api.last_result(gen)))
-
-    # Also answered by `Gate` before routing (the hot path); these serve the same code to
-    # anything that mounts the app without the middleware.
-    @app.post("/tokenize")
-    @app.post("/v1/tokenize")
-    async def tokenize(request: Request):
-        return json_response(await native_api.tokenize_body(state, await read_json(request)))
-
-    @app.post("/detokenize")
-    @app.post("/v1/detokenize")
-    async def detokenize(request: Request):
-        return json_response(await native_api.detokenize_body(state, await read_json(request)))
-
-    @app.post("/abort_request")
-    async def abort_request(request: Request):
-        body = control.parse(control.AbortBody, await read_json(request))
-        client().abort(body.rid, body.abort_all, "aborted by /abort_request")
-        return Response(status_code=200)
-
-    @app.post("/flush_cache")
-    async def flush_cache(request: Request):
-        decode_json(await request.body())  # any JSON body is accepted and ignored
-        out = await client().control(FlushCacheReqInput())
-        if not out.success:
-            return error_response(400, f"cannot flush the cache: {out.message}")
-        return PlainTextResponse("Cache flushed.\n")
-
-    @app.api_route("/open_session", methods=["GET", "POST"])
-    async def open_session(request: Request):
-        body = control.parse(control.OpenSessionBody, await read_json(request))
-        out = await client().control(
-            OpenSessionReqInput(
-                capacity_of_str_len=body.capacity_of_str_len,
-                session_id=body.session_id,
-                streaming=body.streaming,
-                timeout=body.timeout,
-            )
-        )
-        if not out.success:
-            return error_response(400, f"cannot open the session: {out.message}")
-        return json_response(out.session_id)
-
-    @app.api_route("/close_session", methods=["GET", "POST"])
-    async def close_session(request: Request):
-        body = control.parse(control.CloseSessionBody, await read_json(request))
-        await client().control(CloseSessionReqInput(session_id=body.session_id))
-        return Response(status_code=200)  # closing an unknown session is not an error (SGLang)
-
-    @app.post("/pause_generation")
-    async def pause_generation(request: Request):
-        body = control.parse(control.PauseBody, await read_json(request))
-        await client().control(PauseGenerationReqInput(mode=body.mode))
-        return json_response({"success": True, "mode": body.mode})
-
-    @app.post("/continue_generation")
-    async def continue_generation(request: Request):
-        decode_json(await request.body())  # any JSON body is accepted and ignored
-        await client().control(ContinueGenerationReqInput())
-        return json_response({"success": True})
-
-    @app.post("/start_profile")
-    async def start_profile(request: Request):
-        body = control.parse(control.ProfileBody, await read_json(request))
-        out = await client().control(
-            ProfileReq(
-                action="start",
-                output_dir=body.output_dir,
-                num_steps=body.num_steps,
-                start_step=body.start_step,
-            )
-        )
-        return json_response(
-            {"success": out.success, "message": out.message}, 200 if out.success else 400
-        )
-
-    @app.post("/stop_profile")
-    async def stop_profile(request: Request):
-        decode_json(await request.body())  # any JSON body is accepted and ignored
-        out = await client().control(ProfileReq(action="stop"))
-        return json_response(
-            {"success": out.success, "message": out.message}, 200 if out.success else 400
-        )
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights(request: Request):
-        body = control.parse(control.UpdateWeightsBody, await read_json(request))
-        out = await client().control(
-            UpdateWeightFromDiskReqInput(model_path=body.model_path, load_format=body.load_format),
-            timeout=900,
-        )
-        return json_response(
-            {"success": out.success, "message": out.message}, 200 if out.success else 400
-        )

@@ -14,15 +14,12 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
 from cadence.entrypoints.http_io import error_headers, until_disconnected
-from cadence.serving.embedding_serving import EmbeddingServing
-from cadence.serving.invocations import Invocations
-from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing
-from cadence.serving.responses import ResponsesServing
-from cadence.serving.state import ServerState
+from cadence.serving.bundle import Serving
+from cadence.serving.openai_serving import OpenAIResponse
 
 
-def register_openai_routes(app: FastAPI, state: ServerState) -> OpenAIServing:
-    serving = OpenAIServing(state)
+def register_openai_routes(app: FastAPI, bundle: Serving) -> None:
+    serving = bundle.openai
 
     @app.get("/v1/models")
     async def list_models():
@@ -42,7 +39,11 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> OpenAIServing:
         body = await request.body()
         return _to_http(await until_disconnected(request, serving.completions(body)))
 
-    responses = ResponsesServing(serving)
+    _responses_routes(app, bundle)
+
+
+def _responses_routes(app: FastAPI, bundle: Serving) -> None:
+    responses = bundle.responses
 
     @app.post("/v1/responses")
     async def create_response(request: Request):
@@ -61,11 +62,9 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> OpenAIServing:
     async def delete_response(response_id: str):
         return _to_http(responses.delete(response_id))
 
-    return serving
 
-
-def register_invocations(app: FastAPI, openai: OpenAIServing, embeddings: EmbeddingServing) -> None:
-    invocations = Invocations(openai, embeddings)
+def register_invocations(app: FastAPI, bundle: Serving) -> None:
+    invocations = bundle.invocations
 
     @app.post("/invocations")
     async def invoke(request: Request):

@@ -14,14 +14,15 @@ from starlette.responses import StreamingResponse
 
 from cadence.entrypoints.http_io import json_response, read_json, sse
 from cadence.errors import CadenceError
+from cadence.serving.bundle import Serving
 from cadence.serving.errors import error_body
-from cadence.serving.speech_serving import SpeechServing, server_capabilities, speech_params
+from cadence.serving.speech_serving import server_capabilities, speech_params
 from cadence.serving.state import ServerState
 from cadence.speech import voices
 
 
-def register_speech_routes(app: FastAPI, state: ServerState) -> SpeechServing:
-    serving = SpeechServing(state)
+def register_speech_routes(app: FastAPI, state: ServerState, bundle: Serving) -> None:
+    serving = bundle.speech
 
     @app.post("/v1/audio/speech")
     async def speech(request: Request):

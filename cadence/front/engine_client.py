@@ -1,19 +1,51 @@
 """The one interface the adapters speak to the engine through.
 
 The HTTP adapter, the gRPC adapter and the in-process `Engine` hold an `EngineClient` and
-nothing else of the engine: they never reach into the tokenizer manager or its per-request
-state. `FrontClient` (front/client.py) implements it over the front's tokenizer manager; the
-server's front process and the in-process engine differ only in how messages travel.
+nothing else of the engine: they never reach into the request book or a request's state.
+`FrontClient` (front/client.py) implements it over the front's request book; the server's
+front process and the in-process engine differ only in how messages travel.
+
+Control calls are named methods (as vLLM's `EngineCoreClient` has them): each checks its
+arguments (`front.control_checks`), builds the scheduler's message, sends it through
+`control` and returns the typed answer, so the adapters only translate wire formats.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from cadence.io_struct import EmbeddingReqInput, GenerateReqInput
+from cadence.errors import InvalidParameter
+from cadence.front.control_checks import (
+    check_int_range,
+    check_model_path,
+    check_profile_name,
+    check_session,
+)
+from cadence.io_struct import (
+    CloseSessionReqInput,
+    ContinueGenerationReqInput,
+    EmbeddingReqInput,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    GetLoadReqInput,
+    GetLoadReqOutput,
+    OpenSessionReqInput,
+    PauseGenerationReqInput,
+    ProfileReq,
+    ProfileReqOutput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
+)
+
+# Seconds a weight update may take (reading a checkpoint from disk).
+UPDATE_WEIGHTS_TIMEOUT_S = 900.0
+FLUSH_RETRY_S = 0.1  # between the tries of a flush that waits for running requests
 
 
 @dataclass(frozen=True)
@@ -149,7 +181,97 @@ class EngineClient(ABC):
     @abstractmethod
     async def control(self, msg, timeout: float = 60.0):
         """Sends a control message (flush, pause, continue, load, profile, weight update) to
-        the scheduler; returns its answer when the message has one, else None."""
+        the scheduler; returns its answer when the message has one, else None. Raises
+        RequestError 503 when no answer comes within `timeout` seconds. Adapters call the
+        named methods below; this is their one way to the scheduler."""
+
+    # ---- control, by name -------------------------------------------------------------------
+
+    async def flush_cache(self, wait_s: float = 0.0) -> FlushCacheReqOutput:
+        """Drops the prefix cache once no request runs: at once, or as soon as the running
+        ones have ended within `wait_s` seconds. Not flushed: `success` False and why."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            out = await self.control(FlushCacheReqInput())
+            remaining = deadline - time.monotonic()
+            if out.success or remaining <= 0:
+                return out
+            await asyncio.sleep(min(FLUSH_RETRY_S, remaining))
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Stops scheduling until `continue_generation`: abort ends the running requests,
+        retract puts them back in the queue, in_place keeps them. InvalidParameter names
+        `mode` when it is none of these."""
+        await self.control(PauseGenerationReqInput(mode=mode))
+
+    async def continue_generation(self) -> None:
+        await self.control(ContinueGenerationReqInput())
+
+    async def get_load(
+        self, dp_rank: int | None = None, timeout: float = 60.0
+    ) -> list[GetLoadReqOutput]:
+        """Each data-parallel rank's load (only rank `dp_rank`'s when given; none when no
+        rank has that number)."""
+        loads = [await self.control(GetLoadReqInput(), timeout=timeout)]
+        return [load for load in loads if dp_rank is None or load.dp_rank == dp_rank]
+
+    async def start_profile(
+        self,
+        output_dir: str | None = None,
+        num_steps: int | None = None,
+        start_step: int | None = None,
+    ) -> ProfileReqOutput:
+        """Starts the torch profiler after `start_step` forward steps (at once by default);
+        it stops by itself after `num_steps` steps when given. Traces go under the server's
+        --profile-dir, in the subdirectory `output_dir` names (a plain name, never a path)."""
+        check_int_range("num_steps", num_steps)
+        check_int_range("start_step", start_step)
+        check_profile_name(output_dir)
+        return await self.control(
+            ProfileReq(
+                action="start", output_dir=output_dir, num_steps=num_steps, start_step=start_step
+            )
+        )
+
+    async def stop_profile(self) -> ProfileReqOutput:
+        return await self.control(ProfileReq(action="stop"))
+
+    async def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None
+    ) -> UpdateWeightFromDiskReqOutput:
+        """Reloads the weights in place from a checkpoint of the same architecture."""
+        check_model_path(model_path)
+        return await self.control(
+            UpdateWeightFromDiskReqInput(model_path=model_path, load_format=load_format),
+            timeout=UPDATE_WEIGHTS_TIMEOUT_S,
+        )
+
+    async def open_session(
+        self,
+        capacity_of_str_len: int = 0,
+        session_id: str | None = None,
+        streaming: bool = False,
+        timeout: float | None = None,
+    ) -> str:
+        """Opens a session (its requests continue each other, their KV kept pinned) and
+        returns its id; InvalidParameter when it cannot be opened (its id is taken)."""
+        check_int_range("capacity_of_str_len", capacity_of_str_len)
+        check_session(session_id, timeout)
+        out = await self.control(
+            OpenSessionReqInput(
+                capacity_of_str_len=capacity_of_str_len,
+                session_id=session_id,
+                streaming=streaming,
+                timeout=timeout,
+            )
+        )
+        if not out.success:
+            raise InvalidParameter(None, f"cannot open the session: {out.message}")
+        return out.session_id
+
+    async def close_session(self, session_id: str) -> bool:
+        """Closes a session, unpinning its KV; False when no such session was open."""
+        return (await self.control(CloseSessionReqInput(session_id=session_id))).success
 
     @property
     @abstractmethod

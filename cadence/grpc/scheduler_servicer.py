@@ -15,7 +15,6 @@ StartProfile/StopProfile, GetTokenizer. UNIMPLEMENTED: SubscribeKvEvents, the Lo
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -32,8 +31,9 @@ import msgspec
 from google.protobuf.struct_pb2 import Struct
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from cadence.errors import CadenceError, InvalidParameter
+from cadence.errors import InvalidParameter
 from cadence.front.engine_client import EngineClient, ModelInfo
+from cadence.front.health import probe_alive
 from cadence.grpc import scheduler_convert as convert
 from cadence.grpc import sglang_scheduler_pb2 as pb
 from cadence.grpc import sglang_scheduler_pb2_grpc
@@ -41,8 +41,8 @@ from cadence.grpc import smg_common_pb2 as common
 from cadence.grpc.errors import RpcError, rpc
 from cadence.grpc.streams import BacklogWatch
 from cadence.grpc.tokenizer_archive import TokenizerArchive, chunks
-from cadence.io_struct import FlushCacheReqInput, GenerateReqInput, GetLoadReqInput, ProfileReq
-from cadence.serving import control, embedding_serving, native_api
+from cadence.io_struct import GenerateReqInput
+from cadence.serving import embedding_serving, native_api
 from cadence.serving.state import ServerState
 from cadence.version import __version__
 
@@ -92,14 +92,8 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
 
     def _client(self) -> EngineClient:
         """The engine client, or UNAVAILABLE while the server starts or stops."""
-        state = self.state
-        if state.is_shutting_down:
-            raise RpcError(503, "the server is shutting down")
-        if not state.is_ready or state.client is None:
-            raise RpcError(
-                503, "the server is starting: the model is loading; retry once HealthCheck passes"
-            )
-        return state.client
+        self.state.check_ready(hint="; retry once HealthCheck passes")
+        return self.state.client
 
     def _admit(self, client: EngineClient) -> None:
         if client.is_paused:
@@ -223,35 +217,8 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
         client = state.client
         if client.is_paused:  # up by choice
             return pb.HealthCheckResponse(healthy=True, message="generation is paused")
-        task = asyncio.ensure_future(embedding_serving.probe(client))
-        deadline = time.monotonic() + HEALTH_PROBE_TIMEOUT_S
-        try:
-            await asyncio.wait({task}, timeout=HEALTH_PROBE_TIMEOUT_S / 4)
-            if not task.done():
-                load = await client.control(
-                    GetLoadReqInput(), timeout=max(deadline - time.monotonic(), 0.1)
-                )
-                if load.num_running_reqs > 0:
-                    return pb.HealthCheckResponse(
-                        healthy=True,
-                        message=f"the engine is busy ({load.num_running_reqs} requests running)",
-                    )
-                await asyncio.wait({task}, timeout=max(deadline - time.monotonic(), 0))
-            if not task.done():
-                return pb.HealthCheckResponse(
-                    healthy=False,
-                    message=f"the probe generation did not end in {HEALTH_PROBE_TIMEOUT_S:g}s",
-                )
-            task.result()
-        except CadenceError as e:
-            logger.warning("HealthCheck: the probe generation failed: %s", e)
-            return pb.HealthCheckResponse(
-                healthy=False, message=f"the engine failed the probe: {e}"
-            )
-        finally:
-            task.cancel()  # aborts the probe if it still runs
-            await asyncio.gather(task, return_exceptions=True)
-        return pb.HealthCheckResponse(healthy=True, message="the probe generation passed")
+        healthy, message = await probe_alive(client, HEALTH_PROBE_TIMEOUT_S)
+        return pb.HealthCheckResponse(healthy=healthy, message=message)
 
     @rpc
     async def GetModelInfo(self, request, context):
@@ -340,10 +307,11 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
                 f"include: unknown section {unknown[0]!r}; use {', '.join(sorted(LOAD_SECTIONS))}",
             )
         dp_rank = native_api.check_dp_rank(request.dp_rank if request.HasField("dp_rank") else None)
-        load = await self._client().control(GetLoadReqInput())
-        loads = [_scheduler_load(load, self.args.max_running_requests, sections)]
-        if dp_rank is not None:
-            loads = [entry for entry in loads if entry.dp_rank == dp_rank]
+        max_running = self.args.max_running_requests
+        loads = [
+            _scheduler_load(load, max_running, sections)
+            for load in await self._client().get_load(dp_rank)
+        ]
         return pb.GetLoadsResponse(
             timestamp=datetime.now(UTC).isoformat(),
             version=__version__,
@@ -363,14 +331,7 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
             raise InvalidParameter(
                 "timeout_s", f"timeout_s must be in [0, {MAX_FLUSH_WAIT_S:g}] seconds, got {wait}"
             )
-        client = self._client()
-        deadline = time.monotonic() + wait
-        while True:
-            out = await client.control(FlushCacheReqInput())
-            remaining = deadline - time.monotonic()
-            if out.success or remaining <= 0:
-                break
-            await asyncio.sleep(min(0.1, remaining))
+        out = await self._client().flush_cache(wait_s=wait)
         if not out.success:
             return common.FlushCacheResponse(
                 success=False, message=f"cannot flush the cache: {out.message}"
@@ -384,23 +345,16 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
         activities, with_stack, record_shapes and profile_by_stage are the profiler's own
         choice here and are ignored."""
         output_dir = request.output_dir if request.HasField("output_dir") else None
-        control.check_profile_name(output_dir)
         num_steps = request.num_steps if request.HasField("num_steps") else None
         start_step = request.start_step if request.HasField("start_step") else None
-        control.check_int_range("num_steps", num_steps)
-        control.check_int_range("start_step", start_step)
-        out = await self._client().control(
-            ProfileReq(
-                action="start", output_dir=output_dir, num_steps=num_steps, start_step=start_step
-            )
-        )
+        out = await self._client().start_profile(output_dir, num_steps, start_step)
         return common.ProfileResponse(
             success=out.success, message=out.message or "profiling started"
         )
 
     @rpc
     async def StopProfile(self, request, context):
-        out = await self._client().control(ProfileReq(action="stop"))
+        out = await self._client().stop_profile()
         return common.ProfileResponse(
             success=out.success, message=out.message or "profiling stopped"
         )

@@ -19,25 +19,17 @@ import msgspec
 
 from cadence.errors import CadenceError, InvalidParameter
 from cadence.front.engine_client import EngineClient
+from cadence.front.health import probe
 from cadence.grpc import convert, sglang_pb2_grpc
 from cadence.grpc import sglang_pb2 as pb
 from cadence.grpc.errors import RpcError, rpc
 from cadence.grpc.streams import BacklogWatch, buffered
-from cadence.io_struct import (
-    ContinueGenerationReqInput,
-    EmbeddingReqInput,
-    FlushCacheReqInput,
-    GenerateReqInput,
-    GetLoadReqInput,
-    PauseGenerationReqInput,
-    ProfileReq,
-    UpdateWeightFromDiskReqInput,
-)
-from cadence.serving import control, embedding_serving, native_api
-from cadence.serving.embedding_serving import EmbeddingServing
+from cadence.io_struct import EmbeddingReqInput, GenerateReqInput
+from cadence.serving import embedding_serving, native_api
+from cadence.serving.bundle import serving_of
 from cadence.serving.errors import FAULT_HEADER
-from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing, StreamFailed
-from cadence.serving.speech_serving import SpeechServing, speech_params
+from cadence.serving.openai_serving import OpenAIResponse, StreamFailed
+from cadence.serving.speech_serving import speech_params
 from cadence.serving.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -55,12 +47,13 @@ _OPENAI_UNARY = {
 class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     """`state` is the front's ServerState (shared with HTTP): `client` is None until loaded."""
 
-    def __init__(self, state: ServerState, openai: OpenAIServing | None = None):
+    def __init__(self, state: ServerState):
         self.state = state
         self.args = state.args
-        self.openai = openai or OpenAIServing(state)
-        self.embedding = EmbeddingServing(state, self.openai)
-        self.speech = SpeechServing(state)
+        serving = serving_of(state)  # the same objects the HTTP routes answer through
+        self.openai = serving.openai
+        self.embedding = serving.embeddings
+        self.speech = serving.speech
         self.max_active = self.args.effective_grpc_max_concurrent_requests
         self.num_active = 0  # generation calls in flight
         self.backlogs = BacklogWatch(self.args.grpc_stream_buffer)
@@ -69,16 +62,8 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     def _client(self) -> EngineClient:
         """The engine client, or UNAVAILABLE while the server starts or stops."""
-        state = self.state
-        if state.is_shutting_down:
-            raise RpcError(503, "the server is shutting down")
-        if not state.is_ready or state.client is None:
-            raise RpcError(
-                503,
-                "the server is starting: the model is loading; retry once grpc.health.v1 "
-                "reports SERVING",
-            )
-        return state.client
+        self.state.check_ready(hint="; retry once grpc.health.v1 reports SERVING")
+        return self.state.client
 
     def _admit(self) -> None:
         if self.num_active >= self.max_active:
@@ -238,14 +223,12 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
         """Healthy when a one-token generation passes through the whole pipeline (as
         /health_generate); while paused, the engine is up by choice and reported healthy."""
         state = self.state
-        if not state.is_ready or state.is_shutting_down or state.client is None:
-            return pb.HealthCheckResponse(healthy=False)
-        if state.pipeline_problem is not None:
+        if state.health_problem() is not None or state.client is None:
             return pb.HealthCheckResponse(healthy=False)
         if state.client.is_paused:
             return pb.HealthCheckResponse(healthy=True)
         try:
-            await asyncio.wait_for(embedding_serving.probe(state.client), HEALTH_CHECK_TIMEOUT_S)
+            await asyncio.wait_for(probe(state.client), HEALTH_CHECK_TIMEOUT_S)
         except (TimeoutError, CadenceError) as e:
             logger.warning(
                 "gRPC HealthCheck: the probe generation failed: %s", e or type(e).__name__
@@ -284,8 +267,8 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     @rpc
     async def GetLoad(self, request, context):
         dp_rank = native_api.check_dp_rank(request.dp_rank if request.HasField("dp_rank") else None)
-        load = await self._client().control(GetLoadReqInput())
-        return pb.GetLoadResponse(json_info=_json(native_api.load_entries(load, dp_rank)))
+        loads = await self._client().get_load(dp_rank)
+        return pb.GetLoadResponse(json_info=_json(native_api.load_entries(loads)))
 
     # ---- control -----------------------------------------------------------------------
 
@@ -297,20 +280,20 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     @rpc
     async def FlushCache(self, request, context):
-        out = await self._client().control(FlushCacheReqInput())
+        out = await self._client().flush_cache()
         if not out.success:
             raise RpcError(409, f"cannot flush the cache: {out.message}")
         return pb.FlushCacheResponse(success=True, message="Cache flushed.")
 
     @rpc
     async def PauseGeneration(self, request, context):
-        mode = control.check_pause_mode(request.mode or "abort")
-        await self._client().control(PauseGenerationReqInput(mode=mode))
+        mode = request.mode or "abort"
+        await self._client().pause_generation(mode)
         return pb.PauseGenerationResponse(message=f"generation paused (mode {mode})")
 
     @rpc
     async def ContinueGeneration(self, request, context):
-        await self._client().control(ContinueGenerationReqInput())
+        await self._client().continue_generation()
         return pb.ContinueGenerationResponse(message="generation continued")
 
     # ---- OpenAI JSON pass-through (the HTTP OpenAI routes' own code) ------------------------
@@ -403,30 +386,22 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     @rpc
     async def StartProfile(self, request, context):
         output_dir = request.output_dir if request.HasField("output_dir") else None
-        control.check_profile_name(output_dir)
-        out = await self._client().control(ProfileReq(action="start", output_dir=output_dir))
+        out = await self._client().start_profile(output_dir)
         if not out.success:
             raise RpcError(409, f"cannot start the profiler: {out.message}")
         return pb.StartProfileResponse(message=out.message or "profiling started")
 
     @rpc
     async def StopProfile(self, request, context):
-        out = await self._client().control(ProfileReq(action="stop"))
+        out = await self._client().stop_profile()
         if not out.success:
             raise RpcError(409, f"cannot stop the profiler: {out.message}")
         return pb.StopProfileResponse(message=out.message or "profiling stopped")
 
     @rpc
     async def UpdateWeightsFromDisk(self, request, context):
-        if not request.model_path:
-            raise InvalidParameter(
-                "model_path", "model_path (a .gguf file or model directory) is required"
-            )
         load_format = request.load_format if request.HasField("load_format") else None
-        out = await self._client().control(
-            UpdateWeightFromDiskReqInput(model_path=request.model_path, load_format=load_format),
-            timeout=900,
-        )
+        out = await self._client().update_weights_from_disk(request.model_path, load_format)
         if not out.success:
             raise RpcError(400, f"cannot update the weights: {out.message}")
         return pb.UpdateWeightsResponse(success=True, message=out.message or "weights updated")

@@ -30,7 +30,7 @@ from cadence.front.normalize import from_json_dict
 from cadence.io_struct import EmbeddingReqInput, GenerateReqInput
 from cadence.serving import embedding_protocol as proto
 from cadence.serving.errors import request_fault
-from cadence.serving.native_api import last_result, probe_request
+from cadence.serving.native_api import last_result
 from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing, error_response
 
 logger = logging.getLogger(__name__)
@@ -61,17 +61,6 @@ async def classify(client: EngineClient, obj: EmbeddingReqInput) -> dict | list[
     if isinstance(results, list):
         return [proto.with_label(r, labels) for r in results]
     return proto.with_label(results, labels)
-
-
-async def probe(client: EngineClient, text: str | None = None) -> None:
-    """One request through the whole pipeline (the warm-up, /health_generate and the gRPC
-    health checks): a one-token greedy generation, or on an embedding model one embedding."""
-    if client.info.is_generation:
-        await last_result(client.generate(probe_request(text)))
-    elif text is not None:
-        await client.embed(EmbeddingReqInput(text=text))
-    else:
-        await client.embed(EmbeddingReqInput(input_ids=[0]))
 
 
 def check_classifier(client: EngineClient) -> None:

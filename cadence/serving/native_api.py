@@ -22,7 +22,7 @@ from cadence.front.request_checks import (
     check_message_count,
     check_tokenize_chars,
 )
-from cadence.io_struct import GenerateReqInput, GetLoadReqInput
+from cadence.io_struct import GenerateReqInput
 from cadence.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -92,14 +92,6 @@ async def cumulative(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
         await chunks.aclose()
 
 
-def probe_request(text: str | None = None) -> GenerateReqInput:
-    """A one-token greedy generation through the whole pipeline: the warm-up, /health_generate
-    and gRPC HealthCheck all send this."""
-    if text is not None:
-        return GenerateReqInput(text=text, sampling_params={"max_new_tokens": 1, "temperature": 0})
-    return GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
-
-
 def model_info(info: ModelInfo) -> dict[str, Any]:
     """GET /model_info; GetModelInfo's json_info."""
     return {
@@ -133,7 +125,7 @@ async def server_info(state) -> dict[str, Any]:
         memory["kvcache"] = round(runtime["kv_pool_bytes"] / 2**30, 2)
     rank = {"dp_rank": 0, "memory_usage": memory}
     if state.is_ready and state.client is not None and not state.is_shutting_down:
-        load = await state.client.control(GetLoadReqInput(), timeout=10)
+        [load] = await state.client.get_load(timeout=10)
         rank.update(
             last_gen_throughput=load.gen_throughput,
             num_running_reqs=load.num_running_reqs,
@@ -152,7 +144,7 @@ async def metrics_body(state) -> bytes:
     load, client = None, state.client
     if client is not None and state.is_ready and not state.is_shutting_down:
         try:
-            load = load_entries(await client.control(GetLoadReqInput(), timeout=5.0))[0]
+            load = load_entries(await client.get_load(timeout=5.0))[0]
         except Exception:  # a scrape never fails for want of the gauges
             logger.warning("/metrics: the scheduler did not report its load", exc_info=True)
     model = client.info.served_model_name if client is not None else ""
@@ -182,12 +174,9 @@ def check_dp_rank(value: int | str | None) -> int | None:
     return value
 
 
-def load_entries(load, dp_rank: int | None = None) -> list[dict[str, Any]]:
-    """The /v1/loads entries (one per data-parallel rank), only rank `dp_rank` when given."""
-    entries = [{name: getattr(load, name) for name in LOAD_FIELDS}]
-    if dp_rank is not None:
-        entries = [e for e in entries if e["dp_rank"] == dp_rank]
-    return entries
+def load_entries(loads: list) -> list[dict[str, Any]]:
+    """The /v1/loads entries of the ranks' load reports (`EngineClient.get_load`)."""
+    return [{name: getattr(load, name) for name in LOAD_FIELDS} for load in loads]
 
 
 async def tokenize_body(state, body: Any) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """What both adapters of one front process share: the arguments, the engine client, the
-server's life (loading, ready, stopping), and the stage pipeline of --pipeline."""
+server's life (loading, ready, stopping) and its one readiness gate, the serving objects,
+and the stage pipeline of --pipeline."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from cadence.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from cadence.pipeline import Pipeline, PipelineClient
+    from cadence.serving.bundle import Serving
 
 
 @dataclasses.dataclass
@@ -27,6 +29,26 @@ class ServerState:
     started: float = dataclasses.field(default_factory=time.time)
     chat_template: str | None = None  # the --chat-template text, read at start-up
     pipeline: Pipeline | None = None  # --pipeline's stages, started by this front process
+    # The serving objects both adapters answer through, built once (`bundle.serving_of`).
+    serving: Serving | None = None
+
+    def check_ready(self, while_loading: bool = False, hint: str = "") -> None:
+        """The one readiness gate of both protocols: RequestError 503 while the server stops,
+        or (unless `while_loading`) while the model loads; `hint` ends the starting message
+        with how this protocol's clients learn when to retry."""
+        if self.is_shutting_down:
+            raise RequestError(503, "the server is shutting down")
+        if not while_loading and not self.is_ready:  # ready: the client is connected
+            raise RequestError(503, f"the server is starting: the model is loading{hint}")
+
+    def health_problem(self) -> str | None:
+        """Why a health check fails now (stopping, starting, a pipeline stage down); None
+        when the server serves."""
+        if self.is_shutting_down:
+            return "shutting down"
+        if not self.is_ready:
+            return "starting"
+        return self.pipeline_problem
 
     @property
     def pipeline_problem(self) -> str | None:
