@@ -246,7 +246,9 @@ def kv_pool_mb(model_path: str, tokens: int, dtype: str) -> float:
     return tokens * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * width / 2**20
 
 
-def offline_limits(model_path: str, dtype: str, dequantize: bool, repeats: int = 3) -> dict:
+def offline_limits(
+    model_path: str, dtype: str, dequantize: bool, repeats: int = 3, prefill_len: int = 512
+) -> dict:
     """bench_offline's limit (the projections alone, through the engine's kernels, at batch
     1, 8, 32 and a 512-row prefill), and the in-process engine's prefill of one 512-token
     prompt (the prefix cache off, so every repeat computes the whole prompt)."""
@@ -264,10 +266,12 @@ def offline_limits(model_path: str, dtype: str, dequantize: bool, repeats: int =
     )
     try:
         out = engine.run_in_scheduler(
-            lambda s: bench_offline.bench_limit(s.runner.model, getattr(torch, dtype), repeats),
+            lambda s: bench_offline.bench_limit(
+                s.runner.model, getattr(torch, dtype), repeats, prefill_len
+            ),
             timeout=900,
         )
-        n = bench_offline.PREFILL_LEN
+        n = prefill_len
         ids = [(engine.tokenizer.encode("The sea was calm that night. ") * 64)[:n]]
         params = {"max_new_tokens": 1}
         engine.generate(input_ids=ids, sampling_params=params)  # warm-up
@@ -336,15 +340,16 @@ def print_report(flat: dict, args) -> None:
               f"(file + {MEMORY_MARGIN_MB} = {flat['file_mb'] + MEMORY_MARGIN_MB:.0f}), cadence deq "
               f"{flat.get('cadence_deq_rss_warm_mb', float('nan')):.0f}, llama.cpp "
               f"{flat.get('llamacpp_rss_warm_mb', float('nan')):.0f}")  # fmt: skip
+    n = args.prefill_len
     for name in ("q", "deq"):
         keys = [f"limit_{name}_decode_b{b}_limit_tok_s" for b in (1, 8, 32)]
         if all(k in flat for k in keys):
             print(f"bench_offline limit ({name}): " + ", ".join(
                 f"b{b} {flat[k]:.1f} tok/s" for b, k in zip((1, 8, 32), keys)) +
-                f", prefill 512 {flat.get(f'limit_{name}_prefill_512_limit_tok_s', 0):.0f} tok/s")  # fmt: skip
-    q, d = flat.get("limit_q_prefill_512_tok_s"), flat.get("limit_deq_prefill_512_tok_s")
+                f", prefill {n} {flat.get(f'limit_{name}_prefill_{n}_limit_tok_s', 0):.0f} tok/s")  # fmt: skip
+    q, d = flat.get(f"limit_q_prefill_{n}_tok_s"), flat.get(f"limit_deq_prefill_{n}_tok_s")
     if q and d:
-        print(f"engine prefill, one 512-token prompt: quantized {q:.0f} tok/s, dequantized "
+        print(f"engine prefill, one {n}-token prompt: quantized {q:.0f} tok/s, dequantized "
               f"{d:.0f} tok/s (q/deq {q / d:.2f})")  # fmt: skip
 
 
@@ -430,6 +435,7 @@ def main() -> int:
         help="use llama-server only if it is already built (no 20-minute build)",
     )
     parser.add_argument("--limit-repeats", type=int, default=3)
+    parser.add_argument("--prefill-len", type=int, default=512, help="of the limits' prefill")
     parser.add_argument(
         "--output-lens", type=int, nargs="+", default=bs.OUTPUT_LENS, help="as bench_serving's"
     )
@@ -446,7 +452,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.smoke:
         args.concurrency, args.requests_per_client, args.least_requests = [2], 2, 4
-        args.output_lens, args.repeats, args.limit_repeats = [4, 8], 1, 1
+        args.output_lens, args.repeats, args.limit_repeats, args.prefill_len = [4, 8], 1, 1, 64
         args.no_llama_build, args.server_args = True, args.server_args + " --lazy-kv-pool"
     if args.model_path is None:
         from cadence.model_loader.locate import default_model_path
@@ -460,7 +466,9 @@ def main() -> int:
         os.environ["CADENCE_NUM_THREADS"] = str(args.threads)
         for name, deq in (("limit_q", False), ("limit_deq", True)):
             log(f"{name}: bench_offline's matmul limit")
-            limits[name] = offline_limits(args.model_path, args.dtype, deq, args.limit_repeats)
+            limits[name] = offline_limits(
+                args.model_path, args.dtype, deq, args.limit_repeats, args.prefill_len
+            )
     flat = flatten(runs, limits, args, file_mb)
     print_report(flat, args)
     if args.json:
