@@ -31,13 +31,6 @@ logger = logging.getLogger(__name__)
 Request = GenerateReqInput | EmbeddingReqInput
 
 
-def from_json_dict(cls: type, d: Any) -> Any:
-    """A `GenerateReqInput` or `EmbeddingReqInput` from a decoded JSON body;
-    `InvalidParameter` names an unknown field or a field of the wrong type. Call
-    `normalize_batch_and_arguments()` next."""
-    return _from_json_dict(cls, d)
-
-
 def normalize_batch_and_arguments(obj: Request, max_items: int | None = None) -> None:
     """Check the request and bring every per-item field to its normalized form (see the
     module docstring). A request of more than `max_items` items (prompts x n) is refused
@@ -247,37 +240,6 @@ def _check_num_items(num_prompts: int, n: int, max_items: int | None, prompt_fie
             f"the request has {num_prompts} prompt(s) x n={n} = {num_prompts * n} items; "
             f"this server takes at most {max_items} in flight",
         )
-
-
-_logged_unknown: set[tuple[str, str]] = set()
-
-
-def drop_unknown(body: dict, known: Any, where: str) -> dict:
-    """`body` without the fields this server does not implement. Like OpenAI, SGLang and
-    vLLM, unknown fields are accepted and ignored (each name logged once, at debug level);
-    the fields it does implement are checked strictly by the caller."""
-    unknown = [key for key in body if key not in known]
-    if not unknown:
-        return body
-    for key in unknown:
-        if (where, str(key)) not in _logged_unknown:
-            _logged_unknown.add((where, str(key)))
-            logger.debug(
-                "%s: ignoring the field %r, which this server does not implement", where, key
-            )
-    return {key: value for key, value in body.items() if key in known}
-
-
-def _from_json_dict(cls: type, d: Any) -> Any:
-    if not isinstance(d, dict):
-        raise InvalidParameter(
-            None, f"the request body must be a JSON object, got {type(d).__name__}"
-        )
-    known = {f for f in cls.__struct_fields__ if f not in cls._DERIVED and f != "type"}
-    try:
-        return msgspec.convert(drop_unknown(d, known, cls.__name__), cls)
-    except msgspec.ValidationError as e:
-        raise readable(e) from None
 
 
 def _check_prompts(text: Any, input_ids: Any) -> tuple[bool, int]:

@@ -15,9 +15,10 @@ from typing import Any
 
 import msgspec
 
-from cadence.errors import InvalidParameter, readable
+from cadence.errors import InvalidParameter
 from cadence.front.control_checks import check_int_range, check_model_path
 from cadence.io_struct import PAUSE_MODES, PauseMode
+from cadence.serving.body import json_object, parse_struct
 
 
 class _Body(msgspec.Struct, kw_only=True):
@@ -58,21 +59,19 @@ class CloseSessionBody(_Body, kw_only=True):
 
 def parse(cls: type, body: Any):
     """`body` (decoded JSON) as a `cls`; raises InvalidParameter naming the field at fault."""
-    if not isinstance(body, dict):
-        raise InvalidParameter(None, f"the request body must be a JSON object, got {_kind(body)}")
-    known = {k: v for k, v in body.items() if k in cls.__struct_fields__}
-    if cls is UpdateWeightsBody and not isinstance(known.get("model_path"), str):
+    fields = json_object(body)
+    if cls is UpdateWeightsBody and not isinstance(fields.get("model_path"), str):
         check_model_path(None)
-    if cls is CloseSessionBody and not isinstance(known.get("session_id"), str):
+    if cls is CloseSessionBody and not isinstance(fields.get("session_id"), str):
         raise InvalidParameter("session_id", "session_id (a string) is required")
     try:
-        obj = msgspec.convert(known, cls)
-    except msgspec.ValidationError as e:
-        if cls is PauseBody and "mode" in known:
+        obj = parse_struct(cls, fields)
+    except InvalidParameter as e:
+        if cls is PauseBody and e.param == "mode":
             raise InvalidParameter(
-                "mode", f"mode must be one of {', '.join(PAUSE_MODES)}, got {known['mode']!r}"
+                "mode", f"mode must be one of {', '.join(PAUSE_MODES)}, got {fields['mode']!r}"
             ) from None
-        raise readable(e) from None
+        raise
     if isinstance(obj, AbortBody) and (obj.rid is None) == (not obj.abort_all):
         raise InvalidParameter("rid", "give either a rid (string) or abort_all: true")
     if isinstance(obj, AbortBody) and obj.rid is not None and not obj.rid:
@@ -80,14 +79,3 @@ def parse(cls: type, body: Any):
     for name in obj.__struct_fields__:  # before the engine client's checks, as the codec needs
         check_int_range(name, getattr(obj, name))
     return obj
-
-
-def _kind(value: Any) -> str:
-    return {
-        list: "an array",
-        str: "a string",
-        int: "a number",
-        float: "a number",
-        bool: "a boolean",
-        type(None): "null",
-    }.get(type(value), type(value).__name__)

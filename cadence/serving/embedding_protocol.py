@@ -16,9 +16,8 @@ from typing import Any
 
 import msgspec
 
-from cadence.errors import InvalidParameter, readable
-from cadence.front.normalize import drop_unknown
-from cadence.serving.errors import decode_json
+from cadence.errors import InvalidParameter
+from cadence.serving.body import parse_body
 
 ENCODING_FORMATS = ("float", "base64")
 
@@ -67,20 +66,8 @@ class RerankRequest(msgspec.Struct, kw_only=True):
 
 def parse(cls: type, body: bytes | str | dict) -> Any:
     """Decodes and type-checks a request body; unknown fields are ignored (as everywhere)."""
-    if isinstance(body, (bytes, bytearray, memoryview, str)):
-        body = decode_json(body)
-    if not isinstance(body, dict):
-        raise InvalidParameter(
-            None, f"the request body must be a JSON object, got {type(body).__name__}"
-        )
-    body = drop_unknown(body, cls.__struct_fields__, cls.__name__)
-    for name, spec in _required(cls):
-        if body.get(name) is None:
-            raise InvalidParameter(name, f"{name} is required{spec}")
-    try:
-        return msgspec.convert(body, cls)
-    except msgspec.ValidationError as e:
-        raise readable(e) from None
+    required = {name: f"{name} is required{spec}" for name, spec in _required(cls)}
+    return parse_body(cls, body, required)
 
 
 def _required(cls: type) -> list[tuple[str, str]]:

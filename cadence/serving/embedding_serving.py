@@ -26,9 +26,9 @@ import msgspec
 
 from cadence.errors import InvalidParameter, RequestError
 from cadence.front.engine_client import EngineClient
-from cadence.front.normalize import from_json_dict
 from cadence.io_struct import EmbeddingReqInput, GenerateReqInput
 from cadence.serving import embedding_protocol as proto
+from cadence.serving.body import parse_struct
 from cadence.serving.errors import request_fault
 from cadence.serving.native_api import last_result
 from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing, error_response
@@ -326,6 +326,6 @@ async def _answer(run, names: dict[str, str]) -> OpenAIResponse:
 
 
 def encode_input(body: Any) -> EmbeddingReqInput:
-    """The /encode (and /classify) body as a request struct (not yet normalized);
-    InvalidParameter names an unknown field or a field of the wrong type."""
-    return from_json_dict(EmbeddingReqInput, body)
+    """The /encode (and /classify) body (decoded) as a request struct, not yet normalized;
+    InvalidParameter names a field of the wrong type."""
+    return parse_struct(EmbeddingReqInput, body)

@@ -16,13 +16,13 @@ from typing import Any
 
 from cadence.errors import InvalidParameter
 from cadence.front.engine_client import EngineClient, ModelInfo
-from cadence.front.normalize import from_json_dict
 from cadence.front.request_checks import (
     MAX_TOKENIZER_ITEMS,
     check_message_count,
     check_tokenize_chars,
 )
 from cadence.io_struct import GenerateReqInput
+from cadence.serving.body import json_object, parse_struct
 from cadence.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -49,9 +49,9 @@ async def last_result(results: AsyncIterator):
 
 
 def generate_input(body: Any) -> GenerateReqInput:
-    """The /generate body as a request struct (not yet normalized); InvalidParameter names
-    an unknown field or a field of the wrong type."""
-    return from_json_dict(GenerateReqInput, body)
+    """The /generate body (decoded) as a request struct, not yet normalized (the engine
+    client checks it); InvalidParameter names a field of the wrong type."""
+    return parse_struct(GenerateReqInput, body)
 
 
 _LOGPROB_FIELDS = (
@@ -184,8 +184,7 @@ async def tokenize_body(state, body: Any) -> dict[str, Any]:
     or a list of strings) and `messages` (a chat, rendered with the chat template as a chat
     completion's prompt is), `add_special_tokens` (default true; a rendered chat already
     holds its special tokens). Answers {"tokens", "count", "max_model_len"}."""
-    if not isinstance(body, dict):
-        raise InvalidParameter(None, "the request body must be a JSON object")
+    json_object(body)
     client: EngineClient = state.client
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
@@ -249,8 +248,7 @@ async def _render_chat(state, body: dict) -> str:
 
 async def detokenize_body(state, body: Any) -> dict[str, Any]:
     """POST /detokenize: {"tokens": [int] | [[int]], "skip_special_tokens"?} -> {"text": ...}."""
-    if not isinstance(body, dict):
-        raise InvalidParameter(None, "the request body must be a JSON object")
+    json_object(body)
     tokens = body.get("tokens")
     skip = body.get("skip_special_tokens", True)
     if not isinstance(skip, bool):

@@ -17,11 +17,10 @@ from typing import Any
 
 import msgspec
 
-from cadence.errors import InvalidParameter, readable
-from cadence.front.normalize import drop_unknown
+from cadence.errors import InvalidParameter
 from cadence.front.sampling_checks import MAX_LOGIT_BIAS_ENTRIES
 from cadence.serving import chat_tools
-from cadence.serving.errors import decode_json
+from cadence.serving.body import parse_body
 
 MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
@@ -139,20 +138,8 @@ class CompletionRequest(_Request, kw_only=True):
 
 def parse_request(cls: type, body: bytes | str | dict) -> Any:
     """Decode and type-check a request body; `InvalidParameter` names the field at fault."""
-    if isinstance(body, (bytes, bytearray, memoryview, str)):
-        body = decode_json(body)
-    if not isinstance(body, dict):
-        raise InvalidParameter(
-            None, f"the request body must be a JSON object, got {type(body).__name__}"
-        )
-    body = drop_unknown(body, cls.__struct_fields__, cls.__name__)
     required = "messages" if cls is ChatCompletionRequest else "prompt"
-    if body.get(required) is None:
-        raise InvalidParameter(required, f"{required} is required")
-    try:
-        req = msgspec.convert(body, cls)
-    except msgspec.ValidationError as e:
-        raise readable(e) from None
+    req = parse_body(cls, body, {required: f"{required} is required"})
     _check_common(req)
     if isinstance(req, ChatCompletionRequest):
         _check_chat(req)

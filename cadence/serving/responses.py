@@ -32,14 +32,14 @@ from typing import Any
 
 import msgspec
 
-from cadence.errors import InvalidParameter, RequestError, readable
+from cadence.errors import InvalidParameter, RequestError
 from cadence.front.engine_client import EngineClient
-from cadence.front.normalize import drop_unknown
 from cadence.front.request_checks import check_message_count
 from cadence.io_struct import GenerateReqInput
 from cadence.serving import native_api
 from cadence.serving import openai_protocol as proto
-from cadence.serving.errors import decode_json, error_body, request_fault
+from cadence.serving.body import parse_body
+from cadence.serving.errors import error_body, request_fault
 from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing, error_response
 
 logger = logging.getLogger(__name__)
@@ -110,19 +110,9 @@ class PreviousResponseNotFound(InvalidParameter):
 
 def parse_request(body: bytes | str | dict) -> ResponsesRequest:
     """Decode and check a request body; `InvalidParameter` names the field at fault."""
-    if not isinstance(body, dict):
-        body = decode_json(body)
-    if not isinstance(body, dict):
-        raise InvalidParameter(
-            None, f"the request body must be a JSON object, got {type(body).__name__}"
-        )
-    body = drop_unknown(body, ResponsesRequest.__struct_fields__, "ResponsesRequest")
-    if body.get("input") is None:
-        raise InvalidParameter("input", "input is required: a string or a list of messages")
-    try:
-        req = msgspec.convert(body, ResponsesRequest)
-    except msgspec.ValidationError as e:
-        raise readable(e) from None
+    req = parse_body(
+        ResponsesRequest, body, {"input": "input is required: a string or a list of messages"}
+    )
     _check(req)
     return req
 

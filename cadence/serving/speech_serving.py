@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cadence.errors import InvalidParameter
+from cadence.serving.body import json_object
 from cadence.serving.state import ServerState
 from cadence.speech import voices
 
@@ -65,8 +66,7 @@ class SpeechParams:
 
 def speech_params(body: Any, max_chars: int) -> SpeechParams:
     """The checked fields of a /v1/audio/speech body (a JSON object)."""
-    if not isinstance(body, dict):
-        raise InvalidParameter(None, "the request body must be a JSON object")
+    json_object(body)
     unknown = sorted(set(body) - set(SPEECH_FIELDS) - set(IGNORED_FIELDS))
     if unknown:
         raise InvalidParameter(

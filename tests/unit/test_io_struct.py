@@ -9,7 +9,7 @@ import pytest
 
 from cadence import io_struct
 from cadence.errors import InvalidParameter
-from cadence.front.normalize import from_json_dict, item, normalize_batch_and_arguments
+from cadence.front.normalize import item, normalize_batch_and_arguments
 from cadence.front.sampling_checks import parse_sampling_params
 from cadence.io_struct import (
     MESSAGE_TYPES,
@@ -42,6 +42,7 @@ from cadence.io_struct import (
     decode,
     encode,
 )
+from cadence.serving.body import parse_struct as from_json_dict  # the one body parser
 
 UUID_HEX = re.compile(r"^[0-9a-f]{32}$")
 
