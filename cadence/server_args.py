@@ -100,7 +100,7 @@ class SchedulerArgs:
     kv_cache_memory_fraction: float = 0.2
     """Share of the device's available memory given to the KV pool when --max-total-tokens is unset."""
     lazy_kv_pool: bool = False
-    """Leave the KV pool's memory to the OS to commit page by page as requests first write it. By default `cadence serve` writes every page at start and runs one throwaway prefill of --chunked-prefill-size tokens, so that resident memory at idle is what the server holds under full load (the in-process Engine is lazy unless given lazy_kv_pool=False). /server_info reports the pool's size (kv_pool_bytes)."""
+    """Leave the KV pool's memory to the OS to commit page by page as requests first write it. By default `cadence serve` writes every page at start and runs two throwaway prefill steps of --chunked-prefill-size tokens, so that resident memory at idle is what the server holds under full load (the in-process Engine is lazy unless given lazy_kv_pool=False). /server_info reports the pool's size (kv_pool_bytes)."""
     page_size: int = 16
     """Tokens per KV page."""
     chunked_prefill_size: int = 2048
@@ -297,7 +297,7 @@ class RuntimeArgs:
     log_level: str = "info"
     """Logging level: debug, info, warning, error."""
     skip_warmup: bool = False
-    """Report healthy without running the warm-up generation first, nor the throwaway full-size prefill that takes a step's working memory at start (the KV pool is still committed)."""
+    """Report healthy without running the warm-up generation first, nor the throwaway full-size prefill steps that take a step's working memory at start (the KV pool is still committed)."""
     watchdog_timeout: float = 30.0
     """Seconds the scheduler or detokenizer may go without making progress before the server reports itself unhealthy, fails waiting requests with 503 and exits non-zero (so an orchestrator restarts it)."""
     profile_dir: str | None = None
