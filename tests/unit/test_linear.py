@@ -106,6 +106,7 @@ def test_packed_model_releases_weights_and_adopts_new_ones(tied):
     """Same logits as the plain model; released parameters; a weight swap through the runner's
     `adopt_weights` serves the new weights."""
     from cadence.model_executor.model_runner import ModelRunner
+    from cadence.server_args import ServerArgs
 
     config = tiny_config(tie_word_embeddings=tied)
     hidden = torch.randn(3, config.hidden_size)
@@ -129,6 +130,7 @@ def test_packed_model_releases_weights_and_adopts_new_ones(tied):
 
     runner = ModelRunner.__new__(ModelRunner)  # only what adopt_weights reads
     runner.config, runner.model, runner.platform = config, packed, CpuPlatform()
+    runner.args = ServerArgs(lazy_kv_pool=True)  # no throwaway steps: there is no KV pool
     reference = random_model(config, 1)
     reference.build_linears(Linear)
     new_logits = reference.compute_logits(hidden)
