@@ -11,7 +11,7 @@ from starlette.responses import Response
 from cadence.entrypoints.http_io import error_headers, json_response, read_json, until_disconnected
 from cadence.serving import embedding_serving
 from cadence.serving.bundle import Serving
-from cadence.serving.openai_serving import OpenAIResponse
+from cadence.serving.openai_results import OpenAIResponse
 from cadence.serving.state import ServerState
 
 

@@ -15,7 +15,7 @@ from starlette.responses import Response, StreamingResponse
 
 from cadence.entrypoints.http_io import error_headers, until_disconnected
 from cadence.serving.bundle import Serving
-from cadence.serving.openai_serving import OpenAIResponse
+from cadence.serving.openai_results import OpenAIResponse
 
 
 def register_openai_routes(app: FastAPI, bundle: Serving) -> None:

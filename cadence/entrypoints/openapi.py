@@ -30,7 +30,7 @@ from cadence.serving.embedding_protocol import (
     ScoringRequest,
 )
 from cadence.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
-from cadence.serving.responses import ResponsesRequest
+from cadence.serving.responses_protocol import ResponsesRequest
 from cadence.serving.speech_serving import SPEECH_SCHEMA
 
 REF = "#/components/schemas/{name}"
@@ -140,7 +140,15 @@ def build(app: FastAPI) -> dict[str, Any]:
     )
     structs = [b for b, _ in BODIES.values() if isinstance(b, type)]
     refs, components = msgspec.json.schema_components([*structs, SamplingParams], ref_template=REF)
-    ref_of = dict(zip(structs, refs))
+    _complete_components(components)
+    doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
+    _declare_bodies(doc, dict(zip(structs, refs)))
+    return doc
+
+
+def _complete_components(components: dict[str, Any]) -> None:
+    """The request structs' schemas as a client should read them: no internal fields,
+    sampling params described, exactly one of text and input_ids."""
     for schema in components.values():
         _strip_internal(schema)
     _describe_sampling(components["SamplingParams"])
@@ -150,7 +158,6 @@ def build(app: FastAPI) -> dict[str, Any]:
         "anyOf": [sampling_ref, {"type": "array", "items": sampling_ref}, {"type": "null"}],
         "default": None,
     }
-    # Exactly one of text and input_ids.
     for name in ("GenerateReqInput", "EmbeddingReqInput"):
         components[name]["oneOf"] = [
             {
@@ -162,7 +169,10 @@ def build(app: FastAPI) -> dict[str, Any]:
                 "properties": {"input_ids": {"not": {"type": "null"}}, "text": {"type": "null"}},
             },
         ]
-    doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
+
+
+def _declare_bodies(doc: dict[str, Any], ref_of: dict[type, Any]) -> None:
+    """Each POST route's request body (the routes read raw bodies, so FastAPI cannot)."""
     for path, (body, required) in BODIES.items():
         operation = doc["paths"].get(path, {}).get("post")
         if operation is None:
@@ -177,7 +187,6 @@ def build(app: FastAPI) -> dict[str, Any]:
         responses.setdefault(
             "413", {"description": "The body is larger than --max-request-body-mb"}
         )
-    return doc
 
 
 def _strip_internal(schema: dict[str, Any]) -> None:

@@ -41,25 +41,7 @@ class EmbeddingChecker:
     ) -> list[TokenizedEmbeddingReqInput]:
         """Normalizes `obj` and returns its items tokenized and checked, in order. Raises
         InvalidParameter, naming the field, before anything is sent."""
-        self.check_embedding_model()
-        if obj.is_cross_encoder_request and not self.info.type_vocab_size:
-            raise InvalidParameter(
-                "is_cross_encoder_request",
-                "is_cross_encoder_request: text pairs need an encoder model (one with token "
-                f"types); {self.info.served_model_name!r} is not one",
-            )
-        normalize_batch_and_arguments(obj)
-        if obj.batch_size > self.max_items:
-            raise InvalidParameter(
-                "text" if obj.text is not None else "input_ids",
-                f"the request has {obj.batch_size} inputs; this server takes at most "
-                f"{self.max_items} per request (--max-embedding-batch)",
-            )
-        self.check_dimensions(obj.dimensions)
-        parts = items(obj)
-        for item in parts:
-            if item.image_data is not None:
-                raise InvalidParameter("image_data", "image_data: this model takes text only")
+        parts = self._check_request(obj)
         encoded = iter(await self._encode([item for item in parts if item.text is not None]))
         out = []
         for item in parts:
@@ -81,6 +63,29 @@ class EmbeddingChecker:
                 )
             )
         return out
+
+    def _check_request(self, obj: EmbeddingReqInput) -> list[EmbeddingReqInput]:
+        """What can be checked before tokenizing; normalizes `obj` and returns its items."""
+        self.check_embedding_model()
+        if obj.is_cross_encoder_request and not self.info.type_vocab_size:
+            raise InvalidParameter(
+                "is_cross_encoder_request",
+                "is_cross_encoder_request: text pairs need an encoder model (one with token "
+                f"types); {self.info.served_model_name!r} is not one",
+            )
+        normalize_batch_and_arguments(obj)
+        if obj.batch_size > self.max_items:
+            raise InvalidParameter(
+                "text" if obj.text is not None else "input_ids",
+                f"the request has {obj.batch_size} inputs; this server takes at most "
+                f"{self.max_items} per request (--max-embedding-batch)",
+            )
+        self.check_dimensions(obj.dimensions)
+        parts = items(obj)
+        for item in parts:
+            if item.image_data is not None:
+                raise InvalidParameter("image_data", "image_data: this model takes text only")
+        return parts
 
     def check_embedding_model(self) -> None:
         info = self.info

@@ -60,6 +60,35 @@ def _normalize_generate(obj: GenerateReqInput, max_items: int | None) -> None:
     sampling_params = _per_item_sampling_params(obj.sampling_params, num_prompts)
     n = _parallel_sample_num(sampling_params)
     _check_num_items(num_prompts, n, max_items, "text" if obj.text is not None else "input_ids")
+    per_item = _per_item_fields(obj, num_prompts)
+    modalities = {
+        name: _per_item_data(name, getattr(obj, name), num_prompts, is_batch)
+        for name in ("image_data", "audio_data", "video_data")
+    }
+    rids = _check_rids(obj.rid, num_prompts, is_batch)
+    if not is_batch and n == 1:
+        # A single request keeps scalar fields.
+        obj.sampling_params = sampling_params[0]
+        obj.rid = rids[0]
+        for name, values in per_item.items():
+            setattr(obj, name, values[0])
+        obj.is_single, obj.batch_size = True, 1
+    else:
+        if n > 1:
+            sampling_params = [dict(sp, n=1) for sp in sampling_params]
+            rids = [f"{rid}-{j}" for rid in rids for j in range(n)]
+        obj.sampling_params, obj.rid = sampling_params, rids
+        _expand_batch(obj, n, is_batch, {**per_item, **modalities})
+        obj.is_single, obj.batch_size = False, num_prompts * n
+    # n expansion could only clash if user rids did; checked again to be sure.
+    _check_unique(rids)
+    obj.parallel_sample_num = n
+    obj.is_normalized = True
+
+
+def _per_item_fields(obj: GenerateReqInput, num_prompts: int) -> dict[str, list]:
+    """The per-prompt fields (logprobs, LoRA, hidden states, sessions, ...) checked, one
+    entry per prompt."""
     per_item = {
         name: _per_item(name, getattr(obj, name), num_prompts, default, check)
         for name, default, check in (
@@ -79,35 +108,17 @@ def _normalize_generate(obj: GenerateReqInput, max_items: int | None) -> None:
             "priority", f"priority must be a signed 64-bit integer, got {obj.priority!r}"
         )
     per_item["token_ids_logprob"] = _per_item_token_ids(obj.token_ids_logprob, num_prompts)
-    modalities = {
-        name: _per_item_data(name, getattr(obj, name), num_prompts, is_batch)
-        for name in ("image_data", "audio_data", "video_data")
-    }
-    rids = _check_rids(obj.rid, num_prompts, is_batch)
-    if not is_batch and n == 1:
-        # A single request keeps scalar fields.
-        obj.sampling_params = sampling_params[0]
-        obj.rid = rids[0]
-        for name, values in per_item.items():
-            setattr(obj, name, values[0])
-        obj.is_single, obj.batch_size = True, 1
-    else:
-        if n > 1:
-            sampling_params = [dict(sp, n=1) for sp in sampling_params]
-            rids = [f"{rid}-{j}" for rid in rids for j in range(n)]
-        obj.text = _expand(obj.text, n, is_batch)
-        obj.input_ids = _expand(obj.input_ids, n, is_batch)
-        obj.sampling_params = _repeat(sampling_params, n)
-        obj.rid = rids
-        for name, values in per_item.items():
-            setattr(obj, name, _repeat(values, n))
-        for name, values in modalities.items():
-            setattr(obj, name, None if values is None else _repeat(values, n))
-        obj.is_single, obj.batch_size = False, num_prompts * n
-    # n expansion could only clash if user rids did; checked again to be sure.
-    _check_unique(rids)
-    obj.parallel_sample_num = n
-    obj.is_normalized = True
+    return per_item
+
+
+def _expand_batch(obj: GenerateReqInput, n: int, is_batch: bool, per_item: dict) -> None:
+    """Every per-prompt field (the prompts, their sampling params, `per_item`) as one entry
+    per item, each prompt's n samples together; `obj.rid` is per item already."""
+    obj.text = _expand(obj.text, n, is_batch)
+    obj.input_ids = _expand(obj.input_ids, n, is_batch)
+    obj.sampling_params = _repeat(obj.sampling_params, n)
+    for name, values in per_item.items():
+        setattr(obj, name, None if values is None else _repeat(values, n))
 
 
 def _generate_item(obj: GenerateReqInput, i: int) -> GenerateReqInput:

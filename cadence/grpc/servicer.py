@@ -28,7 +28,7 @@ from cadence.io_struct import EmbeddingReqInput, GenerateReqInput
 from cadence.serving import embedding_serving, native_api
 from cadence.serving.bundle import serving_of
 from cadence.serving.errors import FAULT_HEADER
-from cadence.serving.openai_serving import OpenAIResponse, StreamFailed
+from cadence.serving.openai_results import OpenAIResponse, StreamFailed
 from cadence.serving.speech_serving import speech_params
 from cadence.serving.state import ServerState
 

@@ -31,7 +31,8 @@ from cadence.serving import embedding_protocol as proto
 from cadence.serving.body import parse_struct
 from cadence.serving.errors import request_fault
 from cadence.serving.native_api import last_result
-from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing, error_response
+from cadence.serving.openai_results import OpenAIResponse, error_response
+from cadence.serving.openai_serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ import msgspec
 from cadence.errors import InvalidParameter
 from cadence.json_limits import TooDeep, check_depth
 from cadence.serving.embedding_serving import EmbeddingServing
-from cadence.serving.openai_serving import OpenAIResult, OpenAIServing, error_response
+from cadence.serving.openai_results import OpenAIResult, error_response
+from cadence.serving.openai_serving import OpenAIServing
 
 _KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])  # the top-level keys, values unread
 

@@ -18,7 +18,8 @@ from cadence.front.engine_client import ModelInfo
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.front.tokenizer_manager import TokenizerManager
 from cadence.io_struct import AbortReq, BatchStrOutput, Logprobs, TokenizedGenerateReqInput
-from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing, OpenAIStream, StreamFailed
+from cadence.serving.openai_results import OpenAIResponse, OpenAIStream, StreamFailed
+from cadence.serving.openai_serving import OpenAIServing
 
 MODEL = "tiny-chat"
 EOS = 3  # the stand-in's end-of-sequence token: decodes to nothing

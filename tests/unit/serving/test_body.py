@@ -13,7 +13,7 @@ from cadence.io_struct import GenerateReqInput
 from cadence.serving import control, embedding_protocol, native_api, openai_protocol
 from cadence.serving.body import parse_body, parse_struct
 from cadence.serving.errors import decode_json
-from cadence.serving.responses import parse_request as parse_responses_request
+from cadence.serving.responses_protocol import parse_request as parse_responses_request
 from cadence.serving.speech_serving import speech_params
 
 # Raw bodies (the OpenAI-style routes and the gRPC pass-through), and bodies the HTTP

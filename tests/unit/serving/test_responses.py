@@ -19,14 +19,10 @@ from cadence.front.client import FrontClient
 from cadence.front.engine_client import ModelInfo
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.io_struct import AbortReq, BatchStrOutput, Logprobs, TokenizedGenerateReqInput
-from cadence.serving.openai_serving import OpenAIResponse, OpenAIServing
-from cadence.serving.responses import (
-    ResponsesServing,
-    ResponsesStream,
-    ResponseStore,
-    input_messages,
-    parse_request,
-)
+from cadence.serving.openai_results import OpenAIResponse
+from cadence.serving.openai_serving import OpenAIServing
+from cadence.serving.responses import ResponsesServing, ResponsesStream, ResponseStore
+from cadence.serving.responses_protocol import input_messages, parse_request
 
 MODEL = "tiny-chat"
 EOS = 3  # the stand-in's end-of-sequence token: decodes to nothing
