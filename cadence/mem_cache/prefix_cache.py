@@ -12,8 +12,9 @@ page is never shared; a request that matches part of a page recomputes that part
 from __future__ import annotations
 
 import heapq
-import time
+import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from cadence.mem_cache.allocator import KVAllocator
@@ -28,7 +29,7 @@ class Node:
     parent: Node | None = None
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)  # by first page's tokens
     lock_ref: int = 0  # holders (requests, sessions) that need this node and its ancestors kept
-    last_access: float = 0.0
+    last_access: int = 0  # the cache's tick when it was last matched or inserted (LRU order)
 
 
 class PrefixCache(ABC):
@@ -42,7 +43,8 @@ class PrefixCache(ABC):
       `match_prefix`/`insert` returned before they use its pages, and unlock it when done.
     - `num_evictable_pages` counts the pages `evict` could free now: those of unlocked nodes
       that no request holds any more. So free + evictable + in use == the pool, always.
-    - Only the scheduler's thread calls the cache (no locking), between forward steps.
+    - Only the KV manager (`kv_manager.py`) calls the cache, on the scheduler's thread,
+      between forward steps (no locking).
     """
 
     page_size: int
@@ -67,23 +69,16 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def evict(self, num_pages: int) -> int:
-        freed = 0
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._is_evictable_leaf(n)]
-        heapq.heapify(heap)
-        while freed < num_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
-            freed += self._drop(leaf)
-            if parent is not self.root and self._is_evictable_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        return freed
-
-    @staticmethod
-    def _is_evictable_leaf(node: Node) -> bool:
-        return not node.children and node.lock_ref == 0
+        """Frees at least `num_pages` pages of unlocked nodes, least recently used first
+        (whole nodes, so possibly a few more), or every evictable page when there are fewer;
+        returns how many it freed."""
 
     def reset(self) -> None:
         """Drops every unlocked page (flush)."""
+
+    def nodes(self) -> Iterator[Node]:
+        """Every node of the tree but the root (none for a cache that keeps nothing)."""
+        return iter(())
 
     @property
     @abstractmethod
@@ -123,6 +118,18 @@ class NoPrefixCache(PrefixCache):
 
 
 class RadixCache(PrefixCache):
+    """The radix tree over whole pages.
+
+    Eviction pops the least recently used evictable leaf from a heap kept across calls, so
+    `evict` costs O(k log n) for k dropped nodes: no walk of the tree, no sort per node. An
+    entry is pushed whenever a node may have become an evictable leaf (inserted, unlocked to
+    zero, its last child dropped) and checked only when popped (lazy deletion): one that left
+    the tree, got locked or gained a child is discarded (an event pushes it again when it
+    qualifies), one matched since it was pushed goes back with its new time. Times are a
+    counter, so the order is exact. The heap is rebuilt from the tree when stale entries
+    outnumber the nodes (amortized O(1) a push).
+    """
+
     def __init__(self, allocator: KVAllocator):
         self.allocator = allocator
         self.page_size = allocator.page_size
@@ -130,12 +137,16 @@ class RadixCache(PrefixCache):
         self.root.lock_ref = 1  # never evicted
         self._num_cached = 0  # pages stored in the tree
         self._num_locked = 0  # pages of locked nodes (not evictable)
+        self._num_nodes = 0  # nodes in the tree, the root aside
+        self._tick = 0  # the LRU clock: grows by one every match and insert
+        self._heap: list[tuple[int, int, Node]] = []  # (last_access, push order, node)
+        self._pushes = itertools.count()  # breaks ties between equal times: first pushed first
 
     # ---- lookups ---------------------------------------------------------------------
 
     def match_prefix(self, tokens: list[int]) -> tuple[list[int], Node | None]:
         node, pages, page = self.root, [], self.page_size
-        now = time.monotonic()
+        now = self._next_tick()
         pos = 0
         while pos + page <= len(tokens):
             child = node.children.get(tuple(tokens[pos : pos + page]))
@@ -154,7 +165,7 @@ class RadixCache(PrefixCache):
         page = self.page_size
         if len(tokens) != len(pages) * page:
             raise ValueError(f"{len(tokens)} tokens do not fill {len(pages)} whole pages")
-        node, pos, now = self.root, 0, time.monotonic()
+        node, pos, now = self.root, 0, self._next_tick()
         while pos < len(tokens):
             first = tuple(tokens[pos : pos + page])
             child = node.children.get(first)
@@ -162,8 +173,10 @@ class RadixCache(PrefixCache):
                 new = Node(tuple(tokens[pos:]), list(pages[pos // page :]), node, last_access=now)
                 self.allocator.incref(new.pages)
                 self._num_cached += len(new.pages)
+                self._num_nodes += 1
                 self.version += 1
                 node.children[first] = new
+                self._push(new)
                 return new
             num = _common_pages(child.key, tokens, pos, page)
             if num < len(child.pages):
@@ -189,20 +202,25 @@ class RadixCache(PrefixCache):
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._num_locked -= len(node.pages)
+                if not node.children:
+                    self._push(node)
             node = node.parent
 
     # ---- freeing -----------------------------------------------------------------------
 
     def evict(self, num_pages: int) -> int:
         freed = 0
-        leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
-        while freed < num_pages and leaves:
-            leaves.sort(key=lambda n: n.last_access)
-            leaf = leaves.pop(0)
-            freed += self._drop(leaf)
-            parent = leaf.parent
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                leaves.append(parent)
+        while freed < num_pages and self._heap:
+            stamp, _, node = heapq.heappop(self._heap)
+            if not self._is_evictable_leaf(node):
+                continue  # locked, grown or gone since it was pushed
+            if stamp != node.last_access:
+                self._push(node)  # matched since: back in line at its new time
+                continue
+            parent = node.parent
+            freed += self._drop(node)
+            if parent is not None and parent is not self.root and self._is_evictable_leaf(parent):
+                self._push(parent)  # its last child went: it is a leaf now
         return freed
 
     def reset(self) -> None:
@@ -216,35 +234,59 @@ class RadixCache(PrefixCache):
     def num_evictable_pages(self) -> int:
         return self._num_cached - self._num_locked
 
-    # ---- internals ---------------------------------------------------------------------
-
-    def _split(self, node: Node, num_pages: int) -> Node:
-        """Cuts `node` after `num_pages` pages; returns the new first part (a parent of the rest)."""
-        cut = num_pages * self.page_size
-        head = Node(node.key[:cut], node.pages[:num_pages], node.parent, lock_ref=node.lock_ref,
-                    last_access=node.last_access)  # fmt: skip
-        node.parent.children[node.key[: self.page_size]] = head
-        node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], head
-        head.children[node.key[: self.page_size]] = node
-        return head
-
-    def _drop(self, node: Node) -> int:
-        self.version += 1
-        siblings = node.parent.children
-        key = node.key[: self.page_size]
-        if siblings.get(key) is not node:
-            raise RuntimeError("prefix cache: dropping a node that is not in the tree")
-        del siblings[key]
-        self.allocator.decref(node.pages)
-        self._num_cached -= len(node.pages)
-        return len(node.pages)
-
-    def _nodes(self):
+    def nodes(self) -> Iterator[Node]:
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def _is_evictable_leaf(self, node: Node) -> bool:
+        """Unlocked, childless and still in the tree (`_drop` clears a node's parent)."""
+        return node.parent is not None and not node.children and node.lock_ref == 0
+
+    def _push(self, node: Node) -> None:
+        heapq.heappush(self._heap, (node.last_access, next(self._pushes), node))
+        if len(self._heap) > 2 * self._num_nodes + 64:  # mostly stale entries: start afresh
+            self._heap = [
+                (n.last_access, next(self._pushes), n)
+                for n in self.nodes()
+                if self._is_evictable_leaf(n)
+            ]
+            heapq.heapify(self._heap)
+
+    def _split(self, node: Node, num_pages: int) -> Node:
+        """Cuts `node` after `num_pages` pages; returns the new first part (a parent of the rest)."""
+        parent = node.parent
+        if parent is None:
+            raise RuntimeError("prefix cache: splitting a node that is not in the tree")
+        cut = num_pages * self.page_size
+        head = Node(node.key[:cut], node.pages[:num_pages], parent, lock_ref=node.lock_ref,
+                    last_access=node.last_access)  # fmt: skip
+        parent.children[node.key[: self.page_size]] = head
+        node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], head
+        head.children[node.key[: self.page_size]] = node
+        self._num_nodes += 1
+        return head
+
+    def _drop(self, node: Node) -> int:
+        parent = node.parent
+        key = node.key[: self.page_size]
+        if parent is None or parent.children.get(key) is not node:
+            raise RuntimeError("prefix cache: dropping a node that is not in the tree")
+        self.version += 1
+        del parent.children[key]
+        node.parent = None  # out of the tree: its heap entries are stale
+        self.allocator.decref(node.pages)
+        self._num_cached -= len(node.pages)
+        self._num_nodes -= 1
+        return len(node.pages)
 
 
 def _common_pages(key: tuple[int, ...], tokens: list[int], pos: int, page: int) -> int:

@@ -1,8 +1,9 @@
 """What the scheduler asks of a model runner: run one scheduled batch, get tokens back.
 
-The scheduler decides who runs, which tokens and which KV pages (it borrows the KV
-allocator); the runner turns a `ScheduleBatch` into one forward pass, samples, computes
-logprobs, and answers one `ItemResult` per request. It never schedules and never allocates.
+The scheduler decides who runs, which tokens and which KV pages (through its KV manager,
+`mem_cache/kv_manager.py`); the runner turns a `ScheduleBatch` into one forward pass,
+samples, computes logprobs, and answers one `ItemResult` per request. It never schedules and
+never allocates.
 A test runner with no weights implements the same ABC (tests/unit/scheduler).
 """
 

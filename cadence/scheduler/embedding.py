@@ -4,8 +4,9 @@ prefill, each input run in one forward pass and finished in the step that ran it
 They never decode, so they never wait behind decoding requests: every scheduler step runs
 one embedding batch (when any waits) besides its prefill or decode batch. An encoder needs
 no KV memory at all; a decoder served as an embedding model (--is-embedding) writes its K/V
-while attending, so its inputs take pages for their step only and give them back at
-once. Nothing goes into the prefix cache: an embedding leaves no state behind.
+while attending, so its inputs take pages from the KV manager for their step only and give
+them back at once, never pages promised to admitted generation requests. Nothing goes into
+the prefix cache: an embedding leaves no state behind.
 
 One request may carry up to --max-embedding-batch inputs (1,024 × 512 tokens is minutes of
 work on a small CPU), so no request is run whole: each step takes inputs from every waiting
@@ -24,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cadence.io_struct import TokenizedEmbeddingReqInput
-from cadence.mem_cache.allocator import KVAllocator
+from cadence.io_struct import BatchTokenizedEmbeddingReqInput, TokenizedEmbeddingReqInput
+from cadence.mem_cache.kv_manager import KVHandle, KVManager
 from cadence.model_executor.runner import EmbedItem, Runner
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class EmbedReq:
     input_ids: list[int]
     token_type_ids: list[int] | None = None
     http_worker_ipc: str | None = None
-    pages: list[int] = field(default_factory=list)  # a decoder's KV pages, during its step only
+    kv: KVHandle | None = None  # a decoder's KV pages, during its step only
     created: float = field(default_factory=time.monotonic)
 
 
@@ -93,20 +94,18 @@ class _Group:
 
 class EmbeddingQueue:
     """The scheduler's embedding requests. Single-threaded like the scheduler: only its
-    thread calls these methods. It keeps the books of every KV page an embedding holds: a
-    decoder's inputs take theirs in `_take` and give them back when their step ends."""
+    thread calls these methods. A decoder's inputs take their KV pages from the KV manager
+    in `_take` and give them back when their step ends."""
 
     def __init__(
         self,
         runner: Runner,
-        allocator: KVAllocator,
-        prefix_cache,
+        kv: KVManager,
         max_step_tokens: int,
         clock: Callable[[], float] = time.perf_counter,
     ):
         self.runner = runner
-        self.allocator = allocator
-        self.cache = prefix_cache  # evicted from when a decoder's pages run short
+        self.kv = kv
         # Most input tokens in one step (--chunked-prefill-size); a step takes one input at least.
         self.max_step_tokens = max_step_tokens
         self.clock = clock
@@ -135,6 +134,13 @@ class EmbeddingQueue:
         self._drop_empty_groups()
         self.num_waiting -= len(hit)
         return [self._end(req, None, {"type": "abort", "message": message}) for req in hit]
+
+    def fail_message(
+        self, msg: TokenizedEmbeddingReqInput | BatchTokenizedEmbeddingReqInput, error: Exception
+    ) -> list[EmbedOutput]:
+        """Every input of a message that could not be queued ends with `error`."""
+        items = msg.batch if isinstance(msg, BatchTokenizedEmbeddingReqInput) else [msg]
+        return [self.fail(embed_req_from_tokenized(item), error, "queued") for item in items]
 
     def fail(self, req: EmbedReq, error: BaseException, stage: str) -> EmbedOutput:
         """Ends `req` with an internal error of its own (a 500 a router must not retry)."""
@@ -173,7 +179,7 @@ class EmbeddingQueue:
         batch: list[EmbedReq] = []
         num_tokens = 0
         while order:
-            next_pass = []
+            next_pass: list[_Group] = []
             for group in order:
                 req = group.reqs[0]
                 n = len(req.input_ids)
@@ -202,20 +208,13 @@ class EmbeddingQueue:
         self.tokens_per_s = rate if self.tokens_per_s is None else (self.tokens_per_s + rate) / 2
 
     def _reserve(self, req: EmbedReq) -> bool:
-        need = self.allocator.pages_for(len(req.input_ids))
-        free = self.allocator.num_free_pages
-        if need > free and need <= free + self.cache.num_evictable_pages:
-            self.cache.evict(need - free)
-        pages = self.allocator.alloc(need)
-        if pages is None:
-            return False
-        req.pages = pages
-        return True
+        req.kv = self.kv.reserve_embedding(len(req.input_ids))
+        return req.kv is not None
 
     def _release(self, req: EmbedReq) -> None:
-        if req.pages:
-            self.allocator.decref(req.pages)
-            req.pages = []
+        if req.kv is not None:
+            self.kv.release(req.kv)
+            req.kv = None
 
     def _run(self, batch: list[EmbedReq]) -> list[EmbedOutput]:
         try:
@@ -230,7 +229,7 @@ class EmbeddingQueue:
 
     @staticmethod
     def _item(req: EmbedReq) -> EmbedItem:
-        return EmbedItem(req.rid, req.input_ids, req.token_type_ids, req.pages)
+        return EmbedItem(req.rid, req.input_ids, req.token_type_ids, req.kv.pages if req.kv else [])
 
     @staticmethod
     def _end(req: EmbedReq, vector: list[float] | None, reason: dict) -> EmbedOutput:

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import traceback
+from typing import Any
 
 import msgspec
 import zmq
@@ -111,8 +112,9 @@ class SchedulerProcess:
 
 def build_scheduler(args: ServerArgs, model_path: str, tokenizer) -> Scheduler:
     """The scheduler core with its collaborators: the model runner (which loads the weights),
-    the KV allocator it borrows from the runner's pool, the stop checker."""
+    the KV manager over the runner's pool, the stop checker."""
     from cadence.constrained import create_grammar_queue
+    from cadence.mem_cache.kv_manager import KVManager
     from cadence.scheduler.stop_checker import StopChecker
 
     runner = make_runner(args, model_path)
@@ -128,10 +130,11 @@ def build_scheduler(args: ServerArgs, model_path: str, tokenizer) -> Scheduler:
             sorted(eos_ids),
             any_whitespace=args.constrained_json_any_whitespace,
         )
+    kv = KVManager.build(runner.kv_allocator, enable_prefix_cache=not args.disable_radix_cache)
     return Scheduler(
         args,
         runner,
-        runner.kv_allocator,
+        kv,
         StopChecker(tokenizer, eos_ids, runner.context_len),
         grammars=grammars,
     )
@@ -194,7 +197,7 @@ def runtime_facts(scheduler: Scheduler) -> dict:
     """What the front learns about the loaded model once the scheduler is up."""
     from cadence.model_loader.loader import served_weight_types
 
-    runner = scheduler.runner
+    runner: Any = scheduler.runner  # a model runner's facts, beyond the Runner ABC
     return {
         "eos_token_ids": sorted(scheduler.stops.eos_ids),
         "bos_token_id": runner.config.bos_token_id,

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +22,7 @@ class Profiler:
     def __init__(self, root: str, activities: Callable[[], list]):
         self.root = root
         self.activities = activities
-        self._profile = None  # the running torch.profiler.profile
+        self._profile: Any = None  # the running torch.profiler.profile (torch loads lazily)
         self._dir = ""
         self._steps_left: int | None = None
         self._steps_to_start: int | None = None  # armed: forward steps before it starts

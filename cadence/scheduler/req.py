@@ -15,6 +15,8 @@ from cadence.io_struct import (
     SessionParams,
     TokenizedGenerateReqInput,
 )
+from cadence.mem_cache.kv_manager import KVHandle
+from cadence.model_executor.runner import TokenLogprob
 from cadence.scheduler.embedding import EmbedOutput
 
 _uids = itertools.count()
@@ -35,12 +37,12 @@ class ReqOutput:
     http_worker_ipc: str | None
     params: SamplingParams
     return_logprob: bool = False
-    output_logprobs: list[tuple[float, int]] | None = None  # (logprob, id) of each new token
-    output_top_logprobs: list[list[tuple[float, int]]] | None = None
-    output_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
-    input_logprobs: list[tuple[float | None, int]] | None = None  # prompt tokens, sent once
-    input_top_logprobs: list[list[tuple[float, int]]] | None = None
-    input_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
+    output_logprobs: list[TokenLogprob] | None = None  # (logprob, id) of each new token
+    output_top_logprobs: list[list[TokenLogprob] | None] | None = None
+    output_token_ids_logprobs: list[list[TokenLogprob] | None] | None = None
+    input_logprobs: list[TokenLogprob] | None = None  # prompt tokens, sent once
+    input_top_logprobs: list[list[TokenLogprob]] | None = None
+    input_token_ids_logprobs: list[list[TokenLogprob]] | None = None
     hidden_states: list[list[float]] | None = None  # new positions' final hidden states
 
 
@@ -69,13 +71,11 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict[str, Any] | None = None
     uid: int = field(default_factory=_uids.__next__)  # unique per object, unlike a rid
-    is_admitted: bool = False  # took its KV reservation (chunked or running)
-    pages: list[int] = field(default_factory=list)  # KV pages held, in position order
-    num_reserved_pages: int = 0  # pages promised at admission (held + still to allocate)
+    kv: KVHandle | None = None  # its KV pages and reservation while admitted (chunked or running)
+    was_admitted: bool = False  # admitted once (a retracted request is not counted again)
     num_computed: int = 0  # tokens of fill_ids whose K/V are in the pool
     num_sent: int = 0  # output tokens already reported
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
-    cache_node: Any = None  # the prefix-cache node this request keeps locked (its shared prefix)
     match_len: int = -1  # cached whole-page prefix length, as of prefix-cache version `match_at`
     match_at: int = -1
     page_hashes: list[int] = field(default_factory=list)  # chained hashes of fill_ids' pages
@@ -84,12 +84,12 @@ class Req:
     generator: Any = None  # the runner's random generator for a request with a seed
     created: float = field(default_factory=time.monotonic)
     # Logprobs gathered since the last output (cleared when sent).
-    pending_logprobs: list[tuple[float, int]] = field(default_factory=list)
-    pending_top: list[list[tuple[float, int]]] = field(default_factory=list)
-    pending_given: list[list[tuple[float, int]]] = field(default_factory=list)
-    input_logprobs: list[tuple[float | None, int]] | None = None
-    input_top: list[list[tuple[float, int]]] | None = None
-    input_given: list[list[tuple[float, int]]] | None = None
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    pending_top: list[list[TokenLogprob] | None] = field(default_factory=list)
+    pending_given: list[list[TokenLogprob] | None] = field(default_factory=list)
+    input_logprobs: list[TokenLogprob] | None = None
+    input_top: list[list[TokenLogprob]] | None = None
+    input_given: list[list[TokenLogprob]] | None = None
     input_logprobs_sent: bool = False
     pending_hidden: list[list[float]] = field(default_factory=list)  # not reported yet
     num_hidden_positions: int = 0  # positions whose hidden state was recorded
@@ -108,12 +108,110 @@ class Req:
         return self.finished_reason is not None
 
     @property
+    def is_admitted(self) -> bool:
+        """It holds its KV reservation (chunked or running)."""
+        return self.kv is not None
+
+    @property
+    def admitted_kv(self) -> KVHandle:
+        """Its KV handle; asking before admission is a scheduling bug."""
+        if self.kv is None:
+            raise RuntimeError(f"request {self.rid} holds no KV pages: it was not admitted")
+        return self.kv
+
+    @property
+    def pages(self) -> list[int]:
+        """Its KV pages in position order (none while it is not admitted)."""
+        return self.kv.pages if self.kv is not None else []
+
+    @property
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and 0 <= self.logprob_start_len < len(self.input_ids)
 
     def total_tokens_needed(self, context_len: int) -> int:
         """Tokens this request can ever hold: the prompt plus every token it may generate."""
         return min(len(self.input_ids) + self.params.max_new_tokens, context_len)
+
+    # ---- what it reports --------------------------------------------------------------
+
+    def append_token(
+        self,
+        token: int,
+        logprob: float | None,
+        top: list[TokenLogprob] | None,
+        given: list[TokenLogprob] | None,
+    ) -> None:
+        """A sampled token joins the output (its logprobs too, when asked for)."""
+        self.output_ids.append(token)
+        if self.return_logprob:
+            self.pending_logprobs.append((logprob, token))
+            self.pending_top.append(top)
+            self.pending_given.append(given)
+
+    def record_input_logprobs(
+        self,
+        logprobs: list[TokenLogprob],
+        top: list[list[TokenLogprob]],
+        given: list[list[TokenLogprob]],
+    ) -> None:
+        """Keeps a prefill chunk's prompt logprobs (sent with its next output)."""
+        if self.input_logprobs is None or self.input_top is None or self.input_given is None:
+            self.input_logprobs, self.input_top, self.input_given = [], [], []
+            if self.logprob_start_len == 0:  # the first prompt token: nothing predicts it
+                self.input_logprobs.append((None, self.input_ids[0]))
+                self.input_top.append([])
+                self.input_given.append([])
+        self.input_logprobs.extend(logprobs)
+        self.input_top.extend(top)
+        self.input_given.extend(given)
+
+    def record_hidden_states(self, start: int, states: list[list[float]]) -> None:
+        """Keeps the hidden states of positions not recorded yet (a retracted request
+        computes its earlier positions again)."""
+        skip = max(self.num_hidden_positions - start, 0)
+        self.pending_hidden.extend(states[skip:])
+        self.num_hidden_positions = max(self.num_hidden_positions, start + len(states))
+
+    def next_output(self) -> ReqOutput:
+        """What it has produced since its last output (and, at the end, its finish reason);
+        what this output carries counts as reported."""
+        new_ids = self.output_ids[self.num_sent :]
+        self.num_sent = len(self.output_ids)
+        out = ReqOutput(
+            self.rid,
+            new_ids,
+            self.finished_reason,
+            len(self.input_ids),
+            len(self.output_ids),
+            self.cached_tokens,
+            self.http_worker_ipc,
+            self.params,
+            self.return_logprob,
+        )
+        if self.pending_hidden:
+            out.hidden_states, self.pending_hidden = self.pending_hidden, []
+        if self.return_logprob:
+            out.output_logprobs, self.pending_logprobs = self.pending_logprobs, []
+            out.output_top_logprobs, self.pending_top = self.pending_top, []
+            out.output_token_ids_logprobs, self.pending_given = self.pending_given, []
+            if not self.input_logprobs_sent and (
+                self.input_logprobs is not None or self.is_finished or new_ids
+            ):
+                out.input_logprobs = self.input_logprobs or []
+                out.input_top_logprobs = self.input_top or []
+                out.input_token_ids_logprobs = self.input_given or []
+                self.input_logprobs_sent = True
+        return out
+
+
+def is_sample_of(rid: str, parent: str | None) -> bool:
+    """Whether `rid` is sample j of the n > 1 request `parent` (f"{parent}-{j}")."""
+    return (
+        parent is not None
+        and rid.startswith(parent)
+        and rid[len(parent) : len(parent) + 1] == "-"
+        and rid[len(parent) + 1 :].isdigit()
+    )
 
 
 def req_from_tokenized(t: TokenizedGenerateReqInput) -> Req:

@@ -9,8 +9,9 @@ both branches; `replace` drops what followed it (aborting it if it still runs), 
 `replace` without a rid starts the session over. A streaming session (`streaming=True`)
 keeps one line of history: every request appends to the latest finished one.
 
-While the session is open the KV of each remembered turn stays pinned (locked in the prefix
-cache), so the next turn prefills only its new tokens. Closing the session, a timeout, or
+While the session is open the KV of each remembered turn stays pinned (through the KV
+manager, which keeps it locked in the prefix cache), so the next turn prefills only its new
+tokens. Closing the session, a timeout, or
 a replace unpins those pages: they become ordinary, evictable cache. Under memory pressure
 (a request that cannot be admitted while nothing runs) the scheduler unpins the least
 recently used sessions first; they stay open and simply recompute what was evicted.
@@ -23,18 +24,30 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from cadence.io_struct import (
     OpenSessionReqInput,
     OpenSessionReqOutput,
     SessionParams,
 )
-from cadence.mem_cache.prefix_cache import Node, PrefixCache
+from cadence.mem_cache.kv_manager import CacheNode, KVManager
 from cadence.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
 
 MAX_SESSIONS = 4096  # open at once; a client that never closes its sessions cannot grow us
+
+
+def auto_bos(tokenizer) -> int | None:
+    """The BOS id the tokenizer puts before every text it encodes, if it does (a session's
+    appended turn drops it); None when it adds none."""
+    try:
+        ids = tokenizer.encode("a")
+        bos = tokenizer.bos_token_id
+    except Exception:  # no tokenizer, or one without these: nothing to drop
+        return None
+    return bos if bos is not None and ids and ids[0] == bos else None
 
 
 @dataclass(eq=False)
@@ -45,7 +58,7 @@ class Turn:
     parent: Turn | None
     req: Req
     children: list[Turn] = field(default_factory=list)
-    node: Node | None = None  # the prefix-cache node pinned for this turn once it ended
+    node: CacheNode | None = None  # its KV pinned in the prefix cache once it ended
 
     @property
     def is_finished(self) -> bool:
@@ -79,12 +92,12 @@ class SessionController:
 
     def __init__(
         self,
-        cache: PrefixCache,
+        kv: KVManager,
         abort: Callable[[Req, str], None],
         bos_token_id: int | None = None,
         default_timeout: float | None = None,
     ):
-        self.cache = cache
+        self.kv = kv
         self.abort = abort  # ends a live request of a session (replace)
         self.bos_token_id = bos_token_id
         self.default_timeout = default_timeout
@@ -193,19 +206,34 @@ class SessionController:
             )
         return parent
 
-    def on_end(self, req: Req, node: Node | None, ok: bool) -> None:
-        """A turn ended: pin the KV it leaves (`node`, the prefix cache's node for its tokens)
+    def fit_prompt(self, req: Req, context_len: int) -> dict[str, Any] | None:
+        """A session's history plus the new input must leave room for one token; generation
+        is cut at the context length (SGLang's rule). The abort reason when it cannot."""
+        num = len(req.input_ids)
+        if num >= context_len:
+            return {
+                "type": "abort",
+                "status_code": 400,
+                "param": "session_params",
+                "message": f"the session's history plus this input is {num} tokens, at "
+                f"least the context length ({context_len}); start a new session",
+            }
+        if num + req.params.max_new_tokens > context_len:
+            req.params.max_new_tokens = context_len - num
+        return None
+
+    def on_end(self, req: Req, ok: bool) -> None:
+        """A turn ended, before it releases its KV: pin what it leaves in the prefix cache
         while the session stays open. `ok` is False for a failed request (nothing pinned)."""
         turn: Turn | None = getattr(req, "session_turn", None)
-        if turn is None:
+        if turn is None or req.session_id is None:
             return
         session = self.sessions.get(req.session_id)
         if session is None or session.turns.get(turn.rid) is not turn:
             return  # closed or replaced meanwhile
         session.last_active = time.monotonic()
-        if ok and node is not None:
-            self.cache.lock(node)
-            turn.node = node
+        if ok and req.kv is not None:
+            turn.node = self.kv.pin(req.kv)
         if session.streaming:
             aborted = (req.finished_reason or {}).get("type") == "abort"
             if ok and not aborted:
@@ -239,7 +267,7 @@ class SessionController:
 
     def _unpin(self, turn: Turn) -> None:
         if turn.node is not None:
-            self.cache.unlock(turn.node)
+            self.kv.unpin(turn.node)
             turn.node = None
 
     def _drop(self, session: Session, turn: Turn) -> None:

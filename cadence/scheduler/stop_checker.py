@@ -12,6 +12,7 @@ from typing import Any
 
 import regex
 
+from cadence.constrained import grammar_key
 from cadence.scheduler.req import Req
 
 # Stop regexes look at the text of this many newest tokens, each search for at most this long.
@@ -22,6 +23,22 @@ STOP_REGEX_TIMEOUT_S = 0.05
 @functools.lru_cache(maxsize=1024)
 def _compiled(pattern: str) -> regex.Pattern:
     return regex.compile(pattern)
+
+
+def dead_end_reason(req: Req) -> dict[str, Any]:
+    """The request's constraint allows no next token (a schema with no finite value that
+    the edge could not see, e.g. a $ref cycle reached after a few tokens): the client's
+    own constraint is at fault, a 400 naming it."""
+    key = grammar_key(req.params)
+    field = key.field if key is not None else "json_schema"
+    return {
+        "type": "abort",
+        "status_code": 400,
+        "param": field,
+        "message": f"{field}: the constraint allows no token after {len(req.output_ids)} "
+        "tokens of output: it admits no complete value (does a $ref refer to itself "
+        "with nothing else to match?)",
+    }
 
 
 class StopChecker:
@@ -65,7 +82,7 @@ class StopChecker:
         tail = self.tokenizer.decode(
             req.output_ids[-STOP_REGEX_TAIL_TOKENS:], skip_special_tokens=False
         )
-        for pattern in req.params.stop_regex:
+        for pattern in req.params.stop_regex or ():
             if _compiled(pattern).search(tail, timeout=STOP_REGEX_TIMEOUT_S) is not None:
                 return pattern
         return None
@@ -73,11 +90,12 @@ class StopChecker:
     def _match_stop_string(self, req: Req) -> str | None:
         # A byte-level token decodes to at least one byte, so this many tokens cover any stop
         # string, even one of multi-byte characters.
-        longest = max(len(s.encode("utf-8")) for s in req.params.stop)
+        stops = req.params.stop or ()
+        longest = max(len(s.encode("utf-8")) for s in stops)
         window = req.output_ids[-(longest + 1) :]
         tail = self.tokenizer.decode(window, skip_special_tokens=False)
         before = self.tokenizer.decode(window[:-1], skip_special_tokens=False).rstrip("\ufffd")
-        for stop in req.params.stop:
+        for stop in stops:
             # Only an occurrence reaching into the newest token counts: an earlier one was
             # ignored under min_new_tokens and must not end the request now.
             if tail.find(stop, max(len(before) - len(stop) + 1, 0)) != -1:

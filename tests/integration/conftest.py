@@ -51,13 +51,12 @@ def engine_state(engine) -> dict:
     """Everything a finished request must have given back, read on the scheduler thread."""
 
     def read(s):
-        alloc = s.allocator
-        evictable = s.cache.num_evictable_pages
+        usage = s.kv.check()  # the KV books balance, recounted from the holders' side
         return {
             # Pages no live request holds: free, or kept only by the prefix cache.
-            "free_pages": alloc.num_free_pages + evictable,
-            "in_use_pages": alloc.num_pages - alloc.num_free_pages - evictable,
-            "num_pages": alloc.num_pages,
+            "free_pages": usage.num_free + usage.num_evictable,
+            "in_use_pages": usage.num_in_use,
+            "num_pages": usage.num_pages,
             "waiting": len(s.waiting),
             "running": len(s.running),
             "chunked": s.chunked is not None,

@@ -80,14 +80,17 @@ def cosines(ours, theirs) -> torch.Tensor:
 
 def embedding_state(engine) -> dict:
     """What embedding requests may hold, read on the scheduler thread and in the front."""
-    state = engine.run_in_scheduler(
-        lambda s: {
+
+    def read(s) -> dict:
+        usage = s.kv.check()  # the KV books balance, recounted from the holders' side
+        return {
             "waiting": s.embeds.num_waiting,
-            "free_pages": s.allocator.num_free_pages + s.cache.num_evictable_pages,
-            "num_pages": s.allocator.num_pages,
-            "cached_pages": s.cache.num_cached_pages,
+            "free_pages": usage.num_free + usage.num_evictable,
+            "num_pages": usage.num_pages,
+            "cached_pages": usage.num_cached,
         }
-    )
+
+    state = engine.run_in_scheduler(read)
     state["front"] = len(engine.client.embeds.states) + len(engine.client.tm.states)
     return state
 

@@ -59,10 +59,8 @@ async def final(engine, *args, **kwargs) -> dict | list:
 
 
 async def test_no_leak_after_finished_stopped_aborted_and_refused(engine, assert_engine_idle):
-    before = engine.run_in_scheduler(
-        lambda s: s.allocator.num_free_pages + s.cache.num_evictable_pages
-    )
-    assert before == engine.run_in_scheduler(lambda s: s.allocator.num_pages)
+    usage = engine.run_in_scheduler(lambda s: s.kv.check())
+    assert usage.num_free + usage.num_evictable == usage.num_pages
 
     async def finished():
         outs = await final(
@@ -134,7 +132,7 @@ async def test_no_leak_after_aborts_while_waiting_and_during_chunked_prefill(
     small_engine, assert_engine_idle
 ):
     engine = small_engine
-    pages = engine.run_in_scheduler(lambda s: s.allocator.num_pages)
+    pages = engine.run_in_scheduler(lambda s: s.kv.num_pages)
     page_size = engine.scheduler.runner.page_size
     # "hog" reserves 14 of the 16 pages; "waiter" needs 5 more, so it queues behind it.
     hog = asyncio.create_task(
@@ -159,7 +157,7 @@ async def test_no_leak_after_aborts_while_waiting_and_during_chunked_prefill(
     out = await asyncio.wait_for(waiter, 30)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert out["output_ids"] == []
-    free = engine.run_in_scheduler(lambda s: s.allocator.num_free_pages)
+    free = engine.run_in_scheduler(lambda s: s.kv.usage().num_free)
     assert free <= pages - 120 // page_size  # the hog still holds its pages
     engine.abort(abort_all=True)
     out = await asyncio.wait_for(hog, 30)

@@ -426,7 +426,7 @@ def test_request_that_does_not_fit_now_waits_then_completes(
     other = [160 + (i % 50) for i in range(120)]
     params = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
     need = -(-(len(prompt) + 24) // page)
-    assert need <= sched.allocator.num_pages < 2 * need
+    assert need <= sched.kv.num_pages < 2 * need
     snapshots = []
     original = sched.step
 

@@ -61,7 +61,7 @@ def poison_next_pages(engine, count: int = 256) -> int:
     import torch
 
     def fill(s):
-        pages = torch.tensor(s.allocator.free_pages[-count:], dtype=torch.int64)
+        pages = torch.tensor(s.runner.kv_allocator.free_pages[-count:], dtype=torch.int64)
         for buf in s.runner.kv_pool.kv_buffer:
             buf.index_fill_(2, pages, float("nan"))
         return len(pages)

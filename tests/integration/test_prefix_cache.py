@@ -47,7 +47,7 @@ def cached(out) -> int:
 
 
 def page_size(engine) -> int:
-    return engine.run_in_scheduler(lambda s: s.allocator.page_size)
+    return engine.run_in_scheduler(lambda s: s.kv.page_size)
 
 
 def test_the_same_prompt_twice_reuses_it_and_answers_the_same(cache, nocache):
@@ -212,4 +212,4 @@ async def test_no_leak_after_finished_aborted_and_failed_requests_with_the_cache
     state = engine_state(engine)
     assert state["in_use_pages"] == 0 and state["free_pages"] == state["num_pages"]
     assert engine.flush_cache().success
-    assert engine.run_in_scheduler(lambda s: s.allocator.num_free_pages) == state["num_pages"]
+    assert engine.run_in_scheduler(lambda s: s.kv.usage().num_free) == state["num_pages"]

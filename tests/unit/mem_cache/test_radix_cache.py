@@ -138,13 +138,13 @@ class CacheMachine(RuleBasedStateMachine):
     # ---- helpers ----------------------------------------------------------------------------
 
     def _cached_list(self) -> list[int]:
-        return [p for n in self.cache._nodes() for p in n.pages]
+        return [p for n in self.cache.nodes() for p in n.pages]
 
     def _cached_pages(self) -> set[int]:
         return set(self._cached_list())
 
     def _locked_pages(self) -> set[int]:
-        return {p for n in self.cache._nodes() if n.lock_ref > 0 for p in n.pages}
+        return {p for n in self.cache.nodes() if n.lock_ref > 0 for p in n.pages}
 
     def _check_pages_hold(self, pages):
         assert all(self.alloc.ref_counts[p] > 0 for p in pages)
@@ -203,3 +203,52 @@ def test_insert_refuses_a_partial_page_and_the_no_op_cache_keeps_nothing():
     assert none.insert([1, 2, 3, 4], [0]) is None
     assert none.match_prefix([1, 2, 3, 4]) == ([], None)
     assert none.num_evictable_pages == none.num_cached_pages == 0
+
+
+def test_eviction_takes_leaves_in_lru_order_one_call_or_many():
+    def build():
+        alloc = PageAllocator(16, 2)
+        cache = RadixCache(alloc)
+        for ids in ([1, 1, 2, 2], [1, 1, 3, 3], [5, 5], [6, 6], [7, 7]):
+            cached, _ = cache.match_prefix(ids)
+            pages = alloc.alloc(len(ids) // 2 - len(cached))
+            cache.insert(ids, cached + pages)
+            alloc.decref(pages)
+        # [1,1] is split into a head with two children. Touch, oldest first: [6,6], then the
+        # [1,1,3,3] branch (head and child at once); [1,1,2,2]'s tail, [5,5] and [7,7] are
+        # left as they were inserted.
+        cache.match_prefix([6, 6])
+        cache.match_prefix([1, 1, 3, 3])
+        return cache
+
+    def gone(cache, before):
+        left = {n.key for n in cache.nodes()}
+        return sorted(before - left)
+
+    expected = [(2, 2), (5, 5), (7, 7), (6, 6), (3, 3), (1, 1)]  # the head goes after its child
+    cache = build()
+    order = []
+    for _ in expected:  # one page a call
+        before = {n.key for n in cache.nodes()}
+        assert cache.evict(1) == 1
+        order.extend(gone(cache, before))
+    assert order == expected and cache.num_cached_pages == 0
+    cache = build()  # the same order within one call: the first three go, and only those
+    assert cache.evict(3) == 3
+    assert {n.key for n in cache.nodes()} == {(1, 1), (3, 3), (6, 6)}
+
+
+def test_the_eviction_heap_stays_bounded_and_locked_leaves_are_skipped():
+    alloc = PageAllocator(8, 2)
+    cache = RadixCache(alloc)
+    pages = alloc.alloc(2)
+    node = cache.insert([1, 1, 2, 2], pages)
+    alloc.decref(pages)
+    for _ in range(1000):  # every unlock pushes the leaf again: stale entries are dropped
+        cache.lock(node)
+        cache.unlock(node)
+    assert len(cache._heap) <= 2 * 1 + 64 + 1
+    cache.lock(node)
+    assert cache.evict(2) == 0 and cache.num_cached_pages == 2  # locked: nothing goes
+    cache.unlock(node)
+    assert cache.evict(2) == 2 and alloc.num_free_pages == 8

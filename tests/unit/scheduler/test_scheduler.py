@@ -23,6 +23,7 @@ from cadence.io_struct import (
     UpdateWeightFromDiskReqOutput,
 )
 from cadence.mem_cache.allocator import PageAllocator
+from cadence.mem_cache.kv_manager import KVManager
 from cadence.model_executor.runner import ItemResult, Runner, ScheduleBatch
 from cadence.scheduler.scheduler import Scheduler
 from cadence.scheduler.stop_checker import StopChecker
@@ -94,8 +95,9 @@ def make(num_pages=8, chunk=64, max_running=8, runner=None, tmp_path=None, **fla
     )
     runner = runner or ScriptedRunner()
     alloc = PageAllocator(num_pages, PAGE)
+    kv = KVManager.build(alloc, enable_prefix_cache=not args.disable_radix_cache)
     return (
-        Scheduler(args, runner, alloc, StopChecker(CharTokenizer(), {EOS}, runner.context_len)),
+        Scheduler(args, runner, kv, StopChecker(CharTokenizer(), {EOS}, runner.context_len)),
         runner,
         alloc,
     )
@@ -127,7 +129,9 @@ def final(outputs, rid):
 def assert_pool_full(s: Scheduler, alloc: PageAllocator):
     """Nothing live holds a page: every page is free or kept only by the prefix cache, and
     flushing the cache frees them all."""
-    assert alloc.num_free_pages + s.cache.num_evictable_pages == alloc.num_pages
+    usage = s.kv.check()
+    assert usage.num_free + usage.num_evictable == alloc.num_pages == usage.num_pages
+    assert usage.num_in_use == usage.num_promised == 0
     assert s.num_used_tokens() == 0
     assert not s.waiting and not s.running and s.chunked is None
     assert s.handle(FlushCacheReqInput()).success

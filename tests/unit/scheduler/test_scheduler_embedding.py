@@ -121,7 +121,7 @@ def test_a_decoder_takes_kv_pages_for_its_step_only_and_caches_nothing():
     assert set(out) == {"a", "b"}
     assert len(runner.pages_seen[0]) == 3 and len(set(runner.pages_seen[0])) == 3
     assert alloc.num_free_pages == alloc.num_pages  # given back at once
-    assert s.cache.num_cached_pages == 0  # nothing went into the prefix cache
+    assert s.kv.usage().num_cached == 0  # nothing went into the prefix cache
     assert_pool_full(s, alloc)
 
 

@@ -22,6 +22,7 @@ from cadence.constrained.base import Grammar, GrammarBackend, InvalidGrammar
 from cadence.constrained.grammar_queue import GrammarQueue
 from cadence.io_struct import AbortReq
 from cadence.mem_cache.allocator import PageAllocator
+from cadence.mem_cache.kv_manager import KVManager
 from cadence.scheduler.scheduler import Scheduler
 from cadence.scheduler.stop_checker import StopChecker
 from cadence.server_args import ServerArgs
@@ -80,7 +81,7 @@ def make():
     s = Scheduler(
         ServerArgs(page_size=PAGE, chunked_prefill_size=64),
         runner,
-        alloc,
+        KVManager.build(alloc),
         StopChecker(CharTokenizer(), {EOS}, runner.context_len),
         grammars=GrammarQueue("gated", lambda: backend),
     )
