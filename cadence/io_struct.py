@@ -21,7 +21,7 @@ Imported by the front process on its own: no torch, no transformers.
 """
 
 import typing
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import msgspec
 
@@ -407,6 +407,20 @@ PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = typing.get_args(PauseMode)
 
 
+def _is_pause_mode(mode: object) -> TypeGuard[PauseMode]:
+    return mode in PAUSE_MODES
+
+
+def pause_mode(mode: object) -> PauseMode:
+    """`mode` (as a caller gave it) as a pause mode; InvalidParameter naming `mode` when it
+    is none of PAUSE_MODES."""
+    if not _is_pause_mode(mode):
+        raise InvalidParameter(
+            "mode", f"mode must be one of abort, retract, in_place, got {mode!r}"
+        )
+    return mode
+
+
 class OpenSessionReqInput(_ControlMessage, kw_only=True):
     """Open a session whose requests continue each other, their KV kept pinned meanwhile."""
 
@@ -441,10 +455,7 @@ class PauseGenerationReqInput(_ControlMessage, kw_only=True):
     mode: PauseMode = "abort"
 
     def __post_init__(self) -> None:
-        if self.mode not in PAUSE_MODES:
-            raise InvalidParameter(
-                "mode", f"mode must be one of abort, retract, in_place, got {self.mode!r}"
-            )
+        pause_mode(self.mode)
 
 
 class ContinueGenerationReqInput(_ControlMessage, kw_only=True):

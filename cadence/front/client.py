@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import msgspec
@@ -93,7 +93,7 @@ class FrontClient(EngineClient):
 
     # ---- EngineClient -------------------------------------------------------------------------
 
-    def generate(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
+    def generate(self, obj: GenerateReqInput) -> AsyncGenerator[Any, None]:
         return self.tm.generate_request(obj)
 
     async def embed(self, obj: EmbeddingReqInput) -> Any:

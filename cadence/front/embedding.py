@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from cadence.errors import InvalidParameter, RequestError
 from cadence.front.engine_client import ModelInfo
-from cadence.front.normalize import items, normalize_batch_and_arguments
+from cadence.front.normalize import items, normalize_batch_and_arguments, one, one_or_none
 from cadence.front.request_book import LiveRequest, RequestBook, RequestKind, until_finished
 from cadence.front.request_checks import check_prompt_chars
 from cadence.front.tokenizer import FrontTokenizer
@@ -45,17 +45,18 @@ class EmbeddingChecker:
         encoded = iter(await self._encode([item for item in parts if item.text is not None]))
         out = []
         for item in parts:
+            types: list[int] | None
             if item.text is not None:
                 ids, types = next(encoded)
                 field_name = "text"
             else:
-                ids, types = list(item.input_ids), item.token_type_ids
+                ids, types = list(one(item.input_ids, list)), one_or_none(item.token_type_ids, list)
                 field_name = "input_ids"
                 self._check_ids(ids, types)
             self._check_length(field_name, len(ids))
             out.append(
                 TokenizedEmbeddingReqInput(
-                    rid=item.rid,
+                    rid=one(item.rid, str),
                     input_text=item.text if isinstance(item.text, str) else None,
                     input_ids=ids,
                     token_type_ids=types if types and any(types) else None,
@@ -117,12 +118,12 @@ class EmbeddingChecker:
             )
 
     async def _encode(self, parts: list[EmbeddingReqInput]) -> list[tuple[list[int], list[int]]]:
-        for item in parts:
-            texts = item.text if isinstance(item.text, list) else [item.text]
-            check_prompt_chars("text", sum(map(len, texts)), self.info, self.tokenizer)
+        texts = [_text_of(item) for item in parts]
+        for text in texts:
+            num_chars = len(text) if isinstance(text, str) else len(text[0]) + len(text[1])
+            check_prompt_chars("text", num_chars, self.info, self.tokenizer)
         if not parts:
             return []
-        texts = [tuple(item.text) if isinstance(item.text, list) else item.text for item in parts]
         return await self.tokenizer.encode_batch_async(texts)
 
     def _check_ids(self, ids: list[int], types: list[int] | None) -> None:
@@ -154,6 +155,15 @@ class EmbeddingChecker:
             )
 
 
+def _text_of(item: EmbeddingReqInput) -> str | tuple[str, str]:
+    """A normalized single input's text: a string, or a cross-encoder's [query, document]
+    pair as one (query, document) tuple, encoded together as one sequence."""
+    if isinstance(item.text, list):
+        query, document = item.text
+        return one(query, str), one(document, str)
+    return one(item.text, str)
+
+
 @dataclass(kw_only=True, eq=False)
 class _EmbedState(LiveRequest):
     dimensions: int | None
@@ -161,7 +171,7 @@ class _EmbedState(LiveRequest):
     embedding: list[float] | None = None
 
 
-class EmbeddingManager(RequestKind):
+class EmbeddingManager(RequestKind[_EmbedState]):
     """Embedding requests in flight in one front process: checked here, booked in the
     front's one `RequestBook` beside the generations."""
 
@@ -218,8 +228,8 @@ class EmbeddingManager(RequestKind):
                 param=reason.get("param"),
                 is_request_fault=bool(reason.get("request_fault")),
             )
-        vector = st.embedding
-        if st.dimensions is not None and st.dimensions < len(vector):
+        vector = st.embedding  # None only for an aborted request, refused above
+        if vector is not None and st.dimensions is not None and st.dimensions < len(vector):
             vector = vector[: st.dimensions]
             if self.info.normalizes:
                 norm = math.sqrt(sum(x * x for x in vector)) or 1.0

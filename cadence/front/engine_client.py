@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ from cadence.io_struct import (
     ProfileReqOutput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    pause_mode,
 )
 
 # Seconds a weight update may take (reading a checkpoint from disk).
@@ -134,7 +135,7 @@ class EngineClient(ABC):
         """The model's tokenizer (`FrontTokenizer`), for chat templates and token texts."""
 
     @abstractmethod
-    def generate(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
+    def generate(self, obj: GenerateReqInput) -> AsyncGenerator[Any, None]:
         """Checks, tokenizes and runs `obj`. Yields one final result (a dict, or a list for a
         batch), or with `obj.stream` the delta chunks (dicts; an `index` for batches).
         Closing the iterator early aborts what still runs."""
@@ -202,7 +203,7 @@ class EngineClient(ABC):
         """Stops scheduling until `continue_generation`: abort ends the running requests,
         retract puts them back in the queue, in_place keeps them. InvalidParameter names
         `mode` when it is none of these."""
-        await self.control(PauseGenerationReqInput(mode=mode))
+        await self.control(PauseGenerationReqInput(mode=pause_mode(mode)))
 
     async def continue_generation(self) -> None:
         await self.control(ContinueGenerationReqInput())

@@ -6,6 +6,7 @@ back on this front's own address (`http_worker_ipc`), read by one task on the ev
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import zmq
@@ -45,14 +46,12 @@ class IpcEngineClient(FrontClient):
         super().__init__(
             tokenizer, info, self._push, max_pending, address, request_timeout_s, options
         )
-        self._task = None
+        self._task: asyncio.Task[None] | None = None
 
     def _push(self, msg) -> None:
         self.to_scheduler.send(io_struct.encode(msg), copy=False)
 
     def start(self) -> None:
-        import asyncio
-
         self._task = asyncio.get_running_loop().create_task(self._recv_loop())
 
     async def _recv_loop(self) -> None:

@@ -18,6 +18,7 @@ engines in one program share them without registering anything twice.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -64,62 +65,71 @@ class _Collectors:
     def __init__(self):
         # Multiprocess mode: values live in files; nothing needs registering in this process.
         self.registry = None if is_multiprocess() else CollectorRegistry(auto_describe=True)
-        reg = {"registry": self.registry}
+        reg = self.registry
         model = ["model_name"]
         self.prompt_tokens = Counter(
-            "sglang:prompt_tokens", "Prompt tokens of finished requests.", model, **reg
+            "sglang:prompt_tokens", "Prompt tokens of finished requests.", model, registry=reg
         )
         self.generation_tokens = Counter(
-            "sglang:generation_tokens", "Generated tokens of finished requests.", model, **reg
+            "sglang:generation_tokens",
+            "Generated tokens of finished requests.",
+            model,
+            registry=reg,
         )
         self.cached_tokens = Counter(
-            "sglang:cached_tokens", "Prompt tokens served from the prefix cache.", model, **reg
+            "sglang:cached_tokens",
+            "Prompt tokens served from the prefix cache.",
+            model,
+            registry=reg,
         )
         self.num_requests = Counter(
-            "sglang:num_requests", "Generation requests that ended, however.", model, **reg
+            "sglang:num_requests", "Generation requests that ended, however.", model, registry=reg
         )
         self.num_aborted = Counter(
-            "sglang:num_aborted_requests", "Generation requests that ended aborted.", model, **reg
+            "sglang:num_aborted_requests",
+            "Generation requests that ended aborted.",
+            model,
+            registry=reg,
         )
         self.ttft = Histogram(
             "sglang:time_to_first_token_seconds",
             "Time to the first generated token.",
             model,
             buckets=TTFT_BUCKETS,
-            **reg,
+            registry=reg,
         )
         self.itl = Histogram(
             "sglang:inter_token_latency_seconds",
             "Time between generated tokens (a chunk of k tokens counts k gaps of 1/k of it).",
             model,
             buckets=ITL_BUCKETS,
-            **reg,
+            registry=reg,
         )
         self.e2e = Histogram(
             "sglang:e2e_request_latency_seconds",
             "Time from a request's arrival to its end.",
             model,
             buckets=E2E_BUCKETS,
-            **reg,
+            registry=reg,
         )
         self.faults = Counter(
             "cadence_request_faults",
             "Requests that ended in an internal error of their own (isolated: the server "
             "went on), by where it happened.",
             ["origin"],
-            **reg,
+            registry=reg,
         )
         self.responses = Counter(
             "cadence:responses",
             "Responses by protocol (http, grpc) and status (HTTP status or gRPC code).",
             ["protocol", "status"],
-            **reg,
+            registry=reg,
         )
         self.errors = Counter(
             "cadence:request_errors",
             "Error responses by protocol and status (HTTP >= 400, gRPC not OK).",
             ["protocol", "status"],
-            **reg,
+            registry=reg,
         )
         self._per_model: dict[str, _ModelMetrics] = {}
 
@@ -184,7 +194,8 @@ class RequestTimer:
     __slots__ = ("created", "last", "model")
 
     def __init__(self, model: str, created: float):
-        self.model, self.created, self.last = model, created, None
+        self.model, self.created = model, created
+        self.last: float | None = None  # when the previous tokens came
 
     def on_tokens(self, num: int, now: float) -> None:
         if num <= 0:
@@ -211,16 +222,15 @@ class RequestTimer:
         m.e2e.observe(now - self.created)
 
 
-def render(load: dict[str, Any] | None, model: str, extra: list[str] = ()) -> bytes:
+def render(load: dict[str, Any] | None, model: str, extra: Sequence[str] = ()) -> bytes:
     """The /metrics body: the front processes' metrics (all of them in multiprocess mode),
     the scheduler's gauges from `load` (one /v1/loads entry), and `extra` lines."""
-    if is_multiprocess():
+    registry = None if is_multiprocess() else collectors().registry
+    if registry is None:  # multiprocess mode: every front process's values, from their files
         from prometheus_client import multiprocess
 
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
-    else:
-        registry = collectors().registry
     body = generate_latest(registry).decode()
     lines = [body.rstrip("\n")] if body.strip() else []
     if load is not None:

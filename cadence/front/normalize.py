@@ -5,6 +5,8 @@ stage (`cadence.front.request_checks`); the structs themselves are in `cadence.i
 After `normalize_batch_and_arguments(obj)` a single request keeps scalar fields (`text` a
 str, `rid` a str, `sampling_params` a dict, ...) and a batch has one list entry per item
 for every per-item field; `item(obj, i)` cuts item i out as a normalized single request.
+The field types of the structs cover both forms (and what a user may send); `one` and
+`one_or_none` read a normalized single request's field at the type it has there.
 
 Parallel sampling (`n` > 1 in sampling_params) expands every prompt into n items,
 item-major: prompt 0 sample 0..n-1, then prompt 1, and so on. A single request with n > 1
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import msgspec
 
@@ -29,6 +31,7 @@ from cadence.io_struct import EmbeddingReqInput, GenerateReqInput, SessionParams
 logger = logging.getLogger(__name__)
 
 Request = GenerateReqInput | EmbeddingReqInput
+T = TypeVar("T")
 
 
 def normalize_batch_and_arguments(obj: Request, max_items: int | None = None) -> None:
@@ -41,6 +44,10 @@ def normalize_batch_and_arguments(obj: Request, max_items: int | None = None) ->
         _normalize_embedding(obj, max_items)
 
 
+@overload
+def item(obj: GenerateReqInput, i: int) -> GenerateReqInput: ...
+@overload
+def item(obj: EmbeddingReqInput, i: int) -> EmbeddingReqInput: ...
 def item(obj: Request, i: int) -> Request:
     """Batch item i as a normalized single request (a copy when already single)."""
     if isinstance(obj, GenerateReqInput):
@@ -48,9 +55,32 @@ def item(obj: Request, i: int) -> Request:
     return _embedding_item(obj, i)
 
 
-def items(obj: Request) -> list[Request]:
+@overload
+def items(obj: GenerateReqInput) -> list[GenerateReqInput]: ...
+@overload
+def items(obj: EmbeddingReqInput) -> list[EmbeddingReqInput]: ...
+def items(obj: Request) -> list[GenerateReqInput] | list[EmbeddingReqInput]:
     """Every item of a normalized request, as single requests (the request itself when single)."""
-    return [obj] if obj.is_single else [item(obj, i) for i in range(obj.batch_size)]
+    if isinstance(obj, GenerateReqInput):
+        return [obj] if obj.is_single else [_generate_item(obj, i) for i in range(obj.batch_size)]
+    return [obj] if obj.is_single else [_embedding_item(obj, i) for i in range(obj.batch_size)]
+
+
+def one(value: object, kind: type[T]) -> T:
+    """A per-item field of a normalized single request: the one item's value, a `kind`
+    (`rid` a str, `input_ids` a list, ...). A TypeError means the request was not normalized
+    (a bug of the caller, not the user's)."""
+    if not isinstance(value, kind):
+        raise TypeError(
+            f"a normalized single request holds a {kind.__name__} here, "
+            f"not a {type(value).__name__}: normalize it first"
+        )
+    return value
+
+
+def one_or_none(value: object, kind: type[T]) -> T | None:
+    """`one`, for a field that may be left out (None)."""
+    return None if value is None else one(value, kind)
 
 
 def _normalize_generate(obj: GenerateReqInput, max_items: int | None) -> None:
@@ -77,8 +107,8 @@ def _normalize_generate(obj: GenerateReqInput, max_items: int | None) -> None:
         if n > 1:
             sampling_params = [dict(sp, n=1) for sp in sampling_params]
             rids = [f"{rid}-{j}" for rid in rids for j in range(n)]
-        obj.sampling_params, obj.rid = sampling_params, rids
-        _expand_batch(obj, n, is_batch, {**per_item, **modalities})
+        obj.rid = rids
+        _expand_batch(obj, n, is_batch, sampling_params, {**per_item, **modalities})
         obj.is_single, obj.batch_size = False, num_prompts * n
     # n expansion could only clash if user rids did; checked again to be sure.
     _check_unique(rids)
@@ -111,12 +141,18 @@ def _per_item_fields(obj: GenerateReqInput, num_prompts: int) -> dict[str, list]
     return per_item
 
 
-def _expand_batch(obj: GenerateReqInput, n: int, is_batch: bool, per_item: dict) -> None:
-    """Every per-prompt field (the prompts, their sampling params, `per_item`) as one entry
-    per item, each prompt's n samples together; `obj.rid` is per item already."""
+def _expand_batch(
+    obj: GenerateReqInput,
+    n: int,
+    is_batch: bool,
+    sampling_params: list[dict[str, Any]],
+    per_item: dict,
+) -> None:
+    """Every per-prompt field (the prompts, their `sampling_params`, `per_item`) as one
+    entry per item, each prompt's n samples together; `obj.rid` is per item already."""
     obj.text = _expand(obj.text, n, is_batch)
     obj.input_ids = _expand(obj.input_ids, n, is_batch)
-    obj.sampling_params = _repeat(obj.sampling_params, n)
+    obj.sampling_params = _repeat(sampling_params, n)
     for name, values in per_item.items():
         setattr(obj, name, None if values is None else _repeat(values, n))
 
@@ -129,25 +165,25 @@ def _generate_item(obj: GenerateReqInput, i: int) -> GenerateReqInput:
             raise IndexError(f"a single request has only item 0, not {i}")
         return msgspec.structs.replace(obj)
     return GenerateReqInput(
-        text=None if obj.text is None else obj.text[i],
-        input_ids=None if obj.input_ids is None else obj.input_ids[i],
-        sampling_params=obj.sampling_params[i],
-        rid=obj.rid[i],
-        return_logprob=obj.return_logprob[i],
-        logprob_start_len=obj.logprob_start_len[i],
-        top_logprobs_num=obj.top_logprobs_num[i],
-        token_ids_logprob=obj.token_ids_logprob[i],
+        text=_entry(obj.text, i),
+        input_ids=_entry(obj.input_ids, i),
+        sampling_params=_entry(obj.sampling_params, i),
+        rid=_entry(obj.rid, i),
+        return_logprob=_entry(obj.return_logprob, i),
+        logprob_start_len=_entry(obj.logprob_start_len, i),
+        top_logprobs_num=_entry(obj.top_logprobs_num, i),
+        token_ids_logprob=_entry(obj.token_ids_logprob, i),
         return_text_in_logprobs=obj.return_text_in_logprobs,
         stream=obj.stream,
-        image_data=None if obj.image_data is None else obj.image_data[i],
-        audio_data=None if obj.audio_data is None else obj.audio_data[i],
-        video_data=None if obj.video_data is None else obj.video_data[i],
-        lora_path=obj.lora_path[i],
+        image_data=_entry(obj.image_data, i),
+        audio_data=_entry(obj.audio_data, i),
+        video_data=_entry(obj.video_data, i),
+        lora_path=_entry(obj.lora_path, i),
         routing_key=obj.routing_key,
         priority=obj.priority,
-        return_hidden_states=obj.return_hidden_states[i],
-        custom_logit_processor=obj.custom_logit_processor[i],
-        session_params=obj.session_params[i],
+        return_hidden_states=_entry(obj.return_hidden_states, i),
+        custom_logit_processor=_entry(obj.custom_logit_processor, i),
+        session_params=_entry(obj.session_params, i),
         is_single=True,
         batch_size=1,
         parallel_sample_num=1,
@@ -177,7 +213,7 @@ def _normalize_embedding(obj: EmbeddingReqInput, max_items: int | None) -> None:
 
 def _check_pairs(obj: EmbeddingReqInput) -> tuple[bool, int]:
     """A cross-encoder's text: a list of [query, document] pairs, or one pair."""
-    text = obj.text
+    text: Any = obj.text  # as the user sent it, checked here
     if isinstance(text, list) and len(text) == 2 and all(isinstance(t, str) for t in text):
         obj.text = text = [list(text)]
         is_batch = False
@@ -208,8 +244,9 @@ def _check_token_type_ids(obj: EmbeddingReqInput, is_batch: bool) -> None:
         return
     if obj.input_ids is None:
         raise InvalidParameter("token_type_ids", "token_type_ids go with input_ids, not text")
-    rows = types if is_batch else [types]
-    ids = obj.input_ids if is_batch else [obj.input_ids]
+    # As the user sent them; checked here.
+    rows: list[Any] = types if is_batch else [types]
+    ids: list[Any] = obj.input_ids if is_batch else [obj.input_ids]
     if not isinstance(types, list) or len(rows) != len(ids):
         raise InvalidParameter(
             "token_type_ids", "token_type_ids must have the shape of input_ids (one per token)"
@@ -231,11 +268,11 @@ def _embedding_item(obj: EmbeddingReqInput, i: int) -> EmbeddingReqInput:
             raise IndexError(f"a single request has only item 0, not {i}")
         return msgspec.structs.replace(obj)
     return EmbeddingReqInput(
-        text=None if obj.text is None else obj.text[i],
-        input_ids=None if obj.input_ids is None else obj.input_ids[i],
-        token_type_ids=None if obj.token_type_ids is None else obj.token_type_ids[i],
-        rid=obj.rid[i],
-        image_data=None if obj.image_data is None else obj.image_data[i],
+        text=_entry(obj.text, i),
+        input_ids=_entry(obj.input_ids, i),
+        token_type_ids=_entry(obj.token_type_ids, i),
+        rid=_entry(obj.rid, i),
+        image_data=_entry(obj.image_data, i),
         dimensions=obj.dimensions,
         is_cross_encoder_request=obj.is_cross_encoder_request,
         is_single=True,
@@ -489,6 +526,16 @@ def _expand(prompts: Any, n: int, is_batch: bool) -> list | None:
     if prompts is None:
         return None
     return _repeat(prompts if is_batch else [prompts], n)
+
+
+def _entry(values: Any, i: int) -> Any:
+    """Entry i of a per-item field of a normalized batch (None for a field left out): one
+    entry per item, each of the type that item's field has once cut out."""
+    if values is None:
+        return None
+    if not isinstance(values, list):
+        raise TypeError(f"a normalized batch holds a list here, not a {type(values).__name__}")
+    return values[i]
 
 
 def _repeat(values: list, n: int) -> list:

@@ -11,8 +11,10 @@ their requests here, so the column every request passes through is written once:
 - outputs from the scheduler side find their request by rid (`on_output`), and a request
   whose output cannot be taken fails alone with a 500.
 
-A kind adds a `RequestKind`: how one row of an output batch changes its request, and what
-it does when its request finishes, is left by its consumer, or runs past the deadline.
+A kind adds a `RequestKind` over its own state (a `LiveRequest` subclass): how one row of an
+output batch changes its request, and what it does when its request finishes, is left by its
+consumer, or runs past the deadline. A request's `kind` is typed to take that request, so the
+book hands each request to its own kind and the kind sees its own state.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import asyncio
 import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Self, TypeVar
 
 from cadence.errors import InvalidParameter, RequestError
 from cadence.front import metrics
@@ -34,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 LEFT_MESSAGE = "the client went away"
 
+StateT = TypeVar("StateT", bound="LiveRequest")
+
 
 @dataclass(kw_only=True, eq=False)
 class LiveRequest:
@@ -42,28 +46,29 @@ class LiveRequest:
     request has ended, however it ended."""
 
     rid: str
-    kind: RequestKind
+    kind: RequestKind[Self]  # the kind that made it: it takes this very state
     created: float  # time.monotonic() when it was accepted
     event: asyncio.Event = field(default_factory=asyncio.Event)  # set on every change
     finished: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-class RequestKind(ABC):
-    """A kind of request (generation, embeddings, ...) as the book drives it."""
+class RequestKind(ABC, Generic[StateT]):
+    """A kind of request (generation, embeddings, ...) as the book drives it; `StateT` is
+    the kind's own state of one request."""
 
     @abstractmethod
-    def take_output(self, req: LiveRequest, out: Any, i: int) -> bool:
+    def take_output(self, req: StateT, out: Any, i: int) -> bool:
         """Adds row `i` of the output batch `out` to `req` (not finished yet); True when
         that row ends it. Raising fails `req` alone (500)."""
 
-    def on_finish(self, req: LiveRequest) -> None:
+    def on_finish(self, req: StateT) -> None:
         """`req` has ended: by its last output, a failure or `end_all` (see `req.meta`)."""
 
-    def on_leave(self, req: LiveRequest, message: str) -> None:
+    def on_leave(self, req: StateT, message: str) -> None:
         """The consumer went away before `req` ended; the book aborts it in the scheduler."""
 
-    def on_deadline(self, req: LiveRequest) -> None:
+    def on_deadline(self, req: StateT) -> None:
         """The server's deadline passed with `req` still running; the book aborts it."""
 
 
@@ -96,7 +101,7 @@ class RequestBook:
     def get(self, rid: str) -> LiveRequest | None:
         return self.live.get(rid)
 
-    def of_kind(self, kind: RequestKind) -> dict[str, LiveRequest]:
+    def of_kind(self, kind: RequestKind[Any]) -> dict[str, LiveRequest]:
         """The live requests of one kind, by rid."""
         return {rid: req for rid, req in self.live.items() if req.kind is kind}
 
@@ -123,7 +128,7 @@ class RequestBook:
             )
 
     @contextlib.contextmanager
-    def hold(self, reqs: list[LiveRequest]) -> Iterator[None]:
+    def hold(self, reqs: Sequence[LiveRequest]) -> Iterator[None]:
         """Books `reqs` for the block: their outputs find them, the deadline runs, and
         whatever has not finished when the block is left (its consumer went away, or it
         failed) is aborted in the scheduler."""
@@ -151,7 +156,7 @@ class RequestBook:
         except Exception:  # the engine is gone: nothing runs there to abort
             logger.warning("could not abort request %s after its client left", rid, exc_info=True)
 
-    def _expire(self, reqs: list[LiveRequest]) -> None:
+    def _expire(self, reqs: Sequence[LiveRequest]) -> None:
         """The server-side deadline passed: the scheduler ends what still runs (finish reason
         abort); each kind says what its consumer gets."""
         for req in reqs:

@@ -16,7 +16,7 @@ import msgspec
 from cadence.constrained import InvalidGrammar, check_grammar, grammar_key
 from cadence.errors import InvalidParameter
 from cadence.front.engine_client import ModelInfo
-from cadence.front.normalize import items, normalize_batch_and_arguments
+from cadence.front.normalize import items, normalize_batch_and_arguments, one, one_or_none
 from cadence.front.sampling_checks import check_sampling_params, parse_sampling_params
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.io_struct import (
@@ -210,7 +210,7 @@ class RequestChecker:
         self._check_extras(item, params)
         input_ids = await self._input_ids(item)
         self._check_length(item, input_ids, params)
-        start_len = item.logprob_start_len
+        start_len = one(item.logprob_start_len, int)
         if item.return_logprob and start_len >= 0:
             if start_len >= len(input_ids):
                 raise InvalidParameter(
@@ -220,20 +220,20 @@ class RequestChecker:
                 )
             self._check_logprob_entries(item, len(input_ids) - start_len + params.max_new_tokens)
         return TokenizedGenerateReqInput(
-            rid=item.rid,
-            input_text=item.text,
+            rid=one(item.rid, str),
+            input_text=one_or_none(item.text, str),
             input_ids=input_ids,
             sampling_params=params,
             return_logprob=bool(item.return_logprob),
             logprob_start_len=start_len,
-            top_logprobs_num=item.top_logprobs_num or 0,
-            token_ids_logprob=item.token_ids_logprob,
+            top_logprobs_num=self._top_logprobs_num(item),
+            token_ids_logprob=one_or_none(item.token_ids_logprob, list),
             stream=item.stream,
-            lora_path=item.lora_path,
+            lora_path=one_or_none(item.lora_path, str),
             http_worker_ipc=worker_ipc,
             priority=item.priority,
             return_hidden_states=bool(item.return_hidden_states),
-            custom_logit_processor=item.custom_logit_processor,
+            custom_logit_processor=one_or_none(item.custom_logit_processor, str),
             session_params=(
                 None
                 if item.session_params is None
@@ -284,10 +284,11 @@ class RequestChecker:
 
     async def _input_ids(self, item: GenerateReqInput) -> list[int]:
         if item.text is not None:
-            self.check_text_length("text", item.text)
-            input_ids = await self.tokenizer.encode_async(item.text)
+            text = one(item.text, str)
+            self.check_text_length("text", text)
+            input_ids = await self.tokenizer.encode_async(text)
         else:
-            input_ids = list(item.input_ids)
+            input_ids = list(one(item.input_ids, list))
             self._check_prompt_length("input_ids", len(input_ids))  # before scanning the ids
             self.check_token_ids("input_ids", input_ids)
         if not input_ids:
@@ -323,20 +324,28 @@ class RequestChecker:
                 "shorten it",
             )
 
+    @staticmethod
+    def _top_logprobs_num(item: GenerateReqInput) -> int:
+        return one_or_none(item.top_logprobs_num, int) or 0
+
+    @staticmethod
+    def _token_ids_logprob(item: GenerateReqInput) -> list[int]:
+        return one_or_none(item.token_ids_logprob, list) or []
+
     def _check_logprobs(self, item: GenerateReqInput, params: SamplingParams) -> None:
-        top = item.top_logprobs_num or 0
+        top = self._top_logprobs_num(item)
         if top > min(MAX_TOP_LOGPROBS_NUM, self.info.vocab_size):
             raise InvalidParameter(
                 "top_logprobs_num",
                 f"top_logprobs_num must be at most "
                 f"{min(MAX_TOP_LOGPROBS_NUM, self.info.vocab_size)}, got {top}",
             )
-        self.check_token_ids("token_ids_logprob", item.token_ids_logprob or [])
+        self.check_token_ids("token_ids_logprob", self._token_ids_logprob(item))
         if item.return_logprob:
             self._check_logprob_entries(item, params.max_new_tokens)
 
     def _check_logprob_entries(self, item: GenerateReqInput, num_positions: int) -> None:
-        per_position = 1 + (item.top_logprobs_num or 0) + len(item.token_ids_logprob or ())
+        per_position = 1 + self._top_logprobs_num(item) + len(self._token_ids_logprob(item))
         if num_positions * per_position > MAX_LOGPROB_ENTRIES:
             raise InvalidParameter(
                 "top_logprobs_num",

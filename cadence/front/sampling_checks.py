@@ -45,8 +45,9 @@ _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 
 
-def parse_sampling_params(d: dict[str, Any] | None) -> SamplingParams:
-    """Build from a user's dict (e.g. the `sampling_params` object of /generate).
+def parse_sampling_params(d: object) -> SamplingParams:
+    """Build from a user's dict (e.g. the `sampling_params` object of /generate); anything
+    else the user sent in its place is refused.
 
     Unknown names and wrong types raise `InvalidParameter`; a None value means the
     default. Ranges are not checked here: call `check_sampling_params()` next.
@@ -129,11 +130,12 @@ def _check_penalties(p: SamplingParams) -> None:
 
 
 def _check_stops(p: SamplingParams, vocab_size: int | None) -> None:
-    if len(p.stop or ()) > MAX_STOP_STRINGS:
+    stop = p.stop or []
+    if len(stop) > MAX_STOP_STRINGS:
         raise InvalidParameter(
-            "stop", f"stop has {len(p.stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
+            "stop", f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
         )
-    for i, s in enumerate(p.stop or ()):
+    for i, s in enumerate(stop):
         if not s:
             raise InvalidParameter(
                 "stop", f"stop[{i}] must not be empty: an empty string matches anywhere"
@@ -143,13 +145,14 @@ def _check_stops(p: SamplingParams, vocab_size: int | None) -> None:
                 "stop",
                 f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_STRING_CHARS} are allowed",
             )
-    if len(p.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+    stop_token_ids = p.stop_token_ids or []
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidParameter(
             "stop_token_ids",
-            f"stop_token_ids has {len(p.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
+            f"stop_token_ids has {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
         )
     valid = ">= 0" if vocab_size is None else f"in [0, {vocab_size})"
-    for i, token_id in enumerate(p.stop_token_ids or ()):
+    for i, token_id in enumerate(stop_token_ids):
         if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
             raise InvalidParameter(
                 "stop_token_ids",

@@ -11,7 +11,7 @@ while it works). What a large input freed is handed back to the system soon afte
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -87,9 +87,9 @@ class FrontTokenizer:
     ) -> list[list[int]]:
         """The token ids of each text, in one call into the tokenizer (on a worker thread
         when they are long together)."""
-        if self.backend is None:  # a slow (Python) tokenizer: one call per text
-            return [self.hf.encode(t, add_special_tokens=add_special_tokens) for t in texts]
         encode_batch = self._encode_batch
+        if encode_batch is None:  # a slow (Python) tokenizer: one call per text
+            return [self.hf.encode(t, add_special_tokens=add_special_tokens) for t in texts]
         size = sum(map(len, texts))
 
         def work() -> list[list[int]]:
@@ -100,19 +100,19 @@ class FrontTokenizer:
         return await self._off_loop(work, size)
 
     async def encode_batch_async(
-        self, texts: list[str] | list[tuple[str, str]]
+        self, texts: Sequence[str | tuple[str, str]]
     ) -> list[tuple[list[int], list[int]]]:
         """(ids, token type ids) of each text, or of each (query, document) pair encoded as
         one sequence, with special tokens; one call into the tokenizer for all of them (on a
         worker thread when they are long)."""
-        if self.backend is None:  # a slow (Python) tokenizer: one call per text
+        encode_batch = self._encode_batch
+        if encode_batch is None:  # a slow (Python) tokenizer: one call per text
             out = []
             for text in texts:
                 enc = self.hf(*text) if isinstance(text, tuple) else self.hf(text)
                 ids = enc["input_ids"]
                 out.append((ids, enc.get("token_type_ids") or [0] * len(ids)))
             return out
-        encode_batch = self._encode_batch
         size = sum(len(t) if isinstance(t, str) else len(t[0]) + len(t[1]) for t in texts)
 
         def work() -> list[tuple[list[int], list[int]]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +58,7 @@ _LP_FIELDS = (
 )
 
 
-class TokenizerManager(RequestKind):
+class TokenizerManager(RequestKind[_ReqState]):
     def __init__(
         self,
         tokenizer: FrontTokenizer,
@@ -86,7 +86,7 @@ class TokenizerManager(RequestKind):
 
     # ---- request life -----------------------------------------------------------------
 
-    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncGenerator[Any, None]:
         """Yields results: one final dict (or list for a batch), or stream chunks (dicts with
         an `index` for batches) when `obj.stream`. Raises InvalidParameter / RequestError."""
         tokenized = await self.prepare(obj)
@@ -153,6 +153,7 @@ class TokenizerManager(RequestKind):
             while True:
                 await st.event.wait()
                 st.event.clear()
+                chunk: dict | RequestError | None
                 try:
                     chunk = self._take_delta(st)
                 except RequestError as e:  # a failed request: the consumer raises it
@@ -238,10 +239,12 @@ class TokenizerManager(RequestKind):
             cached_tokens=out.cached_tokens[i],
             finish_reason=reason,
         )
-        if out.logprobs and out.logprobs[i] is not None:
-            self._add_logprobs(st, out.logprobs[i])
-        if out.hidden_states and out.hidden_states[i]:
-            st.hidden.extend(out.hidden_states[i])
+        logprobs = out.logprobs[i] if out.logprobs else None
+        if logprobs is not None:
+            self._add_logprobs(st, logprobs)
+        hidden = out.hidden_states[i] if out.hidden_states else None
+        if hidden:
+            st.hidden.extend(hidden)
         if st.timer is not None:
             st.timer.on_tokens(len(out.output_ids[i]), time.monotonic())
         return reason is not None
