@@ -419,11 +419,7 @@ def serve_front_workers(
     """--api-workers N: binds the HTTP socket, starts the engine and N front workers on the
     socket, relays the scheduler's report to each, and watches everything: any process lost
     stops the server with exit code 1 (fronts first, then the engine)."""
-    import dataclasses
     import os
-
-    from cadence.front import metrics
-    from cadence.supervisor import ProcessSpec
 
     args = plan.args
     sock = bind_shared_sockets(args)
@@ -433,23 +429,41 @@ def serve_front_workers(
     os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], mode=0o700)
     for spec in engine:
         supervisor.start(spec)
-    pause, pipes = supervisor.ctx.RawValue("b", 0), []
-    for i in range(args.api_workers):
-        reader, writer = supervisor.ctx.Pipe(duplex=False)
-        worker = dataclasses.replace(plan, index=i, sock=sock, shared_pause=pause)
-        supervisor.start(
-            ProcessSpec(
-                f"front {i}",
-                "cadence.front_process:front_worker_main",
-                (worker, reader),
-                stop_rank=0,
-                stop_grace_s=20,
-            )
-        )
-        pipes.append(writer)
+    pipes = _start_front_workers(plan, supervisor, sock)
     sock.close()  # the workers hold it now
     logger.info("%d front processes serve http://%s:%d", args.api_workers, args.host, args.port)
     failed = threading.Event()
+    supervisor.watch(_on_worker_failure(args, failure_text, stopping, failed))
+    report = _relay_report(supervisor, engine[0].name, pipes, stopping)
+    if report is not None and report.get("status") != "ready":
+        logger.error("the scheduler failed to load the model: %s\n%s",
+                     report.get("error"), report.get("traceback", ""))  # fmt: skip
+    stopping.wait()
+    return 1 if failed.is_set() else 0
+
+
+def _start_front_workers(plan: FrontPlan, supervisor, sock) -> list:
+    """Starts the front workers on `sock` (stopped first: rank 0); returns the pipes their
+    model facts go through."""
+    import dataclasses
+
+    from cadence.supervisor import ProcessSpec
+
+    pause, pipes = supervisor.ctx.RawValue("b", 0), []
+    for i in range(plan.args.api_workers):
+        reader, writer = supervisor.ctx.Pipe(duplex=False)
+        worker = dataclasses.replace(plan, index=i, sock=sock, shared_pause=pause)
+        target = "cadence.front_process:front_worker_main"
+        spec = ProcessSpec(f"front {i}", target, (worker, reader), stop_rank=0, stop_grace_s=20)
+        supervisor.start(spec)
+        pipes.append(writer)
+    return pipes
+
+
+def _on_worker_failure(args: ServerArgs, failure_text, stopping, failed) -> Callable:
+    """The supervisor's callback of --api-workers: a lost process stops the server (exit 1),
+    unless the server is already stopping."""
+    from cadence.front import metrics
 
     def on_failure(failure) -> None:
         # A signal to the whole process group (Ctrl-C, `timeout`) reaches everyone at once:
@@ -462,13 +476,7 @@ def serve_front_workers(
             failed.set()
             stopping.set()
 
-    supervisor.watch(on_failure)
-    report = _relay_report(supervisor, engine[0].name, pipes, stopping)
-    if report is not None and report.get("status") != "ready":
-        logger.error("the scheduler failed to load the model: %s\n%s",
-                     report.get("error"), report.get("traceback", ""))  # fmt: skip
-    stopping.wait()
-    return 1 if failed.is_set() else 0
+    return on_failure
 
 
 def _relay_report(supervisor, name: str, pipes, stopping: threading.Event) -> dict | None:

@@ -64,28 +64,14 @@ def launch(args: ServerArgs) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    import signal
-
-    # Until the front's event loop takes over, a signal only marks the server as stopping,
-    # so the children and the socket directory are still cleaned up.
-    stopping = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.set())
-
+    stopping = _stop_on_signals()
     from cadence import envs
     from cadence.front_process import FrontPlan, StartupFailed, serve_front_workers
     from cadence.ipc import IpcPaths
-    from cadence.model_loader.locate import resolve_model_path
     from cadence.supervisor import ChildFailed, Supervisor
 
-    try:
-        model_path = resolve_model_path(args.model_path)
-        if args.pipeline is not None:  # a mistake in the declaration stops us before any start
-            from cadence.pipeline import load_pipeline_config
-
-            load_pipeline_config(args.pipeline_path or "")
-    except (ValueError, FileNotFoundError) as e:
-        logger.error("%s", e)
+    model_path = _model_path(args)
+    if model_path is None:
         return 2
     paths = IpcPaths.create()
     envs.set_openmp_defaults()  # the children read it when they start (see envs.py)
@@ -105,6 +91,34 @@ def launch(args: ServerArgs) -> int:
         supervisor.stop()
         paths.remove()
         logger.info("Cadence stopped")
+
+
+def _stop_on_signals() -> threading.Event:
+    """Until the front's event loop takes over, a signal only marks the server as stopping,
+    so the children and the socket directory are still cleaned up."""
+    import signal
+
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    return stopping
+
+
+def _model_path(args: ServerArgs) -> str | None:
+    """The model file or directory to serve; None (logged) when it or --pipeline's
+    declaration is wrong: nothing has started yet."""
+    from cadence.model_loader.locate import resolve_model_path
+
+    try:
+        model_path = resolve_model_path(args.model_path)
+        if args.pipeline is not None:
+            from cadence.pipeline import load_pipeline_config
+
+            load_pipeline_config(args.pipeline_path or "")
+    except (ValueError, FileNotFoundError) as e:
+        logger.error("%s", e)
+        return None
+    return model_path
 
 
 def serve_here(plan, supervisor, stopping: threading.Event) -> int:
