@@ -366,7 +366,21 @@ _GROUP_OF: dict[str, str] = {
 }
 
 
-class ServerArgs:
+class _FlatDefaults(type):
+    """`ServerArgs.<argument>` reads the argument's default, as on a flat dataclass (what a
+    platform plugin compares with: `args.page_size == ServerArgs.page_size`)."""
+
+    def __getattr__(cls, name: str) -> Any:
+        group = _GROUP_OF.get(name)
+        if group is None or name.startswith("__"):
+            raise AttributeError(f"ServerArgs has no argument {name!r}")
+        default = getattr(GROUPS[group], name, dataclasses.MISSING)
+        if default is dataclasses.MISSING or isinstance(default, property):
+            raise AttributeError(f"the argument {name!r} has no class-level default")
+        return default
+
+
+class ServerArgs(metaclass=_FlatDefaults):
     """Every argument of a server, grouped by concern (see the module docstring).
 
     Built from flat keyword arguments (`ServerArgs(max_total_tokens=4096)`), frozen, equal

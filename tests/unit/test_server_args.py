@@ -1,0 +1,63 @@
+"""ServerArgs: per-concern groups behind the same flat arguments, flags and class defaults."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pickle
+
+import pytest
+
+from cadence.server_args import GROUPS, ServerArgs, add_cli_args, from_cli_args
+
+
+def parse(*argv: str) -> ServerArgs:
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    return from_cli_args(parser.parse_args(["--model-path", "m.gguf", *argv]))
+
+
+def test_flat_arguments_land_in_their_group():
+    args = ServerArgs(model_path="m.gguf", page_size=32, port=31000, disable_grpc=True)
+    assert args.page_size == args.scheduler.page_size == 32
+    assert args.port == args.http.port == 31000
+    assert args.model_path == args.model.model_path == "m.gguf"
+    assert set(args.to_dict()) == set(ServerArgs.field_names())
+    # every flat name belongs to exactly one group
+    names = [f.name for cls in GROUPS.values() for f in dataclasses.fields(cls)]
+    assert len(names) == len(set(names))
+
+
+def test_class_attributes_are_the_defaults_a_platform_compares_with():
+    default = ServerArgs(model_path="m.gguf")
+    assert ServerArgs.page_size == default.page_size
+    assert ServerArgs.port == default.port
+    assert ServerArgs.max_total_tokens is None
+    with pytest.raises(AttributeError, match="no argument 'not_an_argument'"):
+        _ = ServerArgs.not_an_argument
+
+
+def test_frozen_equal_by_value_and_picklable():
+    args = ServerArgs(model_path="m.gguf", max_running_requests=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.port = 1  # type: ignore[misc]
+    again = pickle.loads(pickle.dumps(args))
+    assert again == args and hash(again) == hash(args)
+    changed = args.replace(max_running_requests=4)
+    assert changed.max_running_requests == 4 and args.max_running_requests == 8
+    assert changed != args
+
+
+def test_unknown_and_invalid_arguments_are_named():
+    with pytest.raises(TypeError, match="nonsense"):
+        ServerArgs(model_path="m.gguf", nonsense=1)
+    with pytest.raises(ValueError, match="grpc_port"):
+        ServerArgs(model_path="m.gguf", port=31000, grpc_port=31000)
+
+
+def test_the_flat_cli_flags_fill_the_groups():
+    args = parse("--page-size", "32", "--port", "31001", "--disable-grpc", "--api-workers", "2")
+    assert args.scheduler.page_size == 32
+    assert args.http.port == 31001 and args.api_workers == 2
+    assert args.disable_grpc is True
+    assert parse() == ServerArgs(model_path="m.gguf")
