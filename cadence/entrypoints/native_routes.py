@@ -131,7 +131,8 @@ def _generate_routes(app: FastAPI, state: ServerState, client) -> None:
 
 
 def _session_routes(app: FastAPI, client) -> None:
-    @app.api_route("/open_session", methods=["GET", "POST"])
+    @app.get("/open_session")  # both methods, as SGLang; one route each, one operation id each
+    @app.post("/open_session")
     async def open_session(request: Request):
         body = control.parse(control.OpenSessionBody, await read_json(request))
         session_id = await client().open_session(
@@ -139,7 +140,8 @@ def _session_routes(app: FastAPI, client) -> None:
         )
         return json_response(session_id)
 
-    @app.api_route("/close_session", methods=["GET", "POST"])
+    @app.get("/close_session")
+    @app.post("/close_session")
     async def close_session(request: Request):
         body = control.parse(control.CloseSessionBody, await read_json(request))
         await client().close_session(body.session_id)

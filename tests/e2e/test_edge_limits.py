@@ -6,6 +6,7 @@ After each class the server still serves a normal request.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -236,12 +237,26 @@ def test_oversized_n_batch_and_logprobs_are_refused_before_work(srv):
     "chars", [10_000_000, 600_000], ids=["10MB-refused-unread", "600k-tokenized-off-loop"]
 )
 def test_health_answers_within_100ms_while_a_huge_prompt_is_refused(srv, chars):
-    prompt = "hello world, " * (chars // 13)
+    # The body is encoded here, before the clock runs: encoding 10 MB of JSON in the sender
+    # thread would hold this process's GIL and delay the probes, not the server.
+    body = json.dumps({"text": "hello world, " * (chars // 13)}).encode()
+    # A server whose loop the prompt blocks is slow on every try; a probe delayed by a busy
+    # CI machine is not, so the measurement gets a second chance, not the server.
+    worst = [_health_latency_during(srv, body)]
+    if worst[0] >= 0.1:
+        worst.append(_health_latency_during(srv, body))
+    assert min(worst) < 0.1, f"/health took up to {[round(w * 1000) for w in worst]} ms"
+
+
+def _health_latency_during(srv, body: bytes) -> float:
+    """The slowest /health answer while `body` is posted to /generate (and refused)."""
     outcome: dict = {}
 
     def send():
         with srv.client(timeout=300) as client:
-            outcome["response"] = client.post("/generate", json={"text": prompt})
+            outcome["response"] = client.post(
+                "/generate", content=body, headers={"content-type": "application/json"}
+            )
 
     sender = threading.Thread(target=send)
     latencies = []
@@ -255,7 +270,8 @@ def test_health_answers_within_100ms_while_a_huge_prompt_is_refused(srv, chars):
             time.sleep(0.01)
     sender.join()
     assert_400(outcome["response"], "text", "context length")
-    assert latencies and max(latencies) < 0.1, f"/health took up to {max(latencies) * 1000:.0f} ms"
+    assert latencies
+    return max(latencies)
 
 
 # ---- gRPC ------------------------------------------------------------------------------------------
