@@ -53,14 +53,15 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def _reader(path: str):
-    import gguf
+    from cadence.model_loader.gguf_file import read_gguf
 
-    return gguf.GGUFReader(path)
+    return read_gguf(path)
 
 
 def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    from cadence.model_loader.gguf_file import field_value
+
+    return field_value(reader, key, default)
 
 
 def read_config(path: str, reader=None) -> ModelConfig:
@@ -71,7 +72,7 @@ def read_config(path: str, reader=None) -> ModelConfig:
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", ()))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture="llama",
