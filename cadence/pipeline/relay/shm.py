@@ -26,6 +26,7 @@ own when a reader exits).
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import mmap
 import os
@@ -475,6 +476,12 @@ class ShmRelay(Relay):
 
     def stats(self) -> dict[str, Any]:
         self._reclaim_from_dead()
+        if self._lent:
+            # A view is let go when its tensor is freed; one held by a reference cycle (a
+            # cancelled run's frames and its CancelledError) only when the collector runs,
+            # which an idle stage process may not do for a long time. Collect before
+            # counting, so the figures say what is really still in use.
+            gc.collect()
         return {
             "backend": self.name,
             "credits": self.credits,
