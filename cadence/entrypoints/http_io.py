@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from cadence.errors import CadenceError, RequestError
-from cadence.serving.errors import FAULT_HEADER, decode_json, error_body, request_fault
+from cadence.serving.errors import FAULT_HEADER, decode_json_async, error_body, request_fault
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def json_response(obj, status: int = 200) -> Response:
 
 
 async def read_json(request: Request) -> Any:
-    return decode_json(await request.body())
+    return await decode_json_async(await request.body())
 
 
 def sse(obj) -> bytes:

@@ -27,7 +27,7 @@ from cadence.errors import CadenceError, InvalidParameter, RequestError
 from cadence.front import metrics
 from cadence.serving import native_api
 from cadence.serving.bundle import serving_of
-from cadence.serving.errors import FAULT_HEADER, decode_json, error_body, request_fault
+from cadence.serving.errors import FAULT_HEADER, decode_json_async, error_body, request_fault
 from cadence.serving.state import ServerState
 from cadence.version import __version__
 
@@ -122,7 +122,7 @@ class Gate:
                 chunks.append(message.get("body", b""))
                 if not message.get("more_body"):
                     break
-            body = decode_json(b"".join(chunks))
+            body = await decode_json_async(b"".join(chunks))
             out = msgspec.json.encode(await handler(self.state, body))
         except BodyTooLarge as e:
             status, out = 413, msgspec.json.encode(error_body(413, str(e)))
