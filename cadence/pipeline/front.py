@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -32,8 +32,16 @@ from cadence.pipeline.process import PRUNE_PERIOD_S, build_executor
 from cadence.pipeline.stage import StageRuntime
 from cadence.pipeline.transport import Transport, _done
 
-if TYPE_CHECKING:
-    from cadence.pipeline.coordinator import Coordinator
+
+class ClientSide(Protocol):
+    """Where the front's stages deliver to the client, by reference: the coordinator."""
+
+    def complete(self, rid: str, stage: str, result: Any, error: str | None) -> None: ...
+
+    def stream_chunk(
+        self, rid: str, stage: str, chunk_id: int, data: Any, is_done: bool, error: str | None
+    ) -> None: ...
+
 
 logger = logging.getLogger("cadence.pipeline")
 
@@ -44,7 +52,7 @@ class FrontStages(Transport):
     def __init__(
         self,
         config: PipelineConfig,
-        coordinator: Coordinator,
+        coordinator: ClientSide,
         ctx: zmq.Context,
         process_addresses: dict[str, str],
     ):

@@ -42,6 +42,8 @@ class Serving:
 def serving_of(state: ServerState) -> Serving:
     """`state`'s serving objects: built by the first adapter that asks, then shared."""
     if state.serving is None:
-        state.serving = Serving.build(state)
-        state.chat_template = state.serving.openai.chat_template
+        serving = state.serving = Serving.build(state)
+        state.chat_template = serving.openai.chat_template
+        return serving
+    assert isinstance(state.serving, Serving)
     return state.serving

@@ -14,7 +14,6 @@ from cadence.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from cadence.pipeline import Pipeline, PipelineClient
-    from cadence.serving.bundle import Serving
 
 
 @dataclasses.dataclass
@@ -29,8 +28,9 @@ class ServerState:
     started: float = dataclasses.field(default_factory=time.time)
     chat_template: str | None = None  # the --chat-template text, read at start-up
     pipeline: Pipeline | None = None  # --pipeline's stages, started by this front process
-    # The serving objects both adapters answer through, built once (`bundle.serving_of`).
-    serving: Serving | None = None
+    # The serving objects both adapters answer through, built once: a `bundle.Serving`, read
+    # through `bundle.serving_of` (typed there: the bundle is built on this state, not under).
+    serving: object | None = None
 
     def check_ready(self, while_loading: bool = False, hint: str = "") -> None:
         """The one readiness gate of both protocols: RequestError 503 while the server stops,
