@@ -82,6 +82,16 @@ class GGUFFile:
         self._pos = 0
         if bytes(self._buf[:4]) != MAGIC:
             raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+        try:
+            self._read()
+        except (struct.error, ValueError) as e:  # past the end: a cut-short download
+            if isinstance(e, UnreadableHere):
+                raise
+            raise ValueError(
+                f"{path}: the GGUF file is truncated or corrupt ({e}); download it again"
+            ) from None
+
+    def _read(self) -> None:
         version, num_tensors, num_fields = struct.unpack_from("<IQQ", self._buf, 4)
         if version not in VERSIONS:
             raise UnreadableHere(f"GGUF version {version}")

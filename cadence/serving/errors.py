@@ -10,6 +10,7 @@ the one constructor of the internal error a request's own failure ends with.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -89,8 +90,6 @@ async def decode_json_async(body: bytes | bytearray | memoryview | str, empty: A
     """`decode_json`, on a worker thread for a large body (the loop takes turns with it)."""
     if len(body) <= DECODE_OFF_LOOP_BYTES:
         return decode_json(body, empty)
-    import asyncio
-
     return await asyncio.to_thread(decode_json, body, empty)
 
 

@@ -87,3 +87,12 @@ def test_not_a_gguf_file_is_a_value_error(tmp_path):
     path.write_bytes(b"NOPE" + bytes(32))
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf(str(path))
+
+
+@pytest.mark.parametrize("keep", [40, 2_000_000], ids=["in-the-header", "in-the-tensors"])
+def test_a_cut_short_file_says_so_and_names_it(tmp_path, keep):
+    path = tmp_path / "cut.gguf"
+    with open(default_model_path(), "rb") as f:
+        path.write_bytes(f.read(keep))
+    with pytest.raises(ValueError, match="cut.gguf: the GGUF file is truncated or corrupt"):
+        read_gguf(str(path))
