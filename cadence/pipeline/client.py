@@ -75,13 +75,21 @@ class RequestTracker:
         self.wire_of[rid] = wire
         return pending
 
-    def complete(self, rid: str, stage: str, result: Any, error: str | None) -> bool:
+    def complete(
+        self,
+        rid: str,
+        stage: str,
+        result: Any,
+        error: str | None,
+        status: int | None = None,
+        param: str | None = None,
+    ) -> bool:
         """A Complete arrived; True when it failed the request (the caller aborts it)."""
         pending = self.pending.get(rid)
         if pending is None:
             return False
         if error is not None:
-            return self.fail(rid, StageFailed(error))
+            return self.fail(rid, StageFailed(error, status, param))
         pending.results[stage] = result
         pending.terminals.discard(stage)
         self._maybe_done(rid, pending)

@@ -212,7 +212,7 @@ class Coordinator(PipelineClient):
         result = None
         if msg.error is None:
             result = restore(msg.payload, buffer_from_frame(frame) if frame else None)
-        self.complete(msg.rid, msg.stage, result, msg.error)
+        self.complete(msg.rid, msg.stage, result, msg.error, msg.status, msg.param)
 
     def _on_stream(self, msg: Stream, frame) -> None:
         pending = self.tracker.pending.get(msg.rid)
@@ -223,9 +223,17 @@ class Coordinator(PipelineClient):
             data = restore(msg.payload, buffer_from_frame(frame) if frame else None)
         self.stream_chunk(msg.rid, msg.stage, msg.chunk_id, data, msg.is_done, msg.error)
 
-    def complete(self, rid: str, stage: str, result: Any, error: str | None) -> None:
+    def complete(
+        self,
+        rid: str,
+        stage: str,
+        result: Any,
+        error: str | None,
+        status: int | None = None,
+        param: str | None = None,
+    ) -> None:
         """A terminal stage's result, or a stage's failure of request `rid` (a wire id)."""
-        if self.tracker.complete(rid, stage, result, error):
+        if self.tracker.complete(rid, stage, result, error, status, param):
             self._abort_everywhere([rid], f"stage {stage} failed")
 
     def stream_chunk(

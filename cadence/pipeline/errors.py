@@ -7,11 +7,14 @@ from cadence.errors import RequestError
 
 
 class StageFailed(RequestError):
-    """A stage's executor raised for this request (500); the message names the stage. The
-    pipeline survived: other requests are unaffected."""
+    """A stage ended this request: its executor raised (500; the message names the stage), or
+    passed on a refusal of its own with that refusal's status, message and field (the
+    server's engine at its limit: 429; a request it finds invalid: 400). The pipeline
+    survived: other requests are unaffected."""
 
-    def __init__(self, message: str):
-        super().__init__(500, message, is_request_fault=True)
+    def __init__(self, message: str, status: int | None = None, param: str | None = None):
+        status = status or 500
+        super().__init__(status, message, param, is_request_fault=status == 500)
 
 
 class PipelineUnavailable(RequestError):

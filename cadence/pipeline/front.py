@@ -36,7 +36,15 @@ from cadence.pipeline.transport import Transport, _done
 class ClientSide(Protocol):
     """Where the front's stages deliver to the client, by reference: the coordinator."""
 
-    def complete(self, rid: str, stage: str, result: Any, error: str | None) -> None: ...
+    def complete(
+        self,
+        rid: str,
+        stage: str,
+        result: Any,
+        error: str | None,
+        status: int | None = None,
+        param: str | None = None,
+    ) -> None: ...
 
     def stream_chunk(
         self, rid: str, stage: str, chunk_id: int, data: Any, is_done: bool, error: str | None
@@ -108,8 +116,16 @@ class FrontStages(Transport):
 
     # -- to the client: by reference, no socket -------------------------------------------
 
-    def complete(self, rid: str, stage: str, result: Any = None, error: str | None = None) -> None:
-        self.owner.complete(rid, stage, result, error)
+    def complete(
+        self,
+        rid: str,
+        stage: str,
+        result: Any = None,
+        error: str | None = None,
+        status: int | None = None,
+        param: str | None = None,
+    ) -> None:
+        self.owner.complete(rid, stage, result, error, status, param)
 
     def stream_client(
         self,

@@ -74,8 +74,16 @@ class LocalPipeline(PipelineClient):
     def signal(self, rid: str, src: str, dst: str, chunk_id: int, error: str | None) -> None:
         self.runtimes[dst].on_chunk(rid, src, chunk_id, None, True, error)
 
-    def complete(self, rid: str, stage: str, result: Any = None, error: str | None = None) -> None:
-        if self.tracker.complete(rid, stage, result, error):
+    def complete(
+        self,
+        rid: str,
+        stage: str,
+        result: Any = None,
+        error: str | None = None,
+        status: int | None = None,
+        param: str | None = None,
+    ) -> None:
+        if self.tracker.complete(rid, stage, result, error, status, param):
             self._abort_everywhere([rid], f"stage {stage} failed")
 
     def stream_client(

@@ -86,6 +86,8 @@ class Complete(_Message):
     stage: str
     payload: PayloadHeader | None = None
     error: str | None = None
+    status: int | None = None  # of a refusal the stage passed on (429, 400, ...); None: 500
+    param: str | None = None  # the request field that refusal names
 
 
 class Stream(_Message):

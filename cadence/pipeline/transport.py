@@ -166,8 +166,16 @@ class Transport:
         msg = DataReady(rid=rid, stage=dst, src_stage=src, chunk_id=chunk_id, error=error)
         channels.send(self._peer(dst), msg)
 
-    def complete(self, rid: str, stage: str, result: Any = None, error: str | None = None) -> None:
-        msg = Complete(rid=rid, stage=stage, error=error)
+    def complete(
+        self,
+        rid: str,
+        stage: str,
+        result: Any = None,
+        error: str | None = None,
+        status: int | None = None,
+        param: str | None = None,
+    ) -> None:
+        msg = Complete(rid=rid, stage=stage, error=error, status=status, param=param)
         frame = None
         if error is None:
             msg.payload, frame = self._inline(result)

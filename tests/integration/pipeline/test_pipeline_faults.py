@@ -35,12 +35,19 @@ async def test_an_exception_fails_only_its_request(relay, no_leftover_segments):
     try:
         submit = pipeline.coordinator.submit
         calls = [submit(request(i, fail=s)) for i, s in enumerate("abc")]
+        # A refusal passed on (the engine of a stage at its limit, or naming a bad field)
+        # crosses the processes with its status and field.
+        calls += [submit(request(5, refuse="b", status=429))]
+        calls += [submit(request(6, refuse="c", status=400, param="max_tokens"))]
         calls += [submit(request(10 + i)) for i in range(6)]
         results = await asyncio.gather(*calls, return_exceptions=True)
         for stage, error in zip("abc", results[:3]):
             assert isinstance(error, StageFailed) and error.status == 500
             assert str(error) == f"stage '{stage}' failed: ValueError: asked to fail at {stage}"
-        assert all(isinstance(r, dict) for r in results[3:])
+        busy, invalid = results[3:5]
+        assert (busy.status, busy.param, str(busy)) == (429, None, "b refused with 429")
+        assert (invalid.status, invalid.param) == (400, "max_tokens")
+        assert all(isinstance(r, dict) for r in results[5:])
         assert pipeline.coordinator.is_healthy
         await assert_clean(pipeline)
     finally:

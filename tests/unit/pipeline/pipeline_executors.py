@@ -1,7 +1,8 @@
 """Small executors for pipeline tests: no model, deterministic, importable by stage processes.
 
 Payloads are {"x": tensor, "trace": [stage names]}; a request may carry "fail" (the stage
-that must raise), "sleep_ms" (an upper bound for each stage's random pause, drawn from the
+that must raise), "refuse" (the stage that passes on a refusal: a RequestError with status
+"status" naming field "param", as the server's engine refuses a request), "sleep_ms" (an upper bound for each stage's random pause, drawn from the
 rid so that a run is reproducible), "block" (the stage that waits until aborted) and
 "stall" (the stage that blocks its whole process's event loop, so that transfers to it stay
 unread: the moment to kill it mid-transfer).
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+from cadence.errors import RequestError
 from cadence.pipeline import Executor, StageRequest
 
 
@@ -27,6 +29,9 @@ def _pause_s(req: StageRequest, options: dict) -> float:
 async def _obey(req: StageRequest, options: dict) -> None:
     if options.get("fail") == req.stage:
         raise ValueError(f"asked to fail at {req.stage}")
+    if options.get("refuse") == req.stage:
+        status = options.get("status", 429)
+        raise RequestError(status, f"{req.stage} refused with {status}", options.get("param"))
     if options.get("block") == req.stage:
         await asyncio.Event().wait()  # until cancelled by an abort
     if options.get("stall") == req.stage:

@@ -97,6 +97,22 @@ async def test_a_failing_stage_fails_only_its_request(graph):
         await _settle(p)
 
 
+@pytest.mark.parametrize("status, param", [(429, None), (400, "max_tokens"), (503, None)])
+async def test_a_refusal_a_stage_passes_on_keeps_its_status(status, param):
+    """A stage whose engine refuses the request (429 at its limit, 400 naming a field) ends it
+    with that refusal, not with a 500 of the stage's own."""
+    p = await _start(linear())
+    for stage in p.graph.stages:
+        with pytest.raises(StageFailed) as caught:
+            await p.submit(request(1, refuse=stage, status=status, param=param))
+        error = caught.value
+        assert (error.status, error.param) == (status, param)
+        assert str(error) == f"{stage} refused with {status}"
+        assert not error.is_request_fault
+        assert (await p.submit(request(2)))["x"].numel() > 0
+        await _settle(p)
+
+
 @pytest.mark.parametrize("graph", sorted(GRAPHS))
 async def test_an_abort_at_any_stage_leaves_nothing(graph):
     p = await _start(GRAPHS[graph]())
