@@ -151,7 +151,7 @@ def limit_fn(path: str, work: list[list[str]]):
     """The encoder's forward pass and pooling on pre-tokenized batches, and those batches."""
     from cadence.model_executor.encoder_runner import EncoderRunner
     from cadence.model_executor.runner import EmbedItem
-    from cadence.model_loader.loader import load_tokenizer
+    from cadence.model_loader.tokenizer_files import load_tokenizer
     from cadence.server_args import ServerArgs
 
     runner = EncoderRunner(ServerArgs(model_path=path, dtype="float32"), path)

@@ -171,7 +171,7 @@ def main() -> int:
     from bench_structured import varied_schemas
 
     from cadence.model_loader import default_model_path
-    from cadence.model_loader.loader import load_tokenizer
+    from cadence.model_loader.tokenizer_files import load_tokenizer
 
     engines = Engines(load_tokenizer(default_model_path()), llguidance)
     times: dict[str, list[float]] = {k: [] for k in ("x_compile", "l_compile", "x_mask", "l_mask")}

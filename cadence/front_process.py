@@ -179,7 +179,7 @@ class FrontProcess:
     async def _await_model(self) -> dict | None:
         """The scheduler's report of the loaded model, with the tokenizer loaded meanwhile;
         None when the server stops first."""
-        from cadence.model_loader.loader import load_tokenizer
+        from cadence.model_loader.tokenizer_files import load_tokenizer
 
         loop = asyncio.get_running_loop()
         tokenizer = loop.run_in_executor(
@@ -201,7 +201,7 @@ class FrontProcess:
         from cadence.front.ipc_client import IpcEngineClient
         from cadence.front.request_checks import RequestOptions
         from cadence.front.tokenizer import FrontTokenizer
-        from cadence.model_loader.loader import tokenizer_dir
+        from cadence.model_loader.tokenizer_files import tokenizer_dir
 
         args, plan = self.args, self.plan
         tokenizer = facts.pop("tokenizer")

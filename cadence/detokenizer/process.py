@@ -83,7 +83,7 @@ def run_detokenizer_process(
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    from cadence.model_loader.loader import load_tokenizer
+    from cadence.model_loader.tokenizer_files import load_tokenizer
     from cadence.plugins import load_plugins
 
     load_plugins()

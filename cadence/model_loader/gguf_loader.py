@@ -12,19 +12,12 @@ so those two weights are un-permuted here.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import logging
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 
 import numpy as np
 
-from cadence import envs
 from cadence.layers.quantized import QTYPES, QuantizedWeight
 from cadence.models.config import ModelConfig
 
@@ -157,62 +150,3 @@ def iter_weights(
         else:
             raise ValueError(f"GGUF tensor {tensor.name!r} is not understood by the llama loader")
         yield name, data
-
-
-def _file_key(path: str) -> str:
-    st = os.stat(path)
-    raw = f"{os.path.abspath(path)}:{st.st_size}:{int(st.st_mtime)}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:16]
-
-
-def converted_tokenizer_dir(path: str) -> str:
-    """Convert the GGUF vocabulary to a Hugging Face tokenizer once; later loads reuse it.
-
-    The conversion (transformers' own GGUF tokenizer conversion) takes seconds; the cached
-    tokenizer.json loads in a fraction of that. A server's front, scheduler and detokenizer
-    all ask for it as they start, and so do servers started together: one process converts,
-    holding a lock file beside the cache, while the others wait on the lock and then read
-    what it wrote. The conversion is written to a temporary directory and renamed into
-    place, so that no reader ever sees half of one, even after a crash midway.
-    """
-    target = os.path.join(envs.cache_dir(), "tokenizers", _file_key(path))
-    if _is_converted(target):
-        return target
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    with _locked(target + ".lock"):
-        if not _is_converted(target):  # else converted by another process while we waited
-            _convert_tokenizer(path, target)
-    return target
-
-
-def _is_converted(target: str) -> bool:
-    return os.path.exists(os.path.join(target, "tokenizer.json"))
-
-
-@contextlib.contextmanager
-def _locked(lock_path: str) -> Iterator[None]:
-    """An exclusive lock between processes (released by the kernel if the holder dies). The
-    lock file stays: removing it would let a late process lock a file nobody else sees."""
-    with open(lock_path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _convert_tokenizer(path: str, target: str) -> None:
-    from transformers import AutoTokenizer
-
-    logger.info("Converting the GGUF tokenizer of %s (once; cached in %s)", path, target)
-    tokenizer = AutoTokenizer.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path)
-    )
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(target) + ".tmp", dir=os.path.dirname(target))
-    try:
-        tokenizer.save_pretrained(tmp)
-        if os.path.exists(target):  # a directory without tokenizer.json: not a conversion
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed

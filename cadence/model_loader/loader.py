@@ -132,17 +132,3 @@ def served_weight_types(model) -> dict[str, dict]:
             for kind, entry in types.items()
         }
     return types
-
-
-def tokenizer_dir(path: str, tokenizer_path: str | None = None) -> str:
-    """A local directory holding the model's tokenizer files (tokenizer.json, its config and
-    chat template): the model's own, or the converted one of a GGUF file."""
-    source = tokenizer_path or path
-    return gguf_loader.converted_tokenizer_dir(source) if is_gguf(source) else source
-
-
-def load_tokenizer(path: str, tokenizer_path: str | None = None):
-    """The model's own tokenizer (with its chat template) as a transformers fast tokenizer."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir(path, tokenizer_path))

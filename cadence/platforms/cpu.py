@@ -6,8 +6,6 @@ import ctypes
 import functools
 import platform
 
-import torch
-
 from cadence import envs
 from cadence.platforms.interface import Platform, TorchNativeFactories
 
@@ -115,6 +113,8 @@ class CpuPlatform(TorchNativeFactories, Platform):
         _settle_heap()
 
     def init_backend(self) -> None:
+        import torch
+
         num_threads = envs.num_threads()
         if num_threads is not None and torch.get_num_threads() != num_threads:
             torch.set_num_threads(num_threads)

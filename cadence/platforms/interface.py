@@ -1,12 +1,17 @@
-"""The `Platform` seam: everything the engine needs to know about the device it runs on."""
+"""The `Platform` seam: everything the engine needs to know about the device it runs on.
+
+Importing it does not import torch: the front process resolves the platform (for its
+defaults of the server arguments) and never computes; torch would add seconds to every
+start. Each method that needs torch imports it.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from cadence.layers.attention import AttentionBackend
     from cadence.layers.layer_ops import LayerOps
     from cadence.layers.linear import Linear
@@ -14,7 +19,7 @@ if TYPE_CHECKING:
     from cadence.mem_cache.kv_pool import KVPool
     from cadence.server_args import ServerArgs
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # of torch dtypes `--dtype` may name
 
 
 class Platform:
@@ -62,6 +67,8 @@ class Platform:
     @property
     def device(self) -> torch.device:
         """Where the model, the KV pool and each forward batch live."""
+        import torch
+
         return torch.device(self.device_type)
 
     def set_device(self, index: int) -> None:
@@ -93,14 +100,20 @@ class Platform:
 
     def seed(self, seed: int) -> None:
         """Seeds the process-wide randomness (torch seeds the host and every device it knows)."""
+        import torch
+
         torch.manual_seed(seed)
 
     def make_generator(self, seed: int) -> torch.Generator:
         """A generator for one seeded request's sampling, which runs on the host."""
+        import torch
+
         return torch.Generator(device="cpu").manual_seed(seed)
 
     def profiler_activities(self) -> list:
         """What torch.profiler records on this platform."""
+        import torch.profiler
+
         return [torch.profiler.ProfilerActivity.CPU]
 
     # ---- capability flags (conservative) -----------------------------------------------
@@ -121,6 +134,8 @@ class Platform:
 
     def default_dtype(self) -> torch.dtype:
         """The weight and activation dtype `--dtype auto` means here."""
+        import torch
+
         return torch.bfloat16 if self.supports_bf16() else torch.float32
 
     def default_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
@@ -128,10 +143,10 @@ class Platform:
         return model_dtype
 
     def resolve_dtype(self, name: str) -> torch.dtype:
-        return self.default_dtype() if name == "auto" else DTYPES[name]
+        return self.default_dtype() if name == "auto" else _dtype(name)
 
     def resolve_kv_cache_dtype(self, name: str, model_dtype: torch.dtype) -> torch.dtype:
-        return self.default_kv_cache_dtype(model_dtype) if name == "auto" else DTYPES[name]
+        return self.default_kv_cache_dtype(model_dtype) if name == "auto" else _dtype(name)
 
     # ---- factories (NotImplementedError unless provided) -----------------------------------
 
@@ -216,3 +231,11 @@ class TorchNativeFactories:
         from cadence.mem_cache.allocator import PageAllocator
 
         return PageAllocator(num_pages, page_size)
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPE_NAMES:
+        raise KeyError(name)
+    import torch
+
+    return getattr(torch, name)

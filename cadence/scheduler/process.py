@@ -170,7 +170,7 @@ def run_scheduler_process(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     try:
-        from cadence.model_loader.loader import load_tokenizer
+        from cadence.model_loader.tokenizer_files import load_tokenizer
         from cadence.plugins import load_plugins
 
         load_plugins()

@@ -16,8 +16,8 @@ ASK = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
 from cadence.model_loader import default_model_path
-from cadence.model_loader.gguf_loader import converted_tokenizer_dir
-from cadence.model_loader.loader import load_tokenizer
+from cadence.model_loader.tokenizer_files import converted_tokenizer_dir
+from cadence.model_loader.tokenizer_files import load_tokenizer
 path = default_model_path()
 print(converted_tokenizer_dir(path))
 print(len(load_tokenizer(path)("hello world")["input_ids"]))
@@ -63,7 +63,7 @@ def test_processes_starting_together_convert_once_and_read_the_same(tmp_path):
 def test_a_directory_without_a_conversion_is_converted_over(tmp_path):
     """What an interrupted conversion of an older version could leave: not a tokenizer."""
     from cadence.model_loader import default_model_path
-    from cadence.model_loader.gguf_loader import _file_key
+    from cadence.model_loader.tokenizer_files import _file_key
 
     stale = tmp_path / "tokenizers" / _file_key(default_model_path())
     stale.mkdir(parents=True)

@@ -81,7 +81,7 @@ def float_dir(tmp_path_factory):
     import torch
     from safetensors.torch import save_file
 
-    from cadence.model_loader import gguf_loader
+    from cadence.model_loader import gguf_loader, tokenizer_files
     from cadence.model_loader.locate import default_model_path
 
     path = default_model_path()
@@ -109,7 +109,7 @@ def float_dir(tmp_path_factory):
         "eos_token_id": list(config.eos_token_ids),
     }
     (out / "config.json").write_text(json.dumps(hf_config))
-    tokenizer = gguf_loader.converted_tokenizer_dir(path)
+    tokenizer = tokenizer_files.converted_tokenizer_dir(path)
     for name in os.listdir(tokenizer):
         shutil.copy(os.path.join(tokenizer, name), out / name)
     return str(out)

@@ -4,8 +4,8 @@ import pytest
 
 from cadence.detokenizer.detokenizer import Detokenizer
 from cadence.io_struct import BatchTokenIDOutput
-from cadence.model_loader.loader import load_tokenizer
 from cadence.model_loader.locate import default_model_path
+from cadence.model_loader.tokenizer_files import load_tokenizer
 
 EOS = 2  # <|im_end|>
 
