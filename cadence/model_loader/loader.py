@@ -72,7 +72,7 @@ def load_model(
         weights = quantize_floats(weights, quantization, served)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu").to(torch.float32)
+    model = _materialize(model).to(torch.float32)
     model.load_weights(weights)
     reader = weights = None  # the file's mapping goes with the reader
     model = model.to(dtype=dtype, device=device).eval()
@@ -87,6 +87,29 @@ def load_model(
         describe_weight_types(model.weight_types),
     )
     return config, model
+
+
+def _materialize(model: torch.nn.Module) -> torch.nn.Module:
+    """`model.to_empty(device="cpu")` for a model built on the meta device: uninitialized host
+    tensors in place of its meta ones (tied ones stay tied), made with torch.empty, whose
+    meta-tensor twin `empty_like` goes through torch's Python reference implementation and
+    imports sympy and torch.fx on the way (about a second of CPU at every start)."""
+    made: dict[int, torch.Tensor] = {}
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            empty = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            if isinstance(t, torch.nn.Parameter):
+                empty = torch.nn.Parameter(empty, requires_grad=t.requires_grad)
+            made[id(t)] = empty
+        return made[id(t)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and tensor.is_meta:
+                    table[name] = real(tensor)
+    return model
 
 
 def _count_float(weights, served: dict[str, dict]):
