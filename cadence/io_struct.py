@@ -337,6 +337,12 @@ class BatchTokenIDOutput(_Message, kw_only=True):
     # Final hidden states since the rid's previous output, per request: [positions][hidden]
     # float; None when no request in the batch asked.
     hidden_states: list[list[list[float]] | None] | None = None
+    # Speculative decoding, per request (SGLang's SpeculativeDecodingMetricsMixin): verify
+    # steps so far, draft tokens accepted, steps by number of draft tokens accepted. None
+    # when no request in the batch drafted.
+    spec_verify_ct: list[int] | None = None
+    spec_accepted_tokens: list[int] | None = None
+    spec_acceptance_histogram: list[list[int]] | None = None
 
 
 class BatchStrOutput(_Message, kw_only=True):
@@ -352,6 +358,9 @@ class BatchStrOutput(_Message, kw_only=True):
     cached_tokens: list[int]
     logprobs: list[Logprobs | None] | None = None  # passed through from BatchTokenIDOutput
     hidden_states: list[list[list[float]] | None] | None = None  # passed through as well
+    spec_verify_ct: list[int] | None = None  # passed through as well
+    spec_accepted_tokens: list[int] | None = None
+    spec_acceptance_histogram: list[list[int]] | None = None
 
 
 class BatchEmbeddingOutput(_Message, kw_only=True):

@@ -1,7 +1,7 @@
 """Server arguments: one frozen dataclass per concern, one flat command line.
 
 `ServerArgs` holds a `ModelArgs`, `SchedulerArgs`, `HttpArgs`, `GrpcArgs`, `OutputArgs`,
-`RuntimeArgs` and `PipelineArgs`; each checks its own fields (a `ValueError` naming the field)
+`RuntimeArgs`, `PipelineArgs` and `SpeculativeArgs`; each checks its own fields (a `ValueError` naming the field)
 and documents each field with the docstring under it, which is also its flag's `--help`.
 Flags stay flat (`--max-running-requests`, as SGLang spells them), and so does reading:
 `args.max_running_requests` is `args.scheduler.max_running_requests`. A part of the server
@@ -348,6 +348,85 @@ class PipelineArgs:
         return resolve_pipeline_path(self.pipeline)
 
 
+SPECULATIVE_ALGORITHMS = ("NGRAM",)  # what Cadence runs
+_SPECULATIVE_ELSEWHERE = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "LOOKAHEAD")  # SGLang's others
+
+
+@dataclass(frozen=True)
+class SpeculativeArgs:
+    """Speculative decoding: tokens drafted ahead and verified together in one forward step."""
+
+    speculative_algorithm: str | None = None
+    """NGRAM: drafts from n-gram matches in the request's own prompt and output and in a store of recent outputs, verified in one forward step per request; the output is exactly what it is without speculation (greedy and sampled alike), only faster where answers repeat spans. SGLang's draft-model algorithms (EAGLE, EAGLE3, NEXTN, STANDALONE) are not available."""
+    speculative_num_draft_tokens: int | None = None
+    """Tokens per verify step and request, counting the last verified one (as SGLang counts): up to this minus one are drafted. Default with NGRAM: 12."""
+    speculative_ngram_min_match_window_size: int = 1
+    """Shortest suffix of a request's tokens matched to draft from."""
+    speculative_ngram_max_match_window_size: int = 12
+    """Longest suffix of a request's tokens matched (the longest match wins)."""
+    speculative_ngram_min_bfs_breadth: int = 1
+    """Fewest continuations the shared n-gram store keeps per n-gram (at least 1)."""
+    speculative_ngram_max_bfs_breadth: int = 10
+    """Most continuations the shared n-gram store keeps per n-gram; one of them is drafted (a chain, not a tree)."""
+    speculative_ngram_match_type: str = "BFS"
+    """Which stored continuation is drafted: BFS (the most recent) or PROB (the most frequent)."""
+    speculative_ngram_branch_length: int = 18
+    """Longest continuation the shared store keeps per n-gram."""
+    speculative_ngram_capacity: int = 1_000_000
+    """Most n-grams the shared store holds (least recently used forgotten first; about 150 bytes each)."""
+
+    def __post_init__(self) -> None:
+        algorithm = self.speculative_algorithm
+        if algorithm is None:
+            return
+        name = algorithm.upper()
+        if name in _SPECULATIVE_ELSEWHERE:
+            raise ValueError(
+                f"speculative_algorithm {algorithm} needs a draft model, which Cadence does not "
+                f"run; use NGRAM (drafts from n-gram matches, no draft model)"
+            )
+        if name not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"speculative_algorithm must be NGRAM, got {algorithm!r} (SGLang's EAGLE, "
+                "EAGLE3, NEXTN and STANDALONE need a draft model, which Cadence does not run)"
+            )
+        object.__setattr__(self, "speculative_algorithm", name)
+        if self.speculative_num_draft_tokens is None:
+            object.__setattr__(self, "speculative_num_draft_tokens", 12)
+        if self.speculative_num_draft_tokens < 2:
+            raise ValueError(
+                "speculative_num_draft_tokens counts the last verified token: give ≥ 2, got "
+                f"{self.speculative_num_draft_tokens}"
+            )
+        _at_least_one(
+            self,
+            "speculative_ngram_min_match_window_size",
+            "speculative_ngram_min_bfs_breadth",
+            "speculative_ngram_branch_length",
+        )
+        if (
+            self.speculative_ngram_max_match_window_size
+            < self.speculative_ngram_min_match_window_size
+        ):
+            raise ValueError(
+                "speculative_ngram_max_match_window_size must be ≥ "
+                "speculative_ngram_min_match_window_size"
+            )
+        if self.speculative_ngram_max_bfs_breadth < self.speculative_ngram_min_bfs_breadth:
+            raise ValueError(
+                "speculative_ngram_max_bfs_breadth must be ≥ speculative_ngram_min_bfs_breadth"
+            )
+        match_type = self.speculative_ngram_match_type.upper()
+        if match_type not in ("BFS", "PROB"):
+            raise ValueError(
+                f"speculative_ngram_match_type must be BFS or PROB, got "
+                f"{self.speculative_ngram_match_type!r}"
+            )
+        object.__setattr__(self, "speculative_ngram_match_type", match_type)
+        if self.speculative_ngram_capacity < 0:
+            raise ValueError("speculative_ngram_capacity must be ≥ 0")
+
+
 GROUPS: dict[str, type] = {
     "model": ModelArgs,
     "scheduler": SchedulerArgs,
@@ -356,6 +435,7 @@ GROUPS: dict[str, type] = {
     "output": OutputArgs,
     "runtime": RuntimeArgs,
     "stages": PipelineArgs,
+    "speculative": SpeculativeArgs,
 }
 # flat field (and property) name -> the group that holds it
 _GROUP_OF: dict[str, str] = {
@@ -393,6 +473,7 @@ class ServerArgs(metaclass=_FlatDefaults):
     output: OutputArgs
     runtime: RuntimeArgs
     stages: PipelineArgs
+    speculative: SpeculativeArgs
     GROUPS: ClassVar[dict[str, type]] = GROUPS
 
     def __init__(self, **flat: Any) -> None:

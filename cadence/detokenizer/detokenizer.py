@@ -106,6 +106,9 @@ class Detokenizer:
             cached_tokens=batch.cached_tokens,
             logprobs=batch.logprobs,
             hidden_states=batch.hidden_states,
+            spec_verify_ct=batch.spec_verify_ct,
+            spec_accepted_tokens=batch.spec_accepted_tokens,
+            spec_acceptance_histogram=batch.spec_acceptance_histogram,
         )
 
     def _process_one(self, batch: BatchTokenIDOutput, i: int, rid: str) -> str:

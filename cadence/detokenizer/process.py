@@ -37,11 +37,16 @@ def _split_by_front(out: BatchStrOutput) -> dict[str | None, BatchStrOutput]:
             completion_tokens=[out.completion_tokens[i] for i in idx],
             cached_tokens=[out.cached_tokens[i] for i in idx],
             logprobs=None if out.logprobs is None else [out.logprobs[i] for i in idx],
-            hidden_states=(
-                None if out.hidden_states is None else [out.hidden_states[i] for i in idx]
-            ),
+            hidden_states=_pick(out.hidden_states, idx),
+            spec_verify_ct=_pick(out.spec_verify_ct, idx),
+            spec_accepted_tokens=_pick(out.spec_accepted_tokens, idx),
+            spec_acceptance_histogram=_pick(out.spec_acceptance_histogram, idx),
         )
     return parts
+
+
+def _pick(values: list | None, idx: list[int]) -> list | None:
+    return None if values is None else [values[i] for i in idx]
 
 
 def _failed_outputs(data: bytes, error: Exception) -> BatchStrOutput:

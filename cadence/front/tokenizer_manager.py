@@ -239,6 +239,12 @@ class TokenizerManager(RequestKind[_ReqState]):
             cached_tokens=out.cached_tokens[i],
             finish_reason=reason,
         )
+        if out.spec_verify_ct and out.spec_verify_ct[i]:  # SGLang's names, once it drafted
+            st.meta.update(
+                spec_verify_ct=out.spec_verify_ct[i],
+                spec_accepted_tokens=(out.spec_accepted_tokens or [0] * (i + 1))[i],
+                spec_acceptance_histogram=(out.spec_acceptance_histogram or [[]] * (i + 1))[i],
+            )
         logprobs = out.logprobs[i] if out.logprobs else None
         if logprobs is not None:
             self._add_logprobs(st, logprobs)

@@ -3,6 +3,7 @@ then sampling and logprobs."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -202,9 +203,11 @@ class ModelRunner(Runner):
     def run(self, batch: ScheduleBatch) -> list[ItemResult]:
         self._zero_fresh_pages(batch.new_pages)
         hidden: dict[int, list[list[float]]] = {}  # item -> its rows' hidden states, when asked
-        if batch.is_decode:
+        if batch.is_decode and not any(item.num_draft for item in batch.items):
             logits = self._forward_decode(batch.items, hidden)
         else:
+            if batch.is_decode:  # a verify step: the next decode starts its state afresh
+                self.release_decode_state()
             logits = self._forward_extend(batch.items, hidden)
         results = self._postprocess(batch.items, logits)
         for i, states in hidden.items():
@@ -252,8 +255,8 @@ class ModelRunner(Runner):
             prefix_lens.append(start)
             seq_lens.append(start + n)
             logits_idx.extend(offset + r for r in item.logprob_rows)
-            if item.sampling is not None:
-                logits_idx.append(offset + n - 1)
+            if item.sampling is not None:  # the last row, and the row before each draft token
+                logits_idx.extend(range(offset + n - 1 - item.num_draft, offset + n))
             if item.return_hidden_states:
                 hidden_rows.append(range(offset, offset + n))
             offset += n
@@ -420,6 +423,7 @@ class ModelRunner(Runner):
         results = [ItemResult() for _ in items]
         offset = 0
         sampled, rows = [], []
+        drafted: list[tuple[int, int]] = []  # (item, its first sampling row) with drafts
         for i, item in enumerate(items):
             num_rows = len(item.logprob_rows)
             if num_rows:
@@ -432,7 +436,9 @@ class ModelRunner(Runner):
                 if results[i].error is None:
                     sampled.append(i)
                     rows.append(offset)
-                offset += 1
+                    if item.num_draft:
+                        drafted.append((i, offset))
+                offset += 1 + item.num_draft
         if sampled:
             _sample_into(
                 results,
@@ -440,6 +446,8 @@ class ModelRunner(Runner):
                 [items[i].sampling for i in sampled],
                 logits if rows == list(range(len(logits))) else logits[rows],
             )
+        if drafted:
+            _verify_drafts(results, items, drafted, logits)
         return results
 
 
@@ -465,6 +473,50 @@ def _sample_into(
                 r.logprob = out.logprobs[j]
                 r.top_logprobs = out.top_logprobs[j]
                 r.token_ids_logprobs = out.token_ids_logprobs[j]
+
+
+def _verify_drafts(
+    results: list[ItemResult],
+    items: list[BatchItem],
+    drafted: list[tuple[int, int]],
+    logits: torch.Tensor,
+) -> None:
+    """Accepts each item's draft tokens while they are what it samples: where the token
+    sampled at row j equals draft token j, row j + 1 (computed after that token) is sampled
+    next, with the accepted tokens as part of the output (penalties, a seed's stream), as a
+    step without drafts would have sampled it; the first token that differs (or the token
+    after the last draft) ends the item's step. What each request outputs is therefore
+    exactly what it would without speculation; drafts only decide how many tokens a step
+    gives. Rows of all items at the same depth are sampled together."""
+    depth = 0
+    active = drafted
+    while active:
+        going = [
+            (i, row)
+            for i, row in active
+            if _last(results[i]).next_id == items[i].token_ids[1 + depth]
+        ]
+        if not going:
+            return
+        depth += 1
+        inputs = []
+        for i, _ in going:
+            base = items[i].sampling
+            taken = [results[i].next_id, *(m.next_id for m in results[i].more)]
+            inputs.append(dataclasses.replace(base, output_ids=[*base.output_ids, *taken]))
+        found = [ItemResult() for _ in going]
+        _sample_into(found, list(range(len(going))), inputs, logits[[r + depth for _, r in going]])
+        active = []
+        for (i, row), result in zip(going, found):
+            if result.error is not None:
+                continue  # the tokens before stand; the next step samples this one again
+            results[i].more.append(result)
+            if depth < items[i].num_draft:
+                active.append((i, row))
+
+
+def _last(result: ItemResult) -> ItemResult:
+    return result.more[-1] if result.more else result
 
 
 def _input_logprobs(result: ItemResult, item: BatchItem, logits: torch.Tensor) -> None:

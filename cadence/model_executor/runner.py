@@ -37,11 +37,16 @@ class BatchItem:
     # Sample the next token from the last row (None: a prefill chunk that is not the last).
     sampling: SamplingInput | None = None
     return_hidden_states: bool = False  # report the final hidden state of every row
+    # Speculative decoding: the last `num_draft` of token_ids are drafted, not yet verified.
+    # The runner samples at the row before each draft token in turn and goes on only while
+    # the token sampled there is the draft token (`ItemResult.more`).
+    num_draft: int = 0
 
 
 @dataclass
 class ScheduleBatch:
-    """One forward step: a prefill (extend) of chunks, or a decode of one token each."""
+    """One forward step: a prefill (extend) of chunks, or a decode of one token each (and
+    the drafted tokens of the requests that have some: a verify step)."""
 
     is_decode: bool
     items: list[BatchItem]
@@ -70,6 +75,10 @@ class ItemResult:
     hidden_states: list[list[float]] | None = None  # per row, when asked: [rows][hidden]
     error: BaseException | None = None  # this request failed alone; the others are valid
     error_stage: str = ""  # what it was doing, for the error message
+    # Speculative decoding: the tokens sampled after next_id in this step, one per draft
+    # token accepted (next_id equal to the first draft token gives the second, ...); each
+    # with its logprobs, as next_id's.
+    more: list[ItemResult] = field(default_factory=list)
 
 
 @dataclass

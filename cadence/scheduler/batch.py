@@ -35,16 +35,21 @@ def extend_item(kv: KVManager, req: Req, n: int, new_pages: list[int]) -> BatchI
     return item
 
 
-def decode_item(kv: KVManager, req: Req, new_pages: list[int]) -> BatchItem:
-    """`req`'s newest token, whose K/V this step computes before sampling the next one."""
-    new_pages.extend(kv.grow(req.admitted_kv, req.seq_len))
+def decode_item(
+    kv: KVManager, req: Req, new_pages: list[int], draft: list[int] | None = None
+) -> BatchItem:
+    """`req`'s newest token, whose K/V this step computes before sampling the next one, and
+    the tokens drafted after it (speculative decoding: their K/V too, to be verified)."""
+    draft = draft or []
+    new_pages.extend(kv.grow(req.admitted_kv, req.seq_len + len(draft)))
     return BatchItem(
         req.rid,
         req.uid,
-        [req.output_ids[-1]],
+        [req.output_ids[-1], *draft],
         req.seq_len - 1,
         req.pages,
         return_hidden_states=req.return_hidden_states,
+        num_draft=len(draft),
     )
 
 

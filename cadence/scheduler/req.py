@@ -44,6 +44,8 @@ class ReqOutput:
     input_top_logprobs: list[list[TokenLogprob]] | None = None
     input_token_ids_logprobs: list[list[TokenLogprob]] | None = None
     hidden_states: list[list[float]] | None = None  # new positions' final hidden states
+    # (verify steps, accepted draft tokens, acceptance histogram) with speculation on
+    spec: tuple[int, int, list[int]] | None = None
 
 
 @dataclass
@@ -93,6 +95,13 @@ class Req:
     input_logprobs_sent: bool = False
     pending_hidden: list[list[float]] = field(default_factory=list)  # not reported yet
     num_hidden_positions: int = 0  # positions whose hidden state was recorded
+    # Speculative decoding (SGLang's SpeculativeDecodingMetricsMixin, per request): verify
+    # steps, draft tokens accepted (the sampled token after them not counted), and how many
+    # steps accepted 0, 1, 2, ... draft tokens; `spec_pace` is its drafting pace.
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_histogram: list[int] = field(default_factory=list)
+    spec_pace: Any = None
 
     @property
     def fill_ids(self) -> list[int]:
@@ -190,6 +199,12 @@ class Req:
         )
         if self.pending_hidden:
             out.hidden_states, self.pending_hidden = self.pending_hidden, []
+        if self.spec_pace is not None:
+            out.spec = (
+                self.spec_verify_ct,
+                self.spec_accepted_tokens,
+                list(self.spec_acceptance_histogram),
+            )
         if self.return_logprob:
             out.output_logprobs, self.pending_logprobs = self.pending_logprobs, []
             out.output_top_logprobs, self.pending_top = self.pending_top, []
@@ -284,7 +299,20 @@ def to_batch_output(outs: list[ReqOutput]) -> BatchTokenIDOutput:
         hidden_states=(
             [o.hidden_states for o in outs] if any(o.hidden_states for o in outs) else None
         ),
+        **_spec_fields(outs),
     )
+
+
+def _spec_fields(outs: list[ReqOutput]) -> dict[str, Any]:
+    """SGLang's per-request speculative metrics, when a request in the batch has drafted."""
+    if not any(o.spec is not None for o in outs):
+        return {}
+    specs = [o.spec or (0, 0, []) for o in outs]
+    return {
+        "spec_verify_ct": [s[0] for s in specs],
+        "spec_accepted_tokens": [s[1] for s in specs],
+        "spec_acceptance_histogram": [s[2] for s in specs],
+    }
 
 
 def to_messages(

@@ -62,6 +62,7 @@ from cadence.scheduler.embedding import EmbeddingQueue, EmbedOutput, embed_req_f
 from cadence.scheduler.profiler import Profiler
 from cadence.scheduler.req import Req, ReqOutput, is_sample_of, req_from_tokenized
 from cadence.scheduler.sessions import SessionController, SessionError, auto_bos
+from cadence.scheduler.speculative import Speculation
 from cadence.scheduler.stop_checker import StopChecker, dead_end_reason
 from cadence.server_args import ServerArgs
 
@@ -109,6 +110,9 @@ class Scheduler:
         # Embedding requests: one forward pass per input, in steps of at most the prefill budget.
         self.embeds = EmbeddingQueue(runner, self.kv, args.chunked_prefill_size)
         self.profiler = Profiler(args.effective_profile_dir, runner.profiler_activities)
+        self.spec = (
+            Speculation(args, self.context_len) if args.speculative_algorithm is not None else None
+        )
 
     def _dispatch_table(self) -> dict[type, Callable[[Any], Any]]:
         return {
@@ -180,6 +184,8 @@ class Scheduler:
         )
         if not busy:
             self.kv.flush()  # what open sessions pin stays (their next turns need it)
+            if self.spec is not None:
+                self.spec.flush()
         return FlushCacheReqOutput(
             success=not busy, message="requests are running; retry when idle" if busy else ""
         )
@@ -380,7 +386,14 @@ class Scheduler:
             items = [extend_item(self.kv, req, n, new_pages) for req, n in extend]
         elif self.running:
             reqs = list(self.running)
-            items = [decode_item(self.kv, req, new_pages) for req in reqs]
+            drafts = (
+                self.spec.drafts(reqs, self.stops.suppressed_ids)
+                if self.spec is not None
+                else [[]] * len(reqs)
+            )
+            items = [
+                decode_item(self.kv, req, new_pages, draft) for req, draft in zip(reqs, drafts)
+            ]
         else:
             return None, []
         batch = ScheduleBatch(is_decode=not extend, items=items, new_pages=new_pages)
@@ -415,7 +428,10 @@ class Scheduler:
             req.record_input_logprobs(result.input_logprobs, result.input_top, result.input_given)
         if result.hidden_states:
             req.record_hidden_states(item.start, result.hidden_states)
-        req.num_computed = item.start + len(item.token_ids)
+        # A verify step computed the K/V of its drafts too, but only the accepted ones count.
+        req.num_computed = item.start + len(item.token_ids) - item.num_draft + len(result.more)
+        if item.num_draft and self.spec is not None:
+            self.spec.verified(req, item.num_draft, result)
         if not batch.is_decode:
             self._cache_progress(req)
             if req.num_computed < len(req.fill_ids):
@@ -427,6 +443,10 @@ class Scheduler:
             self.running.append(req)
         if result.next_id is not None:
             self._take_token(req, result)
+        for more in result.more:  # accepted drafts: the tokens after them, while it runs
+            if req.is_finished:
+                break
+            self._take_token(req, more)
 
     def _take_token(self, req: Req, result: ItemResult) -> None:
         """`req` sampled `result.next_id`: record it, then end the request or stream it."""
@@ -478,6 +498,8 @@ class Scheduler:
         ok = not reason.get("request_fault")
         if ok and req.is_admitted:
             self._cache_progress(req)
+        if ok and self.spec is not None and reason.get("type") != "abort":
+            self.spec.finished(req)
         self.sessions.on_end(req, ok)  # pins what it leaves in the cache before it lets go
         self._release(req)
         self.outputs.append(req.next_output())

@@ -1,0 +1,192 @@
+"""Speculative decoding (`--speculative-algorithm NGRAM`) changes how many tokens a step gives,
+never which: outputs with it are byte-identical to outputs without it, greedy and seeded
+sampling alike, single and batched, quantized and dense, through prefix-cache hits, stop
+strings and length cuts; and nothing it drafts outlives the request (every KV page back,
+the prefix cache holding only accepted tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from conftest import _load, engine_state
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SPEC = {"speculative_algorithm": "NGRAM"}
+GREEDY = {"temperature": 0.0, "max_new_tokens": 16}
+
+SNIPPETS = [
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    '{"name": "Widget", "price": 12.5, "tags": ["a", "b"], "stock": 40}',
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n",
+    "Roses are red, violets are blue, sugar is sweet, and so are you.",
+    "SELECT id, name FROM users WHERE age > 30 ORDER BY name;",
+]
+ASKS = [
+    "Repeat this exactly: {s}",
+    "Copy the following text twice.\n{s}\n",
+    "Rewrite this with every word in capitals: {s}",
+    "Quote it back to me: {s} Quote: {s}",
+    "What is {n} plus {m}?",
+    "Name {n} animals that live in the sea.",
+    "Write a haiku about the number {n}.",
+    "Explain in one sentence why the sky is blue, version {n}.",
+]
+
+
+def prompts(count: int, seed: int = 34) -> list[str]:
+    """Deterministic prompts: half ask to copy or edit a span (long drafts get accepted),
+    half are ordinary questions (drafts mostly fail)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        ask = ASKS[i % len(ASKS)]
+        out.append(ask.format(s=rng.choice(SNIPPETS), n=rng.randint(2, 99), m=rng.randint(2, 99)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec_engine():
+    e = _load(**SPEC)
+    yield e
+    e.shutdown()
+
+
+def texts(results) -> list[str]:
+    return [r["text"] for r in results]
+
+
+def assert_clean(engine) -> None:
+    state = engine_state(engine)
+    assert state["in_use_pages"] == 0, state
+    assert state["free_pages"] == state["num_pages"], state
+
+
+def test_greedy_outputs_are_identical_on_200_prompts_batched(engine, spec_engine):
+    batch = prompts(200)
+    params = [dict(GREEDY) for _ in batch]
+    want = texts(engine.generate(batch, params))
+    got = spec_engine.generate(batch, params)
+    assert texts(got) == want
+    drafted = [r["meta_info"] for r in got if "spec_verify_ct" in r["meta_info"]]
+    assert drafted, "no request drafted anything: the check above proves nothing"
+    assert sum(m["spec_accepted_tokens"] for m in drafted) > len(drafted)
+    assert_clean(spec_engine)
+
+
+def test_single_requests_with_stops_and_cache_hits_are_identical(engine, spec_engine):
+    cases = []
+    for p in prompts(12, seed=7):
+        cases.append((p, dict(GREEDY, max_new_tokens=40)))
+        cases.append((p, dict(GREEDY, max_new_tokens=40, stop=[" the", "\n\n"])))
+        cases.append((p, dict(GREEDY, max_new_tokens=5)))  # the cut lands inside a run
+    for prompt, params in cases:  # the same prompts again: prefix-cache hits
+        assert (
+            spec_engine.generate(prompt, params)["text"]
+            == (engine.generate(prompt, params)["text"])
+        ), (prompt, params)
+    assert_clean(spec_engine)
+
+
+def test_seeded_sampling_with_penalties_is_identical(engine, spec_engine):
+    """The verifier samples each position as a step without drafts would (the same seeded
+    stream, penalties over the tokens accepted before it): the same tokens come out."""
+    batch = prompts(24, seed=11)
+    params = [
+        {
+            "temperature": 0.8,
+            "top_p": 0.95,
+            "seed": 1000 + i,
+            "max_new_tokens": 24,
+            "frequency_penalty": 0.3 if i % 2 else 0.0,
+            "repetition_penalty": 1.1 if i % 3 == 0 else 1.0,
+        }
+        for i in range(len(batch))
+    ]
+    assert texts(spec_engine.generate(batch, params)) == texts(engine.generate(batch, params))
+
+
+def test_logprobs_of_every_accepted_token_match(engine, spec_engine):
+    prompt = "Repeat this exactly: " + SNIPPETS[0] * 2
+    params = dict(GREEDY, max_new_tokens=24)
+    kwargs = {"return_logprob": True, "top_logprobs_num": 2}
+    want = engine.generate(prompt, params, **kwargs)["meta_info"]
+    got = spec_engine.generate(prompt, params, **kwargs)["meta_info"]
+    assert got["spec_accepted_tokens"] > 0
+    assert len(got["output_token_logprobs"]) == got["completion_tokens"] == 24
+    for (lp_got, id_got, _), (lp_want, id_want, _) in zip(
+        got["output_token_logprobs"], want["output_token_logprobs"]
+    ):
+        assert id_got == id_want
+        assert lp_got == pytest.approx(lp_want, abs=1e-3)
+    assert [[i for _, i, _ in row] for row in got["output_top_logprobs"]] == [
+        [i for _, i, _ in row] for row in want["output_top_logprobs"]
+    ]
+
+
+def test_metrics_say_what_the_verifier_did(spec_engine):
+    prompt = "Copy the following text twice.\n" + SNIPPETS[2] + "\n"
+    meta = spec_engine.generate(prompt, dict(GREEDY, max_new_tokens=48))["meta_info"]
+    verify, accepted, histogram = (
+        meta["spec_verify_ct"],
+        meta["spec_accepted_tokens"],
+        meta["spec_acceptance_histogram"],
+    )
+    assert sum(histogram) == verify > 0
+    assert sum(k * n for k, n in enumerate(histogram)) == accepted
+    # Each verify step gives its accepted drafts and one sampled token; plain steps one.
+    assert accepted + verify <= meta["completion_tokens"]
+
+
+def test_structured_output_and_n_above_one_keep_working(spec_engine, engine):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = dict(GREEDY, max_new_tokens=32, json_schema=__import__("json").dumps(schema))
+    prompt = "Give a JSON object with an integer a: " + SNIPPETS[1]
+    assert spec_engine.generate(prompt, params)["text"] == engine.generate(prompt, params)["text"]
+    many = dict(GREEDY, n=3)
+    got = spec_engine.generate("Repeat this exactly: " + SNIPPETS[3], many)
+    want = engine.generate("Repeat this exactly: " + SNIPPETS[3], many)
+    assert texts(got) == texts(want)
+    assert_clean(spec_engine)
+
+
+async def test_an_abort_in_the_middle_leaves_nothing(spec_engine):
+    prompt = "Copy the following text twice.\n" + SNIPPETS[2] * 3
+    endless = {"temperature": 0.0, "max_new_tokens": 400, "ignore_eos": True}
+    gen = spec_engine.async_generate(prompt, endless, stream=True, rid="spec-abort")
+    chunks = 0
+    async for _ in gen:
+        chunks += 1
+        if chunks == 5:
+            break  # leaving the stream aborts the request, between verify steps or not
+    await gen.aclose()
+    for _ in range(100):
+        if engine_state(spec_engine)["in_use_pages"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert_clean(spec_engine)
+
+
+def test_dense_weights_too(dequantized_engine):
+    spec = _load(dequantize=True, max_total_tokens=2048, **SPEC)
+    try:
+        batch = prompts(24, seed=5)
+        params = [dict(GREEDY, max_new_tokens=24) for _ in batch]
+        assert texts(spec.generate(batch, params)) == texts(
+            dequantized_engine.generate(batch, params)
+        )
+        assert_clean(spec)
+    finally:
+        spec.shutdown()
+
+
+def test_unknown_and_draft_model_algorithms_are_refused_at_start():
+    from cadence.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="needs a draft model"):
+        ServerArgs(speculative_algorithm="EAGLE")
+    with pytest.raises(ValueError, match="must be NGRAM"):
+        ServerArgs(speculative_algorithm="MEDUSA")

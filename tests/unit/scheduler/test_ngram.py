@@ -1,0 +1,80 @@
+"""The n-gram drafter: prompt lookup in a request's own tokens (longest suffix match, the
+most recent occurrence on ties), the shared store of finished outputs (BFS: the most
+recent continuation, PROB: the most frequent; bounded), and the drafting pace."""
+
+from __future__ import annotations
+
+import pytest
+
+from cadence.scheduler.ngram import DraftPace, NgramConfig, NgramDrafter
+
+
+def config(**changes) -> NgramConfig:
+    base = dict(
+        num_draft_tokens=6,
+        min_match_window=1,
+        max_match_window=4,
+        max_bfs_breadth=3,
+        match_type="BFS",
+        branch_length=8,
+        capacity=1000,
+    )
+    return NgramConfig(**{**base, **changes})
+
+
+def test_the_longest_suffix_match_wins_and_its_continuation_is_drafted():
+    d = NgramDrafter(config())
+    #            0  1  2  3  4  5  6  7  8  9 10
+    tokens = [1, 2, 3, 9, 8, 7, 2, 3, 4, 5, 1, 2, 3]
+    # "1 2 3" occurs at 0 (followed by 9 8 7 ...); "2 3" also at 6 (followed by 4 5): the
+    # longer match is the better evidence.
+    assert d.draft(tokens, 4) == [9, 8, 7, 2]
+
+
+def test_the_most_recent_occurrence_wins_a_tie_and_limits_hold():
+    d = NgramDrafter(config())
+    tokens = [5, 6, 1, 5, 6, 2, 5, 6]
+    assert d.draft(tokens, 1) == [2]
+    assert d.draft(tokens, 0) == []
+    assert len(d.draft(tokens, 99)) <= 5  # num_draft_tokens counts the verified token
+
+
+def test_no_match_no_draft():
+    d = NgramDrafter(config(min_match_window=2))
+    assert d.draft([1, 2, 3, 4], 4) == []
+    assert d.draft([7], 4) == []
+
+
+@pytest.mark.parametrize("match_type, want", [("BFS", [30, 31]), ("PROB", [20, 21])])
+def test_the_store_drafts_by_recency_or_frequency(match_type, want):
+    d = NgramDrafter(config(match_type=match_type, min_match_window=2))
+    for tail in ([20, 21], [20, 21], [30, 31]):
+        d.remember([100, 101, 7, 8, *tail], start=2)
+    # The request itself has never seen 7 8: the store answers.
+    assert d.draft([55, 7, 8], 2) == want
+
+
+def test_the_store_forgets_the_least_recently_used_beyond_its_capacity():
+    d = NgramDrafter(config(capacity=10, min_match_window=2, max_match_window=2))
+    for i in range(50):
+        d.remember([1000 + i, 2000 + i, 3000 + i, 4000 + i], start=0)
+    assert d.store_size <= 10
+    assert d.draft([9, 1049, 2049], 2) == [3049, 4049]  # the newest is still there
+    d.clear()
+    assert d.store_size == 0
+
+
+def test_the_pace_backs_off_after_misses_and_grows_after_hits():
+    pace = DraftPace(length=8)
+    pace.update(proposed=8, accepted=0, max_draft=8)
+    assert pace.length == 4 and pace.wait == 1
+    assert not pace.drafting() and pace.drafting()
+    pace.update(proposed=4, accepted=0, max_draft=8)
+    assert pace.length == 2 and pace.wait == 3
+    pace.update(proposed=2, accepted=2, max_draft=8)  # all right: draft twice as far
+    assert pace.length == 4 and pace.misses == 0
+    pace.update(proposed=4, accepted=4, max_draft=8)
+    pace.update(proposed=8, accepted=8, max_draft=8)
+    assert pace.length == 8
+    pace.update(proposed=8, accepted=1, max_draft=8)  # partly right: a little past that
+    assert pace.length == 3
