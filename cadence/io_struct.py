@@ -342,6 +342,7 @@ class BatchTokenIDOutput(_Message, kw_only=True):
     # when no request in the batch drafted.
     spec_verify_ct: list[int] | None = None
     spec_accepted_tokens: list[int] | None = None
+    spec_proposed_tokens: list[int] | None = None  # draft tokens verified, accepted or not
     spec_acceptance_histogram: list[list[int]] | None = None
 
 
@@ -360,6 +361,7 @@ class BatchStrOutput(_Message, kw_only=True):
     hidden_states: list[list[list[float]] | None] | None = None  # passed through as well
     spec_verify_ct: list[int] | None = None  # passed through as well
     spec_accepted_tokens: list[int] | None = None
+    spec_proposed_tokens: list[int] | None = None
     spec_acceptance_histogram: list[list[int]] | None = None
 
 
@@ -487,6 +489,12 @@ class GetLoadReqOutput(_ControlMessage, kw_only=True):
     token_usage: float  # num_used_tokens / max_total_num_tokens
     gen_throughput: float  # recent decode throughput, tokens/s
     cache_hit_rate: float  # recent fraction of prompt tokens served from the cache
+    # Speculative decoding (None when off): tokens a verify step gave a request on average,
+    # the sampled one included, and the share of draft tokens accepted; over recent verify
+    # steps, and the first since start (SGLang's avg_spec_accept_length).
+    spec_accept_length: float | None = None
+    spec_accept_rate: float | None = None
+    avg_spec_accept_length: float | None = None
 
 
 class ProfileReq(_ControlMessage, kw_only=True):

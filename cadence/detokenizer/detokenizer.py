@@ -108,6 +108,7 @@ class Detokenizer:
             hidden_states=batch.hidden_states,
             spec_verify_ct=batch.spec_verify_ct,
             spec_accepted_tokens=batch.spec_accepted_tokens,
+            spec_proposed_tokens=batch.spec_proposed_tokens,
             spec_acceptance_histogram=batch.spec_acceptance_histogram,
         )
 

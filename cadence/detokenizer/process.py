@@ -40,6 +40,7 @@ def _split_by_front(out: BatchStrOutput) -> dict[str | None, BatchStrOutput]:
             hidden_states=_pick(out.hidden_states, idx),
             spec_verify_ct=_pick(out.spec_verify_ct, idx),
             spec_accepted_tokens=_pick(out.spec_accepted_tokens, idx),
+            spec_proposed_tokens=_pick(out.spec_proposed_tokens, idx),
             spec_acceptance_histogram=_pick(out.spec_acceptance_histogram, idx),
         )
     return parts

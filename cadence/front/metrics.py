@@ -54,6 +54,14 @@ SCHEDULER_GAUGES = {
     ),
     "sglang:gen_throughput": ("gen_throughput", "Recent generation throughput (tokens/s)."),
     "sglang:max_total_num_tokens": ("max_total_num_tokens", "KV pool capacity in tokens."),
+    "sglang:spec_accept_length": (
+        "spec_accept_length",
+        "Tokens a speculative verify step gives a request on average (recent steps).",
+    ),
+    "sglang:spec_accept_rate": (
+        "spec_accept_rate",
+        "Share of drafted tokens accepted (recent verify steps).",
+    ),
 }
 
 
@@ -235,7 +243,7 @@ def render(load: dict[str, Any] | None, model: str, extra: Sequence[str] = ()) -
     lines = [body.rstrip("\n")] if body.strip() else []
     if load is not None:
         for name, (key, help_text) in SCHEDULER_GAUGES.items():
-            if key in load:
+            if load.get(key) is not None:
                 lines += [
                     f"# HELP {name} {help_text}",
                     f"# TYPE {name} gauge",

@@ -239,12 +239,8 @@ class TokenizerManager(RequestKind[_ReqState]):
             cached_tokens=out.cached_tokens[i],
             finish_reason=reason,
         )
-        if out.spec_verify_ct and out.spec_verify_ct[i]:  # SGLang's names, once it drafted
-            st.meta.update(
-                spec_verify_ct=out.spec_verify_ct[i],
-                spec_accepted_tokens=(out.spec_accepted_tokens or [0] * (i + 1))[i],
-                spec_acceptance_histogram=(out.spec_acceptance_histogram or [[]] * (i + 1))[i],
-            )
+        if out.spec_verify_ct and out.spec_verify_ct[i]:  # once it drafted
+            st.meta.update(spec_meta(out, i))
         logprobs = out.logprobs[i] if out.logprobs else None
         if logprobs is not None:
             self._add_logprobs(st, logprobs)
@@ -278,3 +274,21 @@ class TokenizerManager(RequestKind[_ReqState]):
         live = [self.book.get(rid) for rid in rids]
         produced = sum(len(st.output_ids) for st in live if isinstance(st, _ReqState))
         return produced - consumed if produced else 0
+
+
+def spec_meta(out: BatchStrOutput, i: int) -> dict:
+    """Speculative decoding's figures of request i, by SGLang's meta_info names: verify steps,
+    draft tokens accepted (the token sampled after them not counted) and proposed, steps by
+    number accepted; the rate accepted / proposed and the tokens a verify step gave on
+    average (the sampled one included)."""
+    verify = (out.spec_verify_ct or [0] * (i + 1))[i]
+    accepted = (out.spec_accepted_tokens or [0] * (i + 1))[i]
+    proposed = (out.spec_proposed_tokens or [0] * (i + 1))[i]
+    return {
+        "spec_verify_ct": verify,
+        "spec_accepted_tokens": accepted,
+        "spec_num_proposed_drafts": proposed,
+        "spec_acceptance_histogram": (out.spec_acceptance_histogram or [[]] * (i + 1))[i],
+        "spec_accept_rate": accepted / proposed if proposed else 0.0,
+        "spec_accept_length": (accepted + verify) / verify if verify else 0.0,
+    }

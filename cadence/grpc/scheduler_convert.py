@@ -245,6 +245,8 @@ def complete_response(request_id: str, result: dict, index: int) -> pb.GenerateR
             output_logprobs=output_logprobs(meta),
             input_logprobs=input_logprobs(meta),
             index=index,
+            spec_accepted_tokens=meta.get("spec_accepted_tokens", 0),
+            spec_draft_tokens=meta.get("spec_num_proposed_drafts", 0),
             **matched,
         ),
     )

@@ -439,6 +439,9 @@ def _scheduler_load(load, max_running: int, sections: set[str]) -> pb.SchedulerL
         entry.memory.token_capacity = load.max_total_num_tokens
     if sections & {"queues", "all"}:
         entry.queues.waiting = load.num_waiting_reqs
+    if load.spec_accept_length is not None:
+        entry.speculative.accept_length = load.spec_accept_length
+        entry.speculative.accept_rate = load.spec_accept_rate or 0.0
     return entry
 
 

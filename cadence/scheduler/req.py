@@ -44,8 +44,9 @@ class ReqOutput:
     input_top_logprobs: list[list[TokenLogprob]] | None = None
     input_token_ids_logprobs: list[list[TokenLogprob]] | None = None
     hidden_states: list[list[float]] | None = None  # new positions' final hidden states
-    # (verify steps, accepted draft tokens, acceptance histogram) with speculation on
-    spec: tuple[int, int, list[int]] | None = None
+    # (verify steps, accepted draft tokens, proposed draft tokens, acceptance histogram)
+    # once speculation is on for it
+    spec: tuple[int, int, int, list[int]] | None = None
 
 
 @dataclass
@@ -100,6 +101,7 @@ class Req:
     # steps accepted 0, 1, 2, ... draft tokens; `spec_pace` is its drafting pace.
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+    spec_proposed_tokens: int = 0  # draft tokens verified (accepted or not)
     spec_acceptance_histogram: list[int] = field(default_factory=list)
     spec_pace: Any = None
 
@@ -203,6 +205,7 @@ class Req:
             out.spec = (
                 self.spec_verify_ct,
                 self.spec_accepted_tokens,
+                self.spec_proposed_tokens,
                 list(self.spec_acceptance_histogram),
             )
         if self.return_logprob:
@@ -307,11 +310,12 @@ def _spec_fields(outs: list[ReqOutput]) -> dict[str, Any]:
     """SGLang's per-request speculative metrics, when a request in the batch has drafted."""
     if not any(o.spec is not None for o in outs):
         return {}
-    specs = [o.spec or (0, 0, []) for o in outs]
+    specs = [o.spec or (0, 0, 0, []) for o in outs]
     return {
         "spec_verify_ct": [s[0] for s in specs],
         "spec_accepted_tokens": [s[1] for s in specs],
-        "spec_acceptance_histogram": [s[2] for s in specs],
+        "spec_proposed_tokens": [s[2] for s in specs],
+        "spec_acceptance_histogram": [s[3] for s in specs],
     }
 
 

@@ -211,7 +211,7 @@ class Scheduler:
     def _on_get_load(self, msg: GetLoadReqInput) -> GetLoadReqOutput:
         usage = self.kv.usage()
         used, total = usage.num_used_tokens, usage.num_tokens
-        return GetLoadReqOutput(
+        load = GetLoadReqOutput(
             dp_rank=0,
             num_running_reqs=len(self.running) + (1 if self.chunked else 0),
             num_waiting_reqs=len(self.waiting) + len(self.grammars or ()) + self.embeds.num_waiting,
@@ -222,6 +222,11 @@ class Scheduler:
             gen_throughput=self.throughput(),
             cache_hit_rate=self.cache_hit_rate(),
         )
+        if self.spec is not None:
+            (load.spec_accept_length, load.spec_accept_rate, load.avg_spec_accept_length) = (
+                self.spec.load_figures()
+            )
+        return load
 
     def _on_profile(self, msg: ProfileReq) -> ProfileReqOutput:
         if msg.action == "start":

@@ -18,6 +18,7 @@ larger than a prefill chunk.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from cadence.model_executor.runner import ItemResult
@@ -25,25 +26,31 @@ from cadence.scheduler.ngram import DraftPace, NgramConfig, NgramDrafter
 from cadence.scheduler.req import Req
 from cadence.server_args import ServerArgs
 
+RECENT_VERIFIES = 1024  # request-steps the load report's gauges are over
+
 
 @dataclass
 class SpecStats:
-    """Counters since start, for /metrics, /server_info and the load report."""
+    """Verify counters since start and over the last RECENT_VERIFIES request-steps, for the
+    load report (/metrics gauges, /server_info, gRPC GetLoads)."""
 
     verify_steps: int = 0  # request-steps that verified a draft
     proposed: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
-    recent: list[tuple[int, int]] = field(default_factory=list)  # (accepted, steps) per step
+    recent: deque[tuple[int, int]] = field(
+        default_factory=lambda: deque(maxlen=RECENT_VERIFIES)
+    )  # (proposed, accepted) per request-step
 
-    @property
-    def accept_length(self) -> float:
-        """Tokens a verify gives a request on average, the sampled one included (SGLang's
-        avg_spec_accept_length)."""
-        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+    def add(self, proposed: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        self.recent.append((proposed, accepted))
 
-    @property
-    def accept_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
+
+def _length(steps: int, accepted: int) -> float:
+    """Tokens a verify step gave on average: the accepted drafts and the sampled token."""
+    return (accepted + steps) / steps if steps else 0.0
 
 
 def ngram_config(args: ServerArgs) -> NgramConfig:
@@ -99,15 +106,25 @@ class Speculation:
         accepted = len(result.more)
         req.spec_verify_ct += 1
         req.spec_accepted_tokens += accepted
+        req.spec_proposed_tokens += num_draft
         histogram = req.spec_acceptance_histogram
         histogram.extend([0] * (accepted + 1 - len(histogram)))
         histogram[accepted] += 1
         if req.spec_pace is not None:
             req.spec_pace.update(num_draft, accepted, self.config.max_draft)
+        self.stats.add(num_draft, accepted)
+
+    def load_figures(self) -> tuple[float, float, float]:
+        """The load report's spec_accept_length, spec_accept_rate (both over recent verify
+        steps) and avg_spec_accept_length (since start); see GetLoadReqOutput."""
         stats = self.stats
-        stats.verify_steps += 1
-        stats.proposed += num_draft
-        stats.accepted += accepted
+        proposed = sum(p for p, _ in stats.recent)
+        accepted = sum(a for _, a in stats.recent)
+        return (
+            _length(len(stats.recent), accepted),
+            accepted / proposed if proposed else 0.0,
+            _length(stats.verify_steps, stats.accepted),
+        )
 
     def finished(self, req: Req) -> None:
         """A request ended well: its output joins the shared n-gram store."""

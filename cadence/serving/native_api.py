@@ -37,6 +37,8 @@ LOAD_FIELDS = (
     "token_usage",
     "gen_throughput",
     "cache_hit_rate",
+    "spec_accept_length",
+    "spec_accept_rate",
 )
 
 
@@ -132,6 +134,8 @@ async def server_info(state) -> dict[str, Any]:
             num_waiting_reqs=load.num_waiting_reqs,
             token_usage=load.token_usage,
         )
+        if load.avg_spec_accept_length is not None:  # speculative decoding is on
+            rank["avg_spec_accept_length"] = load.avg_spec_accept_length
     body["internal_states"] = [rank]
     return body
 

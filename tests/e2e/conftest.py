@@ -58,6 +58,8 @@ SERVER_SPECS: dict[str, list[str]] = {
         *("--enable-priority-scheduling", "--incremental-streaming-output"),
         *("--strict-model-name", "--served-model-name", "tiny,tiny-alias"),
     ],
+    # Speculative decoding (test_speculative_e2e.py): the same text as `server`, faster.
+    "spec_server": ["--speculative-algorithm", "NGRAM", *_SMALL],
     # A short watchdog: SIGSTOP of a child must bring the server down within seconds.
     "stall_server": ["--watchdog-timeout", "3", *_SMALL],
     # Two front processes over one scheduler (test_api_workers.py).
