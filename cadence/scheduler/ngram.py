@@ -19,7 +19,7 @@ its drafts: only how many tokens one forward step gives it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -161,11 +161,23 @@ class NgramDrafter:
 @dataclass
 class DraftPace:
     """One request's drafting pace: how many tokens to draft next, backing off while its
-    drafts keep failing so that ordinary chat pays (almost) nothing for speculation."""
+    drafts keep failing so that ordinary chat pays (almost) nothing for speculation, and how
+    likely its next draft token is to be accepted (recent verify steps weigh most)."""
 
     length: int  # tokens drafted next time
     wait: int = 0  # decode steps left before the next draft
     misses: int = 0  # verify steps in a row that accepted nothing
+    hits: float = 0.0  # draft tokens accepted, decayed
+    breaks: float = 0.0  # drafts that broke before their end, decayed
+    # A draft found but not verified (not worth it this step), checked against the tokens
+    # the request samples instead, so its acceptance record goes on without verifying.
+    shadow: list[int] = field(default_factory=list)
+    shadow_matched: int = 0
+
+    def accept_prob(self, prior: float) -> float:
+        """The chance that a draft token is accepted once those before it were: accepted
+        tokens over accepted tokens and breaks, with `prior` as two observations' worth."""
+        return (self.hits + 2 * prior) / (self.hits + self.breaks + 2)
 
     def drafting(self) -> bool:
         if self.wait > 0:
@@ -173,8 +185,32 @@ class DraftPace:
             return False
         return True
 
+    def record(self, proposed: int, accepted: int) -> None:
+        self.hits = 0.8 * self.hits + accepted
+        self.breaks = 0.8 * self.breaks + (accepted < proposed)
+
+    def follow(self, draft: list[int]) -> None:
+        """Checks `draft` against the coming tokens instead of verifying it."""
+        if not self.shadow:
+            self.shadow, self.shadow_matched = list(draft), 0
+
+    def sampled(self, token: int) -> None:
+        """A token sampled without a draft: the draft being followed matched it or broke."""
+        if not self.shadow:
+            return
+        proposed = self.shadow_matched + len(self.shadow)
+        if token == self.shadow[0]:
+            self.shadow.pop(0)
+            self.shadow_matched += 1
+            if self.shadow:
+                return
+        self.record(proposed, self.shadow_matched)
+        self.shadow = []
+
     def update(self, proposed: int, accepted: int, max_draft: int) -> None:
         """After a verify step of `proposed` drafts, `accepted` of them right."""
+        self.record(proposed, accepted)
+        self.shadow = []
         if accepted == 0:
             self.misses += 1
             self.wait = (1 << min(self.misses, 5)) - 1  # 1, 3, 7, ... 31 steps without

@@ -367,7 +367,12 @@ class Scheduler:
             self._take_compiled(self.grammars)
         batch, reqs = self._schedule()
         if batch is not None:
-            self._postprocess(batch, reqs, self.runner.run(batch))
+            started = time.perf_counter()
+            results = self.runner.run(batch)
+            if batch.is_decode and self.spec is not None:  # what a step of this size costs
+                verified = any(item.num_draft for item in batch.items)
+                self.spec.cost.observe(batch.num_tokens, time.perf_counter() - started, verified)
+            self._postprocess(batch, reqs, results)
         elif self.grammars and not self.outputs:
             self.grammars.wait(GRAMMAR_POLL_S)  # nothing runs: wait for a compile, briefly
         if not self.running:
@@ -435,8 +440,11 @@ class Scheduler:
             req.record_hidden_states(item.start, result.hidden_states)
         # A verify step computed the K/V of its drafts too, but only the accepted ones count.
         req.num_computed = item.start + len(item.token_ids) - item.num_draft + len(result.more)
-        if item.num_draft and self.spec is not None:
-            self.spec.verified(req, item.num_draft, result)
+        if self.spec is not None and batch.is_decode:
+            if item.num_draft:
+                self.spec.verified(req, item.num_draft, result)
+            elif result.next_id is not None:
+                self.spec.sampled(req, result.next_id)
         if not batch.is_decode:
             self._cache_progress(req)
             if req.num_computed < len(req.fill_ids):

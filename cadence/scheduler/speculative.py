@@ -18,8 +18,11 @@ larger than a prefill chunk.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from cadence.model_executor.runner import ItemResult
 from cadence.scheduler.ngram import DraftPace, NgramConfig, NgramDrafter
@@ -27,6 +30,62 @@ from cadence.scheduler.req import Req
 from cadence.server_args import ServerArgs
 
 RECENT_VERIFIES = 1024  # request-steps the load report's gauges are over
+EXPLORE_STEPS = 8  # verify steps timed before a plain step may be preferred to verifying
+EXPLORE_EVERY = 32  # plain steps in a row (with drafts found) before one verifies anyway
+COST_SAMPLES = 128  # recent steps of each kind the step-cost lines are fit over
+# Until steps of different sizes are timed: an extra token costs this share of a step.
+DEFAULT_TOKEN_COST = 0.25
+
+
+def _line(samples: deque[tuple[int, float]]) -> tuple[float, float] | None:
+    """(a, m) of seconds = a + m * tokens over `samples`; None until two sizes were seen."""
+    if len({n for n, _ in samples}) < 2:
+        return None
+    n = np.array([s[0] for s in samples], dtype=np.float64)
+    t = np.array([s[1] for s in samples], dtype=np.float64)
+    m, a = np.polyfit(n, t, 1)
+    m = max(float(m), 1e-6)
+    return max(float(a), m), m
+
+
+class StepCost:
+    """Seconds of a plain decode step and of a verify step, each as a + m * tokens, fit over
+    recent steps of its kind: what one more draft token costs here (a few percent of a step
+    where weights are read once for all rows, a large share where compute bounds it), and
+    what verifying at all costs over a plain step (the verify path may be slower per step)."""
+
+    def __init__(self) -> None:
+        self.plain: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES)
+        self.verify: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES)
+        self.plain_streak = 0  # plain steps since the last verify step
+
+    def observe(self, tokens: int, seconds: float, verified: bool) -> None:
+        (self.verify if verified else self.plain).append((tokens, seconds))
+        self.plain_streak = 0 if verified else self.plain_streak + 1
+
+    @property
+    def exploring(self) -> bool:
+        """Verify whatever the estimates say: too few verify steps timed yet, or none for a
+        while (the batch, the context and so the costs have moved since)."""
+        return len(self.verify) < EXPLORE_STEPS or self.plain_streak >= EXPLORE_EVERY
+
+    def plain_seconds(self, tokens: int) -> float:
+        line = _line(self.plain)
+        if line is not None:
+            return line[0] + line[1] * tokens
+        if self.plain:
+            return sum(t for _, t in self.plain) / len(self.plain)
+        return 1.0 + DEFAULT_TOKEN_COST * tokens  # in units of a step: only ratios matter
+
+    def verify_line(self, batch: int) -> tuple[float, float]:
+        """(a, m) of a verify step; until measured, a plain step's with the default cost of
+        an extra token."""
+        line = _line(self.verify)
+        if line is not None:
+            return line
+        base = self.plain_seconds(batch)
+        m = DEFAULT_TOKEN_COST * base / max(batch, 1)
+        return base - m * batch, m
 
 
 @dataclass
@@ -40,6 +99,13 @@ class SpecStats:
     recent: deque[tuple[int, int]] = field(
         default_factory=lambda: deque(maxlen=RECENT_VERIFIES)
     )  # (proposed, accepted) per request-step
+
+    @property
+    def prior(self) -> float:
+        """The chance a draft token is accepted, over recent verify steps (0.6 before any):
+        what a request's own record starts from."""
+        proposed = sum(p for p, _ in self.recent)
+        return sum(a for _, a in self.recent) / proposed if proposed else 0.6
 
     def add(self, proposed: int, accepted: int) -> None:
         self.verify_steps += 1
@@ -74,23 +140,67 @@ class Speculation:
         self.context_len = context_len
         self.budget = max(args.chunked_prefill_size, self.config.max_draft)
         self.stats = SpecStats()
+        self.cost = StepCost()
 
     def drafts(self, reqs: list[Req], suppressed) -> list[list[int]]:
-        """This step's draft of each request (mostly []), within the step's budget."""
-        left = self.budget
-        out: list[list[int]] = []
+        """This step's draft of each request (mostly []): each drafts what matches, then
+        `_allocate` keeps the draft tokens worth verifying."""
+        found: list[list[int]] = []
         for req in reqs:
             draft: list[int] = []
-            if left > 0 and self._may_draft(req, suppressed):
+            if self._may_draft(req, suppressed):
                 pace = req.spec_pace
                 if pace is None:
                     pace = req.spec_pace = DraftPace(self.config.max_draft)
                 if pace.drafting():
                     room = req.total_tokens_needed(self.context_len) - req.seq_len
-                    draft = self.drafter.draft(req.fill_ids, min(pace.length, room, left))
-                    left -= len(draft)
-            out.append(draft)
-        return out
+                    draft = self.drafter.draft(req.fill_ids, min(pace.length, room))
+            found.append(draft)
+        if not any(found):
+            return found
+        keep = self._allocate(reqs, found)
+        for i, draft in enumerate(found):
+            if draft and i not in keep:
+                reqs[i].spec_pace.follow(draft)
+        return [draft[: keep.get(i, 0)] for i, draft in enumerate(found)]
+
+    @staticmethod
+    def sampled(req: Req, token: int) -> None:
+        """`req` sampled `token` in a step without a draft of its own."""
+        if req.spec_pace is not None:
+            req.spec_pace.sampled(token)
+
+    def _allocate(self, reqs: list[Req], found: list[list[int]]) -> dict[int, int]:
+        """How many of its draft tokens each request verifies. A verify step's time is
+        a + m per token (`StepCost`); the j-th draft token of a request whose tokens are
+        accepted with probability p adds p^j expected tokens for m more seconds. Tokens are
+        taken best first while they raise the step's expected tokens per second, within the
+        budget; then the step verifies only if that beats a plain decode step. So long drafts
+        on a busy batch (where extra tokens cost the most) are cut to their likely part, and
+        drafts too unlikely to pay for the verify are dropped."""
+        batch = len(reqs)
+        a, m = self.cost.verify_line(batch)
+        prior = self.stats.prior
+        tokens, seconds = float(batch), a + m * batch
+        heap = []
+        for i, draft in enumerate(found):
+            if draft:
+                p = reqs[i].spec_pace.accept_prob(prior)
+                heap.append((-p, i, 1, p))
+        heapq.heapify(heap)
+        keep: dict[int, int] = {}
+        budget = self.budget
+        while heap and budget > 0:
+            negative, i, depth, p = heapq.heappop(heap)
+            gain = -negative
+            if gain * seconds <= m * tokens:  # no better than the step as it stands
+                break
+            keep[i], tokens, seconds, budget = depth, tokens + gain, seconds + m, budget - 1
+            if depth < len(found[i]):
+                heapq.heappush(heap, (-gain * p, i, depth + 1, p))
+        if not self.cost.exploring and tokens / seconds <= batch / self.cost.plain_seconds(batch):
+            return {}
+        return keep
 
     @staticmethod
     def _may_draft(req: Req, suppressed) -> bool:

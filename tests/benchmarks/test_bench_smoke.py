@@ -43,6 +43,10 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "bench_quantized.py": (["--json", "{out}/r.json", "--plot", "{out}/r.png"], r"c=2 "),
     "bench_relay.py": (["--json", "{out}/r.json", "--png", "{out}/r.png"], r"control round trip"),
     "bench_speech.py": (["--json", "{out}/r.json", "--plot", "{out}/r.png"], r"served_vs_limit"),
+    "bench_speculative.py": (
+        ["--json", "{out}/r.json", "--plot", "{out}/r.png"],
+        r"repeat_c1: speculation",
+    ),
 }
 
 SMOKE_LIMIT_S = 600  # one benchmark's smoke run; they take seconds to a minute on 2 cores

@@ -110,26 +110,30 @@ def test_seeded_sampling_with_penalties_is_identical(engine, spec_engine):
 
 
 def test_logprobs_of_every_accepted_token_match(engine, spec_engine):
-    prompt = "Repeat this exactly: " + SNIPPETS[0] * 2
-    params = dict(GREEDY, max_new_tokens=24)
+    params = dict(GREEDY, max_new_tokens=48)
     kwargs = {"return_logprob": True, "top_logprobs_num": 2}
-    want = engine.generate(prompt, params, **kwargs)["meta_info"]
-    got = spec_engine.generate(prompt, params, **kwargs)["meta_info"]
-    assert got["spec_accepted_tokens"] > 0
-    assert len(got["output_token_logprobs"]) == got["completion_tokens"] == 24
-    for (lp_got, id_got, _), (lp_want, id_want, _) in zip(
-        got["output_token_logprobs"], want["output_token_logprobs"]
-    ):
-        assert id_got == id_want
-        assert lp_got == pytest.approx(lp_want, abs=1e-3)
-    assert [[i for _, i, _ in row] for row in got["output_top_logprobs"]] == [
-        [i for _, i, _ in row] for row in want["output_top_logprobs"]
-    ]
+    accepted = 0
+    for snippet in SNIPPETS:
+        prompt = "Copy the following text twice.\n" + snippet + "\n"
+        want = engine.generate(prompt, params, **kwargs)["meta_info"]
+        got = spec_engine.generate(prompt, params, **kwargs)["meta_info"]
+        accepted += got.get("spec_accepted_tokens", 0)
+        assert len(got["output_token_logprobs"]) == got["completion_tokens"]
+        for (lp_got, id_got, _), (lp_want, id_want, _) in zip(
+            got["output_token_logprobs"], want["output_token_logprobs"]
+        ):
+            assert id_got == id_want
+            assert lp_got == pytest.approx(lp_want, abs=1e-3)
+        assert [[i for _, i, _ in row] for row in got["output_top_logprobs"]] == [
+            [i for _, i, _ in row] for row in want["output_top_logprobs"]
+        ]
+    assert accepted > 0, "no draft token was accepted: the check above proves nothing"
 
 
 def test_metrics_say_what_the_verifier_did(spec_engine):
-    prompt = "Copy the following text twice.\n" + SNIPPETS[2] + "\n"
-    meta = spec_engine.generate(prompt, dict(GREEDY, max_new_tokens=48))["meta_info"]
+    prompt = "Copy the following text twice.\n" + SNIPPETS[2] * 2 + "\n"
+    params = dict(GREEDY, max_new_tokens=128, ignore_eos=True)
+    meta = spec_engine.generate(prompt, params)["meta_info"]
     verify, accepted, histogram = (
         meta["spec_verify_ct"],
         meta["spec_accepted_tokens"],

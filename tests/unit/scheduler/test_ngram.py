@@ -78,3 +78,32 @@ def test_the_pace_backs_off_after_misses_and_grows_after_hits():
     assert pace.length == 8
     pace.update(proposed=8, accepted=1, max_draft=8)  # partly right: a little past that
     assert pace.length == 3
+
+
+def _speculation(plain_s: float, verify_a: float, verify_m: float):
+    from cadence.scheduler.req import Req
+    from cadence.scheduler.speculative import EXPLORE_STEPS, Speculation
+    from cadence.server_args import ServerArgs
+
+    spec = Speculation(ServerArgs(speculative_algorithm="NGRAM"), context_len=4096)
+    for n in (1, 2):
+        spec.cost.observe(n, plain_s, verified=False)
+    for n in range(2, 2 + EXPLORE_STEPS):
+        spec.cost.observe(n, verify_a + verify_m * n, verified=True)
+
+    def req(p: float):
+        r = Req(rid=f"r{p}", input_ids=[1, 2, 3], params=None)  # type: ignore[arg-type]
+        r.spec_pace = DraftPace(length=11, hits=100 * p, breaks=100 * (1 - p))
+        return r
+
+    return spec, req
+
+
+def test_drafts_are_verified_as_far_as_they_pay_and_not_at_all_when_they_do_not():
+    spec, req = _speculation(plain_s=0.015, verify_a=0.010, verify_m=0.005)
+    likely, unlikely = req(0.95), req(0.3)
+    keep = spec._allocate([likely, unlikely], [[7] * 11, [8] * 11])
+    assert keep.get(0, 0) >= 6  # a draft that is nearly always right goes far
+    assert keep.get(1, 0) <= 1  # one that is mostly wrong is cut to almost nothing
+    spec, req = _speculation(plain_s=0.015, verify_a=0.040, verify_m=0.005)
+    assert spec._allocate([req(0.5)], [[7] * 11]) == {}  # verifying costs more than it gives
