@@ -58,10 +58,25 @@ class StepCost:
         self.plain: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES)
         self.verify: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES)
         self.plain_streak = 0  # plain steps since the last verify step
+        self._last_verify: tuple[int, float] | None = None  # not recorded yet (see observe)
 
     def observe(self, tokens: int, seconds: float, verified: bool) -> None:
-        (self.verify if verified else self.plain).append((tokens, seconds))
-        self.plain_streak = 0 if verified else self.plain_streak + 1
+        """A decode step's size and time. A plain step right after a verify step pays for
+        it (the runner restarts its decode state): what it takes beyond a plain step is
+        counted to the verify step, and it is not a plain sample itself."""
+        last, self._last_verify = self._last_verify, None
+        if verified:
+            if last is not None:
+                self.verify.append(last)
+            self._last_verify = (tokens, seconds)
+            self.plain_streak = 0
+            return
+        self.plain_streak += 1
+        if last is None:
+            self.plain.append((tokens, seconds))
+            return
+        extra = max(0.0, seconds - self.plain_seconds(tokens)) if self.plain else 0.0
+        self.verify.append((last[0], last[1] + extra))
 
     @property
     def exploring(self) -> bool:

@@ -90,6 +90,7 @@ def _speculation(plain_s: float, verify_a: float, verify_m: float):
         spec.cost.observe(n, plain_s, verified=False)
     for n in range(2, 2 + EXPLORE_STEPS):
         spec.cost.observe(n, verify_a + verify_m * n, verified=True)
+        spec.cost.observe(1, plain_s, verified=False)  # costs nothing beyond a plain step
 
     def req(p: float):
         r = Req(rid=f"r{p}", input_ids=[1, 2, 3], params=None)  # type: ignore[arg-type]
@@ -107,3 +108,14 @@ def test_drafts_are_verified_as_far_as_they_pay_and_not_at_all_when_they_do_not(
     assert keep.get(1, 0) <= 1  # one that is mostly wrong is cut to almost nothing
     spec, req = _speculation(plain_s=0.015, verify_a=0.040, verify_m=0.005)
     assert spec._allocate([req(0.5)], [[7] * 11]) == {}  # verifying costs more than it gives
+
+
+def test_a_plain_step_after_a_verify_step_bills_its_extra_to_the_verify():
+    from cadence.scheduler.speculative import StepCost
+
+    cost = StepCost()
+    cost.observe(1, 0.015, verified=False)
+    cost.observe(5, 0.030, verified=True)
+    cost.observe(1, 0.025, verified=False)  # the decode state restarts: 10 ms more
+    assert list(cost.verify) == [(5, pytest.approx(0.040))]
+    assert list(cost.plain) == [(1, 0.015)] and cost.plain_streak == 1
