@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cadence.pipeline.config import PipelineGraph
-from cadence.pipeline.errors import RequestAborted, StageFailed
+from cadence.pipeline.errors import Failure, RequestAborted, StageFailed
 
 
 @dataclass(frozen=True)
@@ -75,21 +75,13 @@ class RequestTracker:
         self.wire_of[rid] = wire
         return pending
 
-    def complete(
-        self,
-        rid: str,
-        stage: str,
-        result: Any,
-        error: str | None,
-        status: int | None = None,
-        param: str | None = None,
-    ) -> bool:
+    def complete(self, rid: str, stage: str, result: Any, error: Failure | None) -> bool:
         """A Complete arrived; True when it failed the request (the caller aborts it)."""
         pending = self.pending.get(rid)
         if pending is None:
             return False
         if error is not None:
-            return self.fail(rid, StageFailed(error, status, param))
+            return self.fail(rid, error.error())
         pending.results[stage] = result
         pending.terminals.discard(stage)
         self._maybe_done(rid, pending)

@@ -27,7 +27,7 @@ import zmq
 from cadence.pipeline import channels
 from cadence.pipeline.client import PipelineClient, RequestTracker
 from cadence.pipeline.config import FRONT, PipelineConfig
-from cadence.pipeline.errors import PipelineStartError, PipelineUnavailable
+from cadence.pipeline.errors import Failure, PipelineStartError, PipelineUnavailable
 from cadence.pipeline.messages import (
     Abort,
     Complete,
@@ -212,7 +212,8 @@ class Coordinator(PipelineClient):
         result = None
         if msg.error is None:
             result = restore(msg.payload, buffer_from_frame(frame) if frame else None)
-        self.complete(msg.rid, msg.stage, result, msg.error, msg.status, msg.param)
+        failure = None if msg.error is None else Failure(msg.error, msg.status, msg.param)
+        self.complete(msg.rid, msg.stage, result, failure)
 
     def _on_stream(self, msg: Stream, frame) -> None:
         pending = self.tracker.pending.get(msg.rid)
@@ -223,17 +224,9 @@ class Coordinator(PipelineClient):
             data = restore(msg.payload, buffer_from_frame(frame) if frame else None)
         self.stream_chunk(msg.rid, msg.stage, msg.chunk_id, data, msg.is_done, msg.error)
 
-    def complete(
-        self,
-        rid: str,
-        stage: str,
-        result: Any,
-        error: str | None,
-        status: int | None = None,
-        param: str | None = None,
-    ) -> None:
+    def complete(self, rid: str, stage: str, result: Any, error: Failure | None) -> None:
         """A terminal stage's result, or a stage's failure of request `rid` (a wire id)."""
-        if self.tracker.complete(rid, stage, result, error, status, param):
+        if self.tracker.complete(rid, stage, result, error):
             self._abort_everywhere([rid], f"stage {stage} failed")
 
     def stream_chunk(

@@ -3,7 +3,22 @@ carries the HTTP status both protocols answer with)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from cadence.errors import RequestError
+
+
+@dataclass(frozen=True)
+class Failure:
+    """How a stage ended a request: the message, and for a refusal it passed on (see
+    `stage.failure`) that refusal's status and field; status None is the stage's own 500."""
+
+    message: str
+    status: int | None = None
+    param: str | None = None
+
+    def error(self) -> StageFailed:
+        return StageFailed(self.message, self.status, self.param)
 
 
 class StageFailed(RequestError):

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import zmq
 
 from cadence.pipeline.config import CLIENT, FRONT, PipelineConfig, resolve
-from cadence.pipeline.errors import PipelineStartError
+from cadence.pipeline.errors import Failure, PipelineStartError
 from cadence.pipeline.executor import Executor, StageContext
 from cadence.pipeline.process import PRUNE_PERIOD_S, build_executor
 from cadence.pipeline.stage import StageRuntime
@@ -36,15 +36,7 @@ from cadence.pipeline.transport import Transport, _done
 class ClientSide(Protocol):
     """Where the front's stages deliver to the client, by reference: the coordinator."""
 
-    def complete(
-        self,
-        rid: str,
-        stage: str,
-        result: Any,
-        error: str | None,
-        status: int | None = None,
-        param: str | None = None,
-    ) -> None: ...
+    def complete(self, rid: str, stage: str, result: Any, error: Failure | None) -> None: ...
 
     def stream_chunk(
         self, rid: str, stage: str, chunk_id: int, data: Any, is_done: bool, error: str | None
@@ -116,16 +108,8 @@ class FrontStages(Transport):
 
     # -- to the client: by reference, no socket -------------------------------------------
 
-    def complete(
-        self,
-        rid: str,
-        stage: str,
-        result: Any = None,
-        error: str | None = None,
-        status: int | None = None,
-        param: str | None = None,
-    ) -> None:
-        self.owner.complete(rid, stage, result, error, status, param)
+    def complete(self, rid: str, stage: str, result: Any = None, error: Failure | None = None):
+        self.owner.complete(rid, stage, result, error)
 
     def stream_client(
         self,

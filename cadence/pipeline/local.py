@@ -13,6 +13,7 @@ from typing import Any
 
 from cadence.pipeline.client import PipelineClient, RequestTracker
 from cadence.pipeline.config import CLIENT, PipelineConfig, resolve
+from cadence.pipeline.errors import Failure
 from cadence.pipeline.executor import Executor, StageContext
 from cadence.pipeline.process import build_executor
 from cadence.pipeline.stage import StageRuntime
@@ -74,16 +75,8 @@ class LocalPipeline(PipelineClient):
     def signal(self, rid: str, src: str, dst: str, chunk_id: int, error: str | None) -> None:
         self.runtimes[dst].on_chunk(rid, src, chunk_id, None, True, error)
 
-    def complete(
-        self,
-        rid: str,
-        stage: str,
-        result: Any = None,
-        error: str | None = None,
-        status: int | None = None,
-        param: str | None = None,
-    ) -> None:
-        if self.tracker.complete(rid, stage, result, error, status, param):
+    def complete(self, rid: str, stage: str, result: Any = None, error: Failure | None = None):
+        if self.tracker.complete(rid, stage, result, error):
             self._abort_everywhere([rid], f"stage {stage} failed")
 
     def stream_client(

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from cadence.errors import CadenceError
 from cadence.pipeline.config import CLIENT, PipelineGraph, StageConfig
+from cadence.pipeline.errors import Failure
 from cadence.pipeline.executor import ChunkStream, Executor, StageRequest
 
 logger = logging.getLogger(__name__)
@@ -39,17 +40,8 @@ class Outbox(Protocol):
     def signal(self, rid: str, src: str, dst: str, chunk_id: int, error: str | None) -> None:
         """Control-only: the stream from `src` to `dst` ended (or failed) after chunk_id chunks."""
 
-    def complete(
-        self,
-        rid: str,
-        stage: str,
-        result: Any = None,
-        error: str | None = None,
-        status: int | None = None,
-        param: str | None = None,
-    ) -> None:
-        """A terminal result, or any stage's failure of the request, to the client (with the
-        status and field of a refusal the stage passed on; see `failure`)."""
+    def complete(self, rid: str, stage: str, result: Any = None, error: Failure | None = None):
+        """A terminal result, or any stage's failure of the request, to the client."""
 
     def stream_client(
         self,
@@ -160,7 +152,7 @@ class StageRuntime:
                 raise
             except Exception as e:
                 logger.debug("stage %s failed request %s", self.name, rid, exc_info=True)
-                self._fail(rid, state, *failure(self.name, e))
+                self._fail(rid, state, failure(self.name, e))
         finally:
             if self.requests.get(rid) is state:
                 del self.requests[rid]
@@ -224,28 +216,21 @@ class StageRuntime:
                 pending.append(transfer)
         state.transfers = pending
 
-    def _fail(
-        self,
-        rid: str,
-        state: _RequestState,
-        message: str,
-        status: int | None = None,
-        param: str | None = None,
-    ) -> None:
+    def _fail(self, rid: str, state: _RequestState, error: Failure) -> None:
         for transfer in state.transfers:
             if isinstance(transfer, asyncio.Future):
                 transfer.cancel()
         state.transfers.clear()
         for dst in self.cfg.stream_to:
-            self.outbox.signal(rid, self.name, dst, state.num_emitted, message)
-        self.outbox.complete(rid, self.name, error=message, status=status, param=param)
+            self.outbox.signal(rid, self.name, dst, state.num_emitted, error.message)
+        self.outbox.complete(rid, self.name, error=error)
 
 
-def failure(stage: str, error: Exception) -> tuple[str, int | None, str | None]:
+def failure(stage: str, error: Exception) -> Failure:
     """What the client is told when a stage's run raises: a refusal the executor passes on (a
     CadenceError with a status of its own, such as the server's engine answering 429 or a
     400 naming a field) keeps its message, status and field, so that a spoken chat is
     refused as a text chat is; anything else is the stage's failure, a 500 naming it."""
     if isinstance(error, CadenceError) and error.status != 500:
-        return str(error), error.status, error.param
-    return f"stage {stage!r} failed: {type(error).__name__}: {error}", None, None
+        return Failure(str(error), error.status, error.param)
+    return Failure(f"stage {stage!r} failed: {type(error).__name__}: {error}")

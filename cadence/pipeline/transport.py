@@ -33,6 +33,7 @@ import zmq
 
 from cadence.pipeline import channels
 from cadence.pipeline.config import CLIENT, FRONT, PipelineConfig
+from cadence.pipeline.errors import Failure
 from cadence.pipeline.messages import Complete, DataAck, DataReady, Stream, Submit
 from cadence.pipeline.payload import buffer_from_frame, extract, restore
 from cadence.pipeline.relay.base import Relay, RelayError
@@ -166,16 +167,10 @@ class Transport:
         msg = DataReady(rid=rid, stage=dst, src_stage=src, chunk_id=chunk_id, error=error)
         channels.send(self._peer(dst), msg)
 
-    def complete(
-        self,
-        rid: str,
-        stage: str,
-        result: Any = None,
-        error: str | None = None,
-        status: int | None = None,
-        param: str | None = None,
-    ) -> None:
-        msg = Complete(rid=rid, stage=stage, error=error, status=status, param=param)
+    def complete(self, rid: str, stage: str, result: Any = None, error: Failure | None = None):
+        msg = Complete(rid=rid, stage=stage)
+        if error is not None:
+            msg.error, msg.status, msg.param = error.message, error.status, error.param
         frame = None
         if error is None:
             msg.payload, frame = self._inline(result)

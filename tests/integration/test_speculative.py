@@ -11,7 +11,8 @@ import asyncio
 import random
 
 import pytest
-from conftest import _load, engine_state
+
+from tests.integration.conftest import _load, engine_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
