@@ -179,8 +179,12 @@ def check_dp_rank(value: int | str | None) -> int | None:
 
 
 def load_entries(loads: list) -> list[dict[str, Any]]:
-    """The /v1/loads entries of the ranks' load reports (`EngineClient.get_load`)."""
-    return [{name: getattr(load, name) for name in LOAD_FIELDS} for load in loads]
+    """The /v1/loads entries of the ranks' load reports (`EngineClient.get_load`); a figure
+    that does not apply (speculative decoding's, with it off) is left out."""
+    return [
+        {name: getattr(load, name) for name in LOAD_FIELDS if getattr(load, name) is not None}
+        for load in loads
+    ]
 
 
 async def tokenize_body(state, body: Any) -> dict[str, Any]:

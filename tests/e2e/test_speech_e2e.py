@@ -139,7 +139,9 @@ def test_the_speech_server_holds_one_copy_of_the_model(speech_server, speech_bas
         f"{_rss(speech_baseline_server.proc.pid) / MIB:.0f} MiB without"
     )
     print(figures)
-    assert sum(with_pipeline.values()) <= sum(without.values()) + share, figures
+    # RSS moves by a few MiB from run to run in each of the 8 processes: 2% of the total.
+    slack = 0.02 * sum(without.values())
+    assert sum(with_pipeline.values()) <= sum(without.values()) + share + slack, figures
     # And in structure: no stage process of the thinker; every other process the pipeline
     # added is the fork server or one of its stage processes.
     assert set(stages) == set(model_free) == {"talker", "vocoder", "encoder"}, stages
