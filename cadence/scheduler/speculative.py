@@ -105,28 +105,36 @@ class StepCost:
 
 @dataclass
 class SpecStats:
-    """Verify counters since start and over the last RECENT_VERIFIES request-steps, for the
+    """Verify counters since start and over the last RECENT_VERIFIES request-steps (with
+    their running sums, read on every drafting step), for the allocator's prior and the
     load report (/metrics gauges, /server_info, gRPC GetLoads)."""
 
-    verify_steps: int = 0  # request-steps that verified a draft
-    proposed: int = 0  # draft tokens proposed
-    accepted: int = 0  # draft tokens accepted
+    verify_steps: int = 0  # request-steps that verified a draft, since start
+    accepted: int = 0  # draft tokens accepted, since start
     recent: deque[tuple[int, int]] = field(
         default_factory=lambda: deque(maxlen=RECENT_VERIFIES)
     )  # (proposed, accepted) per request-step
+    recent_proposed: int = 0
+    recent_accepted: int = 0
 
     @property
     def prior(self) -> float:
         """The chance a draft token is accepted, over recent verify steps (0.6 before any):
         what a request's own record starts from."""
-        proposed = sum(p for p, _ in self.recent)
-        return sum(a for _, a in self.recent) / proposed if proposed else 0.6
+        if not self.recent_proposed:
+            return 0.6
+        return self.recent_accepted / self.recent_proposed
 
     def add(self, proposed: int, accepted: int) -> None:
         self.verify_steps += 1
-        self.proposed += proposed
         self.accepted += accepted
+        if len(self.recent) == self.recent.maxlen:
+            gone_proposed, gone_accepted = self.recent[0]
+            self.recent_proposed -= gone_proposed
+            self.recent_accepted -= gone_accepted
         self.recent.append((proposed, accepted))
+        self.recent_proposed += proposed
+        self.recent_accepted += accepted
 
 
 def _length(steps: int, accepted: int) -> float:
@@ -243,8 +251,7 @@ class Speculation:
         """The load report's spec_accept_length, spec_accept_rate (both over recent verify
         steps) and avg_spec_accept_length (since start); see GetLoadReqOutput."""
         stats = self.stats
-        proposed = sum(p for p, _ in stats.recent)
-        accepted = sum(a for _, a in stats.recent)
+        proposed, accepted = stats.recent_proposed, stats.recent_accepted
         return (
             _length(len(stats.recent), accepted),
             accepted / proposed if proposed else 0.0,

@@ -119,3 +119,15 @@ def test_a_plain_step_after_a_verify_step_bills_its_extra_to_the_verify():
     cost.observe(1, 0.025, verified=False)  # the decode state restarts: 10 ms more
     assert list(cost.verify) == [(5, pytest.approx(0.040))]
     assert list(cost.plain) == [(1, 0.015)] and cost.plain_streak == 1
+
+
+def test_the_recent_window_keeps_its_sums_as_old_steps_leave():
+    from cadence.scheduler.speculative import RECENT_VERIFIES, SpecStats
+
+    stats = SpecStats()
+    for _ in range(RECENT_VERIFIES):
+        stats.add(4, 0)
+    for _ in range(RECENT_VERIFIES):
+        stats.add(2, 1)
+    assert (stats.recent_proposed, stats.recent_accepted) == (2 * RECENT_VERIFIES, RECENT_VERIFIES)
+    assert stats.prior == 0.5 and stats.verify_steps == 2 * RECENT_VERIFIES
