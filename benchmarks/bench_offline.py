@@ -112,9 +112,11 @@ def bench_limit(model, dtype, repeats: int, prefill_len: int = PREFILL_LEN) -> d
 def bench_hf(model_path: str, dtype, repeats: int, tokenizer, new_tokens: int = NEW_TOKENS) -> dict:
     from transformers import AutoModelForCausalLM
 
-    log("peer: loading transformers' GGUF model")
+    from cadence.model_loader.hf_export import exported_checkpoint_dir
+
+    log("peer: loading transformers' model (the GGUF's weights, de-quantized by transformers)")
     model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=dtype
+        exported_checkpoint_dir(model_path), dtype=dtype
     ).eval()
     out = {}
     for bs in (1, 32):

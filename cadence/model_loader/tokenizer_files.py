@@ -61,7 +61,8 @@ def _generic_class(directory: str):
     return getattr(transformers, name, None)
 
 
-def _file_key(path: str) -> str:
+def file_key(path: str) -> str:
+    """A short key naming one version of a file (its path, size and modification time)."""
     st = os.stat(path)
     raw = f"{os.path.abspath(path)}:{st.st_size}:{int(st.st_mtime)}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
@@ -77,11 +78,11 @@ def converted_tokenizer_dir(path: str) -> str:
     what it wrote. The conversion is written to a temporary directory and renamed into
     place, so that no reader ever sees half of one, even after a crash midway.
     """
-    target = os.path.join(envs.cache_dir(), "tokenizers", _file_key(path))
+    target = os.path.join(envs.cache_dir(), "tokenizers", file_key(path))
     if _is_converted(target):
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    with _locked(target + ".lock"):
+    with locked(target + ".lock"):
         if not _is_converted(target):  # else converted by another process while we waited
             _convert_tokenizer(path, target)
     return target
@@ -92,7 +93,7 @@ def _is_converted(target: str) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(lock_path: str) -> Iterator[None]:
+def locked(lock_path: str) -> Iterator[None]:
     """An exclusive lock between processes (released by the kernel if the holder dies). The
     lock file stays: removing it would let a late process lock a file nobody else sees."""
     with open(lock_path, "a") as f:

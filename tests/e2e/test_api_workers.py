@@ -294,7 +294,9 @@ def test_a_slow_grpc_reader_gets_merged_messages(zero_cost_server):
         pb.TextGenerateRequest(text="Count:", stream=True, sampling_params=sp)
     ):
         messages.append(msg)
-        time.sleep(0.01)  # slower than the tokens come: what waits is sent as one message
+        # Slower than the tokens come, even on a machine busy with other tests' servers: what
+        # waits is sent as one message.
+        time.sleep(0.05)
     (whole,) = list(
         stub(srv).TextGenerate(pb.TextGenerateRequest(text="Count:", sampling_params=sp))
     )

@@ -297,11 +297,12 @@ def test_invocations_answers_embedding_rerank_and_classify_bodies_as_their_route
 def test_score_over_http_equals_a_transformers_forward_pass(server):
     from transformers import AutoModelForCausalLM
 
+    from cadence.model_loader.hf_export import exported_checkpoint_dir
     from cadence.model_loader.locate import default_model_path
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+        exported_checkpoint_dir(path), dtype=torch.float32
     ).eval()
     query, items = "The sky is", [" blue", " green and", " very"]
 

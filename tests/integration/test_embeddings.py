@@ -321,10 +321,10 @@ def test_matryoshka_dimensions_keep_a_renormalized_prefix(tmp_path):
 def hf_smollm():
     from transformers import AutoModelForCausalLM
 
+    from cadence.model_loader.hf_export import exported_checkpoint_dir
+
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(exported_checkpoint_dir(path), dtype=torch.float32)
     return model.eval()
 
 

@@ -3,8 +3,6 @@ batched vs one-at-a-time, chunked vs unchunked prefill, the chat template, input
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -25,12 +23,11 @@ PROMPTS = [
 def hf_model():
     from transformers import AutoModelForCausalLM
 
+    from cadence.model_loader.hf_export import exported_checkpoint_dir
     from cadence.model_loader.locate import default_model_path
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(exported_checkpoint_dir(path), dtype=torch.float32)
     return model.eval()
 
 

@@ -63,9 +63,9 @@ def test_processes_starting_together_convert_once_and_read_the_same(tmp_path):
 def test_a_directory_without_a_conversion_is_converted_over(tmp_path):
     """What an interrupted conversion of an older version could leave: not a tokenizer."""
     from cadence.model_loader import default_model_path
-    from cadence.model_loader.tokenizer_files import _file_key
+    from cadence.model_loader.tokenizer_files import file_key
 
-    stale = tmp_path / "tokenizers" / _file_key(default_model_path())
+    stale = tmp_path / "tokenizers" / file_key(default_model_path())
     stale.mkdir(parents=True)
     (stale / "special_tokens_map.json").write_text("{}")
     (out, err), = ask_together(str(tmp_path), 1)  # fmt: skip

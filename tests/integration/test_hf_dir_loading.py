@@ -11,39 +11,19 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 PARAMS = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def hf_dir():
+    """The default GGUF exported as a Hugging Face checkpoint (config.json, model.safetensors,
+    the tokenizer files), as transformers de-quantizes it."""
+    from cadence.model_loader.hf_export import exported_checkpoint_dir
     from cadence.model_loader.locate import default_model_path
 
-    gguf = default_model_path()
-    out = tmp_path_factory.mktemp("hf-smollm2")
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.float32
-    )
-    # transformers will not re-serialize a GGUF-loaded model, so write the checkpoint's two
-    # halves the way a Hugging Face export has them: config.json and model.safetensors.
-    from safetensors.torch import save_file
-
-    model.config.save_pretrained(out)
-    state = {
-        k: v.contiguous()
-        for k, v in model.state_dict().items()
-        if not (k == "lm_head.weight" and model.config.tie_word_embeddings)
-    }
-    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    AutoTokenizer.from_pretrained(
-        os.path.dirname(gguf), gguf_file=os.path.basename(gguf)
-    ).save_pretrained(out)
-    del model
-    return str(out)
+    return exported_checkpoint_dir(default_model_path())
 
 
 def test_hf_directory_generates_what_the_gguf_generates(engine, hf_dir):
