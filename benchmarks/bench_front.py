@@ -209,7 +209,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.smoke:
-        args.rounds, args.stream_duration, args.stream_tokens = 1, 1.0, 8
+        args.rounds, args.stream_duration, args.stream_tokens = 1, 0.5, 8
         args.clients, args.real_clients, args.grpc_channels = 8, 4, 2
         args.server_args += " --lazy-kv-pool"  # no 2.9 GB pool written at each start
     args.duration = args.stream_duration

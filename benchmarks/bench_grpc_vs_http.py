@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.smoke:
-        args.rounds, args.duration, args.stream_duration, args.concurrency = 1, 1.0, 2.0, 4
+        args.rounds, args.duration, args.stream_duration, args.concurrency = 1, 0.5, 1.0, 4
         args.stream_tokens, args.short_stream_tokens, args.grpc_channels = 8, 4, 2
         args.server_args += " --lazy-kv-pool"  # no start-up step at full size
     if args.http_client == "wrk" and shutil.which("wrk") is None:
