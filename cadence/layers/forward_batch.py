@@ -11,9 +11,10 @@ import torch
 class ForwardBatch:
     """Flat token layout: the new tokens of every request, concatenated in batch order.
 
-    Decode steps have exactly one new token per request; extend (prefill) steps have
-    `extend_lens[i]` new tokens for request i on top of `prefix_lens[i]` tokens whose K/V
-    are already in the pool.
+    Decode steps have one new token per request, or, in a verify step (`query_starts`), a
+    request's last token and its drafted ones; extend (prefill) steps have `extend_lens[i]`
+    new tokens for request i on top of `prefix_lens[i]` tokens whose K/V are already in the
+    pool.
     """
 
     is_decode: bool
@@ -39,6 +40,9 @@ class ForwardBatch:
     seq_page_rows: list[torch.Tensor | None] | None = (
         None  # extend: per request with a prefix, KVPool.page_rows of its pages
     )
+    # decode with drafts: [batch + 1] int64, request i's rows are query_starts[i] to
+    # query_starts[i + 1] (each attends to its sequence up to itself); None: one row each
+    query_starts: torch.Tensor | None = None
     logits_indices: torch.Tensor | None = (
         None  # [num_logit_rows] int64 rows of the flat tokens to project
     )

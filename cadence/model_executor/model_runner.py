@@ -4,6 +4,7 @@ then sampling and logprobs."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 
@@ -203,10 +204,11 @@ class ModelRunner(Runner):
     def run(self, batch: ScheduleBatch) -> list[ItemResult]:
         self._zero_fresh_pages(batch.new_pages)
         hidden: dict[int, list[list[float]]] = {}  # item -> its rows' hidden states, when asked
-        if batch.is_decode and not any(item.num_draft for item in batch.items):
+        drafted = batch.is_decode and any(item.num_draft for item in batch.items)
+        if batch.is_decode and (not drafted or self.attn.decode_takes_drafts):
             logits = self._forward_decode(batch.items, hidden)
         else:
-            if batch.is_decode:  # a verify step: the next decode starts its state afresh
+            if drafted:  # a verify step as a prefill: the next decode starts its state afresh
                 self.release_decode_state()
             logits = self._forward_extend(batch.items, hidden)
         results = self._postprocess(batch.items, logits)
@@ -300,15 +302,25 @@ class ModelRunner(Runner):
     def _forward_decode(
         self, items: list[BatchItem], hidden_out: dict[int, list[list[float]]]
     ) -> torch.Tensor:
-        """One new token per item. Returns logits [batch, vocab] float32 on the host."""
-        seq_lens = [item.start + 1 for item in items]
+        """One new token per item, or, in a verify step, an item's last token and its drafted
+        ones (the attention backend takes several rows per request: `decode_takes_drafts`).
+        Returns logits [rows, vocab] float32 on the host, item by item."""
+        news = [len(item.token_ids) for item in items]
+        seq_lens = [item.start + n for item, n in zip(items, news)]
+        drafted = any(n > 1 for n in news)
         uids = [item.uid for item in items]
         last_uids, last_lens = self._last_decode
-        continues = uids == last_uids and all(n == m + 1 for n, m in zip(seq_lens, last_lens))
-        self._last_decode = (uids, seq_lens)
+        continues = (
+            not drafted
+            and uids == last_uids
+            and all(n == m + 1 for n, m in zip(seq_lens, last_lens))
+        )
+        self._last_decode = ([], []) if drafted else (uids, seq_lens)
+        ps = self.page_size
         locs = [
-            item.pages[(n - 1) // self.page_size] * self.page_size + (n - 1) % self.page_size
+            item.pages[pos // ps] * ps + pos % ps
             for item, n in zip(items, seq_lens)
+            for pos in range(item.start, n)
         ]
         dev = self.device
         lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
@@ -319,36 +331,44 @@ class ModelRunner(Runner):
         page_table = torch.tensor(
             [p + [p[0]] * (max_pages - len(p)) for p in table], dtype=torch.int64, device=dev
         )
-        width = max_pages * self.page_size
+        width = max_pages * ps
         kv_mask = page_rows = None
         if self.attn.decode_reads_whole_pages:
             page_rows = self.kv_pool.page_rows(page_table)
-            if min(seq_lens) != width:
+            if min(seq_lens) != width and not drafted:  # drafts: the backend masks per row
                 # True past each row's length, broadcast over [KVH, B, G, width] scores.
                 kv_mask = (
                     torch.arange(width, device=dev).unsqueeze(0) >= lens_t.unsqueeze(1)
                 ).view(1, len(items), 1, -1)
+        if drafted:
+            positions = torch.cat([torch.arange(item.start, n) for item, n in zip(items, seq_lens)])
+            query_starts = torch.tensor([0, *itertools.accumulate(news)], dtype=torch.int64)
+        else:
+            positions, query_starts = lens_t - 1, None
         batch = ForwardBatch(
             is_decode=True,
             input_ids=torch.tensor(
-                [item.token_ids[0] for item in items], dtype=torch.int64, device=dev
+                [t for item in items for t in item.token_ids], dtype=torch.int64, device=dev
             ),
-            positions=lens_t - 1,
+            positions=positions.to(dev),
             out_cache_loc=out_loc,
             kv_write_rows=self.kv_pool.write_rows(out_loc),
             seq_lens=seq_lens,
-            extend_lens=[1] * len(items),
-            prefix_lens=[n - 1 for n in seq_lens],
+            extend_lens=news,
+            prefix_lens=[item.start for item in items],
             page_table=page_table,
             kv_lens=lens_t,
             page_rows=page_rows,
             kv_mask=kv_mask,
             decode_continues=continues,
+            query_starts=None if query_starts is None else query_starts.to(dev),
         )
         hidden = self.model(batch)
+        row = 0
         for i, item in enumerate(items):
-            if item.return_hidden_states:
-                hidden_out[i] = [hidden[i].float().cpu().tolist()]
+            if item.return_hidden_states:  # never drafted: its one row
+                hidden_out[i] = [hidden[row].float().cpu().tolist()]
+            row += news[i]
         return self._to_host(self.model.compute_logits(hidden))
 
     # ---- embeddings (--is-embedding) -----------------------------------------------------

@@ -190,6 +190,55 @@ def test_dense_weights_too(dequantized_engine):
         spec.shutdown()
 
 
+def attention_of(engine) -> str:
+    return engine.run_in_scheduler(lambda s: type(s.runner.attn).__name__)
+
+
+def test_every_attention_path_verifies_to_the_same_text(engine, spec_engine):
+    """Verify steps go through the decode attention with several rows per request: Cadence's
+    kernel (the engines above) and the torch ops' path (CUDA's, and a CPU's without the
+    kernels); a backend without multi-row decode verifies as a prefill instead. All three
+    give the text of the engine without speculation."""
+    import cadence.kernels
+
+    batch = prompts(24, seed=9)
+    params = [dict(GREEDY, max_new_tokens=24) for _ in batch]
+    want = texts(engine.generate(batch, params))
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(cadence.kernels, "cpu_kernels_available", lambda: False)
+    try:
+        torch_ops = _load(max_total_tokens=4096, **SPEC)
+    finally:
+        patch.undo()
+    try:
+        assert attention_of(torch_ops) == "TorchNativeBackend"
+        got = torch_ops.generate(batch, params)
+        assert texts(got) == want
+        assert sum(r["meta_info"].get("spec_accepted_tokens", 0) for r in got) > 0
+        assert_clean(torch_ops)
+    finally:
+        torch_ops.shutdown()
+
+    def prefill_verify(on: bool):
+        def switch(s):
+            if on:
+                s.runner.attn.decode_takes_drafts = False  # this instance only
+            else:
+                del s.runner.attn.decode_takes_drafts
+
+        spec_engine.run_in_scheduler(switch)
+
+    prefill_verify(True)
+    try:
+        got = spec_engine.generate(batch, params)
+    finally:
+        prefill_verify(False)
+    assert texts(got) == want
+    assert sum(r["meta_info"].get("spec_accepted_tokens", 0) for r in got) > 0
+    assert_clean(spec_engine)
+
+
 def test_unknown_and_draft_model_algorithms_are_refused_at_start():
     from cadence.server_args import ServerArgs
 

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #endif
 #include <cmath>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -187,39 +188,53 @@ void rotary_(at::Tensor& qk, const at::Tensor& factors) {
   });
 }
 
-// One (request, KV head) task of decode attention: rotate its new K and its G query heads,
-// store the new K/V in the pool, then attend over the request's `len` tokens. kD is the
-// head dimension when known at compile time (the loops then unroll into registers), 0 when
-// it is only known at run time (`d`).
+// One (request, KV head) task of decode attention: rotate the new K of each of the request's
+// rows and store it with V in the pool, then, row by row, rotate its G query heads and attend
+// over the tokens up to and including that row (the last row: the request's `len` tokens;
+// the one before it: one fewer; so drafted tokens see only those before them). kD is the head
+// dimension when known at compile time (the loops then unroll into registers), 0 when it is
+// only known at run time (`d`).
 template <typename T, int kD>
 struct DecodeTask {
-  const T* qkv; int64_t qkv_stride;   // [B, (H + 2 KVH) * D] this step's projections
-  const float* factors;                 // [B, H + KVH, D / 2, 2] rotary (times head scale)
+  const T* qkv; int64_t qkv_stride;   // [R, (H + 2 KVH) * D] this step's projections
+  const float* factors;                 // [R, H + KVH, D / 2, 2] rotary (times head scale)
   T* pool; int64_t plane;               // kv_buffer and the size of one (K/V, head) plane
-  const int64_t* slots;                 // [B] where each request's new token goes
+  const int64_t* slots;                 // [R] where each row's new token goes
   const int64_t* table; int64_t max_pages; int64_t page_size;
-  const int64_t* lens;
-  T* out;                               // [B, H * D]
+  const int64_t* lens;                  // [B] each request's length, its new rows included
+  const int64_t* starts;                // [B + 1] request b's rows; nullptr: row b alone
+  T* out;                               // [R, H * D]
   int64_t heads, kv_heads, d;
 
   void run(int64_t b, int64_t h, float* qf, float* row, float* acc, std::vector<float>& scores) const {
-    const int64_t D = kD > 0 ? kD : d, groups = heads / kv_heads, len = lens[b];
+    const int64_t D = kD > 0 ? kD : d, half = D / 2, fq = heads + kv_heads;
+    const int64_t r0 = starts ? starts[b] : b, r1 = starts ? starts[b + 1] : b + 1;
+    // The new K (rotated, rounded to the pool's dtype) and V of every row into their slots
+    // first: each later row attends to the earlier ones.
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* src = qkv + r * qkv_stride;
+      const int64_t slot = slots[r];
+      load_row(src + (heads + h) * D, row, D);
+      rotate(row, factors + r * fq * D + (heads + h) * D, half);
+      store_row(row, pool + h * plane + slot * D, D);
+      std::copy(src + (heads + kv_heads + h) * D, src + (heads + kv_heads + h + 1) * D,
+                pool + (kv_heads + h) * plane + slot * D);
+    }
+    for (int64_t r = r0; r < r1; ++r) attend(b, h, r, lens[b] - (r1 - 1 - r), qf, row, acc, scores);
+  }
+
+  // Row r of request b (KV head h) over the sequence's first `len` tokens.
+  void attend(int64_t b, int64_t h, int64_t r, int64_t len, float* qf, float* row, float* acc,
+              std::vector<float>& scores) const {
+    const int64_t D = kD > 0 ? kD : d, groups = heads / kv_heads;
     const int64_t half = D / 2, fq = heads + kv_heads;
-    const T* src = qkv + b * qkv_stride;
-    const float* fb = factors + b * fq * D;
+    const T* src = qkv + r * qkv_stride;
+    const float* fb = factors + r * fq * D;
     for (int64_t g = 0; g < groups; ++g) {  // the query heads, rotated (and scaled) in float32
       const int64_t head = h * groups + g;
       load_row(src + head * D, qf + g * D, D);
       rotate(qf + g * D, fb + head * D, half);
     }
-    // The new K (rotated, rounded to the pool's dtype) and V into their slot.
-    const int64_t slot = slots[b];
-    load_row(src + (heads + h) * D, row, D);
-    rotate(row, fb + (heads + h) * D, half);
-    store_row(row, pool + h * plane + slot * D, D);
-    std::copy(src + (heads + kv_heads + h) * D, src + (heads + kv_heads + h + 1) * D,
-              pool + (kv_heads + h) * plane + slot * D);
-
     scores.resize(groups * len);
     const T* kplane = pool + h * plane;
     const T* vplane = pool + (kv_heads + h) * plane;
@@ -246,7 +261,7 @@ struct DecodeTask {
                  groups, acc, row);
     }
     if constexpr (kPairedV) unpermute_acc(acc, groups * D, row);
-    for (int64_t g = 0; g < groups; ++g) store_row(acc + g * D, out + b * heads * D + (h * groups + g) * D, D);
+    for (int64_t g = 0; g < groups; ++g) store_row(acc + g * D, out + r * heads * D + (h * groups + g) * D, D);
   }
 
   // scores[g * stride + t] = q_g . k_t for the n rows of k (one page, contiguous); `row` is
@@ -444,54 +459,72 @@ void decode_tasks(const DecodeTask<T, kD>& task, int64_t bs) {
 }
 
 // Decode attention with its rotary and its K/V store, straight on the paged pool.
-// qkv: [B, (H + 2 KVH) * D] this step's un-rotated projections (rows may be strided);
-// factors: float32 [B, H + KVH, D / 2, 2] (`rotary_`'s); kv_buffer: [2, KVH, pages,
-// page_size, D], written at `slots` [B] (page * page_size + offset); page_table: [B,
-// max_pages] int64; seq_lens: [B] int64, the new token included. Each (request, KV head)
-// is one task: it scores its G query heads against every token of the sequence (reading K
-// once), softmax in float32, then one pass over V. Returns [B, H * D] in qkv's dtype.
+// qkv: [R, (H + 2 KVH) * D] this step's un-rotated projections (rows may be strided), one row
+// per request, or, with `query_starts` [B + 1] (int64, from 0 to R), request b's rows
+// query_starts[b] to query_starts[b + 1]: its last sampled token then its drafted ones, which
+// attend causally among themselves (a verify step); factors: float32 [R, H + KVH, D / 2, 2]
+// (`rotary_`'s); kv_buffer: [2, KVH, pages, page_size, D], written at `slots` [R] (page *
+// page_size + offset); page_table: [B, max_pages] int64; seq_lens: [B] int64, the new rows
+// included. Each (request, KV head) is one task: per row it scores its G query heads against
+// the tokens up to that row (reading K once), softmax in float32, then one pass over V.
+// Returns [R, H * D] in qkv's dtype.
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& factors, at::Tensor& kv_buffer,
                             const at::Tensor& slots, const at::Tensor& page_table, const at::Tensor& seq_lens,
-                            int64_t num_heads) {
+                            int64_t num_heads, const std::optional<at::Tensor>& query_starts) {
   check_rows(qkv, "qkv");
   TORCH_CHECK(kv_buffer.dim() == 5 && kv_buffer.size(0) == 2 && kv_buffer.is_contiguous(),
               "kv_buffer must be a contiguous [2, KVH, pages, page_size, D] tensor");
   TORCH_CHECK(qkv.scalar_type() == kv_buffer.scalar_type(), "qkv and kv_buffer must have the same dtype");
-  for (const auto* t : {&slots, &seq_lens}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous() && t->size(0) == qkv.size(0),
-                "slots and seq_lens must be contiguous int64 [batch] tensors");
-  }
+  const int64_t rows = qkv.size(0), bs = seq_lens.numel();
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() && slots.size(0) == rows,
+              "slots must be a contiguous int64 [rows] tensor");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.dim() == 1 && seq_lens.is_contiguous(),
+              "seq_lens must be a contiguous int64 [batch] tensor");
   TORCH_CHECK(page_table.scalar_type() == at::kLong && page_table.dim() == 2 && page_table.is_contiguous() &&
-                  page_table.size(0) == qkv.size(0),
+                  page_table.size(0) == bs,
               "page_table must be a contiguous int64 [batch, max_pages] tensor");
-  const int64_t bs = qkv.size(0), kvh = kv_buffer.size(1), num_pages = kv_buffer.size(2);
+  const int64_t* starts = nullptr;
+  if (query_starts.has_value()) {
+    const at::Tensor& qs = *query_starts;
+    TORCH_CHECK(qs.scalar_type() == at::kLong && qs.dim() == 1 && qs.is_contiguous() && qs.size(0) == bs + 1,
+                "query_starts must be a contiguous int64 [batch + 1] tensor");
+    starts = qs.data_ptr<int64_t>();
+    TORCH_CHECK(starts[0] == 0 && starts[bs] == rows, "query_starts must run from 0 to the number of rows");
+  } else {
+    TORCH_CHECK(rows == bs, "without query_starts, one row per request");
+  }
+  const int64_t kvh = kv_buffer.size(1), num_pages = kv_buffer.size(2);
   const int64_t page_size = kv_buffer.size(3), d = kv_buffer.size(4);
   TORCH_CHECK(num_heads % kvh == 0 && qkv.size(1) == (num_heads + 2 * kvh) * d,
-              "qkv must be [batch, (num_heads + 2 * kv_heads) * head_dim]");
+              "qkv must be [rows, (num_heads + 2 * kv_heads) * head_dim]");
   TORCH_CHECK(factors.scalar_type() == at::kFloat && factors.is_contiguous() &&
-                  factors.numel() == bs * (num_heads + kvh) * d && d % 2 == 0,
-              "factors must be contiguous float32 [batch, num_heads + kv_heads, head_dim / 2, 2]");
+                  factors.numel() == rows * (num_heads + kvh) * d && d % 2 == 0,
+              "factors must be contiguous float32 [rows, num_heads + kv_heads, head_dim / 2, 2]");
   const int64_t max_pages = page_table.size(1);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* table = page_table.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < bs; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_pages * page_size, "seq_lens out of range of page_table");
+    const int64_t r0 = starts ? starts[b] : b, r1 = starts ? starts[b + 1] : b + 1;
+    TORCH_CHECK(r1 > r0 && r1 - r0 <= lens[b], "each request needs between 1 and seq_len rows");
+    TORCH_CHECK(lens[b] <= max_pages * page_size, "seq_lens out of range of page_table");
     for (int64_t p = 0; p < (lens[b] + page_size - 1) / page_size; ++p) {
       TORCH_CHECK(table[b * max_pages + p] >= 0 && table[b * max_pages + p] < num_pages,
                   "page_table holds a page outside the pool");
     }
-    const int64_t last = lens[b] - 1;
-    TORCH_CHECK(slot[b] == table[b * max_pages + last / page_size] * page_size + last % page_size,
-                "slots must be each sequence's last position in page_table");
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t pos = lens[b] - (r1 - r);
+      TORCH_CHECK(slot[r] == table[b * max_pages + pos / page_size] * page_size + pos % page_size,
+                  "slots must be each row's position in page_table");
+    }
   }
-  auto out = at::empty({bs, num_heads * d}, qkv.options());
+  auto out = at::empty({rows, num_heads * d}, qkv.options());
   CADENCE_DISPATCH(qkv.scalar_type(), "decode_attention", [&] {
     auto run = [&](auto dim) {
       constexpr int kD = decltype(dim)::value;
       DecodeTask<scalar_t, kD> task{qkv.data_ptr<scalar_t>(), qkv.stride(0), factors.data_ptr<float>(),
                                     kv_buffer.data_ptr<scalar_t>(), num_pages * page_size * d, slot, table,
-                                    max_pages, page_size, lens, out.data_ptr<scalar_t>(), num_heads, kvh, d};
+                                    max_pages, page_size, lens, starts, out.data_ptr<scalar_t>(), num_heads, kvh, d};
       decode_tasks(task, bs);
     };
     if (d == 64) {
@@ -574,7 +607,7 @@ TORCH_LIBRARY(cadence, m) {
   m.def("refined_logits(Tensor logits, Tensor hidden, Tensor weight) -> Tensor");
   m.def("rotary_(Tensor(a!) qk, Tensor factors) -> ()");
   m.def("decode_attention(Tensor qkv, Tensor factors, Tensor(a!) kv_buffer, Tensor slots, Tensor page_table, "
-        "Tensor seq_lens, int num_heads) -> Tensor");
+        "Tensor seq_lens, int num_heads, Tensor? query_starts=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cadence, CPU, m) {

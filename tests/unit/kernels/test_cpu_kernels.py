@@ -159,6 +159,96 @@ def test_decode_attention_takes_strided_rows_any_head_dim_and_group_size():
     )
 
 
+def drafted_case(dtype, lens, new, num_heads=9, kv_heads=3, dim=64, page=16, seed=5):
+    """paged_case with `new[b]` rows for request b (its last sampled token then its drafted
+    ones): the pool holds each sequence's first lens[b] - new[b] tokens, and `dense` all of
+    them, the new ones as the kernel must store them."""
+    g = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // page) for n in lens) + 5
+    pool = torch.full((2, kv_heads, num_pages, page, dim), float("nan"), dtype=dtype)
+    order = torch.randperm(num_pages, generator=g).tolist()
+    max_pages = max(-(-n // page) for n in lens)
+    heads, rows = num_heads + kv_heads, sum(new)
+    qkv = torch.randn(rows, (heads + kv_heads) * dim, generator=g).to(dtype)
+    angles = torch.rand(rows, heads, dim // 2, generator=g) * 6.3
+    scales = torch.tensor([dim**-0.5] * num_heads + [1.0] * kv_heads).view(1, -1, 1)
+    factors = torch.polar(scales.expand_as(angles).contiguous(), angles)
+    rotated = qkv.clone()
+    LayerOps().rotary_(rotated[:, : heads * dim], factors)
+    table, slots, dense, starts = [], [], [], [0]
+    for n, k in zip(lens, new):
+        pages = [order.pop() for _ in range(-(-n // page))]
+        kv = torch.randn(2, kv_heads, n, dim, generator=g).to(dtype)
+        first = starts[-1]
+        kv[:, :, n - k :] = (
+            rotated[first : first + k, num_heads * dim :]
+            .view(k, 2, kv_heads, dim)
+            .permute(1, 2, 0, 3)
+        )
+        for i in range(n - k):
+            pool[:, :, pages[i // page], i % page] = kv[:, :, i]
+        table.append(pages + [pages[0]] * (max_pages - len(pages)))
+        slots += [pages[i // page] * page + i % page for i in range(n - k, n)]
+        dense.append(kv)
+        starts.append(first + k)
+    args = (
+        qkv,
+        torch.view_as_real(factors),
+        pool,
+        torch.tensor(slots),
+        torch.tensor(table),
+        torch.tensor(lens),
+    )
+    return args, torch.tensor(starts), rotated[:, : num_heads * dim], dense
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_with_drafts_attends_causally_within_each_request(dtype):
+    # A verify step: requests with 1 to 12 rows (the last one's drafts cross a page boundary),
+    # each row attending to the tokens up to itself; NaN past them would show.
+    lens, new = [1, 5, 20, 130, 45], [1, 5, 12, 3, 1]
+    args, starts, q, dense = drafted_case(dtype, lens, new)
+    out = torch.ops.cadence.decode_attention(*args, 9, starts)
+    assert out.shape == q.shape and not out.isnan().any()
+    want = []
+    for b, (n, k) in enumerate(zip(lens, new)):
+        for j in range(k):
+            visible = [kv[:, :, : n - k + j + 1] for kv in dense[b : b + 1]]
+            want.append(
+                reference_attention(q[starts[b] + j : starts[b] + j + 1], visible, 9, 3, 64)[0]
+            )
+    torch.testing.assert_close(
+        out.double(), torch.stack(want), rtol=4 * ulps(dtype), atol=4 * ulps(dtype)
+    )
+    pool, slots = args[2], args[3]
+    for b, (kv, k) in enumerate(zip(dense, new)):  # every new row's K and V are in the pool
+        for j in range(k):
+            page, offset = divmod(int(slots[starts[b] + j]), 16)
+            expect = kv[:, :, lens[b] - k + j]
+            torch.testing.assert_close(
+                pool[:, :, page, offset], expect, rtol=ulps(dtype), atol=ulps(dtype)
+            )
+    # One row per request through query_starts is plain decode, bit for bit.
+    plain, _, _ = paged_case(dtype, [3, 40])
+    once = torch.ops.cadence.decode_attention(*[a.clone() for a in plain], 9)
+    again = torch.ops.cadence.decode_attention(
+        *[a.clone() for a in plain], 9, torch.tensor([0, 1, 2])
+    )
+    assert torch.equal(once, again)
+
+
+def test_decode_attention_rejects_bad_query_starts():
+    args, starts, _, _ = drafted_case(torch.float32, [5, 20], [2, 3])
+    with pytest.raises(RuntimeError, match="from 0 to the number of rows"):
+        torch.ops.cadence.decode_attention(*args, 9, starts + 1)
+    with pytest.raises(RuntimeError, match="between 1 and seq_len rows"):
+        torch.ops.cadence.decode_attention(*args, 9, torch.tensor([0, 0, 5]))
+    with pytest.raises(RuntimeError, match="one row per request"):
+        torch.ops.cadence.decode_attention(*args, 9)
+    with pytest.raises(RuntimeError, match="each row's position"):
+        torch.ops.cadence.decode_attention(*args, 9, torch.tensor([0, 3, 5]))
+
+
 def test_decode_attention_rejects_bad_tables_and_shapes():
     (qkv, factors, pool, slots, table, lens), _, _ = paged_case(torch.float32, [5, 20])
     bad = table.clone()
@@ -169,7 +259,7 @@ def test_decode_attention_rejects_bad_tables_and_shapes():
         torch.ops.cadence.decode_attention(
             qkv, factors, pool, slots, table, torch.tensor([5, 10_000]), 9
         )
-    with pytest.raises(RuntimeError, match="last position"):
+    with pytest.raises(RuntimeError, match="each row's position"):
         torch.ops.cadence.decode_attention(qkv, factors, pool, slots + 1, table, lens, 9)
     with pytest.raises(RuntimeError, match="same dtype"):
         torch.ops.cadence.decode_attention(qkv.bfloat16(), factors, pool, slots, table, lens, 9)

@@ -251,3 +251,76 @@ def test_decode_steps_over_a_changing_batch_match_dense_attention(
     assert (attn.decode_state_bytes() > 0) == keep_blocks
     attn.release_decode_state()
     assert attn.decode_state_bytes() == 0
+
+
+@pytest.mark.parametrize(
+    "backend,float32_tokens",
+    [("torch", 0), ("torch", 1024), ("cpu-kernels", 0)],
+    ids=["torch-kv-dtype-matmuls", "torch-float32-matmuls", "cpu-kernels"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verify_step_attends_causally_among_each_requests_drafts(
+    dtype, backend, float32_tokens, monkeypatch
+):
+    """A decode step with several rows per request (the last token, then drafted ones):
+    each row sees its sequence up to itself, nothing of the rows after it, and nothing of
+    other requests; the batch mixes a request without drafts, drafts inside one page and
+    drafts across a page boundary."""
+    monkeypatch.setattr(TorchNativeBackend, "FLOAT32_DECODE_TOKENS", float32_tokens)
+    torch.manual_seed(1)
+    pool = KVPool(
+        num_pages=16, page_size=PAGE, num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=dtype
+    )
+    pool.kv_buffer[0].fill_(float("nan"))
+    attn = make_backend(backend, pool)
+    assert attn.decode_takes_drafts
+    lens, news = [5, 7, 10], [1, 3, 4]
+    pages = [[9, 2], [0, 7], [5, 12, 3]]
+    for p in pages:  # the runner zeroes every page it hands out
+        pool.kv_buffer[0].index_fill_(2, torch.tensor(p), 0)
+    keys = [torch.randn(n, KV_HEADS, DIM, dtype=dtype) for n in lens]
+    values = [torch.randn(n, KV_HEADS, DIM, dtype=dtype) for n in lens]
+
+    def slots(i, positions):
+        return torch.tensor([pages[i][p // PAGE] * PAGE + p % PAGE for p in positions])
+
+    for i, (n, k) in enumerate(zip(lens, news)):  # the cached prefix of each request
+        loc = slots(i, range(n - k))
+        pool.kv_buffer[0].view(-1, DIM).index_copy_(
+            0,
+            pool.write_rows(loc),
+            torch.stack([keys[i][: n - k], values[i][: n - k]], 1).reshape(-1, DIM),
+        )
+    rows = sum(news)
+    q = torch.randn(rows, HEADS, DIM, dtype=dtype)
+    loc = torch.cat([slots(i, range(n - k, n)) for i, (n, k) in enumerate(zip(lens, news))])
+    kv = torch.cat(
+        [
+            torch.stack([keys[i][n - k :], values[i][n - k :]], 1)
+            for i, (n, k) in enumerate(zip(lens, news))
+        ]
+    )
+    max_pages = max(len(p) for p in pages)
+    table = torch.tensor([p + [p[0]] * (max_pages - len(p)) for p in pages])
+    lens_t = torch.tensor(lens)
+    batch = ForwardBatch(
+        is_decode=True,
+        input_ids=torch.zeros(rows, dtype=torch.int64),
+        positions=torch.cat([torch.arange(n - k, n) for n, k in zip(lens, news)]),
+        out_cache_loc=loc,
+        kv_write_rows=pool.write_rows(loc),
+        seq_lens=lens,
+        extend_lens=news,
+        prefix_lens=[n - k for n, k in zip(lens, news)],
+        page_table=table,
+        kv_lens=lens_t,
+        page_rows=pool.page_rows(table),
+        query_starts=torch.tensor([0, 1, 4, 8]),
+    )
+    out = attend(attn, q.reshape(rows, -1), kv, 0, batch)
+    assert out.shape == (rows, HEADS * DIM) and not out.isnan().any()
+    start = 0
+    for i, (n, k) in enumerate(zip(lens, news)):
+        ref = dense_attention(q[start : start + k], keys[i], values[i], n - k)
+        torch.testing.assert_close(out[start : start + k].double(), ref, atol=2e-2, rtol=2e-2)
+        start += k
