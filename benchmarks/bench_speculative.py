@@ -5,6 +5,8 @@ Workloads (greedy, fixed output lengths: EOS ignored), through each server's cha
   - repeat: answers that copy or lightly edit long spans of the prompt (quote a paragraph,
     reformat a JSON object, rewrite code with a renamed variable);
   - chat: short ordinary questions.
+No request repeats another of the run (each one's content is drawn with its own seed): an
+answer remembered from an identical request would be drafted whole from the n-gram store.
 Concurrency 1 for both, and 8 for repeat: output tokens/s over each level's wall time, the
 median of --repeats passes. TTFT: one stream of short chat prompts, the p50. Servers run
 one at a time on the whole machine.
@@ -25,9 +27,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import random
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -38,37 +43,183 @@ import time
 
 import httpx
 
-PARAGRAPH = (
-    "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of "
-    "oil and a cloth for the great lens. From the gallery he could see the fishing boats "
-    "returning to the harbour, their lanterns swaying as they crossed the bar, and beyond them "
-    "the long grey line of the sea where the weather always came from."
-)
-RECORD = (
-    '{"id": 4182, "name": "Harbour Supplies Ltd", "city": "Porthleven", "active": true, '
-    '"contacts": [{"name": "Ann Trevithick", "phone": "01326 555 0192"}, '
-    '{"name": "Joe Pascoe", "phone": "01326 555 0174"}], "balance": 1250.75}'
-)
-CODE = (
-    "def total_price(items, tax_rate):\n"
-    "    subtotal = 0\n"
-    "    for item in items:\n"
-    "        subtotal += item.price * item.quantity\n"
-    "    tax = subtotal * tax_rate\n"
-    "    return subtotal + tax\n"
-)
-REPEAT = [
-    f"Quote this paragraph back to me exactly, word for word:\n\n{PARAGRAPH}",
-    f"Reformat this JSON object with one key per line and two-space indentation:\n\n{RECORD}",
-    f"Rewrite this function with the variable `subtotal` renamed to `net`:\n\n{CODE}",
-    f"Repeat the following text twice:\n\n{PARAGRAPH}",
+# Every request of a run is distinct: its content is drawn from these pools with a seed of
+# its own, so no answer is remembered from an identical earlier request (the cross-request
+# n-gram store would then draft it whole, and the prefix cache would skip its prompt).
+SUBJECTS = [
+    "The lighthouse keeper",
+    "A fisherman",
+    "The old baker",
+    "My neighbour",
+    "The teacher",
+    "A young painter",
+    "The ferry captain",
+    "Our postman",
+    "The gardener",
+    "A travelling musician",
 ]
-CHAT = [
-    "What is the capital of Italy?",
-    "Give me two tips for sleeping better.",
-    "Why do cats purr?",
-    "Name three planets.",
+ACTIONS = [
+    "climbed the spiral stairs",
+    "walked along the harbour wall",
+    "opened the shutters",
+    "carried a basket of bread",
+    "mended the torn nets",
+    "counted the boats",
+    "read the weather report",
+    "swept the narrow street",
+    "lit the lamps one by one",
+    "wrote a letter to her sister",
 ]
+TIMES = [
+    "every evening at dusk",
+    "before the first tide",
+    "on Sunday mornings",
+    "after the storm",
+    "in the grey light of winter",
+    "while the town was asleep",
+    "at half past six",
+    "each spring",
+]
+DETAILS = [
+    "the boats returned with their lanterns swaying",
+    "the gulls circled over the market",
+    "the church bell rang across the bay",
+    "a cold wind came in from the sea",
+    "the children ran down to the beach",
+    "the smell of tar hung in the air",
+    "the clouds gathered over the headland",
+    "the water turned from green to silver",
+]
+FIRST = ["Ann", "Joe", "Mary", "Tom", "Ruth", "Sam", "Kate", "Ben", "Lucy", "Mark"]
+LAST = ["Trevithick", "Pascoe", "Penrose", "Nance", "Rowe", "Jago", "Tregear", "Hocking"]
+CITIES = ["Porthleven", "Falmouth", "St Ives", "Penzance", "Truro", "Padstow", "Looe", "Fowey"]
+NAMES = ["subtotal", "count", "weight", "score", "amount", "length", "offset", "budget"]
+ITEMS = ["items", "orders", "parcels", "rows", "entries", "lines"]
+FIELDS = [("price", "quantity"), ("mass", "units"), ("rate", "hours"), ("cost", "copies")]
+COUNTRIES = [
+    "Italy",
+    "Peru",
+    "Kenya",
+    "Norway",
+    "Japan",
+    "Chile",
+    "Egypt",
+    "Canada",
+    "Greece",
+    "Vietnam",
+    "Poland",
+    "Ghana",
+]
+HABITS = [
+    "sleeping better",
+    "learning a language",
+    "saving money",
+    "running a first 5k",
+    "keeping houseplants alive",
+    "cooking rice",
+    "staying focused",
+    "packing light",
+]
+ANIMALS = [
+    ("cats", "purr"),
+    ("dogs", "wag their tails"),
+    ("birds", "sing at dawn"),
+    ("bees", "dance"),
+    ("whales", "sing"),
+    ("frogs", "croak"),
+    ("owls", "hoot at night"),
+    ("horses", "sleep standing up"),
+]
+KINDS = ["planets", "rivers in Europe", "string instruments", "primary colours", "chess pieces",
+         "kinds of cloud", "Shakespeare plays", "noble gases"]  # fmt: skip
+
+
+def paragraph(rng: random.Random) -> str:
+    return " ".join(
+        f"{rng.choice(SUBJECTS)} {rng.choice(ACTIONS)} {rng.choice(TIMES)}, and "
+        f"{rng.choice(DETAILS)}."
+        for _ in range(3)
+    )
+
+
+def record(rng: random.Random) -> str:
+    contacts = [
+        {"name": f"{rng.choice(FIRST)} {rng.choice(LAST)}",
+         "phone": f"01326 555 {rng.randrange(10000):04d}"}
+        for _ in range(2)
+    ]  # fmt: skip
+    return json.dumps({
+        "id": rng.randrange(1000, 9999), "name": f"{rng.choice(LAST)} Supplies Ltd",
+        "city": rng.choice(CITIES), "active": rng.random() < 0.5, "contacts": contacts,
+        "balance": round(rng.uniform(10, 5000), 2),
+    })  # fmt: skip
+
+
+def code(rng: random.Random) -> tuple[str, str, str]:
+    name, items = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.choice(FIELDS)
+    rate = rng.choice(["tax_rate", "discount", "fee", "margin"])
+    text = (
+        f"def total_{name}({items}, {rate}):\n"
+        f"    {name} = 0\n"
+        f"    for item in {items}:\n"
+        f"        {name} += item.{a} * item.{b}\n"
+        f"    extra = {name} * {rate}\n"
+        f"    return {name} + extra\n"
+    )
+    return text, name, rng.choice([n for n in NAMES if n != name])
+
+
+def repeat_prompt(rng: random.Random) -> str:
+    kind = rng.randrange(4)
+    if kind == 0:
+        return f"Quote this paragraph back to me exactly, word for word:\n\n{paragraph(rng)}"
+    if kind == 1:
+        return (
+            "Reformat this JSON object with one key per line and two-space indentation:"
+            f"\n\n{record(rng)}"
+        )
+    if kind == 2:
+        text, old, new = code(rng)
+        return f"Rewrite this function with the variable `{old}` renamed to `{new}`:\n\n{text}"
+    return f"Repeat the following text twice:\n\n{paragraph(rng)}"
+
+
+def chat_prompt(rng: random.Random) -> str:
+    kind = rng.randrange(4)
+    if kind == 0:
+        return f"What is the capital of {rng.choice(COUNTRIES)}?"
+    if kind == 1:
+        return f"Give me two tips for {rng.choice(HABITS)}."
+    if kind == 2:
+        animal, habit = rng.choice(ANIMALS)
+        return f"Why do {animal} {habit}?"
+    return f"Name three {rng.choice(KINDS)}."
+
+
+class Prompts:
+    """The run's prompts: the same sequence for every server (each server is asked the same
+    things in the same order), never the same prompt twice within it."""
+
+    def __init__(self, seed: int = 34):
+        self.seed = seed
+
+    def take(self, workload: str, level: str, count: int) -> list[str]:
+        rng = random.Random(f"{self.seed}:{workload}:{level}")
+        make = repeat_prompt if workload == "repeat" else chat_prompt
+        out: list[str] = []
+        while len(out) < count:
+            prompt = make(rng)
+            # A chat question can come up again from its small pools: a counter keeps it new.
+            out.append(prompt if workload == "repeat" else f"{prompt} (question {len(out) + 1})")
+        return out
+
+
+# A new connection per request, for every server alike: llama-server closes a kept-alive
+# connection after a few requests, and a request sent on it as it closes fails.
+FRESH_CONNECTIONS = httpx.Limits(max_keepalive_connections=0)
+REQUESTS_PER_CLIENT = 4  # per level and pass
+CHAT_TTFT = range(4)  # short chats per TTFT round
 TARGETS = {"repeat_c1": 2.0, "chat_c1": 0.95, "repeat_c8": 1.3}
 
 
@@ -108,11 +259,17 @@ class Server:
         raise TimeoutError(f"{self.name} not ready in {timeout} s; see {self.log_path}")
 
     def stop(self) -> None:
+        """Stops the server; its log is removed unless it had exited on its own (the log
+        then says why)."""
+        exited = self.proc.poll() is not None
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(30)
         except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        if not exited:
+            shutil.rmtree(os.path.dirname(self.log_path), ignore_errors=True)
 
 
 def cadence_server(spec: bool, max_running: int, extra: str) -> Server:
@@ -137,8 +294,8 @@ def llama_server(binary: str, spec_type: str | None, slots: int) -> Server:
         "--threads", threads, "--threads-batch", threads, "--parallel", str(slots),
         "--ctx-size", str(1024 * slots), "--cont-batching", "--no-webui", "--log-disable",
     ]  # fmt: skip
-    if spec_type is not None:
-        cmd += ["--spec-type", spec_type, "--draft-max", "16"]
+    if spec_type is not None:  # each mode with its own defaults (draft and n-gram sizes)
+        cmd += ["--spec-type", spec_type]
     return Server(f"llama-{spec_type or 'base'}", cmd, port)
 
 
@@ -180,7 +337,7 @@ async def level(url: str, prompts: list[str], concurrency: int, new_tokens: int)
             total += tokens
 
     start = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, limits=FRESH_CONNECTIONS) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
     return total / (time.perf_counter() - start)
 
@@ -188,22 +345,25 @@ async def level(url: str, prompts: list[str], concurrency: int, new_tokens: int)
 async def measure(server: Server, args, with_c8: bool) -> dict:
     try:
         await server.wait_ready()
-        async with httpx.AsyncClient(timeout=600) as client:
-            await one(client, server.url, CHAT[0], 8)  # warm-up
+        async with httpx.AsyncClient(timeout=600, limits=FRESH_CONNECTIONS) as client:
+            await one(client, server.url, "Say hello.", 8)  # warm-up
         out: dict = {}
         cases = [("repeat", 1), ("chat", 1)] + ([("repeat", 8)] if with_c8 else [])
+        prompts = Prompts()
         for workload, c in cases:
-            prompts = (REPEAT if workload == "repeat" else CHAT) * max(c, 1) * args.passes
-            if args.smoke:  # each client once: the whole path, briefly
-                prompts = prompts[:c]
+            count = 1 if args.smoke else REQUESTS_PER_CLIENT * c * args.passes
             runs = [
-                await level(server.url, prompts, c, args.new_tokens) for _ in range(args.repeats)
+                await level(
+                    server.url, prompts.take(workload, f"c{c}-{r}", count), c, args.new_tokens
+                )
+                for r in range(args.repeats)
             ]
             out[f"{workload}_c{c}"] = statistics.median(runs)
             log(f"{server.name}: {workload} c={c} {out[f'{workload}_c{c}']:.1f} tok/s "
                 f"(passes {', '.join(f'{r:.1f}' for r in runs)})")  # fmt: skip
-        async with httpx.AsyncClient(timeout=600) as client:
-            ttfts = [(await one(client, server.url, p, 4))[1] for p in CHAT * args.ttft_rounds]
+        ttft_prompts = prompts.take("chat", "ttft", len(CHAT_TTFT) * args.ttft_rounds)
+        async with httpx.AsyncClient(timeout=600, limits=FRESH_CONNECTIONS) as client:
+            ttfts = [(await one(client, server.url, p, 4))[1] for p in ttft_prompts]
         out["ttft_ms"] = statistics.median(ttfts) * 1000
         if server.name == "cadence-spec":
             async with httpx.AsyncClient() as client:
@@ -279,7 +439,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--new-tokens", type=int, default=128, help="output length, EOS ignored")
     parser.add_argument("--repeats", type=int, default=3, help="passes per level (median kept)")
-    parser.add_argument("--passes", type=int, default=1, help="times each prompt list is sent")
+    parser.add_argument(
+        "--passes", type=int, default=1, help="each level sends 4 x this many requests per client"
+    )
     parser.add_argument(
         "--llama-spec-types", nargs="+", default=["ngram-simple", "ngram-map-k", "ngram-mod"]
     )

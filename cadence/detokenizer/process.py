@@ -89,11 +89,11 @@ def run_detokenizer_process(
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    from cadence.model_loader.tokenizer_files import load_tokenizer
+    from cadence.model_loader.tokenizer_files import load_decoder
     from cadence.plugins import load_plugins
 
     load_plugins()
-    detokenizer = Detokenizer(load_tokenizer(tokenizer_source))
+    detokenizer = Detokenizer(load_decoder(tokenizer_source))
     ctx = zmq.Context(1)
     inbox = bind(ctx, zmq.PULL, paths.detokenizer_input)
     fronts = FrontRouter(ctx)

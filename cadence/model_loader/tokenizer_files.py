@@ -43,22 +43,77 @@ def load_tokenizer(path: str, tokenizer_path: str | None = None):
     return AutoTokenizer.from_pretrained(directory)
 
 
+class TokenDecoder:
+    """A tokenizer's `decode` alone, from its tokenizer.json through the `tokenizers` library:
+    what a process that only turns ids into text (the detokenizer) needs, without importing
+    transformers (~1.3 s of CPU at each start). Made only for a directory whose tokenizer is
+    transformers' generic fast one and needs no clean-up of spaces, where transformers'
+    decode is exactly the `tokenizers` decode (see `load_decoder`)."""
+
+    def __init__(self, directory: str):
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def load_decoder(path: str, tokenizer_path: str | None = None):
+    """Something with the model's tokenizer's `decode(ids, skip_special_tokens=...)`: a
+    `TokenDecoder` where that is exact, else the whole tokenizer (`load_tokenizer`)."""
+    directory = tokenizer_dir(path, tokenizer_path)
+    if decodes_alone(directory):
+        return TokenDecoder(directory)
+    return load_tokenizer(path, tokenizer_path)
+
+
+def decodes_alone(directory: str) -> bool:
+    """Whether `tokenizers` alone decodes the tokenizer in `directory` exactly as transformers
+    would: its class is the generic fast tokenizer and its decode needs no clean-up."""
+    config = _tokenizer_config(directory)
+    return _is_generic(directory, config) and not _cleans_up_spaces(directory, config)
+
+
+def _tokenizer_config(directory: str) -> dict:
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _cleans_up_spaces(directory: str, config: dict) -> bool:
+    """Whether transformers' decode would rewrite the text after `tokenizers` (its clean-up
+    of spaces before punctuation, which it skips for BPE models)."""
+    if not config.get("clean_up_tokenization_spaces", False):
+        return False
+    try:
+        with open(os.path.join(directory, "tokenizer.json")) as f:
+            model = json.load(f).get("model", {})
+    except (OSError, ValueError, AttributeError):
+        return True
+    return not (isinstance(model, dict) and model.get("type") == "BPE")
+
+
 def _generic_class(directory: str):
     """transformers' generic fast tokenizer class when `directory` names it (as every GGUF
     conversion does), which is the class AutoTokenizer would pick; None otherwise.
 
     AutoTokenizer's module imports torch (2-3 s of CPU in each process that only needs the
     tokenizer: the detokenizer, the front); the class itself does not."""
-    try:
-        with open(os.path.join(directory, "tokenizer_config.json")) as f:
-            name = json.load(f).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if name != GENERIC_TOKENIZER or not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+    if not _is_generic(directory, _tokenizer_config(directory)):
         return None
     import transformers
 
-    return getattr(transformers, name, None)
+    return getattr(transformers, GENERIC_TOKENIZER, None)
+
+
+def _is_generic(directory: str, config: dict) -> bool:
+    return config.get("tokenizer_class") == GENERIC_TOKENIZER and os.path.isfile(
+        os.path.join(directory, "tokenizer.json")
+    )
 
 
 def file_key(path: str) -> str:

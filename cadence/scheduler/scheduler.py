@@ -371,7 +371,11 @@ class Scheduler:
             results = self.runner.run(batch)
             if batch.is_decode and self.spec is not None:  # what a step of this size costs
                 verified = any(item.num_draft for item in batch.items)
-                self.spec.cost.observe(batch.num_tokens, time.perf_counter() - started, verified)
+                emitted = sum(1 + len(r.more) for r in results if r.error is None)
+                seconds = time.perf_counter() - started
+                self.spec.cost.observe(
+                    batch.num_tokens, seconds, verified, len(batch.items), emitted
+                )
             self._postprocess(batch, reqs, results)
         elif self.grammars and not self.outputs:
             self.grammars.wait(GRAMMAR_POLL_S)  # nothing runs: wait for a compile, briefly

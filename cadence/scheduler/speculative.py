@@ -33,6 +33,7 @@ RECENT_VERIFIES = 1024  # request-steps the load report's gauges are over
 EXPLORE_STEPS = 8  # verify steps timed before a plain step may be preferred to verifying
 EXPLORE_EVERY = 32  # plain steps in a row (with drafts found) before one verifies anyway
 COST_SAMPLES = 128  # recent steps of each kind the step-cost lines are fit over
+YIELD_WEIGHT = 0.1  # weight of the latest step in the running tokens/s of its kind and size
 # Until steps of different sizes are timed: an extra token costs this share of a step.
 DEFAULT_TOKEN_COST = 0.25
 
@@ -59,11 +60,20 @@ class StepCost:
         self.verify: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES)
         self.plain_streak = 0  # plain steps since the last verify step
         self._last_verify: tuple[int, float] | None = None  # not recorded yet (see observe)
+        # Tokens per second the steps of each kind gave, by batch size (running averages).
+        self.yields: dict[bool, dict[int, float]] = {False: {}, True: {}}
 
-    def observe(self, tokens: int, seconds: float, verified: bool) -> None:
-        """A decode step's size and time. A plain step right after a verify step pays for
-        it (the runner restarts its decode state): what it takes beyond a plain step is
-        counted to the verify step, and it is not a plain sample itself."""
+    def observe(
+        self, tokens: int, seconds: float, verified: bool, batch: int = 0, emitted: int = 0
+    ) -> None:
+        """A decode step's size and time (and, for `verify_pays`, its batch and the tokens it
+        gave). A plain step right after a verify step pays for it (a backend that restarts
+        its decode state): what it takes beyond a plain step is counted to the verify step,
+        and it is not a plain sample itself."""
+        if batch and emitted and seconds > 0:
+            rates = self.yields[verified]
+            rate, old = emitted / seconds, rates.get(batch)
+            rates[batch] = rate if old is None else old + YIELD_WEIGHT * (rate - old)
         last, self._last_verify = self._last_verify, None
         if verified:
             if last is not None:
@@ -83,6 +93,13 @@ class StepCost:
         """Verify whatever the estimates say: too few verify steps timed yet, or none for a
         while (the batch, the context and so the costs have moved since)."""
         return len(self.verify) < EXPLORE_STEPS or self.plain_streak >= EXPLORE_EVERY
+
+    def verify_pays(self, batch: int) -> bool:
+        """False once verify steps of this batch size have given fewer tokens per second
+        than plain ones: the estimates behind a verify (the acceptance, the line of its
+        cost) are then wrong here, and what was measured wins."""
+        verify, plain = self.yields[True].get(batch), self.yields[False].get(batch)
+        return verify is None or plain is None or verify > plain
 
     def plain_seconds(self, tokens: int) -> float:
         line = _line(self.plain)
@@ -221,7 +238,10 @@ class Speculation:
             keep[i], tokens, seconds, budget = depth, tokens + gain, seconds + m, budget - 1
             if depth < len(found[i]):
                 heapq.heappush(heap, (-gain * p, i, depth + 1, p))
-        if not self.cost.exploring and tokens / seconds <= batch / self.cost.plain_seconds(batch):
+        if not self.cost.exploring and (
+            tokens / seconds <= batch / self.cost.plain_seconds(batch)
+            or not self.cost.verify_pays(batch)
+        ):
             return {}
         return keep
 

@@ -40,3 +40,78 @@ def test_the_cuda_build_check_reads_torchs_version_file():
     import torch
 
     assert _torch_built_with_cuda() == (torch.version.cuda is not None)
+
+
+DECODER_PROBE = """
+import sys
+from cadence.detokenizer.process import run_detokenizer_process
+from cadence.model_loader.locate import default_model_path
+from cadence.model_loader.tokenizer_files import TokenDecoder, load_decoder
+
+decoder = load_decoder(default_model_path())
+assert isinstance(decoder, TokenDecoder)
+print(decoder.decode([19556, 905]), "|", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+
+
+def test_the_detokenizer_decodes_a_gguf_conversion_without_transformers():
+    done = subprocess.run(
+        [sys.executable, "-c", DECODER_PROBE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    text, imported = done.stdout.strip().splitlines()[-1].split(" | ")
+    assert text.strip() and imported == "[]", done.stdout
+
+
+def test_the_decoder_decodes_exactly_as_the_tokenizer_does():
+    """Random ids (special tokens, byte pieces that split a character, plain words), with
+    and without skip_special_tokens: the `tokenizers`-only decoder and transformers' decode
+    give the same text."""
+    import random
+
+    from cadence.model_loader.locate import default_model_path
+    from cadence.model_loader.tokenizer_files import TokenDecoder, load_decoder, load_tokenizer
+
+    path = default_model_path()
+    decoder, tokenizer = load_decoder(path), load_tokenizer(path)
+    assert isinstance(decoder, TokenDecoder)
+    rng = random.Random(7)
+    vocab = tokenizer.vocab_size
+    special = tokenizer.all_special_ids
+    text = "Hello, world! Ça va? 你好 🙂 <|im_start|>user\n def f(x):\n\treturn x  # done"
+    cases = [tokenizer.encode(text), tokenizer.encode(text)[:7], []]
+    for _ in range(200):
+        n = rng.randint(1, 24)
+        cases.append(
+            [rng.choice(special) if rng.random() < 0.2 else rng.randrange(vocab) for _ in range(n)]
+        )
+    for ids in cases:
+        for skip in (False, True):
+            assert decoder.decode(ids, skip_special_tokens=skip) == tokenizer.decode(
+                ids, skip_special_tokens=skip
+            ), (ids, skip)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_is_decoded_by_transformers(tmp_path):
+    """A tokenizer whose config asks for transformers' clean-up of spaces gets no
+    `tokenizers`-only decoder, unless it is BPE (transformers skips the clean-up there)."""
+    import json
+    import os
+    import shutil
+
+    from cadence.model_loader.locate import default_model_path
+    from cadence.model_loader.tokenizer_files import decodes_alone, tokenizer_dir
+
+    source = tokenizer_dir(default_model_path())
+    for name in os.listdir(source):
+        shutil.copy(os.path.join(source, name), tmp_path)
+    config_path, spec_path = tmp_path / "tokenizer_config.json", tmp_path / "tokenizer.json"
+    assert decodes_alone(str(tmp_path))
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "clean_up_tokenization_spaces": True}))
+    assert decodes_alone(str(tmp_path))  # BPE
+    spec = json.loads(spec_path.read_text())
+    spec_path.write_text(json.dumps({**spec, "model": {**spec["model"], "type": "WordPiece"}}))
+    assert not decodes_alone(str(tmp_path))
+    config_path.write_text(json.dumps({**config, "tokenizer_class": "BertTokenizer"}))
+    assert not decodes_alone(str(tmp_path))
