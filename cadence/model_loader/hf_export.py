@@ -14,8 +14,7 @@ import os
 import shutil
 import tempfile
 
-from cadence import envs
-from cadence.model_loader.tokenizer_files import converted_tokenizer_dir, file_key, locked
+from cadence.model_loader.tokenizer_files import cached_conversion, converted_tokenizer_dir
 
 logger = logging.getLogger(__name__)
 
@@ -24,18 +23,7 @@ WEIGHTS_FILE = "model.safetensors"
 
 def exported_checkpoint_dir(path: str) -> str:
     """The cached Hugging Face checkpoint of the GGUF file `path`, made on first use."""
-    target = os.path.join(envs.cache_dir(), "checkpoints", file_key(path))
-    if _is_exported(target):
-        return target
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    with locked(target + ".lock"):
-        if not _is_exported(target):  # else exported by another process while we waited
-            _export(path, target)
-    return target
-
-
-def _is_exported(target: str) -> bool:
-    return os.path.exists(os.path.join(target, WEIGHTS_FILE))
+    return cached_conversion("checkpoints", path, WEIGHTS_FILE, _export)
 
 
 def _export(path: str, target: str) -> None:

@@ -133,22 +133,25 @@ def converted_tokenizer_dir(path: str) -> str:
     what it wrote. The conversion is written to a temporary directory and renamed into
     place, so that no reader ever sees half of one, even after a crash midway.
     """
-    target = os.path.join(envs.cache_dir(), "tokenizers", file_key(path))
-    if _is_converted(target):
+    return cached_conversion("tokenizers", path, "tokenizer.json", _convert_tokenizer)
+
+
+def cached_conversion(kind: str, path: str, marker: str, convert) -> str:
+    """The directory `convert(path, target)` writes for this version of the file `path`,
+    under the cache's `kind` folder: made once, by one process holding a lock beside it
+    while others wait; it counts as made once it holds the file `marker`."""
+    target = os.path.join(envs.cache_dir(), kind, file_key(path))
+    if os.path.exists(os.path.join(target, marker)):
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    with locked(target + ".lock"):
-        if not _is_converted(target):  # else converted by another process while we waited
-            _convert_tokenizer(path, target)
+    with _locked(target + ".lock"):
+        if not os.path.exists(os.path.join(target, marker)):  # else made while we waited
+            convert(path, target)
     return target
 
 
-def _is_converted(target: str) -> bool:
-    return os.path.exists(os.path.join(target, "tokenizer.json"))
-
-
 @contextlib.contextmanager
-def locked(lock_path: str) -> Iterator[None]:
+def _locked(lock_path: str) -> Iterator[None]:
     """An exclusive lock between processes (released by the kernel if the holder dies). The
     lock file stays: removing it would let a late process lock a file nobody else sees."""
     with open(lock_path, "a") as f:

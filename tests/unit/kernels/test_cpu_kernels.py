@@ -82,39 +82,10 @@ def paged_case(dtype, lens, num_heads=9, kv_heads=3, dim=64, page=16, seed=3):
     """A NaN-poisoned pool holding all but the last token of each sequence on scattered pages;
     this step's projections (q, k, v of each last token, not yet rotated) with their rotary
     factors; and the dense K/V and rotated q a reference attends with."""
-    g = torch.Generator().manual_seed(seed)
-    num_pages = sum(-(-n // page) for n in lens) + 5
-    pool = torch.full((2, kv_heads, num_pages, page, dim), float("nan"), dtype=dtype)
-    order = torch.randperm(num_pages, generator=g).tolist()
-    max_pages = max(-(-n // page) for n in lens)
-    heads = num_heads + kv_heads
-    qkv = torch.randn(len(lens), (heads + kv_heads) * dim, generator=g).to(dtype)
-    angles = torch.rand(len(lens), heads, dim // 2, generator=g) * 6.3
-    scales = torch.tensor([dim**-0.5] * num_heads + [1.0] * kv_heads).view(1, -1, 1)
-    factors = torch.polar(
-        scales.expand_as(angles).contiguous(), angles
-    )  # rotation times softmax scale
-    rotated = qkv.clone()
-    LayerOps().rotary_(rotated[:, : heads * dim], factors)
-    table, slots, dense = [], [], []
-    for b, n in enumerate(lens):
-        pages = [order.pop() for _ in range(-(-n // page))]
-        kv = torch.randn(2, kv_heads, n, dim, generator=g).to(dtype)
-        kv[:, :, -1] = rotated[b, num_heads * dim :].view(2, kv_heads, dim)  # this step's token
-        for i in range(n - 1):
-            pool[:, :, pages[i // page], i % page] = kv[:, :, i]
-        table.append(pages + [pages[0]] * (max_pages - len(pages)))
-        slots.append(pages[(n - 1) // page] * page + (n - 1) % page)
-        dense.append(kv)
-    args = (
-        qkv,
-        torch.view_as_real(factors),
-        pool,
-        torch.tensor(slots),
-        torch.tensor(table),
-        torch.tensor(lens),
+    args, _, q, dense = drafted_case(
+        dtype, lens, [1] * len(lens), num_heads, kv_heads, dim, page, seed
     )
-    return args, rotated[:, : num_heads * dim], dense
+    return args, q, dense
 
 
 def reference_attention(q, dense, num_heads, kv_heads, dim):

@@ -49,6 +49,26 @@ def make_backend(name: str, pool: KVPool):
     return TorchNativeBackend(pool, HEADS, KV_HEADS, DIM)
 
 
+def poisoned_case(dtype, backend, lens, pages):
+    """A one-layer pool poisoned with NaN (stale memory: nothing outside written slots may be
+    read) but for the given pages (the runner zeroes every page it hands out), the backend
+    over it, each request's keys and values, and its slots for given positions."""
+    pool = KVPool(
+        num_pages=16, page_size=PAGE, num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=dtype
+    )
+    pool.kv_buffer[0].fill_(float("nan"))
+    attn = make_backend(backend, pool)
+    for p in pages:
+        pool.kv_buffer[0].index_fill_(2, torch.tensor(p), 0)
+    keys = [torch.randn(n, KV_HEADS, DIM, dtype=dtype) for n in lens]
+    values = [torch.randn(n, KV_HEADS, DIM, dtype=dtype) for n in lens]
+
+    def slots(i, positions):
+        return torch.tensor([pages[i][p // PAGE] * PAGE + p % PAGE for p in positions])
+
+    return pool, attn, keys, values, slots
+
+
 @pytest.mark.parametrize(
     "backend,float32_tokens",
     [("torch", 0), ("torch", 1024), ("cpu-kernels", 0)],
@@ -59,20 +79,9 @@ def test_decode_and_extend_match_dense_attention(dtype, backend, float32_tokens,
     # Small decode batches attend in float32, large ones in the cache's dtype: both paths.
     monkeypatch.setattr(TorchNativeBackend, "FLOAT32_DECODE_TOKENS", float32_tokens)
     torch.manual_seed(0)
-    pool = KVPool(
-        num_pages=16, page_size=PAGE, num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=dtype
-    )
-    pool.kv_buffer[0].fill_(float("nan"))  # stale memory: nothing outside written slots may be read
-    attn = make_backend(backend, pool)
     lens = [5, 11, 2]
     pages = [[9, 2], [0, 7, 12], [5]]  # scattered, not in order
-    for p in pages:  # the runner zeroes every page it hands out
-        pool.kv_buffer[0].index_fill_(2, torch.tensor(p), 0)
-    keys = [torch.randn(n, KV_HEADS, DIM, dtype=dtype) for n in lens]
-    values = [torch.randn(n, KV_HEADS, DIM, dtype=dtype) for n in lens]
-
-    def slots(i, positions):
-        return torch.tensor([pages[i][p // PAGE] * PAGE + p % PAGE for p in positions])
+    pool, attn, keys, values, slots = poisoned_case(dtype, backend, lens, pages)
 
     # Prefill all but the last token of each request: request 0 without a prefix, requests 1
     # and 2 on top of a prefix already in the pool.
@@ -268,21 +277,10 @@ def test_a_verify_step_attends_causally_among_each_requests_drafts(
     drafts across a page boundary."""
     monkeypatch.setattr(TorchNativeBackend, "FLOAT32_DECODE_TOKENS", float32_tokens)
     torch.manual_seed(1)
-    pool = KVPool(
-        num_pages=16, page_size=PAGE, num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=dtype
-    )
-    pool.kv_buffer[0].fill_(float("nan"))
-    attn = make_backend(backend, pool)
-    assert attn.decode_takes_drafts
     lens, news = [5, 7, 10], [1, 3, 4]
     pages = [[9, 2], [0, 7], [5, 12, 3]]
-    for p in pages:  # the runner zeroes every page it hands out
-        pool.kv_buffer[0].index_fill_(2, torch.tensor(p), 0)
-    keys = [torch.randn(n, KV_HEADS, DIM, dtype=dtype) for n in lens]
-    values = [torch.randn(n, KV_HEADS, DIM, dtype=dtype) for n in lens]
-
-    def slots(i, positions):
-        return torch.tensor([pages[i][p // PAGE] * PAGE + p % PAGE for p in positions])
+    pool, attn, keys, values, slots = poisoned_case(dtype, backend, lens, pages)
+    assert attn.decode_takes_drafts
 
     for i, (n, k) in enumerate(zip(lens, news)):  # the cached prefix of each request
         loc = slots(i, range(n - k))
