@@ -117,7 +117,16 @@ def _entry(parent_pid: int, target: Callable[..., Any] | str, args: tuple) -> No
     exit_fast(code)
 
 
+UNWIND_LIMIT_S = 5.0  # after SIGTERM, how long a child's unwinding may take before it just ends
+
+
 def _exit_on_sigterm(signum, frame) -> None:
+    # Unwinding runs `finally` blocks and finalizers, any of which could wait on something
+    # that died with the parent (a peer's socket, a thread): it is given a bounded time, so
+    # that a child asked to stop (or orphaned) always ends.
+    limit = threading.Timer(UNWIND_LIMIT_S, os._exit, args=(0,))
+    limit.daemon = True
+    limit.start()
     raise SystemExit(0)
 
 

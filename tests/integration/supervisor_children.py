@@ -53,3 +53,13 @@ def records_stop(path: str) -> None:
     signal.signal(signal.SIGTERM, stop)
     open(path + ".ready", "w").close()
     time.sleep(60)
+
+
+def hangs_while_unwinding(ready: str) -> None:
+    """Keeps the supervisor's SIGTERM handling but, once it unwinds, waits forever in a
+    `finally` block (what waiting on a peer that died with the parent looks like)."""
+    open(ready, "w").close()
+    try:
+        time.sleep(60)
+    finally:
+        time.sleep(60)

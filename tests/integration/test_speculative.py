@@ -222,6 +222,9 @@ def test_every_attention_path_verifies_to_the_same_text(engine, spec_engine):
 
     def prefill_verify(on: bool):
         def switch(s):
+            # Fresh step costs: the engine explores (verifies) again, whatever earlier tests
+            # taught it about which batch sizes verifying pays at.
+            s.spec.cost = type(s.spec.cost)()
             if on:
                 s.runner.attn.decode_takes_drafts = False  # this instance only
             else:

@@ -119,6 +119,25 @@ def test_stop_goes_in_rank_order_and_kills_what_ignores_sigterm(tmp_path):
     assert got == [], "children stopped on purpose are not failures"
 
 
+def test_a_child_whose_unwinding_hangs_still_ends_after_sigterm(tmp_path):
+    """SIGTERM (the supervisor's, or the kernel's when the parent dies) unwinds a child; a
+    `finally` that never returns cannot keep it alive past UNWIND_LIMIT_S."""
+    from cadence.supervisor import UNWIND_LIMIT_S
+
+    ready = tmp_path / "ready"
+    with Supervisor() as sup:
+        proc = sup.start(ProcessSpec("stuck", kids.hangs_while_unwinding, (str(ready),)))
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        proc.terminate()
+        proc.join(UNWIND_LIMIT_S + 10)
+        assert proc.exitcode == 0, proc.exitcode  # ended on its own, not killed
+        assert UNWIND_LIMIT_S - 0.5 <= time.monotonic() - t0 <= UNWIND_LIMIT_S + 10
+
+
 def test_a_child_dead_before_the_watch_began_is_reported():
     got, event, on = collector()
     with Supervisor() as sup:
