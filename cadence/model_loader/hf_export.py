@@ -9,49 +9,39 @@ server started on a directory) loads it in a fraction of a second.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
-import tempfile
 
 from cadence.model_loader.tokenizer_files import cached_conversion, converted_tokenizer_dir
-
-logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 
 
 def exported_checkpoint_dir(path: str) -> str:
     """The cached Hugging Face checkpoint of the GGUF file `path`, made on first use."""
-    return cached_conversion("checkpoints", path, WEIGHTS_FILE, _export)
+    return cached_conversion(
+        "checkpoints", "the GGUF weights to a Hugging Face checkpoint", path, WEIGHTS_FILE, _export
+    )
 
 
-def _export(path: str, target: str) -> None:
+def _export(path: str, directory: str) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    logger.info("Exporting %s as a Hugging Face checkpoint (once; cached in %s)", path, target)
     model = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     )
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(target) + ".tmp", dir=os.path.dirname(target))
-    try:
-        # transformers will not re-serialize a GGUF-loaded model: write the two halves of an
-        # export, config.json and the weights (a tied output head is the embedding's).
-        model.config.save_pretrained(tmp)
-        tied = model.config.tie_word_embeddings
-        state = {
-            name: tensor.contiguous()
-            for name, tensor in model.state_dict().items()
-            if not (tied and name == "lm_head.weight")
-        }
-        save_file(state, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
-        tokenizer = converted_tokenizer_dir(path)
-        for name in os.listdir(tokenizer):
-            shutil.copy2(os.path.join(tokenizer, name), tmp)
-        if os.path.exists(target):  # a directory without weights: not an export
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
+    # transformers will not re-serialize a GGUF-loaded model: write the two halves of an
+    # export, config.json and the weights (a tied output head is the embedding's).
+    model.config.save_pretrained(directory)
+    tied = model.config.tie_word_embeddings
+    state = {
+        name: tensor.contiguous()
+        for name, tensor in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
+    save_file(state, os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt"})
+    tokenizer = converted_tokenizer_dir(path)
+    for name in os.listdir(tokenizer):
+        shutil.copy2(os.path.join(tokenizer, name), directory)

@@ -133,20 +133,34 @@ def converted_tokenizer_dir(path: str) -> str:
     what it wrote. The conversion is written to a temporary directory and renamed into
     place, so that no reader ever sees half of one, even after a crash midway.
     """
-    return cached_conversion("tokenizers", path, "tokenizer.json", _convert_tokenizer)
+    return cached_conversion(
+        "tokenizers", "the GGUF tokenizer", path, "tokenizer.json", _convert_tokenizer
+    )
 
 
-def cached_conversion(kind: str, path: str, marker: str, convert) -> str:
-    """The directory `convert(path, target)` writes for this version of the file `path`,
-    under the cache's `kind` folder: made once, by one process holding a lock beside it
-    while others wait; it counts as made once it holds the file `marker`."""
+def cached_conversion(kind: str, what: str, path: str, marker: str, convert) -> str:
+    """The directory `convert(path, directory)` fills for this version of the file `path`,
+    under the cache's `kind` folder (`what` names it in the log): made once, by one process holding a lock beside it
+    while others wait; it counts as made once it holds the file `marker`. `convert` writes
+    into a temporary directory, renamed into place when it returns."""
     target = os.path.join(envs.cache_dir(), kind, file_key(path))
     if os.path.exists(os.path.join(target, marker)):
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with _locked(target + ".lock"):
-        if not os.path.exists(os.path.join(target, marker)):  # else made while we waited
-            convert(path, target)
+        if os.path.exists(os.path.join(target, marker)):  # made while we waited
+            return target
+        logger.info("Converting %s of %s (once; cached in %s)", what, path, target)
+        tmp = tempfile.mkdtemp(
+            prefix=os.path.basename(target) + ".tmp", dir=os.path.dirname(target)
+        )
+        try:
+            convert(path, tmp)
+            if os.path.exists(target):  # a directory without its marker: not a conversion
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
     return target
 
 
@@ -162,18 +176,10 @@ def _locked(lock_path: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _convert_tokenizer(path: str, target: str) -> None:
+def _convert_tokenizer(path: str, directory: str) -> None:
     from transformers import AutoTokenizer
 
-    logger.info("Converting the GGUF tokenizer of %s (once; cached in %s)", path, target)
     tokenizer = AutoTokenizer.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path)
     )
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(target) + ".tmp", dir=os.path.dirname(target))
-    try:
-        tokenizer.save_pretrained(tmp)
-        if os.path.exists(target):  # a directory without tokenizer.json: not a conversion
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
+    tokenizer.save_pretrained(directory)

@@ -121,6 +121,23 @@ def test_a_plain_step_after_a_verify_step_bills_its_extra_to_the_verify():
     assert list(cost.plain) == [(1, 0.015)] and cost.plain_streak == 1
 
 
+def test_a_batch_size_whose_verify_steps_gave_less_stops_verifying():
+    """The lines say verifying pays (a cheap extra token, likely drafts); what verify steps
+    of batch 8 actually gave says otherwise: that size stops verifying, batch 1 does not."""
+    spec, req = _speculation(plain_s=0.015, verify_a=0.010, verify_m=0.001)
+    reqs = [req(0.9) for _ in range(8)]
+    drafts = [[7] * 4 for _ in reqs]
+    assert spec._allocate(reqs, drafts)
+    cost = spec.cost
+    cost.observe(8, 0.040, verified=False, batch=8, emitted=8)  # 200 tokens/s
+    cost.observe(20, 0.080, verified=True, batch=8, emitted=12)  # 150 tokens/s
+    cost.observe(1, 0.015, verified=False, batch=1, emitted=1)
+    cost.observe(3, 0.017, verified=True, batch=1, emitted=3)
+    assert not cost.verify_pays(8) and cost.verify_pays(1) and cost.verify_pays(4)
+    assert spec._allocate(reqs, drafts) == {}
+    assert spec._allocate(reqs[:1], drafts[:1])
+
+
 def test_the_recent_window_keeps_its_sums_as_old_steps_leave():
     from cadence.scheduler.speculative import RECENT_VERIFIES, SpecStats
 
