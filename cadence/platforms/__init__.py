@@ -1,7 +1,7 @@
 """Hardware platforms, discovered through the `cadence.platforms` entry-point group.
 
 An entry point names an `activate()` function returning the dotted path of a `Platform`
-subclass, or None when its hardware is absent. The built-in `cpu` and `cuda` platforms are
+(= `SRTPlatform`, interface.py) subclass, or None when its hardware is absent. The built-in `cpu` and `cuda` platforms are
 registered the same way by Cadence's own pyproject.toml.
 
 `current_platform` is resolved on first use, never at import time:
@@ -20,10 +20,24 @@ import traceback
 from importlib.metadata import EntryPoint, entry_points
 
 from cadence import envs
-from cadence.platforms.interface import Platform
+from cadence.platforms.interface import (
+    ACTIVE_METHODS,
+    CpuArchEnum,
+    DeviceCapability,
+    DeviceMixin,
+    Platform,
+    PlatformEnum,
+    SRTPlatform,
+)
 
 __all__ = [
+    "ACTIVE_METHODS",
+    "CpuArchEnum",
+    "DeviceCapability",
+    "DeviceMixin",
     "Platform",
+    "PlatformEnum",
+    "SRTPlatform",
     "PlatformError",
     "current_platform",
     "get_current_platform",
@@ -97,7 +111,8 @@ def _instantiate(ep: EntryPoint, path: str) -> Platform:
             f"platform {ep.name!r}: {path!r} is not a subclass of cadence.platforms.Platform"
         )
     platform = cls()
-    platform._out_of_tree = not _is_builtin(ep)
+    if not _is_builtin(ep):  # where it was registered decides, whatever its class says
+        platform._enum = PlatformEnum.OOT
     return platform
 
 

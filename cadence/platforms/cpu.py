@@ -5,9 +5,18 @@ from __future__ import annotations
 import ctypes
 import functools
 import platform
+from typing import TYPE_CHECKING
 
 from cadence import envs
-from cadence.platforms.interface import Platform, TorchNativeFactories
+from cadence.platforms.interface import (
+    DeviceCapability,
+    PlatformEnum,
+    SRTPlatform,
+    TorchNativeFactories,
+)
+
+if TYPE_CHECKING:
+    import torch
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,9 +73,24 @@ def _settle_heap() -> bool:
     return bool(ok)
 
 
-class CpuPlatform(TorchNativeFactories, Platform):
+class CpuPlatform(TorchNativeFactories, SRTPlatform):
     name = "cpu"
     device_type = "cpu"
+    _enum = PlatformEnum.CPU
+
+    # ---- device operations: the host ---------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        import torch
+
+        return torch.device("cpu")
+
+    def set_device(self, index: int) -> None:
+        if index != 0:
+            raise ValueError(
+                f"platform {self.name!r} has a single device; got device index {index}"
+            )
 
     def get_device_name(self) -> str:
         for line in _cpu_flags().splitlines():
@@ -74,11 +98,40 @@ class CpuPlatform(TorchNativeFactories, Platform):
                 return line.split(":", 1)[1].strip()
         return "cpu"
 
+    def get_device_capability(self) -> DeviceCapability | None:
+        return None  # the host has ISA extensions (supports_bf16 reads them), not versions
+
     def total_memory_bytes(self) -> int:
         return _meminfo_bytes("MemTotal") or 8 << 30  # no /proc: assume a small machine
 
     def available_memory_bytes(self) -> int:
         return _meminfo_bytes("MemAvailable") or 8 << 30
+
+    def synchronize(self) -> None:
+        """Host ops finish before they return: nothing is ever queued."""
+
+    def empty_cache(self) -> None:
+        """torch keeps no cache of host memory; the C heap is settled in `weights_loaded`."""
+
+    def seed(self, seed: int) -> None:
+        import torch
+
+        torch.manual_seed(seed)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        import torch
+
+        return torch.Generator(device="cpu").manual_seed(seed)
+
+    def profiler_activities(self) -> list:
+        import torch.profiler
+
+        return [torch.profiler.ProfilerActivity.CPU]
+
+    def get_torch_distributed_backend_str(self) -> str:
+        return "gloo"
+
+    # ---- capability flags, factories, lifecycle -----------------------------------------
 
     def supports_bf16(self) -> bool:
         # Without these instructions bfloat16 matmuls are emulated and slower than float32.

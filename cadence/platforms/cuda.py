@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import torch
 
-from cadence.platforms.interface import Platform, TorchNativeFactories
+from cadence.platforms.interface import (
+    DeviceCapability,
+    PlatformEnum,
+    SRTPlatform,
+    TorchNativeFactories,
+)
 
 
-class CudaPlatform(TorchNativeFactories, Platform):
+class CudaPlatform(TorchNativeFactories, SRTPlatform):
     name = "cuda"
     device_type = "cuda"
+    _enum = PlatformEnum.CUDA
 
     def __init__(self) -> None:
         self._index = 0
@@ -33,6 +39,9 @@ class CudaPlatform(TorchNativeFactories, Platform):
     def get_device_name(self) -> str:
         return torch.cuda.get_device_name(self._index)
 
+    def get_device_capability(self) -> DeviceCapability:
+        return DeviceCapability(*torch.cuda.get_device_capability(self._index))
+
     def total_memory_bytes(self) -> int:
         return torch.cuda.get_device_properties(self._index).total_memory
 
@@ -46,6 +55,15 @@ class CudaPlatform(TorchNativeFactories, Platform):
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
+    def seed(self, seed: int) -> None:
+        torch.manual_seed(seed)  # seeds the host and every CUDA device
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device="cpu").manual_seed(seed)  # sampling runs on the host
+
+    def get_torch_distributed_backend_str(self) -> str:
+        return "nccl"
+
     def profiler_activities(self) -> list:
         return [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
 
@@ -53,9 +71,9 @@ class CudaPlatform(TorchNativeFactories, Platform):
         return torch.cuda.is_bf16_supported()
 
     def supports_fp8(self) -> bool:
-        return torch.cuda.get_device_capability(self._index) >= (8, 9)
+        return self.get_device_capability() >= (8, 9)
 
-    def supports_pinned_memory(self) -> bool:
+    def is_pin_memory_available(self) -> bool:
         return True
 
     def default_dtype(self) -> torch.dtype:

@@ -1,4 +1,17 @@
-"""The `Platform` seam: everything the engine needs to know about the device it runs on.
+"""`SRTPlatform`: everything the engine needs to know about the device it runs on, on top of
+`DeviceMixin` (device_mixin.py), as in SGLang's plugin design:
+
+    DeviceMixin                      identity queries and device operations
+    └── SRTPlatform(DeviceMixin)     + factories, capability flags, dtypes, lifecycle hooks
+        ├── CpuPlatform, CudaPlatform          (built in)
+        └── a vendor's platform                (out of tree, through an entry point)
+
+`Platform` is the same class under the name plugins have always subclassed.
+
+`ACTIVE_METHODS` names the methods the core calls today: a platform's override of one takes
+effect. Every other method is part of the interface, but nothing calls it yet (Planned).
+docs/plugins.md marks each, and tests/integration/test_platform_calls.py proves the Active
+ones are called, through a platform that records its calls.
 
 Importing it does not import torch: the front process resolves the platform (for its
 defaults of the server arguments) and never computes; torch would add seconds to every
@@ -7,7 +20,15 @@ start. Each method that needs torch imports it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import inspect
+from typing import TYPE_CHECKING, Any
+
+from cadence.platforms.device_mixin import (
+    CpuArchEnum,
+    DeviceCapability,
+    DeviceMixin,
+    PlatformEnum,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -19,19 +40,62 @@ if TYPE_CHECKING:
     from cadence.mem_cache.kv_pool import KVPool
     from cadence.server_args import ServerArgs
 
+__all__ = [
+    "ACTIVE_METHODS",
+    "CpuArchEnum",
+    "DeviceCapability",
+    "DeviceMixin",
+    "Platform",
+    "PlatformEnum",
+    "SRTPlatform",
+    "TorchNativeFactories",
+    "interface_methods",
+]
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # of torch dtypes `--dtype` may name
 
+ACTIVE_METHODS = (
+    # DeviceMixin
+    "is_out_of_tree",  # the resolver's log line
+    "get_device_name",  # the resolver's log line
+    "device",  # model and encoder runners: where the weights, the KV pool and batches go
+    "available_memory_bytes",  # model runner: the KV budget when --max-total-tokens is unset
+    "empty_cache",  # model runner: after a weight update
+    "seed",  # model runner: --random-seed
+    "make_generator",  # scheduler, through the runner: a request with a seed
+    "profiler_activities",  # scheduler's profiler, through the runner: /start_profile
+    # SRTPlatform
+    "supports_bf16",  # through default_dtype
+    "default_dtype",  # through resolve_dtype: --dtype auto
+    "default_kv_cache_dtype",  # through resolve_kv_cache_dtype: --kv-cache-dtype auto
+    "resolve_dtype",  # model and encoder runners
+    "resolve_kv_cache_dtype",  # model runner
+    "make_kv_pool",  # model runner
+    "make_allocator",  # model and encoder runners
+    "make_attention_backend",  # model runner
+    "make_linear",  # model and encoder runners, at each (re)load of the weights
+    "make_layer_ops",  # model runner
+    "apply_server_args_defaults",  # cadence.hooks.finalize_server_args: front, Engine
+    "init_backend",  # model and encoder runners, before any tensor is placed
+    "weights_loaded",  # model and encoder runners, after each load of the weights
+)
+"""The methods the core calls today (docs/plugins.md says where). Keep in step with the docs
+table; tests check both against the core's real calls."""
 
-class Platform:
-    """A device family Cadence can run on: identity, device operations, capability flags,
-    factories and lifecycle hooks.
+
+class SRTPlatform(DeviceMixin):
+    """A device family Cadence can serve on: `DeviceMixin`'s identity and device operations,
+    plus capability flags, dtypes, factories and lifecycle hooks.
 
     Invariants:
     - One instance per process, made by the resolver (`cadence.platforms.current_platform`).
       The engine asks it every device question and never branches on a device name itself.
-    - Capability flags default to False: a platform claims only what it has verified.
+    - Capability flags default to False: a platform claims only what it has verified. The
+      core decides by a flag whether to call what it guards (`support_cuda_graph()` before
+      `make_graph_runner`).
     - Factories raise NotImplementedError unless the platform provides them. The engine
       treats that as "this platform cannot do it", never as a cue to fall back silently.
+      `make_linear` and `make_layer_ops` are the exceptions: torch's ops serve any device.
     - `apply_server_args_defaults` runs in the front process (and the in-process Engine)
       before `cadence.hooks.server_args_finalized`. `init_backend` runs in every process
       that builds a model, before any tensor is placed on the device; it must be idempotent.
@@ -40,94 +104,26 @@ class Platform:
       generators and the model runner hands logits back on the host.
     """
 
-    name: str = ""
-    """The name users select with CADENCE_PLATFORM (the entry point's name)."""
-    device_type: str = ""
-    """The torch device type tensors are placed on ("cpu", "cuda", or a vendor's own)."""
-
-    _out_of_tree: bool = False  # set by the resolver from where the entry point lives
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name!r} on {self.device}>"
-
-    # ---- identity --------------------------------------------------------------------
-
-    def is_cuda(self) -> bool:
-        return self.device_type == "cuda"
-
-    def is_cpu(self) -> bool:
-        return self.device_type == "cpu"
-
-    def is_out_of_tree(self) -> bool:
-        """True for a platform registered by a plugin rather than by Cadence itself."""
-        return self._out_of_tree
-
-    # ---- device operations -----------------------------------------------------------
-
-    @property
-    def device(self) -> torch.device:
-        """Where the model, the KV pool and each forward batch live."""
-        import torch
-
-        return torch.device(self.device_type)
-
-    def set_device(self, index: int) -> None:
-        """Makes device `index` the one this process uses. Single-device platforms accept 0."""
-        if index != 0:
-            raise ValueError(
-                f"platform {self.name!r} has a single device; got device index {index}"
-            )
-
-    def get_device_name(self) -> str:
-        return self.device_type
-
-    def total_memory_bytes(self) -> int:
-        raise NotImplementedError(
-            f"platform {self.name!r} does not report its memory; set --max-total-tokens"
-        )
-
-    def available_memory_bytes(self) -> int:
-        """Free device memory now; the KV pool takes a share of it when --max-total-tokens is unset."""
-        raise NotImplementedError(
-            f"platform {self.name!r} does not report its memory; set --max-total-tokens"
-        )
-
-    def synchronize(self) -> None:
-        """Waits until the device has finished all queued work (nothing to wait for by default)."""
-
-    def empty_cache(self) -> None:
-        """Returns cached, unused device memory to the system (no cache by default)."""
-
-    def seed(self, seed: int) -> None:
-        """Seeds the process-wide randomness (torch seeds the host and every device it knows)."""
-        import torch
-
-        torch.manual_seed(seed)
-
-    def make_generator(self, seed: int) -> torch.Generator:
-        """A generator for one seeded request's sampling, which runs on the host."""
-        import torch
-
-        return torch.Generator(device="cpu").manual_seed(seed)
-
-    def profiler_activities(self) -> list:
-        """What torch.profiler records on this platform."""
-        import torch.profiler
-
-        return [torch.profiler.ProfilerActivity.CPU]
-
     # ---- capability flags (conservative) -----------------------------------------------
 
-    def supports_graph_capture(self) -> bool:
+    def support_cuda_graph(self) -> bool:
+        """Decode steps can be captured in device graphs and replayed (`make_graph_runner`)."""
+        return False
+
+    def support_piecewise_cuda_graph(self) -> bool:
+        """Prefill can run as compiled pieces between attention calls (`get_compile_backend`)."""
         return False
 
     def supports_fp8(self) -> bool:
+        """The device computes in 8-bit floats (fp8 weights or KV cache)."""
         return False
 
     def supports_bf16(self) -> bool:
+        """bfloat16 is at least as fast as float32 here: `--dtype auto` picks it."""
         return False
 
-    def supports_pinned_memory(self) -> bool:
+    def is_pin_memory_available(self) -> bool:
+        """Page-locked host buffers speed host-to-device copies (nothing to copy on the host)."""
         return False
 
     # ---- dtypes ----------------------------------------------------------------------
@@ -193,8 +189,14 @@ class Platform:
 
         return LayerOps()
 
-    def make_graph_runner(self, model: torch.nn.Module, max_batch_size: int):
+    def make_graph_runner(self, model_runner: Any) -> Any:
+        """The runner that captures `model_runner`'s decode steps in device graphs and replays
+        them. Called only where `support_cuda_graph()` is True."""
         raise NotImplementedError(f"platform {self.name!r} provides no graph runner")
+
+    def get_compile_backend(self, mode: str | None = None) -> str:
+        """The torch.compile backend for this device (`mode`: a hint such as a graph mode)."""
+        raise NotImplementedError(f"platform {self.name!r} provides no torch.compile backend")
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -215,7 +217,10 @@ class Platform:
 class TorchNativeFactories:
     """The factories of the portable torch implementations, for platforms that use them."""
 
-    device: torch.device
+    if TYPE_CHECKING:  # the platform it is mixed into provides it
+
+        @property
+        def device(self) -> torch.device: ...
 
     def make_attention_backend(self, kv_pool, num_heads, num_kv_heads, head_dim):
         from cadence.layers.attention import TorchNativeBackend
@@ -231,6 +236,27 @@ class TorchNativeFactories:
         from cadence.mem_cache.allocator import PageAllocator
 
         return PageAllocator(num_pages, page_size)
+
+    def get_compile_backend(self, mode=None):
+        return "inductor"  # torch's own compiler, for every device it generates code for
+
+
+Platform = SRTPlatform
+"""The name plugins subclass (specs/plugins.md): the same class as `SRTPlatform`."""
+
+
+def interface_methods() -> tuple[str, ...]:
+    """Every public method (and property) of `DeviceMixin` and `SRTPlatform`, in definition
+    order: what the docs table lists and a recording platform watches."""
+    names: list[str] = []
+    for cls in (DeviceMixin, SRTPlatform):
+        for name, attr in vars(cls).items():
+            is_method = inspect.isfunction(attr) or isinstance(
+                attr, (property, classmethod, staticmethod)
+            )
+            if is_method and not name.startswith("_") and name not in names:
+                names.append(name)
+    return tuple(names)
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -177,10 +177,11 @@ def test_base_platform_claims_nothing_and_provides_no_factories():
     bare = Bare()
     assert not any(
         [
-            bare.supports_graph_capture(),
+            bare.support_cuda_graph(),
+            bare.support_piecewise_cuda_graph(),
             bare.supports_fp8(),
             bare.supports_bf16(),
-            bare.supports_pinned_memory(),
+            bare.is_pin_memory_available(),
             bare.is_cuda(),
             bare.is_cpu(),
             bare.is_out_of_tree(),
@@ -190,16 +191,18 @@ def test_base_platform_claims_nothing_and_provides_no_factories():
         (bare.make_attention_backend, (None, 1, 1, 1)),
         (bare.make_kv_pool, (1, 1, 1, 1, 1, None)),
         (bare.make_allocator, (1,)),
-        (bare.make_graph_runner, (None, 1)),
+        (bare.make_graph_runner, (None,)),
+        (bare.get_compile_backend, ()),
         (bare.available_memory_bytes, ()),
         (bare.total_memory_bytes, ()),
+        (bare.set_device, (0,)),
     ]:
         with pytest.raises(NotImplementedError, match="'bare'"):
             make(*args)
     assert bare.resolve_dtype("auto") == torch.float32  # no bf16 claimed
     assert bare.resolve_kv_cache_dtype("auto", torch.float16) == torch.float16
-    with pytest.raises(ValueError):
-        bare.set_device(1)
+    with pytest.raises(NotImplementedError, match="set --max-total-tokens"):
+        bare.available_memory_bytes()  # what a user can do about it
 
 
 def test_cpu_platform_decisions():
@@ -207,6 +210,10 @@ def test_cpu_platform_decisions():
 
     cpu = CpuPlatform()
     assert cpu.device == torch.device("cpu") and cpu.is_cpu() and not cpu.is_cuda()
+    assert not cpu.support_cuda_graph() and not cpu.is_pin_memory_available()
+    cpu.set_device(0)
+    with pytest.raises(ValueError, match="single device"):
+        cpu.set_device(1)
     assert cpu.resolve_dtype("auto") == (torch.bfloat16 if cpu.supports_bf16() else torch.float32)
     assert cpu.resolve_dtype("float16") == torch.float16
     assert cpu.resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
