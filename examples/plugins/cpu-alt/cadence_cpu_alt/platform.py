@@ -1,6 +1,8 @@
 """`CpuAltPlatform`: Cadence's CPU platform with a vendor's own name, device name and
-defaults. A vendor starts from `cadence.platforms.Platform` instead and provides the device
-operations and factories (attention backend, KV pool, allocator) for its device."""
+defaults. It inherits the host's device operations (`DeviceMixin`) and the portable
+factories from `CpuPlatform`. A vendor of a new device subclasses
+`cadence.platforms.SRTPlatform` instead and implements both for its device; the table in
+docs/plugins.md says which methods the engine calls today."""
 
 from __future__ import annotations
 
