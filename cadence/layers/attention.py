@@ -31,6 +31,10 @@ class AttentionBackend(ABC):
     drafted tokens, causal among themselves). Without it, the runner verifies drafts as a
     prefill over each request's cached prefix."""
 
+    needs_page_table: bool = False
+    """Prefill reads the prefix through `ForwardBatch.page_table` (each request's pages, as in
+    decode) rather than `seq_page_rows`; the runner fills the one the backend reads."""
+
     def __init__(self, kv_pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
         self.kv_pool = kv_pool
         self.num_heads = num_heads

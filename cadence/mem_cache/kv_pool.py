@@ -27,6 +27,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        scratch_page: bool = False,
     ):
         if num_pages < 1:
             raise ValueError("max_total_tokens is too small to hold a single KV page")
@@ -34,12 +35,16 @@ class KVPool:
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.num_slots = num_pages * page_size
+        # With `scratch_page`, one page past the last that no request is ever given: rows
+        # that must write somewhere but belong to no one (a CUDA graph's padding) write there.
+        self.scratch_page = num_pages if scratch_page else None
+        physical = num_pages + int(scratch_page)
+        self.num_slots = physical * page_size
         self.dtype = dtype
         self.device = device
         # torch.empty does not touch the memory: on the host, the OS commits each page only
         # when it is first written, unless `commit` writes them all now.
-        shape = (2, num_kv_heads, num_pages, page_size, head_dim)
+        shape = (2, num_kv_heads, physical, page_size, head_dim)
         self.kv_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.is_committed = False
         # Row offset of each (K/V, head) plane in a layer's flat [-1, head_dim] view.
