@@ -54,6 +54,10 @@ class ModelArgs:
     """Quantize the model's float weights at load, weight-only and group-wise: int8 (GGUF Q8_0 blocks) or int4 (Q4_1); activations keep --dtype. A GGUF file's quantized matrices keep their own types. See docs/quantization.md."""
     context_length: int | None = None
     """Longest sequence (prompt + output) served; default: the model's own."""
+    disable_cuda_graph: bool = False
+    """Run every decode step eagerly instead of replaying CUDA graphs captured at start (platforms with graph capture only: CUDA)."""
+    cuda_graph_max_bs: int | None = None
+    """Largest decode batch captured in a CUDA graph; larger batches run eagerly. Default: --max-running-requests, at most 256."""
     is_embedding: bool = False
     """Serve a decoder (the Llama family) as an embedding model: the last token's final hidden state, normalized (or the pooling its modules.json declares). Encoders (BERT) are detected from their config.json and served as embedding models without this flag."""
 
@@ -67,6 +71,8 @@ class ModelArgs:
             raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
         if self.quantization is not None and self.dequantize:
             raise ValueError("quantization and dequantize contradict each other: give one")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be ≥ 1, got {self.cuda_graph_max_bs}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be ≥ 2, got {self.context_length}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
@@ -117,6 +123,8 @@ class SchedulerArgs:
     """Admit waiting requests by their `priority` (higher first) instead of in arrival order; equal priorities stay in arrival order."""
     schedule_low_priority_values_first: bool = False
     """With --enable-priority-scheduling: lower `priority` values run first."""
+    disable_overlap_schedule: bool = False
+    """Run each step's scheduling after the previous step's forward pass has finished, instead of preparing the next step while the device computes (platforms that compute asynchronously only: CUDA)."""
     enable_custom_logit_processor: bool = False
     """Let requests name a logit processor registered by a plugin (`custom_logit_processor`); never code from the request."""
     enable_return_hidden_states: bool = False

@@ -94,14 +94,18 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingInput]) -> None:
         p = r.params
         if p.frequency_penalty or p.presence_penalty:
             if r.output_ids:
-                counts = torch.bincount(torch.tensor(r.output_ids), minlength=vocab)[:vocab].to(
-                    logits.dtype
-                )
+                counts = torch.bincount(
+                    torch.tensor(r.output_ids, device=logits.device), minlength=vocab
+                )[:vocab].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
                     logits.dtype
                 )
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.int64)
+            seen = torch.tensor(
+                sorted(set(r.prompt_ids) | set(r.output_ids)),
+                dtype=torch.int64,
+                device=logits.device,
+            )
             if seen.numel():
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(
@@ -114,7 +118,7 @@ def _apply_bias_and_masks(logits: torch.Tensor, rows: list[SamplingInput]) -> No
         if r.params.logit_bias:
             ids = torch.tensor(list(r.params.logit_bias.keys()), dtype=torch.int64)
             bias = torch.tensor(list(r.params.logit_bias.values()), dtype=torch.float64)
-            logits[i, ids] += bias.clamp(-LOGIT_LIMIT, LOGIT_LIMIT).to(logits.dtype)
+            logits[i, ids] += bias.clamp(-LOGIT_LIMIT, LOGIT_LIMIT).to(logits.device, logits.dtype)
         if r.suppress_ids and r.grammar is None:  # with a grammar: see _apply_grammars
             logits[i, r.suppress_ids] = float("-inf")
 
@@ -173,7 +177,7 @@ def _apply_grammars(logits: torch.Tensor, rows: list[SamplingInput]) -> None:
     index = [i for i, r in enumerate(rows) if r.grammar is not None]
     if not index:
         return
-    allowed = grammar_masks(rows, index, logits.shape[1])
+    allowed = grammar_masks(rows, index, logits.shape[1]).to(logits.device, non_blocking=True)
     if len(index) == len(rows):
         logits.masked_fill_(~allowed, float("-inf"))
     else:
@@ -206,9 +210,10 @@ def _filter_probs(
     if all(k < 1 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m <= 0 for m in min_p):
         return probs, None
     vocab = probs.shape[1]
-    k = torch.tensor([kk if kk >= 1 else vocab for kk in top_k]).unsqueeze(1)
-    p = torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
-    m = torch.tensor(min_p, dtype=probs.dtype).unsqueeze(1)
+    dev = probs.device
+    k = torch.tensor([kk if kk >= 1 else vocab for kk in top_k], device=dev).unsqueeze(1)
+    p = torch.tensor(top_p, dtype=probs.dtype, device=dev).unsqueeze(1)
+    m = torch.tensor(min_p, dtype=probs.dtype, device=dev).unsqueeze(1)
     n = min(vocab, max(FILTER_FIRST_CANDIDATES, *(kk for kk in top_k if kk >= 1), 1))
     while True:
         sorted_probs, idx = probs.topk(n, dim=-1)  # each row's n most likely, in order
@@ -223,7 +228,7 @@ def _filter_probs(
         if bool(done.all()):
             break
         n = min(vocab, 4 * n)
-    ranks = torch.arange(n).unsqueeze(0)
+    ranks = torch.arange(n, device=dev).unsqueeze(0)
     drop = ranks >= k
     cum_before = sorted_probs.cumsum(-1) - sorted_probs
     drop |= cum_before >= p
@@ -254,6 +259,7 @@ def _sample(probs: torch.Tensor, rows: list[SamplingInput]) -> torch.Tensor:
         for i, r in enumerate(rows):
             if r.generator is not None:
                 u[i] = torch.rand(1, dtype=torch.float64, generator=r.generator)
+    u = u.to(cdf.device, non_blocking=True)  # drawn on the host: a seed's stream is the host's
     total = cdf[:, -1:]
     # u in [0, total) (the product may round up to total): the first entry whose cumulative
     # sum exceeds u is then always one of positive probability.
@@ -294,7 +300,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingInput]) -> SampleOutput:
     if sampled:
         sub_rows = [rows[i] for i in sampled]
         temps = torch.tensor(
-            [min(r.params.temperature, MAX_TEMPERATURE) for r in sub_rows], dtype=logits.dtype
+            [min(r.params.temperature, MAX_TEMPERATURE) for r in sub_rows],
+            dtype=logits.dtype,
+            device=logits.device,
         ).unsqueeze(1)
         probs = torch.softmax(logits[sampled] / temps, dim=-1)
         probs, sort_idx = _filter_probs(probs, sub_rows)

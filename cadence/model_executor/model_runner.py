@@ -83,6 +83,15 @@ class ModelRunner(Runner):
             [],
             [],
         )  # uids and lengths of the last decode step
+        # Decode replayed from captured graphs where the platform has them (captured, and
+        # recaptured after a weight update, in _weights_loaded).
+        self.graphs = None
+        if (
+            self.is_generation
+            and self.platform.support_cuda_graph()
+            and not args.disable_cuda_graph
+        ):
+            self.graphs = self.platform.make_graph_runner(self)
         self._weights_loaded()
         if args.random_seed is not None:
             self.platform.seed(args.random_seed)
@@ -144,6 +153,8 @@ class ModelRunner(Runner):
         self.platform.weights_loaded()
         if not self.args.lazy_kv_pool and not self.args.skip_warmup:
             self._commit_step_memory()  # after settling, which returns what a step left
+        if self.graphs is not None:
+            self.graphs.capture()  # after the step memory: the graphs' pool comes on top
 
     # Inputs of the throwaway steps are at most this long: their attention stays cheap, and
     # what they allocate is the linear layers' activations, which grow with a step's tokens.
@@ -230,7 +241,7 @@ class ModelRunner(Runner):
     ) -> torch.Tensor | None:
         """Prefill each item's tokens after its computed prefix. Returns the logits of each
         item's logprob rows then its sampling row (when it samples), item by item:
-        [num_rows, vocab] float32 on the host."""
+        [num_rows, vocab] float32 on the device."""
         hidden_rows: list[range] = []
         ids, positions, locs, seq_pages, prefix_lens, seq_lens, logits_idx = (
             [],
@@ -242,12 +253,15 @@ class ModelRunner(Runner):
             [],
         )
         offset = 0
+        needs_table = self.attn.needs_page_table
         for item in items:
             start, n = item.start, len(item.token_ids)
             ids.extend(item.token_ids)
             positions.append(torch.arange(start, start + n))
             locs.append(self._slots(item.pages, start, start + n))
-            if start:
+            if needs_table:
+                seq_pages.append(None)
+            elif start:
                 pages = torch.tensor(
                     item.pages[: self._pages_for(start + n)], dtype=torch.int64, device=self.device
                 )
@@ -275,11 +289,12 @@ class ModelRunner(Runner):
             prefix_lens=prefix_lens,
             seq_page_rows=seq_pages,
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
+            page_table=self._page_table(items, seq_lens) if needs_table else None,
         )
         if hidden_rows:
             return self._extend_with_hidden(batch, items, logits_idx, hidden_rows, hidden_out)
         hidden = self.model(batch)
-        return self._to_host(self.model.compute_logits(hidden)) if logits_idx else None
+        return self.model.compute_logits(hidden) if logits_idx else None
 
     def _extend_with_hidden(self, batch, items, logits_idx, hidden_rows, hidden_out):
         """The forward pass keeps the final hidden states of the logit rows and of every row
@@ -296,7 +311,7 @@ class ModelRunner(Runner):
         if not logits_idx:
             return None
         picked = hidden[[where[r] for r in logits_idx]]
-        return self._to_host(self.model.compute_logits(picked))
+        return self.model.compute_logits(picked)
 
     @torch.inference_mode()
     def _forward_decode(
@@ -304,8 +319,15 @@ class ModelRunner(Runner):
     ) -> torch.Tensor:
         """One new token per item, or, in a verify step, an item's last token and its drafted
         ones (the attention backend takes several rows per request: `decode_takes_drafts`).
-        Returns logits [rows, vocab] float32 on the host, item by item."""
+        Returns logits [rows, vocab] float32 on the device, item by item."""
         news = [len(item.token_ids) for item in items]
+        if (
+            self.graphs is not None
+            and self.graphs.can_run(len(items))
+            and all(n == 1 for n in news)
+            and not any(item.return_hidden_states for item in items)
+        ):
+            return self.graphs.run(items)
         seq_lens = [item.start + n for item, n in zip(items, news)]
         drafted = any(n > 1 for n in news)
         uids = [item.uid for item in items]
@@ -326,11 +348,7 @@ class ModelRunner(Runner):
         lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
         out_loc = torch.tensor(locs, dtype=torch.int64, device=dev)
         max_pages = self._pages_for(max(seq_lens))
-        # Rows shorter than the longest repeat their first page as padding (masked out below).
-        table = [item.pages[: self._pages_for(n)] for item, n in zip(items, seq_lens)]
-        page_table = torch.tensor(
-            [p + [p[0]] * (max_pages - len(p)) for p in table], dtype=torch.int64, device=dev
-        )
+        page_table = self._page_table(items, seq_lens)
         width = max_pages * ps
         kv_mask = page_rows = None
         if self.attn.decode_reads_whole_pages:
@@ -369,7 +387,7 @@ class ModelRunner(Runner):
             if item.return_hidden_states:  # never drafted: its one row
                 hidden_out[i] = [hidden[row].float().cpu().tolist()]
             row += news[i]
-        return self._to_host(self.model.compute_logits(hidden))
+        return self.model.compute_logits(hidden)
 
     # ---- embeddings (--is-embedding) -----------------------------------------------------
 
@@ -432,10 +450,14 @@ class ModelRunner(Runner):
             for buf in self.kv_pool.kv_buffer:
                 buf.index_fill_(2, index, 0)
 
-    @staticmethod
-    def _to_host(logits: torch.Tensor) -> torch.Tensor:
-        # The sampler runs on the host (see Platform); on the CPU platform this is a no-op.
-        return logits.cpu()
+    def _page_table(self, items: list[BatchItem], seq_lens: list[int]) -> torch.Tensor:
+        """[batch, pages of the longest] int64: each item's pages covering its sequence; rows
+        shorter than the longest repeat their first page as padding (never attended)."""
+        table = [item.pages[: self._pages_for(n)] for item, n in zip(items, seq_lens)]
+        width = max(len(p) for p in table)
+        return torch.tensor(
+            [p + [p[0]] * (width - len(p)) for p in table], dtype=torch.int64, device=self.device
+        )
 
     # ---- logits -> tokens and logprobs ----------------------------------------------------
 
@@ -541,7 +563,7 @@ def _last(result: ItemResult) -> ItemResult:
 
 def _input_logprobs(result: ItemResult, item: BatchItem, logits: torch.Tensor) -> None:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    targets = torch.tensor(item.logprob_targets)
+    targets = torch.tensor(item.logprob_targets, device=logits.device)
     chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
     result.input_logprobs = list(zip(chosen, item.logprob_targets))
     ids = item.token_ids_logprob

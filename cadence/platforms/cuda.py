@@ -1,10 +1,14 @@
 """The built-in CUDA platform: NVIDIA GPUs through torch.cuda.
 
-Attention uses the portable torch backend on the GPU (SDPA picks a fused kernel there);
-no graph runner yet, so graph capture is not claimed.
+With triton installed (it comes with CUDA builds of torch), attention and the element-wise
+layer ops are Cadence's Triton kernels (`cadence.layers.triton_layers`) and decode steps
+replay CUDA graphs (`cadence.platforms.cuda_graph`); without it, the portable torch
+backend runs eagerly and graph capture is not claimed.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -79,5 +83,51 @@ class CudaPlatform(TorchNativeFactories, SRTPlatform):
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.supports_bf16() else torch.float16
 
+    def support_cuda_graph(self) -> bool:
+        return _has_triton()  # the graphs capture the Triton layers
+
+    def make_attention_backend(self, kv_pool, num_heads, num_kv_heads, head_dim):
+        if not _has_triton():
+            return super().make_attention_backend(kv_pool, num_heads, num_kv_heads, head_dim)
+        from cadence.layers.triton_layers import TritonBackend
+
+        return TritonBackend(kv_pool, num_heads, num_kv_heads, head_dim)
+
+    def make_layer_ops(self):
+        if not _has_triton():
+            return super().make_layer_ops()
+        from cadence.layers.triton_layers import TritonOps
+
+        return TritonOps()
+
+    def make_kv_pool(self, num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype):
+        from cadence.mem_cache.kv_pool import KVPool
+
+        # The scratch page takes the K/V a graph's padding rows write (cuda_graph.py).
+        return KVPool(
+            num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, self.device, True
+        )
+
+    def make_graph_runner(self, model_runner):
+        from cadence.platforms.cuda_graph import DecodeGraphs
+
+        args = model_runner.args
+        max_bs = min(args.cuda_graph_max_bs or MAX_GRAPH_BATCH, args.max_running_requests)
+        return DecodeGraphs(
+            model_runner.model, model_runner.kv_pool, model_runner.context_len, max_bs, self.device
+        )
+
     def init_backend(self) -> None:
         torch.cuda.set_device(self._index)
+
+
+MAX_GRAPH_BATCH = 256  # --cuda-graph-max-bs unset: graphs up to this (or --max-running-requests)
+
+
+@functools.lru_cache(maxsize=1)
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -75,6 +75,8 @@ ACTIVE_METHODS = (
     "make_attention_backend",  # model runner
     "make_linear",  # model and encoder runners, at each (re)load of the weights
     "make_layer_ops",  # model runner
+    "support_cuda_graph",  # model runner: whether it asks for a graph runner
+    "make_graph_runner",  # model runner, where support_cuda_graph() and not --disable-cuda-graph
     "apply_server_args_defaults",  # cadence.hooks.finalize_server_args: front, Engine
     "init_backend",  # model and encoder runners, before any tensor is placed
     "weights_loaded",  # model and encoder runners, after each load of the weights

@@ -130,6 +130,7 @@ def test_packed_model_releases_weights_and_adopts_new_ones(tied):
 
     runner = ModelRunner.__new__(ModelRunner)  # only what adopt_weights reads
     runner.config, runner.model, runner.platform = config, packed, CpuPlatform()
+    runner.graphs = None
     runner.args = ServerArgs(lazy_kv_pool=True)  # no throwaway steps: there is no KV pool
     reference = random_model(config, 1)
     reference.build_linears(Linear)

@@ -1,0 +1,159 @@
+"""Decode steps replayed from CUDA graphs: the CUDA platform's graph runner.
+
+A decode step of the Triton layers (`cadence.layers.triton_layers`) is a fixed sequence of
+~300 launches whose shapes depend only on the batch size. Launched one by one from Python,
+each costs the host several microseconds and the GPU waits between them; captured once per
+batch-size bucket and replayed, the step is one launch. The inputs live in static buffers
+the graphs were captured on: each step writes its token ids, positions, KV slots and page
+table into them (built on the host, one copy each), replays the smallest bucket that
+holds the batch, and reads the logits of its rows. Rows past the batch's size (the
+bucket's padding) attend to nothing of anyone's: they write their K/V into a scratch page
+of the pool that no request ever owns (`KVPool.scratch_page`).
+
+Attention metadata is prepared outside the graph (the page table); what the kernels derive
+from it (each row's keys, the loop bounds) is computed on the device, so the same graph
+serves every length up to the context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from cadence.layers.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+# Batch sizes captured (those up to --cuda-graph-max-bs, and that size itself): dense where
+# decode batches usually are, sparser past them. A batch is padded to the next one.
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+def buckets_up_to(max_bs: int) -> list[int]:
+    return [b for b in BUCKETS if b < max_bs] + [max_bs]
+
+
+class DecodeGraphs:
+    """One CUDA graph per batch-size bucket, of the model's decode forward and its logits.
+
+    Invariants: the graphs read only the static buffers below and the model's and pool's
+    tensors, which stay where they are (a weight update recaptures: `capture`). A batch
+    runs from a graph when it is a plain decode (one token per request) of at most
+    `max_batch_size` requests; anything else runs eagerly."""
+
+    def __init__(self, model, kv_pool, context_len: int, max_batch_size: int, device):
+        self.model = model
+        self.page_size = kv_pool.page_size
+        self.scratch_page = kv_pool.scratch_page
+        self.max_batch_size = max_batch_size
+        self.buckets = buckets_up_to(max_batch_size)
+        self.device = device
+        self.max_pages = -(-(context_len + 1) // self.page_size)
+        rows = max_batch_size
+        # [ids, positions, slots] and the page table: filled on the host, copied in each step.
+        pinned = torch.cuda.is_available()  # pinned: the copies are asynchronous
+        self._host = torch.zeros((3, rows), dtype=torch.int64, pin_memory=pinned)
+        self._host_table = torch.zeros((rows, self.max_pages), dtype=torch.int64, pin_memory=pinned)
+        self._host_np = self._host.numpy()
+        self._table_np = self._host_table.numpy()
+        self._inputs = torch.zeros((3, rows), dtype=torch.int64, device=device)
+        self._table = torch.full(
+            (rows, self.max_pages), self.scratch_page, dtype=torch.int64, device=device
+        )
+        self._graphs: dict[int, Callable[[], None]] = {}  # bucket -> replay
+        self._logits: dict[int, torch.Tensor] = {}
+        self._pool = None
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        ids, positions, slots = self._inputs[0, :bs], self._inputs[1, :bs], self._inputs[2, :bs]
+        return ForwardBatch(
+            is_decode=True,
+            input_ids=ids,
+            positions=positions,
+            out_cache_loc=slots,
+            kv_write_rows=slots,  # unused: the Triton backend stores K/V in its rotary kernel
+            seq_lens=[1] * bs,
+            extend_lens=[1] * bs,
+            prefix_lens=[0] * bs,
+            page_table=self._table[:bs],
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Captures every bucket, largest first, sharing one memory pool (smaller graphs
+        reuse the larger ones' intermediate memory)."""
+        started = time.perf_counter()
+        self._graphs.clear()
+        self._logits.clear()
+        self._fill_padding(0, self.max_batch_size)
+        self._inputs.copy_(self._host)
+        with self._capture_stream() as stream:
+            for bs in reversed(self.buckets):
+                batch = self._batch(bs)
+                for _ in range(2):  # compiles the kernels and settles the allocator
+                    self._forward(batch)
+                self._graphs[bs], self._logits[bs] = self._capture_one(batch, stream)
+        logger.info(
+            "CUDA graphs captured for decode batches of %s in %.1f s",
+            ", ".join(map(str, self.buckets)),
+            time.perf_counter() - started,
+        )
+
+    @contextlib.contextmanager
+    def _capture_stream(self):
+        """Capture runs on a side stream, joined with the current one before and after."""
+        self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            yield stream
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    def _capture_one(self, batch: ForwardBatch, stream) -> tuple[Callable[[], None], torch.Tensor]:
+        """One bucket's graph: (replay, the logits tensor it writes)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            logits = self._forward(batch)
+        return graph.replay, logits
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model.compute_logits(self.model(batch))
+
+    def _fill_padding(self, start: int, end: int) -> None:
+        """Rows [start, end) of the host buffers as padding: token 0 at position 0, stored
+        into and attending to the scratch page only."""
+        self._host_np[0, start:end] = 0
+        self._host_np[1, start:end] = 0
+        self._host_np[2, start:end] = self.scratch_page * self.page_size
+        self._table_np[start:end, 0] = self.scratch_page
+
+    def can_run(self, num_rows: int) -> bool:
+        return 0 < num_rows <= self.max_batch_size and bool(self._graphs)
+
+    def run(self, items) -> torch.Tensor:
+        """Logits [len(items), vocab] float32 (on the device) of one decode step of `items`
+        (BatchItems with one token each)."""
+        n = len(items)
+        bs = next(b for b in self.buckets if b >= n)
+        ps, host, table = self.page_size, self._host_np, self._table_np
+        width = 1
+        for row, item in enumerate(items):
+            pos = item.start
+            pages = item.pages
+            used = pos // ps + 1
+            host[0, row] = item.token_ids[0]
+            host[1, row] = pos
+            host[2, row] = pages[pos // ps] * ps + pos % ps
+            table[row, :used] = pages[:used]
+            width = max(width, used)
+        if n < bs:
+            self._fill_padding(n, bs)
+        self._inputs[:, :bs].copy_(self._host[:, :bs], non_blocking=True)
+        self._table[:bs, :width].copy_(self._host_table[:bs, :width], non_blocking=True)
+        self._graphs[bs]()
+        return self._logits[bs][:n]
