@@ -2,11 +2,13 @@
 speed in process and served.
 
 For the model given (the default SmolLM2-135M GGUF, dequantized to bfloat16), in one run:
-  - greedy outputs with CUDA graphs against eager decode (--disable-cuda-graph) on 64
-    prompts whose lengths differ, so batches shrink through sizes between the buckets;
+  - greedy outputs with CUDA graphs against eager decode (--disable-cuda-graph), and with
+    overlap scheduling against without (--disable-overlap-schedule), on 64 prompts whose
+    lengths differ, so batches shrink through sizes between the buckets;
   - the chat answer ("the capital of France" should say Paris);
-  - in-process decode tokens/s at 1, 8 and 32 streams (256 tokens each, median of 3),
-    graphs and eager;
+  - in-process decode tokens/s at 1, 8 and 32 streams (256 tokens each, median of 3) in
+    each mode: eager (no graphs, no overlap), graphs (no overlap), overlap (graphs and
+    overlap scheduling: the default);
   - host launches per decode step at one stream (torch profiler: kernel launches and graph
     launches the host issued, and the kernels the GPU ran);
   - served tokens/s over HTTP at 32 streams (`cadence serve`, streamed /generate), and its
@@ -14,6 +16,7 @@ For the model given (the default SmolLM2-135M GGUF, dequantized to bfloat16), in
   - with --cpu-check, float32 greedy continuations against the CPU platform's.
 
 Usage: python benchmarks/check_cuda.py --model-path M [--json out.json] [--skip-served]
+       [--modes eager,graphs,overlap] [--no-dequantize] (a model that is not a GGUF file)
 Not a test: it needs a GPU, which CI does not have. Progress goes to stderr; the figures
 as JSON to stdout (and --json). Targets (issue: H100 or H200): b1 >= 600 tok/s, b32 >=
 10,000 tok/s, served c=32 >= 0.8x in-process.
@@ -30,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 PROMPTS = [
     "The capital of France is",
@@ -52,7 +56,7 @@ def engine(args, dtype: str, **extra):
     return Engine(
         model_path=args.model_path,
         dtype=dtype,
-        dequantize=True,
+        dequantize=not args.no_dequantize,
         max_total_tokens=65536,
         grammar_backend="none",
         **extra,
@@ -111,18 +115,26 @@ def launches_per_step(e, tokens: int = 64) -> dict:
     return {k: round(v / tokens, 1) for k, v in counts.items()}
 
 
-def in_process(args, res: dict) -> list[list[int]]:
-    """Graph and eager engines one after the other: equality, chat, speed, launches."""
+MODES = {
+    "eager": {"disable_cuda_graph": True, "disable_overlap_schedule": True},
+    "graphs": {"disable_overlap_schedule": True},
+    "overlap": {},
+}
+
+
+def in_process(args, res: dict) -> None:
+    """One engine per mode, one after the other: equality, chat, speed, launches."""
     prompts, params = many_prompts()
     ids = {}
-    for mode, extra in (("eager", {"disable_cuda_graph": True}), ("graphs", {})):
+    for mode in args.modes.split(","):
+        extra = MODES[mode]
         log(f"{mode}: starting an engine")
         t = time.perf_counter()
         e = engine(args, "bfloat16", **extra)
         res[f"{mode}_engine_start_s"] = round(time.perf_counter() - t, 1)
         try:
             ids[mode] = [o["output_ids"] for o in e.generate(prompts, params)]
-            if mode == "graphs":
+            if "chat_answer" not in res:
                 chat = e.tokenizer.apply_chat_template(
                     [{"role": "user", "content": "What is the capital of France?"}],
                     tokenize=False,
@@ -139,15 +151,16 @@ def in_process(args, res: dict) -> list[list[int]]:
             log(f"{mode}: per decode step at b=1: {res[f'{mode}_per_step_b1']}")
         finally:
             e.shutdown()
-    same = agreement(ids["graphs"], ids["eager"])
-    res["graph_vs_eager_prompts_equal"] = sum(
-        s == len(g) == len(x) for s, g, x in zip(same, ids["graphs"], ids["eager"])
-    )
-    res["graph_vs_eager_first_difference"] = [
-        (i, s) for i, (s, g) in enumerate(zip(same, ids["graphs"])) if s < len(g)
-    ][:8]
-    log(f"greedy, graphs vs eager: {res['graph_vs_eager_prompts_equal']} of 64 prompts equal")
-    return ids["graphs"]
+    for a, b in (("graphs", "eager"), ("overlap", "graphs")):
+        if a in ids and b in ids:
+            same = agreement(ids[a], ids[b])
+            res[f"{a}_vs_{b}_prompts_equal"] = sum(
+                s == len(x) == len(y) for s, x, y in zip(same, ids[a], ids[b])
+            )
+            res[f"{a}_vs_{b}_first_difference"] = [
+                (i, s) for i, (s, x) in enumerate(zip(same, ids[a])) if s < len(x)
+            ][:8]
+            log(f"greedy, {a} vs {b}: {res[f'{a}_vs_{b}_prompts_equal']} of 64 prompts equal")
 
 
 def _free_port() -> int:
@@ -182,7 +195,8 @@ async def _stream_all(port: int, streams: int, tokens: int) -> tuple[int, float]
 def served(args, res: dict) -> None:
     port = _free_port()
     cmd = [sys.executable, "-m", "cadence.cli", "serve", "--model-path", args.model_path]
-    cmd += ["--port", str(port), "--grpc-port", str(_free_port()), "--dequantize"]
+    cmd += ["--port", str(port), "--grpc-port", str(_free_port())]
+    cmd += [] if args.no_dequantize else ["--dequantize"]
     cmd += ["--dtype", "bfloat16", "--grammar-backend", "none", "--max-total-tokens", "65536"]
     log("served: starting cadence serve")
     proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)
@@ -203,7 +217,7 @@ def served(args, res: dict) -> None:
             tokens, dt = asyncio.run(_stream_all(port, 32, DECODE_TOKENS))
             rates.append(tokens / dt)
         res["served_http_tok_s_c32"] = round(statistics.median(rates))
-        inproc = res.get("graphs_decode_tok_s_c32")
+        inproc = res.get("overlap_decode_tok_s_c32")  # the server's defaults
         if inproc:
             res["served_vs_in_process_c32"] = round(res["served_http_tok_s_c32"] / inproc, 2)
         log(f"served over HTTP, 32 streams: {res['served_http_tok_s_c32']} tok/s")
@@ -236,6 +250,8 @@ def main() -> int:
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-served", action="store_true")
+    parser.add_argument("--modes", default="eager,graphs,overlap")
+    parser.add_argument("--no-dequantize", action="store_true")
     parser.add_argument("--cpu-check", action="store_true")
     parser.add_argument("--cpu-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -266,7 +282,7 @@ def main() -> int:
             step(args, res)
         except Exception as e:  # report what ran; the next phase may still work
             res[f"{step.__name__}_error"] = repr(e)
-            log(f"{step.__name__} failed: {e!r}")
+            log(f"{step.__name__} failed: {traceback.format_exc()}")
         save()
     print(json.dumps(res, indent=2))
     return 0

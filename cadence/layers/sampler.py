@@ -312,3 +312,46 @@ def sample(logits: torch.Tensor, rows: list[SamplingInput]) -> SampleOutput:
         next_ids[sampled] = picked
     chosen, tops, given = _logprob_info(logits, next_ids, rows)
     return SampleOutput(next_ids.tolist(), chosen, tops, given)
+
+
+def samples_on_device(row: SamplingInput) -> bool:
+    """Whether `sample_on_device` takes this row: greedy or plain temperature sampling, drawn
+    from the device's own random numbers; nothing read back to the host on the way (no
+    adjustment, no filter, no logprobs, no seed, whose stream is the host generator's)."""
+    p = row.params
+    return not (
+        _needs_adjusting(row)
+        or row.return_logprob
+        or row.generator is not None
+        or p.top_k >= 1
+        or p.top_p < 1.0
+        or p.min_p > 0
+    )
+
+
+@torch.inference_mode()
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingInput]) -> torch.Tensor:
+    """The next token of each row, as a tensor on the logits' device, queued without waiting
+    for it: every row must pass `samples_on_device`. Greedy rows take the argmax (as
+    `sample`); sampled rows invert their distribution's cumulative sums at a uniform number
+    drawn on the device, as `sample` does at one drawn on the host. Whatever the host adds
+    travels in one asynchronous copy (a blocking one would wait for the steps queued before)."""
+    next_ids = argmax(logits)
+    if all(r.params.is_greedy for r in rows):
+        return next_ids
+    # Every row is drawn (a greedy row at temperature 1, then overwritten): no row indexing.
+    temps = [
+        1.0 if r.params.is_greedy else min(r.params.temperature, MAX_TEMPERATURE) for r in rows
+    ]
+    greedy = [float(r.params.is_greedy) for r in rows]
+    host = torch.tensor([temps, greedy], dtype=logits.dtype)
+    if logits.device.type != "cpu":
+        host = host.pin_memory()
+    temps_t, greedy_t = host.to(logits.device, non_blocking=True)
+    probs = torch.softmax(logits / temps_t.unsqueeze(1), dim=-1)
+    cdf = probs.double().cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(len(rows), 1, dtype=torch.float64, device=logits.device).mul_(total)
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    drawn = torch.searchsorted(cdf, u, right=True).squeeze(1)
+    return torch.where(greedy_t.bool(), next_ids, drawn)

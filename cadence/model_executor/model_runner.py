@@ -12,10 +12,17 @@ import torch
 
 from cadence.layers.forward_batch import ForwardBatch
 from cadence.layers.pooler import PoolingConfig, pool
-from cadence.layers.sampler import SamplingInput, sample
+from cadence.layers.sampler import SamplingInput, sample, sample_on_device, samples_on_device
 from cadence.mem_cache.allocator import KVAllocator
 from cadence.mem_cache.kv_pool import KVPool
-from cadence.model_executor.runner import BatchItem, EmbedItem, ItemResult, Runner, ScheduleBatch
+from cadence.model_executor.runner import (
+    BatchItem,
+    EmbedItem,
+    ItemResult,
+    Launched,
+    Runner,
+    ScheduleBatch,
+)
 from cadence.model_loader.encoder_loader import read_pooling
 from cadence.model_loader.loader import load_model
 from cadence.platforms import get_current_platform
@@ -83,6 +90,14 @@ class ModelRunner(Runner):
             [],
             [],
         )  # uids and lengths of the last decode step
+        # Overlap scheduling: the ids each launched decode sampled stay on the device here,
+        # where the next launch reads its items' input tokens (BatchItem.future_row); the host
+        # gets them through one of two pinned buffers (one per step in flight).
+        rows = args.max_running_requests
+        self.future_ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        pinned = self.platform.is_pin_memory_available()
+        self._ids_host = [torch.zeros(rows, dtype=torch.int64, pin_memory=pinned) for _ in "ab"]
+        self._flip = 0
         # Decode replayed from captured graphs where the platform has them (captured, and
         # recaptured after a weight update, in _weights_loaded).
         self.graphs = None
@@ -227,6 +242,43 @@ class ModelRunner(Runner):
             results[i].hidden_states = states
         return results
 
+    def _launches_async(self, batch: ScheduleBatch) -> bool:
+        """A decode of one token per item, each sampled on the device, overlap on."""
+        return (
+            not self.args.disable_overlap_schedule
+            and batch.is_decode
+            and all(
+                item.sampling is not None
+                and len(item.token_ids) == 1
+                and not item.return_hidden_states
+                and samples_on_device(item.sampling)
+                for item in batch.items
+            )
+        )
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduleBatch) -> Launched:
+        if not self._launches_async(batch):
+            return super().launch(batch)
+        self._zero_fresh_pages(batch.new_pages)
+        logits = self._forward_decode(batch.items, {})
+        next_ids = sample_on_device(logits, [item.sampling for item in batch.items])
+        n = len(batch.items)
+        self.future_ids[:n].copy_(next_ids)  # what the next launch's items may read
+        host = self._ids_host[self._flip]
+        self._flip ^= 1
+        host[:n].copy_(next_ids, non_blocking=True)
+        done = torch.Event(device=self.device)
+        done.record()
+        return Launched(batch, None, (host, n, done))
+
+    def finish(self, launched: Launched) -> list[ItemResult]:
+        if launched.results is not None:
+            return launched.results
+        host, n, done = launched.pending
+        done.synchronize()  # this step's ids are in; the step launched after it may run on
+        return [ItemResult(next_id=i) for i in host[:n].tolist()]
+
     def _slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
         page_t = torch.tensor(pages, dtype=torch.int64)
@@ -363,11 +415,19 @@ class ModelRunner(Runner):
             query_starts = torch.tensor([0, *itertools.accumulate(news)], dtype=torch.int64)
         else:
             positions, query_starts = lens_t - 1, None
+        input_ids = torch.tensor(
+            [t for item in items for t in item.token_ids], dtype=torch.int64, device=dev
+        )
+        if any(item.future_row is not None for item in items):  # one token each, then
+            src = torch.tensor(
+                [-1 if item.future_row is None else item.future_row for item in items],
+                dtype=torch.int64,
+                device=dev,
+            )
+            input_ids = torch.where(src >= 0, self.future_ids[src.clamp(min=0)], input_ids)
         batch = ForwardBatch(
             is_decode=True,
-            input_ids=torch.tensor(
-                [t for item in items for t in item.token_ids], dtype=torch.int64, device=dev
-            ),
+            input_ids=input_ids,
             positions=positions.to(dev),
             out_cache_loc=out_loc,
             kv_write_rows=self.kv_pool.write_rows(out_loc),

@@ -41,6 +41,9 @@ class BatchItem:
     # The runner samples at the row before each draft token in turn and goes on only while
     # the token sampled there is the draft token (`ItemResult.more`).
     num_draft: int = 0
+    # Overlap scheduling: the input token is the one the previous launch sampled at this row
+    # (not known on the host yet; token_ids[0] is a placeholder). None: token_ids[0] itself.
+    future_row: int | None = None
 
 
 @dataclass
@@ -93,6 +96,16 @@ class EmbedItem:
     pages: list[int] = field(default_factory=list)
 
 
+@dataclass
+class Launched:
+    """A step handed to the device (`Runner.launch`). `results` is set when the runner
+    computed it at once; otherwise `Runner.finish` waits for them."""
+
+    batch: ScheduleBatch
+    results: list[ItemResult] | None = None
+    pending: Any = None  # the runner's own record of what it waits for
+
+
 class Runner(ABC):
     """A model runner as the scheduler sees it."""
 
@@ -108,6 +121,19 @@ class Runner(ABC):
         """Run one step. A failure of the forward pass itself (shared by every request of the
         batch) raises; a failure of one request's sampling or logprobs is reported in its
         `ItemResult.error` and the other results stay valid."""
+
+    def launch(self, batch: ScheduleBatch) -> Launched:
+        """Starts one step and returns before its results are known where the device computes
+        asynchronously: a decode whose every item samples on the device (greedy or plain
+        temperature), with the overlap schedule on. The next launch may then name this one's
+        rows as its items' input tokens (`BatchItem.future_row`), so the scheduler prepares
+        step N+1 while the device runs step N. Otherwise (the default) it runs the step now."""
+        return Launched(batch, self.run(batch))
+
+    def finish(self, launched: Launched) -> list[ItemResult]:
+        """The results of a launched step, waiting for the device if they are not in yet."""
+        assert launched.results is not None
+        return launched.results
 
     def embed(self, items: list[EmbedItem]) -> list[list[float]]:
         """One forward pass over whole inputs: each item's embedding (a classifier's class

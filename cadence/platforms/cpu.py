@@ -162,6 +162,13 @@ class CpuPlatform(TorchNativeFactories, SRTPlatform):
             return CpuPagedBackend(kv_pool, num_heads, num_kv_heads, head_dim)
         return super().make_attention_backend(kv_pool, num_heads, num_kv_heads, head_dim)
 
+    def apply_server_args_defaults(self, args):
+        # The host computes each step before returning: there is nothing to overlap the next
+        # step's preparation with (launching ahead would only run rows that turn out wasted).
+        if not args.disable_overlap_schedule:
+            args = args.replace(disable_overlap_schedule=True)
+        return args
+
     def weights_loaded(self) -> None:
         _settle_heap()
 

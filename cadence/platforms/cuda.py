@@ -114,7 +114,12 @@ class CudaPlatform(TorchNativeFactories, SRTPlatform):
         args = model_runner.args
         max_bs = min(args.cuda_graph_max_bs or MAX_GRAPH_BATCH, args.max_running_requests)
         return DecodeGraphs(
-            model_runner.model, model_runner.kv_pool, model_runner.context_len, max_bs, self.device
+            model_runner.model,
+            model_runner.kv_pool,
+            model_runner.context_len,
+            max_bs,
+            self.device,
+            model_runner.future_ids,
         )
 
     def init_backend(self) -> None:

@@ -45,7 +45,15 @@ class DecodeGraphs:
     runs from a graph when it is a plain decode (one token per request) of at most
     `max_batch_size` requests; anything else runs eagerly."""
 
-    def __init__(self, model, kv_pool, context_len: int, max_batch_size: int, device):
+    def __init__(
+        self,
+        model,
+        kv_pool,
+        context_len: int,
+        max_batch_size: int,
+        device,
+        future_ids: torch.Tensor | None = None,
+    ):
         self.model = model
         self.page_size = kv_pool.page_size
         self.scratch_page = kv_pool.scratch_page
@@ -54,13 +62,26 @@ class DecodeGraphs:
         self.device = device
         self.max_pages = -(-(context_len + 1) // self.page_size)
         rows = max_batch_size
-        # [ids, positions, slots] and the page table: filled on the host, copied in each step.
-        pinned = torch.cuda.is_available()  # pinned: the copies are asynchronous
-        self._host = torch.zeros((3, rows), dtype=torch.int64, pin_memory=pinned)
-        self._host_table = torch.zeros((rows, self.max_pages), dtype=torch.int64, pin_memory=pinned)
-        self._host_np = self._host.numpy()
-        self._table_np = self._host_table.numpy()
-        self._inputs = torch.zeros((3, rows), dtype=torch.int64, device=device)
+        # The ids the previous launch sampled (overlap scheduling): a row whose source (input
+        # row 3) is >= 0 takes its input token from there, inside the graph.
+        self.future_ids = (
+            torch.zeros(rows, dtype=torch.int64, device=device)
+            if future_ids is None
+            else future_ids
+        )
+        # [ids, positions, slots, sources] and the page table, filled on the host and copied
+        # in each step, asynchronously (pinned): two sets, since with overlap scheduling the
+        # next step is filled while the copies of the one before may still be queued.
+        pinned = torch.cuda.is_available()
+        self._hosts = [
+            (
+                torch.zeros((4, rows), dtype=torch.int64, pin_memory=pinned),
+                torch.zeros((rows, self.max_pages), dtype=torch.int64, pin_memory=pinned),
+            )
+            for _ in "ab"
+        ]
+        self._flip = 0
+        self._inputs = torch.zeros((4, rows), dtype=torch.int64, device=device)
         self._table = torch.full(
             (rows, self.max_pages), self.scratch_page, dtype=torch.int64, device=device
         )
@@ -72,7 +93,7 @@ class DecodeGraphs:
         ids, positions, slots = self._inputs[0, :bs], self._inputs[1, :bs], self._inputs[2, :bs]
         return ForwardBatch(
             is_decode=True,
-            input_ids=ids,
+            input_ids=ids,  # replaced in _forward by the ids with the sources resolved
             positions=positions,
             out_cache_loc=slots,
             kv_write_rows=slots,  # unused: the Triton backend stores K/V in its rotary kernel
@@ -89,8 +110,9 @@ class DecodeGraphs:
         started = time.perf_counter()
         self._graphs.clear()
         self._logits.clear()
-        self._fill_padding(0, self.max_batch_size)
-        self._inputs.copy_(self._host)
+        host, _ = self._hosts[0]
+        self._fill_padding(host, self._hosts[0][1], 0, self.max_batch_size)
+        self._inputs.copy_(host)
         with self._capture_stream() as stream:
             for bs in reversed(self.buckets):
                 batch = self._batch(bs)
@@ -122,15 +144,20 @@ class DecodeGraphs:
         return graph.replay, logits
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        bs = batch.batch_size
+        src = self._inputs[3, :bs]
+        batch.input_ids = torch.where(
+            src >= 0, self.future_ids[src.clamp(min=0)], self._inputs[0, :bs]
+        )
         return self.model.compute_logits(self.model(batch))
 
-    def _fill_padding(self, start: int, end: int) -> None:
-        """Rows [start, end) of the host buffers as padding: token 0 at position 0, stored
-        into and attending to the scratch page only."""
-        self._host_np[0, start:end] = 0
-        self._host_np[1, start:end] = 0
-        self._host_np[2, start:end] = self.scratch_page * self.page_size
-        self._table_np[start:end, 0] = self.scratch_page
+    def _fill_padding(self, host, table, start: int, end: int) -> None:
+        """Rows [start, end) of host buffers as padding: token 0 at position 0, stored into
+        and attending to the scratch page only."""
+        host[:3, start:end] = 0
+        host[2, start:end] = self.scratch_page * self.page_size
+        host[3, start:end] = -1
+        table[start:end, 0] = self.scratch_page
 
     def can_run(self, num_rows: int) -> bool:
         return 0 < num_rows <= self.max_batch_size and bool(self._graphs)
@@ -140,8 +167,9 @@ class DecodeGraphs:
         (BatchItems with one token each)."""
         n = len(items)
         bs = next(b for b in self.buckets if b >= n)
-        ps, host, table = self.page_size, self._host_np, self._table_np
-        width = 1
+        host_t, table_t = self._hosts[self._flip]
+        self._flip ^= 1
+        ps, host, table = self.page_size, host_t.numpy(), table_t.numpy()
         for row, item in enumerate(items):
             pos = item.start
             pages = item.pages
@@ -149,11 +177,13 @@ class DecodeGraphs:
             host[0, row] = item.token_ids[0]
             host[1, row] = pos
             host[2, row] = pages[pos // ps] * ps + pos % ps
+            host[3, row] = -1 if item.future_row is None else item.future_row
             table[row, :used] = pages[:used]
-            width = max(width, used)
         if n < bs:
-            self._fill_padding(n, bs)
-        self._inputs[:, :bs].copy_(self._host[:, :bs], non_blocking=True)
-        self._table[:bs, :width].copy_(self._host_table[:bs, :width], non_blocking=True)
+            self._fill_padding(host, table, n, bs)
+        # Whole rows (contiguous, so truly asynchronous); columns past a row's pages are
+        # never read.
+        self._inputs.copy_(host_t, non_blocking=True)
+        self._table[:bs].copy_(table_t[:bs], non_blocking=True)
         self._graphs[bs]()
         return self._logits[bs][:n]

@@ -77,6 +77,7 @@ ACTIVE_METHODS = (
     "make_layer_ops",  # model runner
     "support_cuda_graph",  # model runner: whether it asks for a graph runner
     "make_graph_runner",  # model runner, where support_cuda_graph() and not --disable-cuda-graph
+    "is_pin_memory_available",  # model runner: the host buffers of overlap scheduling
     "apply_server_args_defaults",  # cadence.hooks.finalize_server_args: front, Engine
     "init_backend",  # model and encoder runners, before any tensor is placed
     "weights_loaded",  # model and encoder runners, after each load of the weights
@@ -102,8 +103,9 @@ class SRTPlatform(DeviceMixin):
       before `cadence.hooks.server_args_finalized`. `init_backend` runs in every process
       that builds a model, before any tensor is placed on the device; it must be idempotent.
       `weights_loaded` runs there after each load of the weights.
-    - Sampling runs on the host today, so generators from `make_generator` are host
-      generators and the model runner hands logits back on the host.
+    - Sampling runs where the logits are (the device); generators from `make_generator`
+      are host generators, whose draws travel to the device (a seeded request's stream is
+      the same on every platform).
     """
 
     # ---- capability flags (conservative) -----------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cadence.layers.sampler import SamplingInput
+from cadence.layers.sampler import SamplingInput, samples_on_device
 from cadence.mem_cache.kv_manager import KVManager
 from cadence.model_executor.runner import BatchItem, ScheduleBatch
 from cadence.scheduler.req import Req
@@ -51,6 +51,44 @@ def decode_item(
         return_hidden_states=req.return_hidden_states,
         num_draft=len(draft),
     )
+
+
+def ahead_batch(
+    kv: KVManager, reqs: list[Req], context_len: int
+) -> tuple[ScheduleBatch, list[Req]] | None:
+    """Overlap scheduling: the decode step after the one in flight, built before that one's
+    tokens are known. `reqs` are the in-flight step's requests, row by row; each that goes
+    on decodes the token that step samples for it (`BatchItem.future_row`) at position
+    seq_len (that token is not in its output yet). A request that the token in flight ends
+    by length is left out; one that it ends otherwise (EOS, a stop string) runs one wasted
+    row, whose result the scheduler drops. None when some request cannot be decoded ahead:
+    its sampling reads the host (`samples_on_device`), depends on the previous token
+    (min_new_tokens' suppressed ids, a grammar), or it reports hidden states."""
+    rows = []
+    for row, req in enumerate(reqs):
+        if req.is_finished:
+            continue
+        p = req.params
+        num_out = len(req.output_ids) + 1  # with the token in flight
+        if num_out >= p.max_new_tokens or req.seq_len + 1 >= context_len:
+            continue  # the token in flight is its last
+        if num_out < p.min_new_tokens or req.return_hidden_states or req.grammar is not None:
+            return None
+        sampling = sampling_input(req, None)
+        if not samples_on_device(sampling):
+            return None
+        rows.append((row, req, sampling))
+    if not rows:
+        return None
+    new_pages: list[int] = []
+    items = []
+    for row, req, sampling in rows:
+        new_pages.extend(kv.grow(req.admitted_kv, req.seq_len + 1))
+        item = BatchItem(req.rid, req.uid, [0], req.seq_len, req.pages, future_row=row)
+        item.sampling = sampling
+        items.append(item)
+    batch = ScheduleBatch(is_decode=True, items=items, new_pages=new_pages)
+    return batch, [req for _, req, _ in rows]
 
 
 def prepare_sampling(

@@ -55,9 +55,9 @@ from cadence.io_struct import (
     UpdateWeightFromDiskReqOutput,
 )
 from cadence.mem_cache.kv_manager import KVManager
-from cadence.model_executor.runner import BatchItem, ItemResult, Runner, ScheduleBatch
+from cadence.model_executor.runner import BatchItem, ItemResult, Launched, Runner, ScheduleBatch
 from cadence.scheduler.admission import Admission
-from cadence.scheduler.batch import decode_item, extend_item, prepare_sampling
+from cadence.scheduler.batch import ahead_batch, decode_item, extend_item, prepare_sampling
 from cadence.scheduler.embedding import EmbeddingQueue, EmbedOutput, embed_req_from_tokenized
 from cadence.scheduler.profiler import Profiler
 from cadence.scheduler.req import Req, ReqOutput, is_sample_of, req_from_tokenized
@@ -70,6 +70,14 @@ logger = logging.getLogger(__name__)
 
 # With nothing else to run, the loop waits this long at most for a grammar to compile.
 GRAMMAR_POLL_S = 0.005
+# Messages handled while a step is in flight; any other first waits for it (Scheduler.handle).
+NO_DRAIN_TYPES = (
+    TokenizedGenerateReqInput,
+    TokenizedEmbeddingReqInput,
+    BatchTokenizedEmbeddingReqInput,
+    AbortReq,
+    GetLoadReqInput,
+)
 
 
 class Scheduler:
@@ -90,6 +98,9 @@ class Scheduler:
         self.context_len = runner.context_len
         self.running: list[Req] = []  # prefill complete, decoding
         self.chunked: Req | None = None  # admitted, prefill in progress
+        # Overlap scheduling: a launched decode whose tokens the device has not given back
+        # yet, with its requests row by row (see step).
+        self.inflight: tuple[Launched, list[Req]] | None = None
         self.is_paused = False
         self.outputs: list[ReqOutput | EmbedOutput] = []  # since the last step (`to_messages`)
         self.num_generated_tokens = 0
@@ -139,7 +150,11 @@ class Scheduler:
 
     def handle(self, msg):
         """Handles one message; returns the answer its sender waits for, or None. A message
-        that fails is answered with a failure (a request: its own error), never raised."""
+        that fails is answered with a failure (a request: its own error), never raised.
+        A control message that may change running requests or the KV (pause, flush, weights,
+        sessions, ...) first waits for the step in flight and applies it."""
+        if self.inflight is not None and type(msg) not in NO_DRAIN_TYPES:
+            self.drain()
         handler = self._handlers.get(type(msg))
         if handler is None:
             logger.error("the scheduler got an unexpected %s", type(msg).__name__)
@@ -354,8 +369,15 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return not self.is_paused and bool(
-            self.waiting or self.running or self.chunked or self.grammars or self.embeds.num_waiting
+        return self.inflight is not None or (
+            not self.is_paused
+            and bool(
+                self.waiting
+                or self.running
+                or self.chunked
+                or self.grammars
+                or self.embeds.num_waiting
+            )
         )
 
     def step(self) -> list[ReqOutput | EmbedOutput]:
@@ -365,24 +387,68 @@ class Scheduler:
             self.outputs.extend(self.embeds.step())
         if self.grammars:
             self._take_compiled(self.grammars)
-        batch, reqs = self._schedule()
-        if batch is not None:
-            started = time.perf_counter()
-            results = self.runner.run(batch)
-            if batch.is_decode and self.spec is not None:  # what a step of this size costs
-                verified = any(item.num_draft for item in batch.items)
-                emitted = sum(1 + len(r.more) for r in results if r.error is None)
-                seconds = time.perf_counter() - started
-                self.spec.cost.observe(
-                    batch.num_tokens, seconds, verified, len(batch.items), emitted
-                )
-            self._postprocess(batch, reqs, results)
-        elif self.grammars and not self.outputs:
-            self.grammars.wait(GRAMMAR_POLL_S)  # nothing runs: wait for a compile, briefly
-        if not self.running:
+        if self.inflight is not None:
+            self._step_ahead()
+        else:
+            self._step_now()
+        if not self.running and self.inflight is None:
             self.runner.release_decode_state()
         outputs, self.outputs = self.outputs, []
         return outputs
+
+    def _step_now(self) -> None:
+        batch, reqs = self._schedule()
+        if batch is None:
+            if self.grammars and not self.outputs:
+                self.grammars.wait(GRAMMAR_POLL_S)  # nothing runs: wait for a compile, briefly
+            return
+        started = time.perf_counter()
+        launched = self.runner.launch(batch)
+        if launched.results is None:  # on the device: its tokens come in the next step
+            self.inflight = (launched, reqs)
+            return
+        results = launched.results
+        if batch.is_decode and self.spec is not None:  # what a step of this size costs
+            verified = any(item.num_draft for item in batch.items)
+            emitted = sum(1 + len(r.more) for r in results if r.error is None)
+            seconds = time.perf_counter() - started
+            self.spec.cost.observe(batch.num_tokens, seconds, verified, len(batch.items), emitted)
+        self._postprocess(batch, reqs, results)
+
+    def _step_ahead(self) -> None:
+        """Overlap scheduling: step N is on the device. Launch step N+1 (the same requests,
+        each decoding the token N samples for it, read on the device) when nothing else
+        wants the next step (no request waits for admission, nothing is paused), then take
+        N's tokens, so the host's work on N and on N+1 runs while the device computes."""
+        launched, reqs = self.inflight
+        self.inflight = None
+        if not (self.is_paused or self.waiting or self.chunked or self.embeds.num_waiting):
+            ahead = ahead_batch(self.kv, reqs, self.context_len)
+            if ahead is not None:
+                batch, ahead_reqs = ahead
+                self._notify_scheduled(batch)
+                nxt = self.runner.launch(batch)
+                if nxt.results is None:
+                    self.inflight = (nxt, ahead_reqs)
+                else:  # the runner ran it at once: it stays in order after N
+                    self._postprocess(launched.batch, reqs, self.runner.finish(launched))
+                    return self._postprocess(batch, ahead_reqs, nxt.results)
+        self._postprocess(launched.batch, reqs, self.runner.finish(launched))
+
+    def drain(self) -> None:
+        """Waits for the step in flight, if any, and applies its tokens."""
+        if self.inflight is not None:
+            launched, reqs = self.inflight
+            self.inflight = None
+            self._postprocess(launched.batch, reqs, self.runner.finish(launched))
+
+    def _notify_scheduled(self, batch: ScheduleBatch) -> None:
+        hooks.notify(
+            hooks.batch_scheduled,
+            hooks.BatchInfo(
+                not batch.is_decode, tuple(i.rid for i in batch.items), batch.num_tokens
+            ),
+        )
 
     def _schedule(self) -> tuple[ScheduleBatch | None, list[Req]]:
         """Prefill first (the unfinished chunk, then new requests while memory and the token
@@ -415,12 +481,7 @@ class Scheduler:
             self.fail(req, error, "preparing its sampling")  # it left the batch before it runs
         if not batch.items:
             return None, []
-        hooks.notify(
-            hooks.batch_scheduled,
-            hooks.BatchInfo(
-                not batch.is_decode, tuple(i.rid for i in batch.items), batch.num_tokens
-            ),
-        )
+        self._notify_scheduled(batch)
         return batch, reqs
 
     # ---- after the forward pass ---------------------------------------------------------------
@@ -429,6 +490,8 @@ class Scheduler:
         self, batch: ScheduleBatch, reqs: list[Req], results: list[ItemResult]
     ) -> None:
         for item, req, result in zip(batch.items, reqs, results):
+            if req.is_finished:  # ended (an abort, a stop) while its step was in flight
+                continue
             try:
                 self._apply(batch, item, req, result)
             except Exception as e:
