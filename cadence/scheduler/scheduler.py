@@ -420,6 +420,7 @@ class Scheduler:
         each decoding the token N samples for it, read on the device) when nothing else
         wants the next step (no request waits for admission, nothing is paused), then take
         N's tokens, so the host's work on N and on N+1 runs while the device computes."""
+        assert self.inflight is not None
         launched, reqs = self.inflight
         self.inflight = None
         if not (self.is_paused or self.waiting or self.chunked or self.embeds.num_waiting):
