@@ -403,7 +403,12 @@ class Scheduler:
                 self.grammars.wait(GRAMMAR_POLL_S)  # nothing runs: wait for a compile, briefly
             return
         started = time.perf_counter()
-        launched = self.runner.launch(batch)
+        # Speculative decoding drafts from each step's tokens on the host: no step ahead.
+        launched = (
+            self.runner.launch(batch)
+            if self.spec is None
+            else Launched(batch, self.runner.run(batch))
+        )
         if launched.results is None:  # on the device: its tokens come in the next step
             self.inflight = (launched, reqs)
             return
