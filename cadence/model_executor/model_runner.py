@@ -98,6 +98,7 @@ class ModelRunner(Runner):
         pinned = self.platform.is_pin_memory_available()
         self._ids_host = [torch.zeros(rows, dtype=torch.int64, pin_memory=pinned) for _ in "ab"]
         self._flip = 0
+        self._overlaps = not args.disable_overlap_schedule and _has_events(self.device)
         # Decode replayed from captured graphs where the platform has them (captured, and
         # recaptured after a weight update, in _weights_loaded).
         self.graphs = None
@@ -245,7 +246,7 @@ class ModelRunner(Runner):
     def _launches_async(self, batch: ScheduleBatch) -> bool:
         """A decode of one token per item, each sampled on the device, overlap on."""
         return (
-            not self.args.disable_overlap_schedule
+            self._overlaps
             and batch.is_decode
             and all(
                 item.sampling is not None
@@ -551,6 +552,17 @@ class ModelRunner(Runner):
         if drafted:
             _verify_drafts(results, items, drafted, logits)
         return results
+
+
+def _has_events(device: torch.device) -> bool:
+    """Whether the device records events (what a launched step's results wait on): a
+    device that computes each step before returning (the CPU) has none, and nothing to
+    overlap."""
+    try:
+        torch.Event(device=device).record()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _sample_into(

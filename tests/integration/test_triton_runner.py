@@ -182,7 +182,9 @@ class ReplayedEagerly:
 
                 return replay, out
 
-        return Graphs(runner.model, runner.kv_pool, runner.context_len, 4, runner.device)
+        return Graphs(
+            runner.model, runner.kv_pool, runner.context_len, 4, runner.device, runner.future_ids
+        )
 
 
 class GraphsOnCpu(TritonOnCpu):
@@ -221,3 +223,21 @@ def test_decode_graphs_pad_batches_into_the_scratch_page(checkpoint, monkeypatch
         torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
         for r in live:
             starts[r] += 1
+
+
+@pytest.mark.parametrize("platform", [TritonOnCpu, GraphsOnCpu], ids=["eager", "graphs"])
+def test_future_rows_read_the_previous_launchs_tokens(checkpoint, monkeypatch, platform):
+    """Overlap scheduling's input tokens: an item naming row r of the previous launch gets
+    the token that launch left at `future_ids[r]`, in the eager path and in the graph."""
+    runner = _runner(platform(), checkpoint, monkeypatch)
+    pages = {"a": [9, 2, 40], "b": [17, 5]}
+    prompt = {"a": [1, 2, 3, 4, 5], "b": [8, 9, 10]}
+    _logits(runner, False, [BatchItem(r, i, prompt[r], 0, pages[r]) for i, r in enumerate("ab")])
+    real = [BatchItem("a", 0, [70], 5, pages["a"]), BatchItem("b", 1, [71], 3, pages["b"])]
+    want = runner._forward_decode(real, {}).clone()
+    runner.future_ids[:2] = torch.tensor([71, 70])  # the previous launch's rows: b, then a
+    future = [
+        BatchItem("a", 0, [0], 5, pages["a"], future_row=1),
+        BatchItem("b", 1, [0], 3, pages["b"], future_row=0),
+    ]
+    torch.testing.assert_close(runner._forward_decode(future, {}), want, atol=1e-5, rtol=1e-5)

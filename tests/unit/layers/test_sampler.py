@@ -382,3 +382,39 @@ def test_adjusted_logits_are_clamped_and_masks_stay_minus_infinity():
     assert logits[0, 2].item() == pytest.approx(LOGIT_LIMIT)  # 1 + 1e300
     assert logits[0, 3].item() == -math.inf
     assert torch.isfinite(logits[0, [0, 4, 5, 6, 7]]).all()
+
+
+def test_which_rows_sample_on_the_device():
+    from cadence.layers.sampler import samples_on_device
+
+    assert samples_on_device(row(temperature=0))
+    assert samples_on_device(row(temperature=0.8))
+    for r in (
+        row(temperature=0.8, top_p=0.9),
+        row(temperature=0.8, top_k=5),
+        row(temperature=0.8, min_p=0.1),
+        row(temperature=0, return_logprob=True),
+        row(temperature=0.8, seed=3),  # its stream is the host generator's
+        row(temperature=0, frequency_penalty=0.5, output=(1,)),
+        row(temperature=0, suppress=[2]),
+    ):
+        assert not samples_on_device(r)
+
+
+def test_device_sampling_takes_the_argmax_and_draws_by_probability():
+    from cadence.layers.sampler import sample_on_device
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, VOCAB)
+    rows = [row(temperature=0)] * 3
+    assert sample_on_device(logits, rows).tolist() == sample(logits, rows).next_ids
+    # Greedy and sampled rows together: two equally likely tokens, drawn about evenly.
+    even = torch.full((VOCAB,), -1e9)
+    even[[2, 5]] = 0.0
+    logits = torch.stack([torch.randn(VOCAB), even])
+    counts: Counter = Counter()
+    for _ in range(600):
+        ids = sample_on_device(logits, [row(temperature=0), row(temperature=1.0)]).tolist()
+        assert ids[0] == int(logits[0].argmax())
+        counts[ids[1]] += 1
+    assert set(counts) == {2, 5} and 240 < counts[2] < 360
