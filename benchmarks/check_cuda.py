@@ -245,16 +245,53 @@ def cpu_agreement(args, res: dict) -> None:
     log(f"float32 greedy, tokens equal to the CPU's: {res['float32_tokens_equal_to_cpu']}")
 
 
+def plot(res: dict, path: str) -> None:
+    """Decode tok/s per mode at 1, 8 and 32 streams (and served at 32), log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    streams = (1, 8, 32)
+    modes = [m for m in MODES if f"{m}_decode_tok_s_c1" in res]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / (len(modes) + 1)
+    for k, mode in enumerate(modes):
+        xs = [i + k * width for i in range(len(streams))]
+        ax.bar(xs, [res[f"{mode}_decode_tok_s_c{n}"] for n in streams], width, label=mode)
+    if "served_http_tok_s_c32" in res:
+        x = len(streams) - 1 + len(modes) * width
+        ax.bar([x], [res["served_http_tok_s_c32"]], width, label="served over HTTP")
+    ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(streams))])
+    ax.set_xticklabels([f"{n} stream{'s' * (n > 1)}" for n in streams])
+    ax.set_yscale("log")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"Cadence on {res.get('device', 'CUDA')}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--model-path", default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-served", action="store_true")
     parser.add_argument("--modes", default="eager,graphs,overlap")
     parser.add_argument("--no-dequantize", action="store_true")
+    parser.add_argument("--plot", default=None, help="write a PNG of the tok/s figures")
+    parser.add_argument(
+        "--from-json", default=None, help="only plot the figures of an earlier run's --json"
+    )
     parser.add_argument("--cpu-check", action="store_true")
     parser.add_argument("--cpu-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            plot(json.load(f), args.plot or "check_cuda.png")
+        return 0
+    if args.model_path is None:
+        parser.error("--model-path is required (unless --from-json)")
     if args.cpu_child:
         e = engine(args, "float32")
         try:
@@ -285,6 +322,8 @@ def main() -> int:
             log(f"{step.__name__} failed: {traceback.format_exc()}")
         save()
     print(json.dumps(res, indent=2))
+    if args.plot:
+        plot(res, args.plot)
     return 0
 
 
