@@ -163,6 +163,34 @@ def in_process(args, res: dict) -> None:
             log(f"greedy, {a} vs {b}: {res[f'{a}_vs_{b}_prompts_equal']} of 64 prompts equal")
 
 
+def other_paths(args, res: dict) -> None:
+    """The default configuration's other paths: temperature sampling (on the device,
+    overlapped), top-p (the portable sampler, not overlapped), and speculative decoding,
+    whose verify steps run several rows per request through the attention kernel: how
+    many greedy outputs equal those without it."""
+    prompts = [f"{', '.join(str(k % 7) for k in range(i, i + 24))}," for i in range(8)]
+    greedy = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
+    e = engine(args, "bfloat16")
+    try:
+        for name, extra in (("t08", {}), ("t08_top_p", {"top_p": 0.9})):
+            params = {"temperature": 0.8, "max_new_tokens": 32, "ignore_eos": True, **extra}
+            outs = e.generate(prompts, [params] * len(prompts))
+            res[f"sampled_{name}_complete"] = all(len(o["output_ids"]) == 32 for o in outs)
+        want = [o["output_ids"] for o in e.generate(prompts, [greedy] * len(prompts))]
+    finally:
+        e.shutdown()
+    e = engine(args, "bfloat16", speculative_algorithm="NGRAM")
+    try:
+        got = e.generate(prompts, [greedy] * len(prompts))
+    finally:
+        e.shutdown()
+    res["spec_vs_plain_prompts_equal"] = sum(o["output_ids"] == w for o, w in zip(got, want))
+    res["spec_accepted_tokens"] = sum(
+        (o["meta_info"].get("spec_accepted_tokens") or 0) for o in got
+    )
+    log(f"sampling and speculative decoding: {res}")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -312,7 +340,7 @@ def main() -> int:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=2)
 
-    steps = [in_process] + ([] if args.skip_served else [served])
+    steps = [in_process, other_paths] + ([] if args.skip_served else [served])
     steps += [cpu_agreement] if args.cpu_check else []
     for step in steps:
         try:
