@@ -302,8 +302,12 @@ def test_a_slow_grpc_reader_gets_merged_messages(zero_cost_server):
     )
     assert messages[-1].finished
     assert "".join(m.text for m in messages) == whole.text
-    assert json.loads(messages[-1].meta_info["completion_tokens"]) == tokens
-    assert len(messages) < tokens // 2, len(messages)
+    counts = [json.loads(m.meta_info["completion_tokens"]) for m in messages]
+    assert counts[-1] == tokens
+    # How many messages depends on how fast a busy machine makes tokens against the reader's
+    # pace; that tokens which waited went out together does not.
+    steps = [b - a for a, b in zip([0, *counts], counts)]
+    assert max(steps) > 1 and len(messages) < tokens, steps
 
 
 def test_a_reader_that_keeps_up_gets_one_message_per_token(zero_cost_server):
