@@ -92,6 +92,15 @@ class Grammar(ABC):
         answers False."""
         return False
 
+    supports_rollback: bool = False
+    """`rollback` works: speculative decoding may then draft for the request (a draft is cut
+    at its first token the grammar forbids, and a verify step advances the grammar through
+    the tokens it accepts, then steps back)."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last `num_tokens` accepted tokens."""
+        raise NotImplementedError(f"{type(self).__name__} cannot roll back")
+
 
 class GrammarBackend(ABC):
     """A grammar engine bound to one model's vocabulary.

@@ -59,6 +59,12 @@ class XGrammarGrammar(Grammar):
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    supports_rollback = True  # matchers are made with no bound on rollback
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
     def allows_nothing(self) -> bool:
         bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
         self.matcher.fill_next_token_bitmask(bitmask)

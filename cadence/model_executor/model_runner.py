@@ -602,6 +602,17 @@ def _verify_drafts(
     after the last draft) ends the item's step. What each request outputs is therefore
     exactly what it would without speculation; drafts only decide how many tokens a step
     gives. Rows of all items at the same depth are sampled together."""
+    advanced: dict[int, int] = {}  # item -> tokens its grammar accepted here (undone at the end)
+    try:
+        _verify_rows(results, items, drafted, logits, advanced)
+    finally:
+        for i, n in advanced.items():
+            items[i].sampling.grammar.rollback(n)
+
+
+def _verify_rows(results, items, drafted, logits, advanced: dict[int, int]) -> None:
+    """`_verify_drafts`' rows, depth by depth. A request with a grammar samples row j + 1 with
+    its grammar advanced through the accepted draft tokens before it (`advanced` counts them)."""
     depth = 0
     active = drafted
     while active:
@@ -609,6 +620,7 @@ def _verify_drafts(
             (i, row)
             for i, row in active
             if _last(results[i]).next_id == items[i].token_ids[1 + depth]
+            and _advance(items[i], items[i].token_ids[1 + depth], advanced, i)
         ]
         if not going:
             return
@@ -627,6 +639,18 @@ def _verify_drafts(
             results[i].more.append(result)
             if depth < items[i].num_draft:
                 active.append((i, row))
+
+
+def _advance(item: BatchItem, token: int, advanced: dict[int, int], i: int) -> bool:
+    """Moves the item's grammar (if any) past accepted draft token `token`; False when the
+    grammar refuses it (the draft stops there)."""
+    grammar = item.sampling.grammar
+    if grammar is None:
+        return True
+    if grammar.is_terminated() or not grammar.accept(token):
+        return False
+    advanced[i] = advanced.get(i, 0) + 1
+    return True
 
 
 def _last(result: ItemResult) -> ItemResult:

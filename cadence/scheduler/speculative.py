@@ -9,9 +9,13 @@ the request already had reserved (a draft never goes past what admission promise
 overwritten as the request goes on; `num_computed` counts only verified tokens, so neither
 the prefix cache nor a later step ever reads a rejected token's KV.
 
-Requests that do not draft: those with a grammar, a logit processor, hidden states or a
-min_new_tokens still to reach (their sampling depends on state the row-by-row verifier does
-not advance), and those whose drafts have been failing (`DraftPace` backs off). A step
+A request with a grammar drafts when its grammar can roll back: its draft is cut at the
+first token the grammar forbids (`grammar_allowed`), and the verifier advances the grammar
+through each accepted token before it samples the next row, then steps it back for the
+scheduler to accept them as usual. Requests that do not draft: those with a grammar that
+cannot roll back, a logit processor, hidden states or a min_new_tokens still to reach
+(their sampling depends on state the row-by-row verifier does not advance), and those whose
+drafts have been failing (`DraftPace` backs off). A step
 verifies at most `budget` drafted tokens in all, so long drafts never make one step much
 larger than a prefill chunk.
 """
@@ -195,6 +199,8 @@ class Speculation:
                 if pace.drafting():
                     room = req.total_tokens_needed(self.context_len) - req.seq_len
                     draft = self.drafter.draft(req.fill_ids, min(pace.length, room))
+                    if draft and req.grammar is not None:
+                        draft = grammar_allowed(req.grammar, draft)
             found.append(draft)
         if not any(found):
             return found
@@ -248,7 +254,7 @@ class Speculation:
     @staticmethod
     def _may_draft(req: Req, suppressed) -> bool:
         return (
-            req.grammar is None
+            (req.grammar is None or req.grammar.supports_rollback)
             and req.logit_processor is None
             and not req.return_hidden_states
             and suppressed(req) is None
@@ -285,3 +291,15 @@ class Speculation:
 
     def flush(self) -> None:
         self.drafter.clear()
+
+
+def grammar_allowed(grammar, draft: list[int]) -> list[int]:
+    """The longest prefix of `draft` that `grammar` allows from where it is (a forbidden
+    token ends the draft; so does the grammar's end); the grammar is left where it was."""
+    taken = 0
+    for token in draft:
+        if grammar.is_terminated() or not grammar.accept(token):
+            break
+        taken += 1
+    grammar.rollback(taken)
+    return draft[:taken]

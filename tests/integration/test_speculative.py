@@ -160,6 +160,24 @@ def test_structured_output_and_n_above_one_keep_working(spec_engine, engine):
     assert_clean(spec_engine)
 
 
+def test_constrained_requests_draft_within_their_grammar(spec_engine, engine):
+    """A request with a grammar drafts too: drafts are cut where the grammar forbids a token,
+    the verifier advances the grammar through what it accepts, and the output is the one
+    without speculation (SGLang crashes here: sglang#17576)."""
+    line = "the cat sat on the mat. "
+    params = dict(GREEDY, max_new_tokens=64, regex=f"({line})+[a-z ]*")
+    prompt = f"Repeat forever: {line * 3}"
+    got, want = spec_engine.generate(prompt, params), engine.generate(prompt, params)
+    assert got["text"] == want["text"] and got["text"].startswith(line * 2)
+    meta = got["meta_info"]
+    assert meta["spec_verify_ct"] > 0 and meta["spec_accepted_tokens"] > 0, meta
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    params = dict(GREEDY, max_new_tokens=48, json_schema=__import__("json").dumps(schema))
+    prompt = 'Answer with {"a": "<the sentence>"} for the sentence: ' + line * 2
+    assert spec_engine.generate(prompt, params)["text"] == engine.generate(prompt, params)["text"]
+    assert_clean(spec_engine)
+
+
 async def test_an_abort_in_the_middle_leaves_nothing(spec_engine):
     prompt = "Copy the following text twice.\n" + SNIPPETS[2] * 3
     endless = {"temperature": 0.0, "max_new_tokens": 400, "ignore_eos": True}

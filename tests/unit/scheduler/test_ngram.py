@@ -148,3 +148,38 @@ def test_the_recent_window_keeps_its_sums_as_old_steps_leave():
         stats.add(2, 1)
     assert (stats.recent_proposed, stats.recent_accepted) == (2 * RECENT_VERIFIES, RECENT_VERIFIES)
     assert stats.prior == 0.5 and stats.verify_steps == 2 * RECENT_VERIFIES
+
+
+class RollbackGrammar:
+    """Allows the tokens of `allowed`, ends after `length`; rolls back."""
+
+    supports_rollback = True
+
+    def __init__(self, allowed: set[int], length: int = 100):
+        self.allowed, self.length = allowed, length
+        self.accepted: list[int] = []
+
+    def accept(self, token):
+        if token not in self.allowed:
+            return False
+        self.accepted.append(token)
+        return True
+
+    def is_terminated(self):
+        return len(self.accepted) >= self.length
+
+    def rollback(self, n):
+        del self.accepted[len(self.accepted) - n :]
+
+
+def test_a_draft_token_the_grammar_forbids_ends_the_draft():
+    from cadence.scheduler.speculative import grammar_allowed
+
+    g = RollbackGrammar({1, 2, 3})
+    g.accepted = [7]  # where the request is
+    assert grammar_allowed(g, [1, 2, 9, 3]) == [1, 2]
+    assert g.accepted == [7]  # left where it was
+    assert grammar_allowed(g, [9, 1]) == []
+    # The grammar's end ends the draft too.
+    g = RollbackGrammar({1, 2, 3}, length=2)
+    assert grammar_allowed(g, [1, 2, 3]) == [1, 2] and g.accepted == []
