@@ -45,6 +45,8 @@ class DecodeGraphs:
     runs from a graph when it is a plain decode (one token per request) of at most
     `max_batch_size` requests; anything else runs eagerly."""
 
+    WARMUPS = 2  # eager forwards of each bucket before its capture
+
     def __init__(
         self,
         model,
@@ -116,7 +118,7 @@ class DecodeGraphs:
         with self._capture_stream() as stream:
             for bs in reversed(self.buckets):
                 batch = self._batch(bs)
-                for _ in range(2):  # compiles the kernels and settles the allocator
+                for _ in range(self.WARMUPS):  # compiles the kernels, settles the allocator
                     self._forward(batch)
                 self._graphs[bs], self._logits[bs] = self._capture_one(batch, stream)
         logger.info(

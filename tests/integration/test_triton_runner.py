@@ -114,10 +114,23 @@ def checkpoint(tmp_path_factory):
     return str(path)
 
 
-def _runner(platform, checkpoint, monkeypatch):
-    monkeypatch.setattr(runner_module, "get_current_platform", lambda: platform)
-    args = ServerArgs(dtype="float32", max_total_tokens=512, page_size=4, skip_warmup=True)
-    return runner_module.ModelRunner(args, checkpoint)
+@pytest.fixture(scope="module")
+def runners(checkpoint):
+    """One model runner per platform class, made once for the module (each test prefills
+    the positions it reads before reading them, so they share the pools)."""
+    made = {}
+
+    def get(platform):
+        if platform not in made:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(runner_module, "get_current_platform", platform)
+                args = ServerArgs(
+                    dtype="float32", max_total_tokens=512, page_size=4, skip_warmup=True
+                )
+                made[platform] = runner_module.ModelRunner(args, checkpoint)
+        return made[platform]
+
+    return get
 
 
 def _steps():
@@ -146,9 +159,8 @@ def _logits(runner, is_decode, items):
     return runner._forward_extend(items, {})
 
 
-def test_triton_layers_compute_the_torch_layers_logits(checkpoint, monkeypatch):
-    ours = _runner(TritonOnCpu(), checkpoint, monkeypatch)
-    ref = _runner(PlainCpu(), checkpoint, monkeypatch)
+def test_triton_layers_compute_the_torch_layers_logits(runners):
+    ours, ref = runners(TritonOnCpu), runners(PlainCpu)
     assert type(ours.attn).__name__ == "TritonBackend" and ours.kv_pool.scratch_page is None
     for is_decode, items in _steps():
         got = _logits(ours, is_decode, items)
@@ -167,6 +179,7 @@ class ReplayedEagerly:
         from cadence.platforms.cuda_graph import DecodeGraphs
 
         class Graphs(DecodeGraphs):
+            WARMUPS = 0  # nothing to compile or settle here
             replays: list[int] = []
 
             @contextlib.contextmanager
@@ -200,9 +213,8 @@ class GraphsOnCpu(TritonOnCpu):
         return ReplayedEagerly.make(model_runner)
 
 
-def test_decode_graphs_pad_batches_into_the_scratch_page(checkpoint, monkeypatch):
-    ours = _runner(GraphsOnCpu(), checkpoint, monkeypatch)
-    ref = _runner(PlainCpu(), checkpoint, monkeypatch)
+def test_decode_graphs_pad_batches_into_the_scratch_page(runners):
+    ours, ref = runners(GraphsOnCpu), runners(PlainCpu)
     graphs = ours.graphs
     assert graphs.buckets == [1, 2, 4] and ours.kv_pool.scratch_page == 128
     # Three requests decode in a bucket of 4, then two in a bucket of 2, then one alone.
@@ -226,10 +238,10 @@ def test_decode_graphs_pad_batches_into_the_scratch_page(checkpoint, monkeypatch
 
 
 @pytest.mark.parametrize("platform", [TritonOnCpu, GraphsOnCpu], ids=["eager", "graphs"])
-def test_future_rows_read_the_previous_launchs_tokens(checkpoint, monkeypatch, platform):
+def test_future_rows_read_the_previous_launchs_tokens(runners, platform):
     """Overlap scheduling's input tokens: an item naming row r of the previous launch gets
     the token that launch left at `future_ids[r]`, in the eager path and in the graph."""
-    runner = _runner(platform(), checkpoint, monkeypatch)
+    runner = runners(platform)
     pages = {"a": [9, 2, 40], "b": [17, 5]}
     prompt = {"a": [1, 2, 3, 4, 5], "b": [8, 9, 10]}
     _logits(runner, False, [BatchItem(r, i, prompt[r], 0, pages[r]) for i, r in enumerate("ab")])
