@@ -156,10 +156,13 @@ async def test_fifty_schemas_validate_and_unconstrained_mostly_do_not(structured
         base_url=structured_server.url + "/v1", api_key="unused", max_retries=0, timeout=300
     ) as aclient:
         constrained = await asyncio.gather(*(ask(aclient, i, s) for i, s in enumerate(cases)))
-        free = await asyncio.gather(*(ask(aclient, i, None) for i in range(len(cases))))
+        # Unconstrained, ten of them (each object name once, the kinds of schema in turn):
+        # what the constraint changed.
+        sample = [5 * k + k % 5 for k in range(len(cases) // 5)]
+        free = await asyncio.gather(*(ask(aclient, i, None) for i in sample))
     bad = [(s, t) for s, t in zip(cases, constrained) if not is_valid(t, s)]
     assert not bad, f"{len(bad)} answers do not validate, e.g. {bad[0][1]!r}"
-    assert sum(is_valid(t, s) for s, t in zip(cases, free)) <= 10, free[:3]
+    assert sum(is_valid(t, cases[i]) for i, t in zip(sample, free)) <= len(free) // 5, free[:3]
     assert is_idle(structured_server.wait_idle())
 
 
