@@ -19,6 +19,10 @@ pytest.importorskip("triton", reason="triton is not installed on this machine")
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the Triton layers run on the CPU only interpreted", allow_module_level=True)
 
+from cadence.layers.attention import TorchNativeBackend  # noqa: E402
+from cadence.layers.layer_ops import LayerOps  # noqa: E402
+from cadence.layers.linear import Linear  # noqa: E402
+from cadence.layers.triton_layers import TritonBackend, TritonOps  # noqa: E402
 from cadence.model_executor import model_runner as runner_module  # noqa: E402
 from cadence.model_executor.runner import BatchItem  # noqa: E402
 from cadence.platforms.cpu import CpuPlatform  # noqa: E402
@@ -27,44 +31,32 @@ from cadence.server_args import ServerArgs  # noqa: E402
 HIDDEN, HEADS, KV_HEADS, LAYERS, VOCAB, INTER = 64, 4, 2, 2, 96, 80
 
 
-class TritonOnCpu(CpuPlatform):
-    """The CPU platform with the CUDA platform's Triton layers and scratch-page pool."""
+class _CpuWith(CpuPlatform):
+    """The CPU platform with the given attention backend and layer ops, and plain
+    projections (no CPU kernels)."""
+
+    backend: type = TorchNativeBackend
+    ops: type = LayerOps
+
+    def make_attention_backend(self, kv_pool, num_heads, num_kv_heads, head_dim):
+        return self.backend(kv_pool, num_heads, num_kv_heads, head_dim)
+
+    def make_layer_ops(self):
+        return self.ops()
+
+    def make_linear(self, weight, bias=None):
+        return Linear(weight, bias)
+
+
+class TritonOnCpu(_CpuWith):
+    """The CUDA platform's Triton layers, interpreted."""
 
     name = "triton-on-cpu"
-
-    def make_attention_backend(self, kv_pool, num_heads, num_kv_heads, head_dim):
-        from cadence.layers.triton_layers import TritonBackend
-
-        return TritonBackend(kv_pool, num_heads, num_kv_heads, head_dim)
-
-    def make_layer_ops(self):
-        from cadence.layers.triton_layers import TritonOps
-
-        return TritonOps()
-
-    def make_linear(self, weight, bias=None):
-        from cadence.layers.linear import Linear
-
-        return Linear(weight, bias)
+    backend, ops = TritonBackend, TritonOps
 
 
-class PlainCpu(CpuPlatform):
-    """The portable torch layers (no CPU kernels), the reference."""
-
-    def make_attention_backend(self, kv_pool, num_heads, num_kv_heads, head_dim):
-        from cadence.layers.attention import TorchNativeBackend
-
-        return TorchNativeBackend(kv_pool, num_heads, num_kv_heads, head_dim)
-
-    def make_layer_ops(self):
-        from cadence.layers.layer_ops import LayerOps
-
-        return LayerOps()
-
-    def make_linear(self, weight, bias=None):
-        from cadence.layers.linear import Linear
-
-        return Linear(weight, bias)
+class PlainCpu(_CpuWith):
+    """The portable torch layers, the reference."""
 
 
 @pytest.fixture(scope="module")
