@@ -170,7 +170,13 @@ class ModelRunner(Runner):
         if not self.args.lazy_kv_pool and not self.args.skip_warmup:
             self._commit_step_memory()  # after settling, which returns what a step left
         if self.graphs is not None:
-            self.graphs.capture()  # after the step memory: the graphs' pool comes on top
+            try:
+                self.graphs.capture()  # after the step memory: the graphs' pool comes on top
+            except Exception as e:  # as SGLang: fail the start, saying what to change
+                raise RuntimeError(
+                    f"capturing the decode graphs failed ({type(e).__name__}: {e}); start with "
+                    "--disable-cuda-graph, or a smaller --cuda-graph-max-bs"
+                ) from e
 
     # Inputs of the throwaway steps are at most this long: their attention stays cheap, and
     # what they allocate is the linear layers' activations, which grow with a step's tokens.
