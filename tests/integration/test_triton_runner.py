@@ -245,3 +245,21 @@ def test_future_rows_read_the_previous_launchs_tokens(runners, platform):
         BatchItem("b", 1, [0], 3, pages["b"], future_row=0),
     ]
     torch.testing.assert_close(runner._forward_decode(future, {}), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_capture_stops_the_start_saying_what_to_change(checkpoint):
+    class Failing(GraphsOnCpu):
+        def make_graph_runner(self, model_runner):
+            graphs = super().make_graph_runner(model_runner)
+
+            def capture():
+                raise MemoryError("no room for the graphs")
+
+            graphs.capture = capture
+            return graphs
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner_module, "get_current_platform", Failing)
+        args = ServerArgs(dtype="float32", max_total_tokens=512, page_size=4, skip_warmup=True)
+        with pytest.raises(RuntimeError, match="--disable-cuda-graph.*--cuda-graph-max-bs"):
+            runner_module.ModelRunner(args, checkpoint)
