@@ -83,6 +83,10 @@ def test_the_scheduler_service_reports_accepted_and_drafted_tokens(spec, spec_se
         rpc = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
         [reply] = list(rpc.Generate(request, timeout=60))
         complete = reply.complete
-        assert 0 < complete.spec_accepted_tokens <= complete.spec_draft_tokens
+        # How many of its drafts this one request verified depends on what the server's
+        # cost model measured on a busy machine (its first verify may be all rejected);
+        # that acceptance happens at all is the HTTP test's, and the load's figure below.
+        assert complete.spec_draft_tokens > 0
+        assert 0 <= complete.spec_accepted_tokens <= complete.spec_draft_tokens
         loads = rpc.GetLoads(pb.GetLoadsRequest(), timeout=10)
         assert loads.loads[0].speculative.accept_length > 1
