@@ -67,22 +67,7 @@ def pytest_sessionstart(session):
     )
 
 
-def pytest_collection_finish(session):
-    """The ISA kernel builds start now, in the background, for the ISA tests selected."""
-    isas = [
-        item.callspec.params["isa"]
-        for item in session.items
-        if "test_cpu_kernels_isas" in item.nodeid and hasattr(item, "callspec")
-    ]
-    if isas:
-        from tests import isa_builds
-
-        isa_builds.start(isas)
-
-
 def pytest_unconfigure(config):
-    if "tests.isa_builds" in sys.modules:
-        sys.modules["tests.isa_builds"].stop_all()
     if _watchdog is not None and _watchdog.poll() is None:
         _watchdog.send_signal(signal.SIGTERM)
         _watchdog.wait()
