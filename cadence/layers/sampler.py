@@ -116,7 +116,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingInput]) -> None:
 def _apply_bias_and_masks(logits: torch.Tensor, rows: list[SamplingInput]) -> None:
     for i, r in enumerate(rows):
         if r.params.logit_bias:
-            ids = torch.tensor(list(r.params.logit_bias.keys()), dtype=torch.int64)
+            ids = torch.tensor(
+                list(r.params.logit_bias.keys()), dtype=torch.int64, device=logits.device
+            )
             bias = torch.tensor(list(r.params.logit_bias.values()), dtype=torch.float64)
             logits[i, ids] += bias.clamp(-LOGIT_LIMIT, LOGIT_LIMIT).to(logits.device, logits.dtype)
         if r.suppress_ids and r.grammar is None:  # with a grammar: see _apply_grammars

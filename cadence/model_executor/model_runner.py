@@ -484,6 +484,7 @@ class ModelRunner(Runner):
             prefix_lens=[0] * len(items),
             seq_page_rows=[None] * len(items),
             logits_indices=rows.to(dev),
+            page_table=self._page_table(items, lens) if self.attn.needs_page_table else None,
         )
         hidden = self.model(batch).float()
         if self.pooling.mode in ("last", "cls"):

@@ -263,3 +263,12 @@ def test_a_failed_capture_stops_the_start_saying_what_to_change(checkpoint):
         args = ServerArgs(dtype="float32", max_total_tokens=512, page_size=4, skip_warmup=True)
         with pytest.raises(RuntimeError, match="--disable-cuda-graph.*--cuda-graph-max-bs"):
             runner_module.ModelRunner(args, checkpoint)
+
+
+def test_embeddings_of_a_decoder_through_the_triton_layers(runners):
+    from cadence.model_executor.runner import EmbedItem
+
+    items = [EmbedItem("e1", [1, 2, 3, 4, 5], pages=[50, 51]), EmbedItem("e2", [9, 8], pages=[52])]
+    got = runners(TritonOnCpu).embed(items)
+    want = runners(PlainCpu).embed(items)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4)
