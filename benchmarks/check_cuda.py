@@ -58,8 +58,7 @@ def engine(args, dtype: str, **extra):
         dtype=dtype,
         dequantize=not args.no_dequantize,
         max_total_tokens=65536,
-        grammar_backend="none",
-        **extra,
+        **{"grammar_backend": "none", **extra},
     )
 
 
@@ -189,6 +188,67 @@ def other_paths(args, res: dict) -> None:
         (o["meta_info"].get("spec_accepted_tokens") or 0) for o in got
     )
     log(f"sampling and speculative decoding: {res}")
+
+
+FEATURES = {
+    "logprobs": {"return_logprob": True, "top_logprobs_num": 3},
+    "penalties": {"sampling_params": {"frequency_penalty": 0.8, "repetition_penalty": 1.3}},
+    "logit_bias": {"sampling_params": {"logit_bias": {"13": 5.0, "28": -100.0}}},
+    "stop_string": {"sampling_params": {"stop": ["\n\n"], "ignore_eos": False}},
+    "regex": {"sampling_params": {"regex": r"(yes|no), because [a-z ]{5,40}\."}},
+    "json_schema": {
+        "sampling_params": {
+            "json_schema": json.dumps(
+                {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+            )
+        }
+    },
+    "seeded_top_p": {"sampling_params": {"temperature": 0.9, "top_p": 0.8, "seed": 11}},
+    "min_new_tokens": {"sampling_params": {"min_new_tokens": 20, "ignore_eos": False}},
+}
+
+
+def features(args, res: dict) -> None:
+    """Each request feature on the default configuration (graphs and overlap) against eager
+    decode: the same text, and logprobs within 0.05. Anything that reads the host on the
+    way (penalties, bias, grammars, seeds, filters, logprobs) runs through these paths."""
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} Case {i}." for i in range(6)]
+    outs = {}
+    for mode in ("eager", "overlap"):
+        e = engine(args, "bfloat16", grammar_backend="xgrammar", **MODES[mode])
+        try:
+            outs[mode] = {}
+            for name, extra in FEATURES.items():
+                params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+                params.update(extra.get("sampling_params", {}))
+                other = {k: v for k, v in extra.items() if k != "sampling_params"}
+                outs[mode][name] = e.generate(prompts, [params] * len(prompts), **other)
+            emb = engine(args, "bfloat16", is_embedding=True, **MODES[mode])
+            try:
+                outs[mode]["embedding"] = emb.encode(prompts)
+            finally:
+                emb.shutdown()
+        finally:
+            e.shutdown()
+    for name in FEATURES:
+        a, b = outs["overlap"][name], outs["eager"][name]
+        same = sum(x["text"] == y["text"] for x, y in zip(a, b))
+        res[f"feature_{name}_equal"] = f"{same}/{len(a)}"
+    lp = [
+        abs(p[0] - q[0])
+        for x, y in zip(outs["overlap"]["logprobs"], outs["eager"]["logprobs"])
+        for p, q in zip(
+            x["meta_info"]["output_token_logprobs"], y["meta_info"]["output_token_logprobs"]
+        )
+    ]
+    res["feature_logprobs_max_diff"] = round(max(lp), 4) if lp else None
+    ea, eb = outs["overlap"]["embedding"], outs["eager"]["embedding"]
+    res["feature_embedding_max_diff"] = round(
+        max(abs(u - v) for x, y in zip(ea, eb) for u, v in zip(x["embedding"], y["embedding"])), 4
+    )
+    log(
+        f"features, graphs+overlap vs eager: { {k: v for k, v in res.items() if k.startswith('feature_')} }"
+    )
 
 
 def _free_port() -> int:
@@ -340,7 +400,7 @@ def main() -> int:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=2)
 
-    steps = [in_process, other_paths] + ([] if args.skip_served else [served])
+    steps = [in_process, other_paths, features] + ([] if args.skip_served else [served])
     steps += [cpu_agreement] if args.cpu_check else []
     for step in steps:
         try:
