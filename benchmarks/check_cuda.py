@@ -366,6 +366,11 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-served", action="store_true")
     parser.add_argument("--modes", default="eager,graphs,overlap")
+    parser.add_argument(
+        "--steps",
+        default="in_process,other_paths,features,served,cpu_agreement",
+        help="which parts run (served unless --skip-served, cpu_agreement with --cpu-check)",
+    )
     parser.add_argument("--no-dequantize", action="store_true")
     parser.add_argument("--plot", default=None, help="write a PNG of the tok/s figures")
     parser.add_argument(
@@ -402,6 +407,7 @@ def main() -> int:
 
     steps = [in_process, other_paths, features] + ([] if args.skip_served else [served])
     steps += [cpu_agreement] if args.cpu_check else []
+    steps = [step for step in steps if step.__name__ in args.steps.split(",")]
     for step in steps:
         try:
             step(args, res)

@@ -8,6 +8,7 @@ import logging
 import os
 import time
 
+import numpy as np
 import torch
 
 from cadence.model_loader import gguf_loader
@@ -36,7 +37,12 @@ def _iter_safetensors(path: str, progress: bool):
             from safetensors.torch import load_file as load_torch
 
             arrays = load_torch(file)
-        yield from arrays.items()
+        for name, array in arrays.items():
+            # Where ml_dtypes is installed (it comes with JAX), numpy has a bfloat16 that
+            # torch cannot take: read the same bits as torch's bfloat16.
+            if isinstance(array, np.ndarray) and array.dtype.name == "bfloat16":
+                array = torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+            yield name, array
 
 
 def load_model(
