@@ -426,20 +426,20 @@ class Scheduler:
         wants the next step (no request waits for admission, nothing is paused), then take
         N's tokens, so the host's work on N and on N+1 runs while the device computes."""
         assert self.inflight is not None
-        launched, reqs = self.inflight
-        self.inflight = None
+        _, reqs = self.inflight
+        ahead = None
         if not (self.is_paused or self.waiting or self.chunked or self.embeds.num_waiting):
             ahead = ahead_batch(self.kv, reqs, self.context_len)
-            if ahead is not None:
-                batch, ahead_reqs = ahead
-                self._notify_scheduled(batch)
-                nxt = self.runner.launch(batch)
-                if nxt.results is None:
-                    self.inflight = (nxt, ahead_reqs)
-                else:  # the runner ran it at once: it stays in order after N
-                    self._postprocess(launched.batch, reqs, self.runner.finish(launched))
-                    return self._postprocess(batch, ahead_reqs, nxt.results)
-        self._postprocess(launched.batch, reqs, self.runner.finish(launched))
+        if ahead is None:
+            return self.drain()
+        batch, ahead_reqs = ahead
+        self._notify_scheduled(batch)
+        nxt = self.runner.launch(batch)
+        self.drain()  # N's tokens, while N+1 runs
+        if nxt.results is None:
+            self.inflight = (nxt, ahead_reqs)
+        else:  # the runner ran it at once: applied in order, after N
+            self._postprocess(batch, ahead_reqs, nxt.results)
 
     def drain(self) -> None:
         """Waits for the step in flight, if any, and applies its tokens."""
