@@ -527,6 +527,41 @@ class UpdateWeightFromDiskReqOutput(_ControlMessage, kw_only=True):
     message: str = ""  # why it failed
 
 
+class LoadLoRAAdapterReqInput(_ControlMessage, kw_only=True):
+    """Load a PEFT adapter while serving (SGLang's /load_lora_adapter body)."""
+
+    lora_name: str  # what requests name it by (lora_path, model="base:name")
+    lora_path: str  # its directory: adapter_config.json + adapter_model.safetensors
+    pinned: bool = False  # never evicted to make room for another
+
+
+class UnloadLoRAAdapterReqInput(_ControlMessage, kw_only=True):
+    """Unload an adapter: new requests may no longer name it; its memory is freed once the
+    last request using it ends."""
+
+    lora_name: str
+
+
+class GetLoRAAdaptersReqInput(_ControlMessage, kw_only=True):
+    """The adapters loaded now (a front that does not know a requested name asks)."""
+
+
+class LoRAAdapterInfo(msgspec.Struct, kw_only=True):
+    name: str
+    path: str
+    lora_id: str  # a stable id of (name, path): SGLang's scheduler service names adapters by it
+    rank: int
+    pinned: bool = False
+
+
+class LoRAUpdateOutput(_ControlMessage, kw_only=True):
+    """The answer to a load, an unload or a listing (SGLang's LoRAUpdateOutput and more)."""
+
+    success: bool
+    error_message: str = ""
+    loaded_adapters: list[LoRAAdapterInfo] = msgspec.field(default_factory=list)
+
+
 # -- the codec -----------------------------------------------------------------------------
 
 Message = (
@@ -553,6 +588,10 @@ Message = (
     | OpenSessionReqOutput
     | CloseSessionReqInput
     | CloseSessionReqOutput
+    | LoadLoRAAdapterReqInput
+    | UnloadLoRAAdapterReqInput
+    | GetLoRAAdaptersReqInput
+    | LoRAUpdateOutput
 )
 MESSAGE_TYPES: tuple[type, ...] = typing.get_args(Message)
 
@@ -564,6 +603,9 @@ REPLY_TYPES: dict[type, type] = {
     UpdateWeightFromDiskReqInput: UpdateWeightFromDiskReqOutput,
     OpenSessionReqInput: OpenSessionReqOutput,
     CloseSessionReqInput: CloseSessionReqOutput,
+    LoadLoRAAdapterReqInput: LoRAUpdateOutput,
+    UnloadLoRAAdapterReqInput: LoRAUpdateOutput,
+    GetLoRAAdaptersReqInput: LoRAUpdateOutput,
 }
 
 _encoder = msgspec.msgpack.Encoder()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -435,6 +436,122 @@ class SpeculativeArgs:
             raise ValueError("speculative_ngram_capacity must be ≥ 0")
 
 
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LORA_FUSED_NAMES = {  # SGLang also accepts the fused names
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def parse_lora_path(entry: Any) -> tuple[str, str, bool]:
+    """One --lora-paths entry as (name, path, pinned): `PATH` (named by itself),
+    `NAME=PATH`, or the JSON object {"lora_name", "lora_path", "pinned"} (SGLang's forms)."""
+    if isinstance(entry, dict):
+        obj = entry
+    elif isinstance(entry, str) and entry.strip().startswith("{") and entry.strip().endswith("}"):
+        try:
+            obj = json.loads(entry)
+        except ValueError as e:
+            raise ValueError(f"lora_paths: {entry!r} is not valid JSON: {e}") from None
+    elif isinstance(entry, str) and entry:
+        name, sep, path = entry.partition("=")
+        return (name, path, False) if sep else (entry, entry, False)
+    else:
+        raise ValueError(
+            f"lora_paths: each entry is NAME=PATH, PATH or a JSON object, got {entry!r}"
+        )
+    if not isinstance(obj, dict) or not {"lora_name", "lora_path"} <= set(obj):
+        raise ValueError(f"lora_paths: a JSON entry needs lora_name and lora_path, got {entry!r}")
+    return str(obj["lora_name"]), str(obj["lora_path"]), bool(obj.get("pinned", False))
+
+
+@dataclass(frozen=True)
+class LoraArgs:
+    """LoRA adapters: many PEFT adapters over one base model, mixed in one batch."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters (set by itself when --lora-paths is given)."""
+    lora_paths: tuple[str, ...] | None = None
+    """Adapters loaded at start: NAME=PATH, PATH (named by itself) or a JSON object {"lora_name": ..., "lora_path": ..., "pinned": true}; a PEFT directory each."""
+    max_loras_per_batch: int = 8
+    """Most distinct adapters in one forward step, the base model counted as one (SGLang's meaning)."""
+    max_loaded_loras: int | None = None
+    """Most adapters held in memory at once; loading one more evicts an unpinned adapter no request uses (--lora-eviction-policy). Default: no limit."""
+    max_lora_rank: int | None = None
+    """Largest adapter rank accepted (loads above it are refused). Default: the largest rank among --lora-paths; required without them."""
+    lora_target_modules: tuple[str, ...] | None = None
+    """Modules an adapter may target (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, qkv_proj, gate_up_proj, or all). Default: those of --lora-paths' adapters; required without them."""
+    lora_eviction_policy: str = "lru"
+    """Which adapter gives way when --max-loaded-loras is reached: lru (least recently used) or fifo (first loaded)."""
+
+    def __post_init__(self) -> None:
+        paths = self.lora_paths
+        if isinstance(paths, (str, dict)):
+            paths = [paths]
+        if paths is not None:
+            entries = [parse_lora_path(p) for p in paths]
+            names = [name for name, _, _ in entries]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"lora_paths: the name(s) {dup} are given twice")
+            canonical = tuple(
+                json.dumps({"lora_name": n, "lora_path": p, "pinned": True}) if pin else f"{n}={p}"
+                for n, p, pin in entries
+            )
+            object.__setattr__(self, "lora_paths", canonical)
+            if entries:
+                object.__setattr__(self, "enable_lora", True)
+        if self.lora_target_modules is not None:
+            object.__setattr__(self, "lora_target_modules", _lora_modules(self.lora_target_modules))
+        _at_least_one(self, "max_loras_per_batch")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank must be ≥ 1")
+        if self.lora_eviction_policy not in ("lru", "fifo"):
+            raise ValueError(
+                f"lora_eviction_policy must be lru or fifo, got {self.lora_eviction_policy!r}"
+            )
+        num_paths = len(self.lora_paths or ())
+        if self.max_loaded_loras is not None and self.max_loaded_loras < max(1, num_paths):
+            raise ValueError(
+                f"max_loaded_loras ({self.max_loaded_loras}) must be ≥ 1 and ≥ the number of "
+                f"lora_paths ({num_paths})"
+            )
+        if (
+            self.enable_lora
+            and not num_paths
+            and (self.max_lora_rank is None or self.lora_target_modules is None)
+        ):
+            raise ValueError(
+                "enable_lora without lora_paths: give --max-lora-rank and --lora-target-modules "
+                "(the limits adapters loaded later must fit)"
+            )
+
+    @property
+    def lora_entries(self) -> list[tuple[str, str, bool]]:
+        """--lora-paths as (name, path, pinned)."""
+        return [parse_lora_path(p) for p in self.lora_paths or ()]
+
+
+def _lora_modules(value: Any) -> tuple[str, ...]:
+    names = [value] if isinstance(value, str) else list(value)
+    if "all" in names:
+        if len(names) > 1:
+            raise ValueError("lora_target_modules: 'all' must be given alone")
+        return LORA_TARGET_MODULES
+    out: list[str] = []
+    for name in names:
+        parts = _LORA_FUSED_NAMES.get(name, (name,))
+        for part in parts:
+            if part not in LORA_TARGET_MODULES:
+                raise ValueError(
+                    f"lora_target_modules: {name!r} cannot be served (choose from "
+                    f"{', '.join(LORA_TARGET_MODULES)}, qkv_proj, gate_up_proj or all)"
+                )
+            if part not in out:
+                out.append(part)
+    return tuple(out)
+
+
 GROUPS: dict[str, type] = {
     "model": ModelArgs,
     "scheduler": SchedulerArgs,
@@ -444,6 +561,7 @@ GROUPS: dict[str, type] = {
     "runtime": RuntimeArgs,
     "stages": PipelineArgs,
     "speculative": SpeculativeArgs,
+    "lora": LoraArgs,
 }
 # flat field (and property) name -> the group that holds it
 _GROUP_OF: dict[str, str] = {
@@ -482,6 +600,7 @@ class ServerArgs(metaclass=_FlatDefaults):
     runtime: RuntimeArgs
     stages: PipelineArgs
     speculative: SpeculativeArgs
+    lora: LoraArgs
     GROUPS: ClassVar[dict[str, type]] = GROUPS
 
     def __init__(self, **flat: Any) -> None:
@@ -597,6 +716,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                 kwargs = {"choices": DTYPES}
             elif f.name == "schedule_policy":
                 kwargs = {"choices": ("lpm", "fcfs")}
+            elif f.name in ("lora_paths", "lora_target_modules"):
+                kwargs = {"nargs": "*"}
+            elif f.name == "lora_eviction_policy":
+                kwargs = {"choices": ("lru", "fifo")}
             section.add_argument(flag, type=conv, default=f.default, help=help_text, **kwargs)
 
 

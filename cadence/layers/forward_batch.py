@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cadence.layers.lora import LoraBatch
+
 
 @dataclass
 class ForwardBatch:
@@ -46,6 +48,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = (
         None  # [num_logit_rows] int64 rows of the flat tokens to project
     )
+    lora: LoraBatch | None = None  # the adapters of the step's requests; None: no request has one
 
     @property
     def batch_size(self) -> int:

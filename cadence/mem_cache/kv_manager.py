@@ -41,6 +41,7 @@ class KVHandle:
     num_reserved: int  # pages promised at admission: held plus those it may still grow into
     node: CacheNode | None = None  # the prefix-cache node it keeps locked (its cached prefix)
     num_cached_tokens: int = 0  # leading tokens whose KV came from the cache at admission
+    namespace: int | None = None  # whose KV (a LoRA adapter's uid; None: the base model's)
 
     @property
     def num_promised(self) -> int:
@@ -107,20 +108,22 @@ class KVManager:
         holds until it changes."""
         return self._cache.version
 
-    def match_len(self, prefix: list[int]) -> int:
+    def match_len(self, prefix: list[int], namespace: int | None = None) -> int:
         """Pages of `prefix` (the tokens that may come from the cache) cached now."""
         if not prefix or not self.is_caching:
             return 0
-        return len(self._cache.match_prefix(prefix)[0])
+        return len(self._cache.match_prefix(prefix, namespace)[0])
 
     # ---- requests ------------------------------------------------------------------------
 
-    def admit(self, prefix: list[int], num_tokens: int) -> KVHandle | None:
+    def admit(
+        self, prefix: list[int], num_tokens: int, namespace: int | None = None
+    ) -> KVHandle | None:
         """Takes the cached pages of `prefix` (the leading tokens that may come from the
         cache, whole pages), locks their node, and reserves the pages of everything else up
         to `num_tokens` (all the request can ever hold), evicting unlocked cache as needed.
         None, with nothing changed, when the pool cannot promise that many pages now."""
-        pages, node = self._cache.match_prefix(prefix) if prefix else ([], None)
+        pages, node = self._cache.match_prefix(prefix, namespace) if prefix else ([], None)
         num_reserved = max(self.pages_for(num_tokens), len(pages))
         need = num_reserved - len(pages)
         self._cache.lock(node)  # before counting: its pages are not evictable any more
@@ -132,7 +135,7 @@ class KVManager:
             self._cache.evict(need - free)
         if pages:
             self._allocator.incref(pages)
-        handle = KVHandle(list(pages), num_reserved, node, len(pages) * self.page_size)
+        handle = KVHandle(list(pages), num_reserved, node, len(pages) * self.page_size, namespace)
         self._num_promised += need
         self._handles.add(handle)
         return handle
@@ -165,12 +168,12 @@ class KVManager:
         if num == 0 or not self.is_caching:
             return
         tokens = tokens[: num * self.page_size]
-        node = self._cache.insert(tokens, handle.pages[:num])
+        node = self._cache.insert(tokens, handle.pages[:num], handle.namespace)
         if node is not handle.node:
             self._cache.lock(node)
             self._cache.unlock(handle.node)
             handle.node = node
-        cached, _ = self._cache.match_prefix(tokens)
+        cached, _ = self._cache.match_prefix(tokens, handle.namespace)
         dup = [i for i, page in enumerate(cached) if handle.pages[i] != page]
         if dup:
             self._allocator.incref([cached[i] for i in dup])

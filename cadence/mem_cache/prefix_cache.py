@@ -51,14 +51,20 @@ class PrefixCache(ABC):
     version: int = 0  # grows whenever the cached content changes (insert, evict, reset)
 
     @abstractmethod
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], Node | None]:
+    def match_prefix(
+        self, tokens: list[int], namespace: int | None = None
+    ) -> tuple[list[int], Node | None]:
         """The pages of the longest cached whole-page prefix of `tokens`, and the node that
-        ends it (None when nothing matched). Marks the path as used (LRU)."""
+        ends it (None when nothing matched). Marks the path as used (LRU). KV computed in one
+        `namespace` (a LoRA adapter's; None: the base model's) is never matched in another."""
 
     @abstractmethod
-    def insert(self, tokens: list[int], pages: list[int]) -> Node | None:
-        """Stores the whole pages of `tokens` (len(tokens) == len(pages) * page_size); takes
-        a hold on each page it did not have. Returns the node that ends the prefix."""
+    def insert(
+        self, tokens: list[int], pages: list[int], namespace: int | None = None
+    ) -> Node | None:
+        """Stores the whole pages of `tokens` (len(tokens) == len(pages) * page_size) in
+        `namespace`; takes a hold on each page it did not have. Returns the node that ends
+        the prefix."""
 
     @abstractmethod
     def lock(self, node: Node | None) -> None:
@@ -95,10 +101,10 @@ class NoPrefixCache(PrefixCache):
     def __init__(self, page_size: int):
         self.page_size = page_size
 
-    def match_prefix(self, tokens):
+    def match_prefix(self, tokens, namespace=None):
         return [], None
 
-    def insert(self, tokens, pages):
+    def insert(self, tokens, pages, namespace=None):
         return None
 
     def lock(self, node):
@@ -135,6 +141,9 @@ class RadixCache(PrefixCache):
         self.page_size = allocator.page_size
         self.root = Node()
         self.root.lock_ref = 1  # never evicted
+        # One tree per namespace (a LoRA adapter's KV differs from the base model's for the
+        # same tokens); a root has no parent, as a node out of the tree has none.
+        self._roots: dict[int | None, Node] = {None: self.root}
         self._num_cached = 0  # pages stored in the tree
         self._num_locked = 0  # pages of locked nodes (not evictable)
         self._num_nodes = 0  # nodes in the tree, the root aside
@@ -144,8 +153,12 @@ class RadixCache(PrefixCache):
 
     # ---- lookups ---------------------------------------------------------------------
 
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], Node | None]:
-        node, pages, page = self.root, [], self.page_size
+    def match_prefix(
+        self, tokens: list[int], namespace: int | None = None
+    ) -> tuple[list[int], Node | None]:
+        node, pages, page = self._roots.get(namespace), [], self.page_size
+        if node is None:
+            return [], None
         now = self._next_tick()
         pos = 0
         while pos + page <= len(tokens):
@@ -161,11 +174,16 @@ class RadixCache(PrefixCache):
             node = child
         return pages, (node if pages else None)
 
-    def insert(self, tokens: list[int], pages: list[int]) -> Node | None:
+    def insert(
+        self, tokens: list[int], pages: list[int], namespace: int | None = None
+    ) -> Node | None:
         page = self.page_size
         if len(tokens) != len(pages) * page:
             raise ValueError(f"{len(tokens)} tokens do not fill {len(pages)} whole pages")
-        node, pos, now = self.root, 0, self._next_tick()
+        node = self._roots.get(namespace)
+        if node is None:
+            node = self._roots[namespace] = Node(lock_ref=1)
+        pos, now = 0, self._next_tick()
         while pos < len(tokens):
             first = tuple(tokens[pos : pos + page])
             child = node.children.get(first)
@@ -184,19 +202,19 @@ class RadixCache(PrefixCache):
             child.last_access = now
             pos += len(child.key)
             node = child
-        return node if node is not self.root else None
+        return node if node.parent is not None else None
 
     # ---- holds -------------------------------------------------------------------------
 
     def lock(self, node: Node | None) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             if node.lock_ref == 0:
                 self._num_locked += len(node.pages)
             node.lock_ref += 1
             node = node.parent
 
     def unlock(self, node: Node | None) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError("unlock of a prefix-cache node that is not locked")
             node.lock_ref -= 1
@@ -219,7 +237,7 @@ class RadixCache(PrefixCache):
                 continue
             parent = node.parent
             freed += self._drop(node)
-            if parent is not None and parent is not self.root and self._is_evictable_leaf(parent):
+            if parent is not None and self._is_evictable_leaf(parent):
                 self._push(parent)  # its last child went: it is a leaf now
         return freed
 
@@ -235,7 +253,7 @@ class RadixCache(PrefixCache):
         return self._num_cached - self._num_locked
 
     def nodes(self) -> Iterator[Node]:
-        stack = list(self.root.children.values())
+        stack = [node for root in self._roots.values() for node in root.children.values()]
         while stack:
             node = stack.pop()
             yield node

@@ -11,10 +11,12 @@ import time
 import torch
 
 from cadence.layers.forward_batch import ForwardBatch
+from cadence.layers.lora import LoraBatch
 from cadence.layers.pooler import PoolingConfig, pool
 from cadence.layers.sampler import SamplingInput, sample, sample_on_device, samples_on_device
 from cadence.mem_cache.allocator import KVAllocator
 from cadence.mem_cache.kv_pool import KVPool
+from cadence.model_executor.lora_manager import LoraManager
 from cadence.model_executor.runner import (
     BatchItem,
     EmbedItem,
@@ -108,6 +110,7 @@ class ModelRunner(Runner):
             and not args.disable_cuda_graph
         ):
             self.graphs = self.platform.make_graph_runner(self)
+        self.lora = self._init_lora(args)
         self._weights_loaded()
         if args.random_seed is not None:
             self.platform.seed(args.random_seed)
@@ -119,6 +122,17 @@ class ModelRunner(Runner):
             self.kv_pool_bytes / 2**20,
             "committed" if self.is_kv_pool_committed else "lazy: committed as first written",
         )
+
+    def _init_lora(self, args: ServerArgs) -> LoraManager | None:
+        if not args.enable_lora:
+            return None
+        if not self.is_generation or self.config.architecture != "llama":
+            raise ValueError(
+                "enable_lora: LoRA adapters are served on generation models of the llama "
+                f"family; this one is {self.config.architecture!r}"
+                + ("" if self.is_generation else " served for embeddings")
+            )
+        return LoraManager(args, self.config, self.dtype, self.device)
 
     SHAPE_FIELDS = (
         "vocab_size",
@@ -291,6 +305,13 @@ class ModelRunner(Runner):
         page_t = torch.tensor(pages, dtype=torch.int64)
         return page_t[pos // self.page_size] * self.page_size + pos % self.page_size
 
+    def _lora_batch(self, items: list[BatchItem]) -> LoraBatch | None:
+        """The step's tokens grouped by adapter (None when no item has one)."""
+        if self.lora is None:
+            return None
+        counts = [len(item.token_ids) for item in items]
+        return LoraBatch.build([item.lora for item in items], counts, self.device)
+
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -349,6 +370,7 @@ class ModelRunner(Runner):
             seq_page_rows=seq_pages,
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
             page_table=self._page_table(items, seq_lens) if needs_table else None,
+            lora=self._lora_batch(items),
         )
         if hidden_rows:
             return self._extend_with_hidden(batch, items, logits_idx, hidden_rows, hidden_out)
@@ -384,7 +406,7 @@ class ModelRunner(Runner):
             self.graphs is not None
             and self.graphs.can_run(len(items))
             and all(n == 1 for n in news)
-            and not any(item.return_hidden_states for item in items)
+            and not any(item.return_hidden_states or item.lora for item in items)
         ):
             return self.graphs.run(items)
         seq_lens = [item.start + n for item, n in zip(items, news)]
@@ -447,6 +469,7 @@ class ModelRunner(Runner):
             kv_mask=kv_mask,
             decode_continues=continues,
             query_starts=None if query_starts is None else query_starts.to(dev),
+            lora=self._lora_batch(items),
         )
         hidden = self.model(batch)
         row = 0

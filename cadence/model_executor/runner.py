@@ -44,6 +44,8 @@ class BatchItem:
     # Overlap scheduling: the input token is the one the previous launch sampled at this row
     # (not known on the host yet; token_ids[0] is a placeholder). None: token_ids[0] itself.
     future_row: int | None = None
+    # The LoRA adapter its tokens run with (cadence.layers.lora.LoraWeights); None: the base.
+    lora: Any = None
 
 
 @dataclass
@@ -108,6 +110,8 @@ class Launched:
 
 class Runner(ABC):
     """A model runner as the scheduler sees it."""
+
+    lora: Any = None  # its LoRA adapters (model_executor.lora_manager.LoraManager), if served
 
     context_len: int  # longest sequence served (prompt + output)
     eos_token_ids: tuple[int, ...]  # the model's end-of-sequence tokens

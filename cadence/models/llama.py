@@ -94,15 +94,24 @@ class LlamaDecoderLayer(nn.Module):
             x = ops.rms_norm(residual, self.input_norm, self.eps)
         else:
             x = ops.add_rms_norm_(residual, delta, self.input_norm, self.eps)
+        lora, i = batch.lora, self.layer_id
         qkv = self.qkv(x)  # [T, (H + 2 KVH) * D]
+        if lora is not None:
+            qkv = lora.apply(i, "qkv", x, qkv)
         if qkv.dtype != attn.kv_pool.dtype:
             qkv = qkv.to(attn.kv_pool.dtype)
         # Rotary on q and k (and the softmax scale on q), the K/V store, attention.
         o = attn.forward_qkv(qkv, rope_factors, ops, self.layer_id, batch)
         if o.dtype != residual.dtype:
             o = o.to(residual.dtype)
-        x = ops.add_rms_norm_(residual, self.o(o), self.post_attention_norm, self.eps)
-        return self.down(ops.silu_and_mul(self.gate_up(x)))
+        if lora is None:
+            x = ops.add_rms_norm_(residual, self.o(o), self.post_attention_norm, self.eps)
+            return self.down(ops.silu_and_mul(self.gate_up(x)))
+        x = ops.add_rms_norm_(
+            residual, lora.apply(i, "o", o, self.o(o)), self.post_attention_norm, self.eps
+        )
+        h = ops.silu_and_mul(lora.apply(i, "gate_up", x, self.gate_up(x)))
+        return lora.apply(i, "down", h, self.down(h))
 
 
 class LlamaForCausalLM(nn.Module):

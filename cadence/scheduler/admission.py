@@ -43,6 +43,8 @@ class Admission:
         self.chunk_size = args.chunked_prefill_size  # tokens a round prefills at most
         self.lpm = args.effective_schedule_policy == "lpm"
         self.by_priority = args.enable_priority_scheduling
+        # Distinct adapters (the base model counted as one) one step may mix.
+        self.max_loras = args.max_loras_per_batch if args.enable_lora else None
         self.low_values_first = args.schedule_low_priority_values_first
         # Unpins the least recently active session's KV; True when it unpinned something.
         self.relieve = relieve
@@ -81,21 +83,32 @@ class Admission:
 
     # ---- a round ---------------------------------------------------------------------------
 
-    def take(self, chunked: Req | None, num_running: int) -> list[tuple[Req, int]]:
+    def take(
+        self, chunked: Req | None, num_running: int, loras: set[int | None] | None = None
+    ) -> list[tuple[Req, int]]:
         """This round's prefill: the unfinished chunk first, then waiting requests in
-        admission order while the token budget, --max-running-requests and KV memory allow.
-        Returns each request with the number of its tokens to compute now; only the last one
-        may stop short of its end (the next round's chunk)."""
+        admission order while the token budget, --max-running-requests and KV memory allow,
+        and, with LoRA, while the adapters of the running requests (`loras`, None for the
+        base model) and of the chosen ones stay within --max-loras-per-batch (a request
+        whose adapter would exceed it waits; others may pass it). Returns each request with
+        the number of its tokens to compute now; only the last one may stop short of its
+        end (the next round's chunk)."""
         budget = self.chunk_size
         chosen: list[tuple[Req, int]] = []
         claimed: set[int] = set()  # pages (by chained hash) this round's prefill computes
+        loras = set(loras or ())
         if chunked is not None:
+            loras.add(chunked.lora_uid)
             budget -= self._choose(chunked, budget, chosen, claimed)
         for req in self._order():
             if budget <= 0 or num_running + len(chosen) >= self.max_running:
                 break
             if claimed and self._shares_claimed(req, claimed):
                 continue  # takes the pages another request computes now from the cache next round
+            if self.max_loras is not None and req.lora_uid not in loras:
+                if len(loras) >= self.max_loras:
+                    continue  # its adapter waits for a step with room for one more
+                loras.add(req.lora_uid)
             if not self._admit(req, may_unpin=not (num_running or chosen)):
                 break  # waits for memory; nothing behind it jumps the queue
             budget -= self._choose(req, budget, chosen, claimed)
@@ -126,9 +139,9 @@ class Admission:
         least recently active first, only when nothing runs (`may_unpin`)."""
         prefix = req.fill_ids[: self._match_limit(req)]
         num_tokens = req.total_tokens_needed(self.context_len)
-        handle = self.kv.admit(prefix, num_tokens)
+        handle = self.kv.admit(prefix, num_tokens, req.lora_uid)
         while handle is None and may_unpin and self.relieve():
-            handle = self.kv.admit(prefix, num_tokens)
+            handle = self.kv.admit(prefix, num_tokens, req.lora_uid)
         if handle is None:
             return False
         self.waiting.remove(req)
@@ -158,7 +171,7 @@ class Admission:
         """Cached prefix length of a waiting request, in pages (remembered until the cache
         changes)."""
         if req.match_at != self.kv.cache_version:
-            req.match_len = self.kv.match_len(req.fill_ids[: self._match_limit(req)])
+            req.match_len = self.kv.match_len(req.fill_ids[: self._match_limit(req)], req.lora_uid)
             req.match_at = self.kv.cache_version
         return req.match_len
 
@@ -169,7 +182,8 @@ class Admission:
         ids = req.fill_ids
         while len(hashes) < num_pages:
             k = len(hashes)
-            hashes.append(hash((hashes[-1] if hashes else 0, *ids[k * page : (k + 1) * page])))
+            seed = hashes[-1] if hashes else hash(("lora", req.lora_uid))  # adapters apart
+            hashes.append(hash((seed, *ids[k * page : (k + 1) * page])))
         return hashes[:num_pages]
 
     def _claim(self, req: Req, upto: int, claimed: set[int]) -> None:

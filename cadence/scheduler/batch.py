@@ -25,6 +25,7 @@ def extend_item(kv: KVManager, req: Req, n: int, new_pages: list[int]) -> BatchI
         top_logprobs_num=req.top_logprobs_num,
         token_ids_logprob=req.token_ids_logprob,
         return_hidden_states=req.return_hidden_states,
+        lora=_weights(req),
     )
     if req.wants_input_logprobs:
         # Rows whose logits give the logprob of the following prompt token.
@@ -50,6 +51,7 @@ def decode_item(
         req.pages,
         return_hidden_states=req.return_hidden_states,
         num_draft=len(draft),
+        lora=_weights(req),
     )
 
 
@@ -84,11 +86,18 @@ def ahead_batch(
     items = []
     for row, req, sampling in rows:
         new_pages.extend(kv.grow(req.admitted_kv, req.seq_len + 1))
-        item = BatchItem(req.rid, req.uid, [0], req.seq_len, req.pages, future_row=row)
+        item = BatchItem(
+            req.rid, req.uid, [0], req.seq_len, req.pages, future_row=row, lora=_weights(req)
+        )
         item.sampling = sampling
         items.append(item)
     batch = ScheduleBatch(is_decode=True, items=items, new_pages=new_pages)
     return batch, [req for _, req, _ in rows]
+
+
+def _weights(req: Req):
+    """The LoRA weights `req` runs with; None for the base model."""
+    return None if req.lora is None else req.lora.weights
 
 
 def prepare_sampling(

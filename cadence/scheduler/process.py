@@ -218,4 +218,9 @@ def runtime_facts(scheduler: Scheduler) -> dict:
         "grammar_backend": "none" if scheduler.grammars is None else scheduler.grammars.name,
         # Per type in the model file: how many tensors, and what they are served as.
         "weight_types": served_weight_types(runner.model),
+        # LoRA: whether adapters are served, and those loaded at start.
+        "lora_enabled": runner.lora is not None,
+        "lora_adapters": (
+            [msgspec.structs.asdict(a) for a in runner.lora.describe()] if runner.lora else []
+        ),
     }

@@ -70,6 +70,11 @@ class Req:
     # the sampler masks with it and `Scheduler._apply` advances it by every token.
     grammar: Any = None
     session_params: SessionParams | None = None  # continues a session (see scheduler/sessions.py)
+    lora_name: str | None = None  # the LoRA adapter it asked for; None: the base model
+    # The adapter it holds while it lives (model_executor.lora_manager.LoraAdapter), and
+    # that adapter's uid: its KV namespace in the prefix cache (None: the base model's).
+    lora: Any = None
+    lora_uid: int | None = None
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict[str, Any] | None = None
@@ -248,6 +253,7 @@ def req_from_tokenized(t: TokenizedGenerateReqInput) -> Req:
         return_hidden_states=t.return_hidden_states,
         logit_processor=t.custom_logit_processor,
         session_params=t.session_params,
+        lora_name=t.lora_path,
     )
 
 

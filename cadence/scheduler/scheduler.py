@@ -44,6 +44,9 @@ from cadence.io_struct import (
     FlushCacheReqOutput,
     GetLoadReqInput,
     GetLoadReqOutput,
+    GetLoRAAdaptersReqInput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
     OpenSessionReqInput,
     OpenSessionReqOutput,
     PauseGenerationReqInput,
@@ -51,10 +54,12 @@ from cadence.io_struct import (
     ProfileReqOutput,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
 )
 from cadence.mem_cache.kv_manager import KVManager
+from cadence.model_executor.lora_manager import NOT_ENABLED as LORA_NOT_ENABLED
 from cadence.model_executor.runner import BatchItem, ItemResult, Launched, Runner, ScheduleBatch
 from cadence.scheduler.admission import Admission
 from cadence.scheduler.batch import ahead_batch, decode_item, extend_item, prepare_sampling
@@ -139,6 +144,9 @@ class Scheduler:
             UpdateWeightFromDiskReqInput: self._on_update_weights,
             OpenSessionReqInput: self._on_open_session,
             CloseSessionReqInput: self._on_close_session,
+            LoadLoRAAdapterReqInput: self._on_load_lora,
+            UnloadLoRAAdapterReqInput: self._on_unload_lora,
+            GetLoRAAdaptersReqInput: self._on_list_lora,
         }
 
     @property
@@ -176,9 +184,10 @@ class Scheduler:
         elif isinstance(msg, TokenizedEmbeddingReqInput | BatchTokenizedEmbeddingReqInput):
             self.outputs.extend(self.embeds.fail_message(msg, e))
         elif type(msg) in REPLY_TYPES:
-            return REPLY_TYPES[type(msg)](
-                success=False, message=f"internal error: {type(e).__name__}: {e}"
-            )
+            why = f"internal error: {type(e).__name__}: {e}"
+            if REPLY_TYPES[type(msg)] is LoRAUpdateOutput:
+                return LoRAUpdateOutput(success=False, error_message=why)
+            return REPLY_TYPES[type(msg)](success=False, message=why)
         return None
 
     def _on_generate(self, msg: TokenizedGenerateReqInput) -> None:
@@ -262,6 +271,29 @@ class Scheduler:
         self.kv.flush()
         return UpdateWeightFromDiskReqOutput(success=True, message=f"loaded weights from {path}")
 
+    def _on_load_lora(self, msg: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        return self._lora_update(lambda lora: lora.load(msg.lora_name, msg.lora_path, msg.pinned))
+
+    def _on_unload_lora(self, msg: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        return self._lora_update(lambda lora: lora.unload(msg.lora_name))
+
+    def _on_list_lora(self, msg: GetLoRAAdaptersReqInput) -> LoRAUpdateOutput:
+        return self._lora_update(lambda lora: None)
+
+    def _lora_update(self, change) -> LoRAUpdateOutput:
+        """A change to the loaded adapters (SGLang's LoRAUpdateOutput): every adapter loaded
+        after it, or why it failed (an unloaded adapter's requests run on to their end)."""
+        lora = self.runner.lora
+        if lora is None:
+            return LoRAUpdateOutput(success=False, error_message=LORA_NOT_ENABLED)
+        try:
+            change(lora)
+        except ValueError as e:
+            return LoRAUpdateOutput(
+                success=False, error_message=str(e), loaded_adapters=lora.describe()
+            )
+        return LoRAUpdateOutput(success=True, loaded_adapters=lora.describe())
+
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(self, req: Req) -> None:
@@ -270,6 +302,8 @@ class Scheduler:
                 req.generator = self.runner.make_generator(req.params.seed)
         except Exception as e:
             return self.fail(req, e, "seeding its random generator")
+        if req.lora_name is not None and not self._take_lora(req):
+            return None
         if req.session_params is not None:
             try:
                 self.sessions.attach(req, req.session_params)
@@ -289,6 +323,22 @@ class Scheduler:
                 return self.fail(req, RuntimeError("no grammar engine runs"), "being admitted")
             return self.grammars.submit(req, key)  # joins the queue once compiled
         self.admission.enqueue(req)
+
+    def _take_lora(self, req: Req) -> bool:
+        """`req` holds its adapter until it ends; False (and it ended, a 400) when that
+        adapter is not loaded (unloaded since the front checked the name)."""
+        try:
+            if self.runner.lora is None:
+                raise KeyError(req.lora_name)
+            req.lora = self.runner.lora.acquire(req.lora_name)
+        except KeyError:
+            why = LORA_NOT_ENABLED if self.runner.lora is None else "it is not loaded"
+            message = f"LoRA adapter {req.lora_name!r} cannot serve this request: {why}"
+            reason = {"type": "abort", "status_code": 400, "param": "lora_path"}
+            self._end(req, {**reason, "message": message})
+            return False
+        req.lora_uid = req.lora.uid
+        return True
 
     def _take_compiled(self, grammars: GrammarQueue) -> None:
         """Requests whose grammar is compiled join the waiting queue with it; one whose
@@ -463,7 +513,8 @@ class Scheduler:
         if self.is_paused:
             return None, []
         new_pages: list[int] = []
-        extend = self.admission.take(self.chunked, len(self.running))
+        loras = {req.lora_uid for req in self.running} if self.runner.lora else None
+        extend = self.admission.take(self.chunked, len(self.running), loras)
         if extend:
             last, n = extend[-1]
             if last.num_computed + n < len(last.fill_ids):
@@ -588,6 +639,9 @@ class Scheduler:
             self.spec.finished(req)
         self.sessions.on_end(req, ok)  # pins what it leaves in the cache before it lets go
         self._release(req)
+        if req.lora is not None:
+            self.runner.lora.release(req.lora)
+            req.lora = None
         self.outputs.append(req.next_output())
 
     # ---- state for /get_load, /v1/loads and tests --------------------------------------------
