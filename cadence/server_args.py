@@ -495,7 +495,9 @@ class LoraArgs:
             if dup:
                 raise ValueError(f"lora_paths: the name(s) {dup} are given twice")
             canonical = tuple(
-                json.dumps({"lora_name": n, "lora_path": p, "pinned": True}) if pin else f"{n}={p}"
+                f"{n}={p}"
+                if not pin and "=" not in n
+                else json.dumps({"lora_name": n, "lora_path": p, "pinned": pin})
                 for n, p, pin in entries
             )
             object.__setattr__(self, "lora_paths", canonical)

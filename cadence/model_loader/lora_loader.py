@@ -98,8 +98,8 @@ def read_adapter_config(path: str, max_rank: int | None = None,
 def _target_modules(file: str, value) -> tuple[str, ...]:
     if value in ("all-linear", "all"):
         return TARGET_MODULES
-    if isinstance(value, str):  # PEFT: a regex over module names
-        names = tuple(m for m in TARGET_MODULES if re.search(value, m))
+    if isinstance(value, str):  # PEFT: a regex the whole module path must match
+        names = tuple(m for m in TARGET_MODULES if _full_match(value, m))
     elif isinstance(value, list) and all(isinstance(m, str) for m in value):
         names = tuple(value)
     else:
@@ -111,6 +111,18 @@ def _target_modules(file: str, value) -> tuple[str, ...]:
             f"(supported: {', '.join(TARGET_MODULES)})"
         )
     return names
+
+
+def _full_match(pattern: str, module: str) -> bool:
+    """Whether PEFT would target `module` of a Llama layer with the regex `pattern`."""
+    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    try:
+        return any(
+            re.fullmatch(pattern, path) is not None
+            for path in (module, f"model.layers.0.{block}.{module}")
+        )
+    except re.error:
+        return False
 
 
 def load_adapter(

@@ -170,12 +170,6 @@ def test_limits_below_one_are_refused(flags, field):
         ServerArgs(lora_paths=["a=/ad/a"], **flags)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server_args.LoraArgs.__post_init__ stores an unpinned entry as f'{name}={path}'; "
-    "a JSON entry whose lora_name holds '=' then reads back (lora_entries / parse_lora_path "
-    "partitions at the first '=') as another name and path",
-)
 def test_a_json_name_with_an_equals_sign_reads_back_unchanged():
     entry = json.dumps({"lora_name": "style=formal", "lora_path": "/ad/f"})
     assert ServerArgs(lora_paths=[entry]).lora_entries == [("style=formal", "/ad/f", False)]
