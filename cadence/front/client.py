@@ -19,6 +19,7 @@ import msgspec
 from cadence.errors import CadenceError, InvalidParameter, RequestError
 from cadence.front.embedding import EmbeddingManager
 from cadence.front.engine_client import EngineClient, ModelInfo
+from cadence.front.lora import LoRARegistry
 from cadence.front.request_book import RequestBook
 from cadence.front.request_checks import (
     RequestOptions,
@@ -34,6 +35,7 @@ from cadence.io_struct import (
     ContinueGenerationReqInput,
     EmbeddingReqInput,
     GenerateReqInput,
+    LoRAUpdateOutput,
     PauseGenerationReqInput,
 )
 
@@ -55,9 +57,18 @@ class FrontClient(EngineClient):
         self.options = options or RequestOptions()
         self.address = address  # where answers for this client go (its `http_worker_ipc`)
         self._send = send
+        # The loaded LoRA adapters; a name it lacks is looked up at the scheduler.
+        self.lora = LoRARegistry(
+            info.lora_enabled,
+            info.lora_adapters,
+            refresh=self.list_lora_adapters,
+            max_loaded=self.options.max_loaded_loras,
+        )
         # Every request in flight, of every kind: one rid registry, budget, deadline and abort.
         self.book = RequestBook(self.send, worker_ipc=address, request_timeout_s=request_timeout_s)
-        self.tm = TokenizerManager(tokenizer, info, self.book, max_pending, self.options)
+        self.tm = TokenizerManager(
+            tokenizer, info, self.book, max_pending, self.options, lora=self.lora
+        )
         self.embeds = EmbeddingManager(
             tokenizer, info, self.book, max_pending, self.options.max_embedding_batch
         )
@@ -85,6 +96,8 @@ class FrontClient(EngineClient):
         if isinstance(msg, BatchStrOutput | BatchEmbeddingOutput):
             self.book.on_output(msg)
             return
+        if isinstance(msg, LoRAUpdateOutput):  # in the scheduler's order, waited for or not
+            self.lora.update(msg)
         fut = self._control_waiters.pop(getattr(msg, "cid", None) or "", None)
         if fut is None:  # its caller gave up (timed out, disconnected) before it came
             logger.warning("a %s no caller waits for any more", type(msg).__name__)

@@ -19,6 +19,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from cadence.errors import InvalidParameter
 from cadence.front.control_checks import (
     check_int_range,
@@ -26,6 +28,7 @@ from cadence.front.control_checks import (
     check_profile_name,
     check_session,
 )
+from cadence.front.lora import LORA_NOT_ENABLED, LoRARegistry, check_load_args
 from cadence.io_struct import (
     CloseSessionReqInput,
     ContinueGenerationReqInput,
@@ -35,10 +38,15 @@ from cadence.io_struct import (
     GenerateReqInput,
     GetLoadReqInput,
     GetLoadReqOutput,
+    GetLoRAAdaptersReqInput,
+    LoadLoRAAdapterReqInput,
+    LoRAAdapterInfo,
+    LoRAUpdateOutput,
     OpenSessionReqInput,
     PauseGenerationReqInput,
     ProfileReq,
     ProfileReqOutput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
     pause_mode,
@@ -47,6 +55,9 @@ from cadence.io_struct import (
 # Seconds a weight update may take (reading a checkpoint from disk).
 UPDATE_WEIGHTS_TIMEOUT_S = 900.0
 FLUSH_RETRY_S = 0.1  # between the tries of a flush that waits for running requests
+# Seconds a LoRA load may take (reading an adapter from disk; an unload waits for the
+# requests that use the adapter only after answering).
+LORA_LOAD_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,10 @@ class ModelInfo:
     matryoshka_dimensions: tuple[int, ...] | None = None
     # Per tensor type in the model file: {"tensors": n, "served_as": "Q4_1" | "float32" | ...}.
     weight_types: dict[str, dict] = field(default_factory=dict)
+    lora_enabled: bool = False  # --enable-lora: requests may name adapters
+    # The adapters loaded at start (--lora-paths); the front's copy of the loaded set
+    # (`EngineClient.lora`) follows loads and unloads from there.
+    lora_adapters: tuple[LoRAAdapterInfo, ...] = ()
 
     @classmethod
     def from_facts(
@@ -116,6 +131,10 @@ class ModelInfo:
                 else tuple(facts["matryoshka_dimensions"])
             ),
             weight_types=dict(facts.get("weight_types") or {}),
+            lora_enabled=bool(facts.get("lora_enabled", False)),
+            lora_adapters=tuple(
+                msgspec.convert(facts.get("lora_adapters") or [], list[LoRAAdapterInfo])
+            ),
         )
 
     @property
@@ -128,6 +147,9 @@ class EngineClient(ABC):
     """The engine as an adapter sees it. Errors are `cadence.errors` exceptions."""
 
     info: ModelInfo
+    # The loaded LoRA adapters, as the scheduler last reported them (front/lora.py): the
+    # client applies every LoRAUpdateOutput to it as the answer arrives.
+    lora: LoRARegistry
 
     @property
     @abstractmethod
@@ -273,6 +295,39 @@ class EngineClient(ABC):
     async def close_session(self, session_id: str) -> bool:
         """Closes a session, unpinning its KV; False when no such session was open."""
         return (await self.control(CloseSessionReqInput(session_id=session_id))).success
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, pinned: bool = False
+    ) -> LoRAUpdateOutput:
+        """Loads a PEFT adapter while serving; requests name it `lora_name` from then on.
+        Not loaded (LoRA not enabled, the name taken, a bad adapter): `success` False and
+        why. InvalidParameter for a missing name or path."""
+        if not self.info.lora_enabled:
+            return LoRAUpdateOutput(success=False, error_message=LORA_NOT_ENABLED)
+        check_load_args(lora_name, lora_path, self._served_names())
+        return await self.control(
+            LoadLoRAAdapterReqInput(lora_name=lora_name, lora_path=lora_path, pinned=pinned),
+            timeout=LORA_LOAD_TIMEOUT_S,
+        )
+
+    async def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
+        """Unloads an adapter: new requests may no longer name it; its memory is freed once
+        the last request using it ends. Unknown name: `success` False and why."""
+        if not self.info.lora_enabled:
+            return LoRAUpdateOutput(success=False, error_message=LORA_NOT_ENABLED)
+        if not isinstance(lora_name, str) or not lora_name:
+            raise InvalidParameter("lora_name", "lora_name (a non-empty string) is required")
+        return await self.control(UnloadLoRAAdapterReqInput(lora_name=lora_name))
+
+    async def list_lora_adapters(self) -> list[LoRAAdapterInfo]:
+        """The adapters loaded now, as the scheduler reports them (none without LoRA)."""
+        if not self.info.lora_enabled:
+            return []
+        out = await self.control(GetLoRAAdaptersReqInput())
+        return list(out.loaded_adapters)
+
+    def _served_names(self) -> tuple[str, ...]:
+        return self.info.served_model_names or (self.info.served_model_name,)
 
     @property
     @abstractmethod

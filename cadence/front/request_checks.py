@@ -16,6 +16,7 @@ import msgspec
 from cadence.constrained import InvalidGrammar, check_grammar, grammar_key
 from cadence.errors import InvalidParameter
 from cadence.front.engine_client import ModelInfo
+from cadence.front.lora import LoRARegistry
 from cadence.front.normalize import items, normalize_batch_and_arguments, one, one_or_none
 from cadence.front.sampling_checks import check_sampling_params, parse_sampling_params
 from cadence.front.tokenizer import FrontTokenizer
@@ -47,6 +48,7 @@ class RequestOptions:
     max_embedding_batch: int = 1024  # inputs of one embedding request (--max-embedding-batch)
     max_tokenize_chars: int = 4 << 20  # characters of one /tokenize request (--max-tokenize-chars)
     max_detokenize_tokens: int = 1 << 20  # ids of one /detokenize request (--max-detokenize-tokens)
+    max_loaded_loras: int | None = None  # adapters one request may name (--max-loaded-loras)
 
     @classmethod
     def of(cls, args) -> RequestOptions:
@@ -57,6 +59,7 @@ class RequestOptions:
             max_embedding_batch=args.max_embedding_batch,
             max_tokenize_chars=args.max_tokenize_chars,
             max_detokenize_tokens=args.max_detokenize_tokens,
+            max_loaded_loras=args.max_loaded_loras,
         )
 
 
@@ -144,11 +147,16 @@ class RequestChecker:
         info: ModelInfo,
         max_items: int,
         options: RequestOptions | None = None,
+        lora: LoRARegistry | None = None,
     ):
         self.tokenizer = tokenizer
         self.info = info
         self.max_items = max_items  # requests the server holds at once: a bigger batch never fits
         self.options = options or RequestOptions()
+        # The loaded adapters a request may name (by default only those loaded at start).
+        self.lora = lora or LoRARegistry(
+            info.lora_enabled, info.lora_adapters, max_loaded=self.options.max_loaded_loras
+        )
 
     async def check_generate(
         self, obj: GenerateReqInput, worker_ipc: str | None
@@ -158,6 +166,9 @@ class RequestChecker:
         require_generation_model(self.info)
         self._check_prompt_sizes(obj)
         normalize_batch_and_arguments(obj, self.max_items)
+        # The batch's adapters at once: one lookup at the scheduler for every name it lacks.
+        lora_paths = obj.lora_path if isinstance(obj.lora_path, list) else [obj.lora_path]
+        await self.lora.check(lora_paths, "lora_path")
         tokenized = [await self._check_item(item, worker_ipc) for item in items(obj)]
         if obj.parallel_sample_num > 1:
             for j, t in enumerate(tokenized):

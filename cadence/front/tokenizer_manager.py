@@ -20,6 +20,7 @@ from typing import Any
 from cadence import hooks
 from cadence.errors import RequestError
 from cadence.front.engine_client import ModelInfo
+from cadence.front.lora import LoRARegistry
 from cadence.front.metrics import RequestTimer
 from cadence.front.normalize import items as normalized_items
 from cadence.front.request_book import LiveRequest, RequestBook, RequestKind, until_finished
@@ -66,12 +67,13 @@ class TokenizerManager(RequestKind[_ReqState]):
         book: RequestBook,
         max_pending: int = 1088,
         options: RequestOptions | None = None,
+        lora: LoRARegistry | None = None,
     ):
         self.tokenizer = tokenizer
         self.info = info
         self.book = book
         self.max_pending = max_pending
-        self.checker = RequestChecker(tokenizer, info, max_pending, options)
+        self.checker = RequestChecker(tokenizer, info, max_pending, options, lora)
 
     @property
     def states(self) -> dict[str, LiveRequest]:
