@@ -176,6 +176,21 @@ def _control_routes(app: FastAPI, client) -> None:
         return json_response({"success": True})
 
     _profile_routes(app, client)
+    _lora_routes(app, client)
+
+
+def _lora_routes(app: FastAPI, client) -> None:
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = control.parse(control.LoadLoRABody, await read_json(request))
+        out = await client().load_lora_adapter(body.lora_name, body.lora_path, body.pinned)
+        return json_response(control.lora_update_body(out), 200 if out.success else 400)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = control.parse(control.UnloadLoRABody, await read_json(request))
+        out = await client().unload_lora_adapter(body.lora_name)
+        return json_response(control.lora_update_body(out), 200 if out.success else 400)
 
 
 def _profile_routes(app: FastAPI, client) -> None:

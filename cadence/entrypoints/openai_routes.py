@@ -23,11 +23,11 @@ def register_openai_routes(app: FastAPI, bundle: Serving) -> None:
 
     @app.get("/v1/models")
     async def list_models():
-        return _to_http(serving.list_models())
+        return _to_http(await serving.list_models())
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
-        return _to_http(serving.retrieve_model(model_id))
+        return _to_http(await serving.retrieve_model(model_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

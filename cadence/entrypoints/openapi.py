@@ -102,6 +102,8 @@ BODIES: dict[str, tuple[Any, bool]] = {
     "/update_weights_from_disk": (control.UpdateWeightsBody, True),
     "/open_session": (control.OpenSessionBody, False),
     "/close_session": (control.CloseSessionBody, True),
+    "/load_lora_adapter": (control.LoadLoRABody, True),
+    "/unload_lora_adapter": (control.UnloadLoRABody, True),
     "/v1/chat/completions": (ChatCompletionRequest, True),
     "/v1/completions": (CompletionRequest, True),
     "/invocations": (ChatCompletionRequest, True),

@@ -251,7 +251,7 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     @rpc
     async def ListModels(self, request, context):
         self._client()
-        body = msgspec.json.decode(self.openai.list_models().body)
+        body = msgspec.json.decode((await self.openai.list_models()).body)
         cards = [
             pb.ModelCard(
                 id=m["id"],

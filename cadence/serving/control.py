@@ -1,4 +1,5 @@
-"""The bodies of the control routes (abort, pause, profile, weight update, sessions).
+"""The bodies of the control routes (abort, pause, profile, weight update, sessions, LoRA
+adapters).
 
 Each is a typed struct: a wrong type, a wrong JSON shape (an array or a string where an
 object belongs), an unknown enum value, a non-boolean boolean or an integer outside its
@@ -17,7 +18,7 @@ import msgspec
 
 from cadence.errors import InvalidParameter
 from cadence.front.control_checks import check_int_range, check_model_path
-from cadence.io_struct import PAUSE_MODES, PauseMode
+from cadence.io_struct import PAUSE_MODES, LoRAUpdateOutput, PauseMode
 from cadence.serving.body import json_object, parse_struct
 
 
@@ -57,13 +58,35 @@ class CloseSessionBody(_Body, kw_only=True):
     session_id: str
 
 
+class LoadLoRABody(_Body, kw_only=True):
+    lora_name: str  # what requests name it by (lora_path, model="base:name")
+    lora_path: str  # the adapter's directory on the server's disk (PEFT format)
+    pinned: bool = False  # never evicted to make room for another
+
+
+class UnloadLoRABody(_Body, kw_only=True):
+    lora_name: str
+
+
+# Fields a body must carry, and the error when one is missing (before any type check).
+_REQUIRED: dict[type, dict[str, str]] = {
+    CloseSessionBody: {"session_id": "session_id (a string) is required"},
+    LoadLoRABody: {
+        "lora_name": "lora_name (a string) is required",
+        "lora_path": "lora_path (the adapter's directory) is required",
+    },
+    UnloadLoRABody: {"lora_name": "lora_name (a string) is required"},
+}
+
+
 def parse(cls: type, body: Any):
     """`body` (decoded JSON) as a `cls`; raises InvalidParameter naming the field at fault."""
     fields = json_object(body)
     if cls is UpdateWeightsBody and not isinstance(fields.get("model_path"), str):
         check_model_path(None)
-    if cls is CloseSessionBody and not isinstance(fields.get("session_id"), str):
-        raise InvalidParameter("session_id", "session_id (a string) is required")
+    for name, message in _REQUIRED.get(cls, {}).items():
+        if not isinstance(fields.get(name), str):
+            raise InvalidParameter(name, message)
     try:
         obj = parse_struct(cls, fields)
     except InvalidParameter as e:
@@ -79,3 +102,15 @@ def parse(cls: type, body: Any):
     for name in obj.__struct_fields__:  # before the engine client's checks, as the codec needs
         check_int_range(name, getattr(obj, name))
     return obj
+
+
+def lora_update_body(out: LoRAUpdateOutput) -> dict[str, Any]:
+    """A load's or an unload's answer as SGLang's routes give it: {success, error_message,
+    loaded_adapters: {name: path}} (200 when it succeeded, 400 when not)."""
+    loaded = {a.name: a.path for a in out.loaded_adapters}
+    return {
+        "success": out.success,
+        "error_message": out.error_message,
+        # null where the call failed before the scheduler answered with the set (SGLang's)
+        "loaded_adapters": loaded if loaded or out.success else None,
+    }

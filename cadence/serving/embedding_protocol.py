@@ -31,6 +31,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     dimensions: int | None = None  # Matryoshka truncation, where the model allows it
     user: str | None = None  # accepted, not used
     rid: str | list[str] | None = None  # request id(s), one per input for a batch
+    lora_path: Any = None  # SGLang's field; refused: embeddings run on the base model only
 
 
 class ClassifyRequest(msgspec.Struct, kw_only=True):
@@ -40,6 +41,7 @@ class ClassifyRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     user: str | None = None
     rid: str | list[str] | None = None
+    lora_path: Any = None  # refused: classification runs on the base model only
 
 
 class ScoringRequest(msgspec.Struct, kw_only=True):

@@ -251,14 +251,14 @@ class EmbeddingServing:
     def max_items(self) -> int:
         return self.state.args.max_embedding_batch
 
-    def _model(self, name: str | None) -> str:
-        self.openai.check_model(name)
+    def _model(self, name: str | None, lora_path: Any = None, what: str = "embeddings") -> str:
+        self.openai.refuse_lora(name, lora_path, what)
         return name or self.client.info.served_model_name
 
     async def embeddings(self, body: bytes) -> OpenAIResponse:
         async def run():
             req = proto.parse(proto.EmbeddingRequest, body)
-            model = self._model(req.model)
+            model = self._model(req.model, req.lora_path)
             fmt = proto.check_encoding_format(req.encoding_format)
             obj = EmbeddingReqInput(
                 **proto.embedding_input(req.input), rid=req.rid, dimensions=req.dimensions
@@ -272,7 +272,7 @@ class EmbeddingServing:
     async def classify(self, body: bytes) -> OpenAIResponse:
         async def run():
             req = proto.parse(proto.ClassifyRequest, body)
-            model = self._model(req.model)
+            model = self._model(req.model, req.lora_path, "classifications")
             check_classifier(self.client)
             obj = EmbeddingReqInput(**proto.embedding_input(req.input), rid=req.rid)
             results = await classify(self.client, obj)
@@ -285,7 +285,7 @@ class EmbeddingServing:
     async def score(self, body: bytes) -> OpenAIResponse:
         async def run():
             req = proto.parse(proto.ScoringRequest, body)
-            model = self._model(req.model)
+            model = self._model(req.model, what="scores")
             out = await score(
                 self.client,
                 req.query,
@@ -302,7 +302,7 @@ class EmbeddingServing:
     async def rerank(self, body: bytes) -> OpenAIResponse:
         async def run():
             req = proto.parse(proto.RerankRequest, body)
-            self._model(req.model)
+            self._model(req.model, what="rerankings")
             return await rerank(
                 self.client,
                 req.query,
@@ -328,5 +328,12 @@ async def _answer(run, names: dict[str, str]) -> OpenAIResponse:
 
 def encode_input(body: Any) -> EmbeddingReqInput:
     """The /encode (and /classify) body (decoded) as a request struct, not yet normalized;
-    InvalidParameter names a field of the wrong type."""
+    InvalidParameter names a field of the wrong type. SGLang's `lora_path` is refused
+    (embeddings run on the base model only) rather than ignored."""
+    if isinstance(body, dict) and body.get("lora_path") is not None:
+        raise InvalidParameter(
+            "lora_path",
+            "lora_path: embeddings and classifications run on the base model only; LoRA "
+            "adapters serve generation (/generate, /v1/chat/completions, /v1/completions)",
+        )
     return parse_struct(EmbeddingReqInput, body)

@@ -90,6 +90,9 @@ class _Request(msgspec.Struct, kw_only=True):
     return_hidden_states: bool | None = None  # with --enable-return-hidden-states
     custom_logit_processor: str | None = None  # a plugin's processor, by name
     custom_params: dict[str, Any] | None = None  # for the custom logit processor
+    # The LoRA adapter by name (one per prompt for a batch of completions); an adapter
+    # named in `model` ("base:adapter", or its own name) wins over it, as in SGLang.
+    lora_path: str | list[str | None] | None = None
 
     @property
     def is_stream(self) -> bool:

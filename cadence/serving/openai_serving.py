@@ -28,12 +28,13 @@ from typing import Any
 
 from cadence.errors import InvalidParameter, RequestError
 from cadence.front.engine_client import EngineClient
+from cadence.front.lora import split_model
 from cadence.front.request_checks import (
     check_message_count,
     check_prompt_chars,
     require_generation_model,
 )
-from cadence.io_struct import GenerateReqInput
+from cadence.io_struct import GenerateReqInput, LoRAAdapterInfo
 from cadence.parsers import reasoning_parser
 from cadence.parsers.tool_calls import Llama3Parser
 from cadence.serving import chat_tools, native_api, speech_chat
@@ -78,22 +79,41 @@ class OpenAIServing:
 
     # ---- routes ---------------------------------------------------------------------------
 
-    def list_models(self) -> OpenAIResponse:
-        names = self.client.info.served_model_names or (self.client.info.served_model_name,)
-        return ok({"object": "list", "data": [self._model_card(name) for name in names]})
+    async def list_models(self) -> OpenAIResponse:
+        """The served names' cards, then one card per loaded LoRA adapter (its `parent` the
+        served model, its `root` the adapter's directory)."""
+        cards = [self._model_card(name) for name in self._served_names()]
+        cards += [self._adapter_card(a) for a in await self._loaded_adapters()]
+        return ok({"object": "list", "data": cards})
 
-    def retrieve_model(self, model_id: str) -> OpenAIResponse:
-        """A served name's card; any other name is 404 (a model list is a contract, even when
-        requests naming other models are served)."""
-        if model_id not in self._served_names():
-            error = RequestError(
-                404,
-                f"The model {model_id!r} does not exist; this server serves "
-                f"{', '.join(map(repr, self._served_names()))}",
-                "model",
-            )
-            return error_response(error)
-        return ok(self._model_card(model_id))
+    async def retrieve_model(self, model_id: str) -> OpenAIResponse:
+        """A served name's or a loaded adapter's card; any other name is 404 (a model list
+        is a contract, even when requests naming other models are served)."""
+        if model_id in self._served_names():
+            return ok(self._model_card(model_id))
+        for adapter in await self._loaded_adapters():
+            if adapter.name == model_id:
+                return ok(self._adapter_card(adapter))
+        error = RequestError(
+            404,
+            f"The model {model_id!r} does not exist; this server serves "
+            f"{', '.join(map(repr, self._served_names()))} and the LoRA adapters "
+            "/v1/models lists",
+            "model",
+        )
+        return error_response(error)
+
+    async def _loaded_adapters(self) -> list[LoRAAdapterInfo]:
+        """The adapters loaded now, as the scheduler reports them (another front process
+        may have loaded one); the front's copy when the scheduler does not answer."""
+        client = self.client
+        if not client.info.lora_enabled:
+            return []
+        try:
+            return await client.list_lora_adapters()
+        except RequestError as e:
+            logger.warning("listing the LoRA adapters from this front's copy: %s", e)
+            return list(client.lora.adapters.values())
 
     async def chat_completions(self, body: bytes) -> OpenAIResult:
         if speech_chat.wants_audio(body):  # modalities ["text", "audio"]: docs/speech.md
@@ -111,6 +131,35 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> None:
         """Raises the 404 RequestError (param `model`) if this server refuses the name."""
+        self._check_model(model)
+
+    async def resolve_model(self, model: str | None, lora_path: Any = None) -> Any:
+        """The request's `lora_path` once `model` is checked: the adapter `model` names
+        (`base:adapter`, or the adapter's own name) wins over the explicit `lora_path`
+        field (SGLang's order). A `base:adapter` naming no loaded adapter is a 400 naming
+        `model`; with --strict-model-name the base must be a served name."""
+        served = self._served_names()
+        adapter = await self.client.lora.model_adapter(model, served)
+        if adapter is None:
+            self._check_model(model)
+            return lora_path
+        base, _ = split_model(model, served)
+        if base is not None and base != adapter:  # `base:adapter`, not the adapter alone
+            self._check_model(base)
+        return adapter
+
+    def refuse_lora(self, model: str | None, lora_path: Any, what: str) -> None:
+        """A 400 for a request of a kind LoRA adapters do not serve (`what`: embeddings,
+        ...) that names one, in `model` or `lora_path`; else the model check."""
+        adapter = self.client.lora.names_adapter(model, self._served_names())
+        for param, value in (("model", adapter), ("lora_path", lora_path)):
+            if value is not None:
+                raise InvalidParameter(
+                    param,
+                    f"{param}: {what} run on the base model only; LoRA adapters (here "
+                    f"{value!r}) serve generation (/generate, /v1/chat/completions, "
+                    "/v1/completions)",
+                )
         self._check_model(model)
 
     async def render_chat(
@@ -149,12 +198,12 @@ class OpenAIServing:
         try:
             req = proto.parse_request(cls, body)
             names = proto.native_names(req)
-            self._check_model(req.model)
+            lora_path = await self.resolve_model(req.model, req.lora_path)
             require_generation_model(self.client.info)  # before the chat template is rendered
             job = (
-                await self.chat_job(req)
+                await self.chat_job(req, lora_path)
                 if cls is proto.ChatCompletionRequest
-                else self._completion_job(req)
+                else self._completion_job(req, lora_path)
             )
             gen = self.client.generate(job.obj)
             if req.is_stream:
@@ -188,6 +237,14 @@ class OpenAIServing:
                 404, f"The model {model!r} does not exist; this server serves {served}", "model"
             )
 
+    def _adapter_card(self, adapter: LoRAAdapterInfo) -> dict:
+        """An adapter's card, as SGLang lists it: the base model is its parent."""
+        return {
+            **self._model_card(adapter.name),
+            "root": adapter.path,
+            "parent": self.client.info.served_model_name,
+        }
+
     def _model_card(self, name: str) -> dict:
         info = self.client.info
         return {
@@ -201,8 +258,9 @@ class OpenAIServing:
             "capabilities": server_capabilities(self.state),
         }
 
-    async def chat_job(self, req: proto.ChatCompletionRequest) -> Job:
-        """A chat request rendered, tokenized and checked as a job (also for chat with audio)."""
+    async def chat_job(self, req: proto.ChatCompletionRequest, lora_path: Any = None) -> Job:
+        """A chat request rendered, tokenized and checked as a job (also for chat with
+        audio); `lora_path` is the adapter `resolve_model` chose."""
         check_message_count("messages", len(req.messages or ()), self.client.info)
         messages = chat_tools.template_messages(proto.chat_messages(req.messages))
         plan = chat_tools.plan(
@@ -226,6 +284,7 @@ class OpenAIServing:
             top_logprobs_num=req.top_logprobs or 0,
             return_text_in_logprobs=True,
             stream=req.is_stream,
+            lora_path=lora_path,
             **proto.extras(req),
         )
         return Job(
@@ -250,7 +309,7 @@ class OpenAIServing:
             is_constrained=any(params.get(k) for k in ("json_schema", "regex", "ebnf")),
         )
 
-    def _completion_job(self, req: proto.CompletionRequest) -> Job:
+    def _completion_job(self, req: proto.CompletionRequest, lora_path: Any = None) -> Job:
         prompt = proto.prompt_fields(req.prompt)
         is_batch = isinstance(prompt.get("text"), list) or (
             "input_ids" in prompt and isinstance(prompt["input_ids"][0], list)
@@ -274,6 +333,7 @@ class OpenAIServing:
             logprob_start_len=0 if wants_logprobs and req.echo else -1,
             return_text_in_logprobs=True,
             stream=req.is_stream,
+            lora_path=lora_path,
             **proto.extras(req),
         )
         job = Job(

@@ -228,8 +228,8 @@ class ResponsesServing:
     async def create(self, body: bytes | str | dict) -> OpenAIResponse | ResponsesStream:
         try:
             req = rp.parse_request(body)
-            self.openai.check_model(req.model)
-            job = await self._job(req)
+            lora_path = await self.openai.resolve_model(req.model)
+            job = await self._job(req, lora_path)
             gen = self.client.generate(job.obj)
             if req.stream:
                 # Errors up to the first chunk (admission, prefill) are an ordinary error answer.
@@ -271,7 +271,7 @@ class ResponsesServing:
 
     # ---- one request ------------------------------------------------------------------------
 
-    async def _job(self, req: ResponsesRequest) -> _Job:
+    async def _job(self, req: ResponsesRequest, lora_path: str | None = None) -> _Job:
         history: list[dict[str, str]] = []
         if req.previous_response_id is not None:
             previous = self.store.get(req.previous_response_id)
@@ -304,6 +304,7 @@ class ResponsesServing:
             top_logprobs_num=req.top_logprobs or 0,
             return_text_in_logprobs=True,
             stream=bool(req.stream),
+            lora_path=lora_path,  # the adapter `model` names, if any
         )
         model = req.model or self.client.info.served_model_name
         head = rp.ResponseHead(f"resp_{rid}", int(time.time()), model)

@@ -43,6 +43,8 @@ class ChatServing(Protocol):
 
     def check_model(self, model: str | None) -> None: ...
 
+    def refuse_lora(self, model: str | None, lora_path: Any, what: str) -> None: ...
+
     async def chat_job(self, req: proto.ChatCompletionRequest) -> Any: ...
 
 
@@ -121,7 +123,7 @@ async def chat_with_audio(serving: ChatServing, body: bytes) -> dict | AsyncIter
         proto.ChatCompletionRequest,
         {k: v for k, v in data.items() if k not in ("modalities", "audio")},
     )
-    serving.check_model(req.model)
+    serving.refuse_lora(req.model, req.lora_path, "chats with audio output")
     job = await serving.chat_job(req)  # rendered and checked as a text chat is
     request = chat_request(
         job.obj.input_ids, job.obj.sampling_params, audio.voice, audio.fmt, req.is_stream

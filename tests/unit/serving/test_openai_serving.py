@@ -164,10 +164,10 @@ USER = [{"role": "user", "content": "Capital of France?"}]
 
 async def test_models():
     serving, _ = make_serving()
-    listing = decoded(serving.list_models())
+    listing = decoded(await serving.list_models())
     assert [m["id"] for m in listing["data"]] == [MODEL] and listing["object"] == "list"
-    assert decoded(serving.retrieve_model(MODEL))["max_model_len"] == 256
-    missing = serving.retrieve_model("gpt-4")
+    assert decoded(await serving.retrieve_model(MODEL))["max_model_len"] == 256
+    missing = await serving.retrieve_model("gpt-4")
     assert missing.status == 404 and decoded(missing)["error"]["param"] == "model"
 
 
