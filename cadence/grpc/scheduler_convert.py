@@ -70,7 +70,8 @@ def sampling_params(msg: pb.SamplingParams) -> dict[str, Any]:
 def generate_input(req: pb.GenerateRequest, info: ModelInfo, rid: str) -> GenerateReqInput:
     """The GenerateReqInput of a Generate call with request id `rid` (not yet normalized).
     Fields this server cannot honour are refused, naming the field; the front checks the
-    rest. With n > 1 the front gives sample j the rid f"{rid}-{j}"."""
+    rest. With n > 1 the front gives sample j the rid f"{rid}-{j}". `lora_id` is left to
+    the servicer, which resolves it against the loaded adapters."""
     _refuse_unserved(req)
     input_ids = list(req.tokenized.input_ids)
     if not input_ids:
@@ -127,7 +128,6 @@ def _refuse_unserved(req: pb.GenerateRequest) -> None:
             "input_embeds",
             "this server takes token ids only (tokenized.input_ids)",
         ),
-        (bool(req.lora_id), "lora_id", "this server serves no LoRA adapter"),
         (
             req.HasField("mm_inputs") and req.mm_inputs.ByteSize() > 0,
             "mm_inputs",

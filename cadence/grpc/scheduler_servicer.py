@@ -10,7 +10,11 @@ error) closes its result iterator, which aborts the request in the engine.
 
 Served: Generate, Embed (an embedding model's vectors; INVALID_ARGUMENT for a generation
 model), HealthCheck, Abort, GetModelInfo, GetServerInfo, GetLoads, FlushCache,
-StartProfile/StopProfile, GetTokenizer. UNIMPLEMENTED: SubscribeKvEvents, the LoRA RPCs.
+StartProfile/StopProfile, GetTokenizer, and the LoRA RPCs (LoadLoRAAdapter,
+UnloadLoRAAdapter, ListLoadedLoRAAdapters) through the engine client's named methods.
+A Generate call names its adapter in `lora_id`: the id the server gave it (uuid5 of its
+name and path, as SGLang's), the id its loader minted in LoadLoRAAdapter, or its name.
+UNIMPLEMENTED: SubscribeKvEvents.
 """
 
 from __future__ import annotations
@@ -112,6 +116,8 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
         client = self._client()
         request_id = request.request_id or uuid.uuid4().hex
         obj = convert.generate_input(request, client.info, request_id)
+        if request.lora_id:
+            obj.lora_path = (await client.lora.resolve(request.lora_id, "lora_id", by_id=True)).name
         self._admit(client)
         self.calls.num_active += 1
         try:
@@ -376,6 +382,49 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
         for piece, digest in chunks(data, sha256):
             yield common.GetTokenizerChunk(data=piece, sha256=digest)
 
+    # ---- LoRA adapters -------------------------------------------------------------------
+
+    @rpc
+    async def LoadLoRAAdapter(self, request, context):
+        """Loads an adapter; Generate calls may name it by the `lora_id` minted here (or by
+        its name, or the server's id). Not loaded: success false and why."""
+        client = self._client()
+        out = await client.load_lora_adapter(request.lora_name, request.lora_path, request.pinned)
+        if out.success and request.lora_id:
+            client.lora.aliases[request.lora_id] = request.lora_name
+        return pb.LoadLoRAAdapterResponse(
+            success=out.success, message=out.error_message, loaded_lora_ids=_ids(client, out)
+        )
+
+    @rpc
+    async def UnloadLoRAAdapter(self, request, context):
+        """Unloads the adapter `lora_name` names (or, without a name, `lora_id`)."""
+        client = self._client()
+        name = request.lora_name
+        if not name and request.lora_id:
+            name = (await client.lora.resolve(request.lora_id, "lora_id", by_id=True)).name
+        if not name:
+            raise InvalidParameter("lora_name", "lora_name is required: the adapter to unload")
+        out = await client.unload_lora_adapter(name)
+        return pb.UnloadLoRAAdapterResponse(
+            success=out.success, message=out.error_message, loaded_lora_ids=_ids(client, out)
+        )
+
+    @rpc
+    async def ListLoadedLoRAAdapters(self, request, context):
+        client = self._client()
+        return pb.ListLoadedLoRAAdaptersResponse(
+            loaded_adapters=[
+                pb.LoadedLoRAAdapter(
+                    lora_id=client.lora.id_of(a),
+                    lora_name=a.name,
+                    lora_path=a.path,
+                    pinned=a.pinned,
+                )
+                for a in await client.list_lora_adapters()
+            ]
+        )
+
     # ---- not served ----------------------------------------------------------------------
 
     @rpc
@@ -385,18 +434,6 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
         )
         yield  # an async generator, as the streaming RPC requires
 
-    @rpc
-    async def LoadLoRAAdapter(self, request, context):
-        raise RpcError(501, "LoadLoRAAdapter: this server serves no LoRA adapters")
-
-    @rpc
-    async def UnloadLoRAAdapter(self, request, context):
-        raise RpcError(501, "UnloadLoRAAdapter: this server serves no LoRA adapters")
-
-    @rpc
-    async def ListLoadedLoRAAdapters(self, request, context):
-        raise RpcError(501, "ListLoadedLoRAAdapters: this server serves no LoRA adapters")
-
 
 # ---- helpers ----------------------------------------------------------------------------------
 
@@ -405,6 +442,12 @@ async def _drain(results: AsyncIterator) -> None:
     async with contextlib.aclosing(results):
         async for _ in results:
             pass
+
+
+def _ids(client: EngineClient, out) -> list[str]:
+    """The ids of the adapters loaded after a load or unload (the ones their loaders minted
+    where they did)."""
+    return [client.lora.id_of(a) for a in out.loaded_adapters]
 
 
 def _max_input_len(info: ModelInfo) -> int:

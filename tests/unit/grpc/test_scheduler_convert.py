@@ -157,7 +157,6 @@ def test_constrained_decoding_is_refused_naming_the_field(constraint):
         ("disaggregated_params", pb.DisaggregatedParams(bootstrap_host="h")),
         ("custom_logit_processor", "x"),
         ("input_embeds", [0.1]),
-        ("lora_id", "a"),
         ("mm_inputs", pb.MultimodalInputs(image_urls=["http://x/a.png"])),
         ("data_parallel_rank", 1),
     ],
@@ -165,6 +164,11 @@ def test_constrained_decoding_is_refused_naming_the_field(constraint):
 def test_fields_this_server_cannot_honour_are_refused_by_name(field, value):
     with pytest.raises(InvalidParameter, match=f"^{field}: .*leave the field unset"):
         convert.generate_input(request(**{field: value}), INFO, "r")
+
+
+def test_lora_id_is_left_to_the_servicer():
+    """The adapter is resolved against the loaded ones (test_lora_rpcs.py), not refused."""
+    assert convert.generate_input(request(lora_id="sql"), INFO, "r").lora_path is None
 
 
 def test_harmless_empty_or_zero_fields_are_accepted():

@@ -346,9 +346,8 @@ async def test_embed_refuses_what_it_cannot_serve_naming_the_field(request_field
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT and field in context.details
 
 
-@pytest.mark.parametrize("method", ["LoadLoRAAdapter", "ListLoadedLoRAAdapters"])
-async def test_unserved_rpcs_are_unimplemented_with_a_reason(method):
+async def test_kv_events_are_unimplemented_with_a_reason():
     svc, context = servicer(ScriptedClient([])), Context()
     with pytest.raises(Aborted):
-        await getattr(svc, method)(SimpleNamespace(), context)
-    assert context.code == grpc.StatusCode.UNIMPLEMENTED and method in context.details
+        await collect(svc.SubscribeKvEvents(SimpleNamespace(), context))
+    assert context.code == grpc.StatusCode.UNIMPLEMENTED and "SubscribeKvEvents" in context.details
