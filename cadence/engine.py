@@ -175,11 +175,18 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
+        lora_path: str | list[str | None] | None = None,
         **kwargs: Any,
     ) -> dict | list[dict]:
-        """Blocking generation; answers what `/generate` answers (a list for a batch)."""
+        """Blocking generation; answers what `/generate` answers (a list for a batch).
+        `lora_path` names a loaded LoRA adapter (by its name, as SGLang's field does) for
+        every prompt, or one per prompt (None: the base model)."""
         obj = GenerateReqInput(
-            text=prompt, input_ids=input_ids, sampling_params=sampling_params, **kwargs
+            text=prompt,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            lora_path=lora_path,
+            **kwargs,
         )
 
         return self._call(last_result(self.client.generate(obj)))
@@ -190,6 +197,7 @@ class Engine:
         sampling_params: dict | None = None,
         input_ids: list[int] | None = None,
         stream: bool = False,
+        lora_path: str | list[str | None] | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[dict]:
         """With stream=True yields incremental chunks (text and output_ids are deltas); otherwise
@@ -199,6 +207,7 @@ class Engine:
             input_ids=input_ids,
             sampling_params=sampling_params,
             stream=stream,
+            lora_path=lora_path,
             **kwargs,
         )
         caller = asyncio.get_running_loop()
@@ -360,6 +369,20 @@ class Engine:
     def close_session(self, session_id: str) -> bool:
         """Closes a session, unpinning its KV; False when no such session was open."""
         return self._call(self.client.close_session(session_id))
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False):
+        """Loads a PEFT adapter (its directory) under `lora_name`; returns LoRAUpdateOutput:
+        `success` False and `error_message` when it was not loaded."""
+        return self._call(self.client.load_lora_adapter(lora_name, lora_path, pinned))
+
+    def unload_lora_adapter(self, lora_name: str):
+        """Unloads an adapter (its memory is freed once its last request ends);
+        LoRAUpdateOutput as for a load."""
+        return self._call(self.client.unload_lora_adapter(lora_name))
+
+    def list_lora_adapters(self) -> list:
+        """The adapters loaded now (LoRAAdapterInfo: name, path, lora_id, rank, pinned)."""
+        return self._call(self.client.list_lora_adapters())
 
     def run_in_scheduler(self, fn, timeout: float = 60):
         """Runs fn(scheduler) on the scheduler thread and returns its result (tests, admin)."""
