@@ -30,6 +30,7 @@ from e2e_server import (
     zero_cost_env,
 )
 from embedding_models import CLASSIFIER_PATH, MINILM_PATH, classifier_env
+from lora_adapters import LORA_DIR, lora_env
 
 from cadence.chat_templates import template_path
 
@@ -92,6 +93,12 @@ SERVER_SPECS: dict[str, list[str]] = {
     "pipeline_exit_server": [*_SMALL, "--pipeline", PIPELINE_YAML],
     # The shipped speech pipeline (test_speech_e2e.py): thinker, talker, vocoder, encoder.
     "speech_server": [*_SMALL, "--pipeline", "speech", "--max-speech-chars", "2000"],
+    # LoRA adapters (test_lora_e2e.py): two loaded at start, room for a third.
+    "lora_server": [
+        *_SMALL,
+        *("--lora-paths", f"french={LORA_DIR}/french", f"sql={LORA_DIR}/sql"),
+        *("--max-loaded-loras", "3", "--max-lora-rank", "16", "--lora-target-modules", "all"),
+    ],
     # The same server without the pipeline: what the speech server's memory is compared with.
     "speech_baseline_server": [*_SMALL, "--max-speech-chars", "2000"],
 }
@@ -101,6 +108,7 @@ SERVER_ENVS = {
     "classifier_server": classifier_env,
     "pipeline_server": pipeline_env,
     "pipeline_exit_server": pipeline_env,
+    "lora_server": lora_env,
 }
 
 

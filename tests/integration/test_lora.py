@@ -236,3 +236,35 @@ def test_adapter_files_are_what_peft_writes(adapters):
     paths, _ = adapters
     for path in paths.values():
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(path))
+
+
+def test_speculative_decoding_keeps_each_adapters_answer(hf_dir, adapters, lora_engine):
+    """NGRAM drafts verified under mixed adapters give exactly what each adapter gives
+    without speculation (and PEFT's answer where it is known)."""
+    from cadence import Engine
+
+    paths, refs = adapters
+    e = Engine(
+        model_path=hf_dir,
+        dtype="float32",
+        max_total_tokens=4096,
+        lora_paths=[f"full={paths['full']}", f"qv={paths['qv']}"],
+        speculative_algorithm="NGRAM",
+    )
+    try:
+        names = ["full", None, "qv", "full"]
+        prompts = [PROMPTS[i % 2] for i in range(4)]
+        outs = e.generate(prompts, PARAMS, lora_path=names)
+        for name, prompt, out in zip(names, prompts, outs):
+            assert out["output_ids"] == refs[(name, prompt)][0], (name, prompt)
+        # Answers that copy the prompt, where drafts are accepted.
+        copy = "Copy this list exactly: " + ", ".join(str(i) for i in range(40)) + ". Copy: 0, 1,"
+        params = {**PARAMS, "max_new_tokens": 40}
+        names = ["full", None, "qv"]
+        drafted = e.generate([copy] * 3, params, lora_path=names)
+        plain = lora_engine.generate([copy] * 3, params, lora_path=names)
+        assert [o["output_ids"] for o in drafted] == [o["output_ids"] for o in plain]
+        assert sum(o["meta_info"].get("spec_accepted_tokens", 0) for o in drafted) > 0
+        _lora_idle(e)
+    finally:
+        e.shutdown()
