@@ -199,3 +199,28 @@ def test_lora_on_a_server_without_lora_is_a_400(server):
         assert r.status_code == 400 and "LoRA" in r.text
         r = c.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
         assert r.status_code == 400 and "enable-lora" in json.dumps(r.json())
+
+
+def test_smg_over_http_routes_lora_requests(request, lora_server, http):
+    """SGLang's gateway in HTTP mode passes `lora_path` (native and OpenAI bodies) through to
+    the server, which serves it as it does directly. SMG routes OpenAI requests by model
+    name, so `model="base:adapter"` does not pass it; over gRPC SMG never sets
+    GenerateRequest.lora_id (it has no LoRA routing there)."""
+    from test_smg_gateway import _gateway, smg_command
+
+    model = served_name(http)
+    gateway = _gateway(request, smg_command(), lora_server.url, model)
+    want = native(http, "french")
+    with httpx.Client(base_url=gateway.url, timeout=120) as c:
+        body = {"text": PROMPT, "sampling_params": GREEDY, "lora_path": "french"}
+        r = c.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["text"] == want["text"]
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none")
+    out = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"lora_path": "french"}
+    )
+    assert out.choices[0].text == want["text"]
+    # SMG routes by the model name and knows only the worker's own: `base:adapter` ends there.
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=f"{model}:french", prompt=PROMPT, max_tokens=4)
