@@ -495,6 +495,9 @@ class GetLoadReqOutput(_ControlMessage, kw_only=True):
     spec_accept_length: float | None = None
     spec_accept_rate: float | None = None
     avg_spec_accept_length: float | None = None
+    # LoRA (None without it): distinct adapters in the running batch, of --max-loras-per-batch.
+    lora_slots_used: int | None = None
+    lora_slots_total: int | None = None
 
 
 class ProfileReq(_ControlMessage, kw_only=True):

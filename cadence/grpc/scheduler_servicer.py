@@ -485,6 +485,10 @@ def _scheduler_load(load, max_running: int, sections: set[str]) -> pb.SchedulerL
     if load.spec_accept_length is not None:
         entry.speculative.accept_length = load.spec_accept_length
         entry.speculative.accept_rate = load.spec_accept_rate or 0.0
+    if load.lora_slots_total and sections & {"lora", "all"}:
+        entry.lora.slots_used = load.lora_slots_used or 0
+        entry.lora.slots_total = load.lora_slots_total
+        entry.lora.utilization = entry.lora.slots_used / load.lora_slots_total
     return entry
 
 

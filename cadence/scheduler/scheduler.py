@@ -250,6 +250,9 @@ class Scheduler:
             (load.spec_accept_length, load.spec_accept_rate, load.avg_spec_accept_length) = (
                 self.spec.load_figures()
             )
+        if self.runner.lora is not None:
+            load.lora_slots_used = len({r.lora_uid for r in self.running} - {None})
+            load.lora_slots_total = self.args.max_loras_per_batch
         return load
 
     def _on_profile(self, msg: ProfileReq) -> ProfileReqOutput:

@@ -140,6 +140,8 @@ def test_grpc_both_services_pick_the_adapter(lora_server, http):
         for lora_id in (french_id, "french"):
             (msg,) = rpc.Generate(_scheduler_request(http, lora_id))
             assert list(msg.complete.output_ids) == want["output_ids"], lora_id
+        (load,) = rpc.GetLoads(pb.GetLoadsRequest(include=["lora"])).loads
+        assert (load.lora.slots_used, load.lora.slots_total) == (0, 8)  # idle; the default
 
 
 def test_load_and_unload_under_running_load(lora_server, http):
