@@ -52,6 +52,8 @@ LABELS = [
     "POST /start_profile",
     "POST /stop_profile",
     "POST /update_weights_from_disk",
+    "POST /load_lora_adapter",
+    "POST /unload_lora_adapter",
     "POST /v1/chat/completions",
     "POST /v1/completions",
     "POST /v1/responses",
