@@ -79,6 +79,7 @@ class _SchedulerThread:
             self._loop()
         finally:
             self.alive = False
+            self.scheduler.close()
 
     def _loop(self) -> None:
         scheduler = self.scheduler

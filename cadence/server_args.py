@@ -309,6 +309,8 @@ class RuntimeArgs:
     """Report healthy without running the warm-up generation first, nor the throwaway full-size prefill steps that take a step's working memory at start (the KV pool is still committed)."""
     watchdog_timeout: float = 30.0
     """Seconds the scheduler or detokenizer may go without making progress before the server reports itself unhealthy, fails waiting requests with 503 and exits non-zero (so an orchestrator restarts it)."""
+    kv_events_config: str | None = None
+    """Publish KV-cache events (pages stored and removed by the prefix cache) for cache-aware routers: a JSON object as SGLang takes it, e.g. {"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "", "replay_endpoint": null, "buffer_steps": 10000}; the gRPC scheduler service's SubscribeKvEvents streams them too."""
     profile_dir: str | None = None
     """Directory the torch profiler writes traces under (a request may only name a subdirectory); default: profiles/ under the server's state directory (CADENCE_STATE_DIR, default ~/.local/state/cadence)."""
 
@@ -319,6 +321,10 @@ class RuntimeArgs:
             )
         if self.watchdog_timeout <= 0:
             raise ValueError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
+        if self.kv_events_config is not None:
+            from cadence.mem_cache.kv_events import KVEventsConfig
+
+            KVEventsConfig.parse(self.kv_events_config)  # ValueError names the field
 
     @property
     def effective_profile_dir(self) -> str:

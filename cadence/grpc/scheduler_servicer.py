@@ -14,7 +14,8 @@ StartProfile/StopProfile, GetTokenizer, and the LoRA RPCs (LoadLoRAAdapter,
 UnloadLoRAAdapter, ListLoadedLoRAAdapters) through the engine client's named methods.
 A Generate call names its adapter in `lora_id`: the id the server gave it (uuid5 of its
 name and path, as SGLang's), the id its loader minted in LoadLoRAAdapter, or its name.
-UNIMPLEMENTED: SubscribeKvEvents.
+SubscribeKvEvents streams the scheduler's KV-cache events when --kv-events-config publishes
+them (UNIMPLEMENTED otherwise, as SGLang answers).
 """
 
 from __future__ import annotations
@@ -43,9 +44,11 @@ from cadence.grpc import sglang_scheduler_pb2 as pb
 from cadence.grpc import sglang_scheduler_pb2_grpc
 from cadence.grpc import smg_common_pb2 as common
 from cadence.grpc.errors import RpcError, rpc
+from cadence.grpc.kv_event_stream import kv_event_batch_proto, kv_event_stream
 from cadence.grpc.streams import BacklogWatch
 from cadence.grpc.tokenizer_archive import TokenizerArchive, chunks
 from cadence.io_struct import GenerateReqInput
+from cadence.mem_cache.kv_events import KVEventsConfig
 from cadence.serving import embedding_serving, native_api
 from cadence.serving.state import ServerState
 from cadence.version import __version__
@@ -429,10 +432,22 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
 
     @rpc
     async def SubscribeKvEvents(self, request, context) -> AsyncIterator[common.KvEventBatch]:
-        raise RpcError(
-            501, "SubscribeKvEvents: this server publishes no KV-cache events; poll GetLoads"
-        )
-        yield  # an async generator, as the streaming RPC requires
+        """The scheduler's KV-cache events (--kv-events-config), as SMG's router reads them:
+        from now (start_sequence_number 0), or from a buffered batch on through the
+        publisher's replay endpoint."""
+        config = KVEventsConfig.parse(self.args.kv_events_config)
+        if config is None:
+            raise RpcError(
+                501,
+                "SubscribeKvEvents: this server publishes no KV-cache events; start it with "
+                """--kv-events-config '{"publisher": "zmq"}'""",
+            )
+        async with kv_event_stream(config, request.start_sequence_number) as batches:
+            event_id = 0
+            async for seq, batch in batches:
+                out = kv_event_batch_proto(seq, batch, event_id)
+                event_id += len(out.events)
+                yield out
 
 
 # ---- helpers ----------------------------------------------------------------------------------

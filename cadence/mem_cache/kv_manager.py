@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cadence.mem_cache.allocator import KVAllocator
+from cadence.mem_cache.kv_events import KVEventRecorder
 from cadence.mem_cache.prefix_cache import Node, NoPrefixCache, PrefixCache, RadixCache
 
 # A prefix-cache node as its holders see it: opaque, passed back to `unpin`.
@@ -90,11 +91,20 @@ class KVManager:
         self._handles: set[KVHandle] = set()  # live handles (for `check`)
 
     @classmethod
-    def build(cls, allocator: KVAllocator, *, enable_prefix_cache: bool = True) -> KVManager:
-        """The manager of `allocator`'s pool with a radix prefix cache, or with none."""
+    def build(
+        cls, allocator: KVAllocator, *, enable_prefix_cache: bool = True, kv_events: bool = False
+    ) -> KVManager:
+        """The manager of `allocator`'s pool with a radix prefix cache, or with none; with
+        `kv_events`, the cache records its changes for `take_kv_events`."""
         if enable_prefix_cache:
-            return cls(allocator, RadixCache(allocator))
+            events = KVEventRecorder(allocator.page_size) if kv_events else None
+            return cls(allocator, RadixCache(allocator, events))
         return cls(allocator, NoPrefixCache(allocator.page_size))
+
+    def take_kv_events(self) -> list:
+        """The prefix cache's changes since the last call (KV events; none when not recorded)."""
+        events = getattr(self._cache, "events", None)
+        return events.take() if events is not None else []
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages that hold `num_tokens` tokens."""

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from cadence.mem_cache.allocator import KVAllocator
+from cadence.mem_cache.kv_events import KVEventRecorder, chain_digests, namespace_seed
 
 
 @dataclass(eq=False)
@@ -30,6 +31,8 @@ class Node:
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)  # by first page's tokens
     lock_ref: int = 0  # holders (requests, sessions) that need this node and its ancestors kept
     last_access: int = 0  # the cache's tick when it was last matched or inserted (LRU order)
+    # With KV events on: each page's chained SHA-256 digest (a root: its namespace's seed).
+    digests: list[bytes] = field(default_factory=list)
 
 
 class PrefixCache(ABC):
@@ -136,8 +139,9 @@ class RadixCache(PrefixCache):
     outnumber the nodes (amortized O(1) a push).
     """
 
-    def __init__(self, allocator: KVAllocator):
+    def __init__(self, allocator: KVAllocator, events: KVEventRecorder | None = None):
         self.allocator = allocator
+        self.events = events  # records every change for KV-event subscribers, when given
         self.page_size = allocator.page_size
         self.root = Node()
         self.root.lock_ref = 1  # never evicted
@@ -183,12 +187,16 @@ class RadixCache(PrefixCache):
         node = self._roots.get(namespace)
         if node is None:
             node = self._roots[namespace] = Node(lock_ref=1)
+            seed = namespace_seed(namespace)
+            node.digests = [seed] if seed is not None else []
         pos, now = 0, self._next_tick()
         while pos < len(tokens):
             first = tuple(tokens[pos : pos + page])
             child = node.children.get(first)
             if child is None:
                 new = Node(tuple(tokens[pos:]), list(pages[pos // page :]), node, last_access=now)
+                if self.events is not None:
+                    self._record_stored(new, namespace)
                 self.allocator.incref(new.pages)
                 self._num_cached += len(new.pages)
                 self._num_nodes += 1
@@ -243,6 +251,8 @@ class RadixCache(PrefixCache):
 
     def reset(self) -> None:
         self.evict(self._num_cached)
+        if self.events is not None and self._num_cached == 0:
+            self.events.cleared()
 
     @property
     def num_cached_pages(self) -> int:
@@ -286,7 +296,8 @@ class RadixCache(PrefixCache):
             raise RuntimeError("prefix cache: splitting a node that is not in the tree")
         cut = num_pages * self.page_size
         head = Node(node.key[:cut], node.pages[:num_pages], parent, lock_ref=node.lock_ref,
-                    last_access=node.last_access)  # fmt: skip
+                    last_access=node.last_access, digests=node.digests[:num_pages])  # fmt: skip
+        node.digests = node.digests[num_pages:]
         parent.children[node.key[: self.page_size]] = head
         node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], head
         head.children[node.key[: self.page_size]] = node
@@ -304,7 +315,19 @@ class RadixCache(PrefixCache):
         self.allocator.decref(node.pages)
         self._num_cached -= len(node.pages)
         self._num_nodes -= 1
+        if self.events is not None:
+            self.events.removed(node.digests)
         return len(node.pages)
+
+    def _record_stored(self, node: Node, namespace: int | None) -> None:
+        parent, events = node.parent, self.events
+        if parent is None or events is None:
+            return
+        chain_from = parent.digests[-1] if parent.digests else None
+        node.digests = chain_digests(chain_from, node.key, self.page_size)
+        # Under a root the event names no parent (a namespace's seed is no page).
+        shown_parent = chain_from if parent.parent is not None else None
+        events.stored(node.digests, shown_parent, node.key, namespace)
 
 
 def _common_pages(key: tuple[int, ...], tokens: list[int], pos: int, page: int) -> int:

@@ -130,7 +130,11 @@ def build_scheduler(args: ServerArgs, model_path: str, tokenizer) -> Scheduler:
             sorted(eos_ids),
             any_whitespace=args.constrained_json_any_whitespace,
         )
-    kv = KVManager.build(runner.kv_allocator, enable_prefix_cache=not args.disable_radix_cache)
+    kv = KVManager.build(
+        runner.kv_allocator,
+        enable_prefix_cache=not args.disable_radix_cache,
+        kv_events=args.kv_events_config is not None,
+    )
     return Scheduler(
         args,
         runner,

@@ -58,6 +58,7 @@ from cadence.io_struct import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
 )
+from cadence.mem_cache.kv_events import KVEventPublisher, KVEventsConfig
 from cadence.mem_cache.kv_manager import KVManager
 from cadence.model_executor.lora_manager import NOT_ENABLED as LORA_NOT_ENABLED
 from cadence.model_executor.runner import BatchItem, ItemResult, Launched, Runner, ScheduleBatch
@@ -129,6 +130,9 @@ class Scheduler:
         self.spec = (
             Speculation(args, self.context_len) if args.speculative_algorithm is not None else None
         )
+        # KV-cache events for routers (--kv-events-config): published after every step.
+        config = KVEventsConfig.parse(args.kv_events_config)
+        self.kv_events = KVEventPublisher(config) if config is not None else None
 
     def _dispatch_table(self) -> dict[type, Callable[[Any], Any]]:
         return {
@@ -175,6 +179,7 @@ class Scheduler:
         if reply is not None:  # it goes back to the front that asked, to the caller that asked
             reply.http_worker_ipc = msg.http_worker_ipc
             reply.cid = msg.cid
+        self.publish_kv_events()  # a flush, an abort: subscribers learn it now
         return reply
 
     def _on_handler_error(self, msg, e: Exception):
@@ -446,8 +451,19 @@ class Scheduler:
             self._step_now()
         if not self.running and self.inflight is None:
             self.runner.release_decode_state()
+        self.publish_kv_events()
         outputs, self.outputs = self.outputs, []
         return outputs
+
+    def publish_kv_events(self) -> None:
+        """What the prefix cache stored and dropped since the last call, to subscribers."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.take_kv_events())
+
+    def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     def _step_now(self) -> None:
         batch, reqs = self._schedule()

@@ -28,6 +28,7 @@ STATUSES: dict[int, tuple[str, str]] = {
     408: ("timeout_error", "DEADLINE_EXCEEDED"),
     409: ("conflict_error", "FAILED_PRECONDITION"),
     413: ("request_too_large", "RESOURCE_EXHAUSTED"),
+    416: ("out_of_range_error", "OUT_OF_RANGE"),
     422: ("invalid_request_error", "INVALID_ARGUMENT"),
     429: ("rate_limit_error", "RESOURCE_EXHAUSTED"),
     499: ("cancelled", "CANCELLED"),

@@ -10,8 +10,11 @@ stopped, and no process started by any of them may be left.
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import sys
+import tempfile
 
 import httpx
 import openai
@@ -37,6 +40,15 @@ from cadence.chat_templates import template_path
 sys.path.append(PLUGINS_DIR)  # the tests read the fault-injection plugin's markers
 
 _SMALL = ["--max-total-tokens", "2048", "--skip-warmup"]
+KV_EVENTS_DIR = os.path.join(tempfile.gettempdir(), f"cadence-e2e-kv-events-{SESSION_TAG[:12]}")
+KV_EVENTS_CONFIG = json.dumps(
+    {
+        "publisher": "zmq",
+        "endpoint": f"ipc://{KV_EVENTS_DIR}-pub",
+        "replay_endpoint": f"ipc://{KV_EVENTS_DIR}-replay",
+        "topic": "kv",
+    }
+)
 SERVER_SPECS: dict[str, list[str]] = {
     # Warm-up on: /health must stay 503 until the warm-up generation has passed.
     "server": ["--max-total-tokens", "16384", "--chunked-prefill-size", "512"],
@@ -79,7 +91,11 @@ SERVER_SPECS: dict[str, list[str]] = {
     ],
     "classifier_server": ["--model-path", CLASSIFIER_PATH, "--skip-warmup"],
     # SGLang's gateway (SMG) in front of Cadence, over gRPC and HTTP (test_smg_*.py).
-    "smg_server": ["--max-total-tokens", "4096", "--skip-warmup"],
+    # It also publishes KV-cache events (test_kv_events_e2e.py), over ZMQ and gRPC.
+    "smg_server": [
+        *("--max-total-tokens", "4096", "--skip-warmup"),
+        *("--kv-events-config", KV_EVENTS_CONFIG),
+    ],
     # Structured output and tools (test_structured_output.py): Cadence's SmolLM2 tool
     # template, Hermes tool calls and <think> reasoning read out of chat answers.
     "structured_server": [
