@@ -70,3 +70,9 @@ def set_openmp_defaults() -> None:
     chose a wait policy. Must run before the process that reads it loads OpenMP."""
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = DEFAULT_GOMP_SPINCOUNT
+
+
+def hicache_storage_dir() -> str | None:
+    """Where the disk tier of the prefix cache keeps its pages (SGLang's variable name), when
+    --hicache-storage-backend-extra-config gives no file_storage_path."""
+    return _get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")

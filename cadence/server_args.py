@@ -442,6 +442,59 @@ class SpeculativeArgs:
             raise ValueError("speculative_ngram_capacity must be ≥ 0")
 
 
+@dataclass(frozen=True)
+class HiCacheArgs:
+    """The prefix cache's disk tier: pages kept in files beyond memory and across restarts."""
+
+    enable_hierarchical_cache: bool = False
+    """Keep prefix-cache pages on disk below memory (needs --hicache-storage-backend file): a prefix evicted from memory, or computed before a restart, is read back instead of prefilled again."""
+    hicache_storage_backend: str | None = None
+    """Where the tier below memory lives: file (a directory: file_storage_path in --hicache-storage-backend-extra-config, else SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else hicache/ under the state directory)."""
+    hicache_storage_backend_extra_config: str | None = None
+    """The backend's settings as a JSON object: {"file_storage_path": "/path"}."""
+    hicache_size: float = 0.0
+    """Most gigabytes the disk tier keeps (least recently used files go first); 0: no cap."""
+    hicache_write_policy: str = "write_through"
+    """When pages go to disk: write_through (as soon as the cache stores them) or write_back (when memory evicts them); write_through_selective is taken as write_through."""
+
+    def __post_init__(self) -> None:
+        if self.hicache_write_policy not in (
+            "write_through",
+            "write_back",
+            "write_through_selective",
+        ):
+            raise ValueError(
+                "hicache_write_policy must be write_through, write_back or "
+                f"write_through_selective, got {self.hicache_write_policy!r}"
+            )
+        if self.hicache_size < 0:
+            raise ValueError("hicache_size must be ≥ 0 (GB; 0: no cap)")
+        backend = self.hicache_storage_backend
+        if backend is not None and backend != "file":
+            raise ValueError(f"hicache_storage_backend: only file is available, got {backend!r}")
+        if self.enable_hierarchical_cache and backend is None:
+            raise ValueError(
+                "enable_hierarchical_cache: give --hicache-storage-backend file (the KV pool is "
+                "the memory tier; the disk is the tier below it)"
+            )
+        if self.hicache_storage_backend_extra_config is not None:
+            try:
+                extra = json.loads(self.hicache_storage_backend_extra_config)
+            except ValueError as e:
+                raise ValueError(f"hicache_storage_backend_extra_config: not JSON: {e}") from None
+            if not isinstance(extra, dict):
+                raise ValueError("hicache_storage_backend_extra_config: give a JSON object")
+
+    @property
+    def hicache_dir(self) -> str:
+        """The file backend's directory."""
+        from cadence import envs
+
+        extra = json.loads(self.hicache_storage_backend_extra_config or "{}")
+        path = extra.get("file_storage_path") or envs.hicache_storage_dir()
+        return path or os.path.join(envs.state_dir(), "hicache")
+
+
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _LORA_FUSED_NAMES = {  # SGLang also accepts the fused names
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -570,6 +623,7 @@ GROUPS: dict[str, type] = {
     "stages": PipelineArgs,
     "speculative": SpeculativeArgs,
     "lora": LoraArgs,
+    "hicache": HiCacheArgs,
 }
 # flat field (and property) name -> the group that holds it
 _GROUP_OF: dict[str, str] = {
@@ -609,6 +663,7 @@ class ServerArgs(metaclass=_FlatDefaults):
     stages: PipelineArgs
     speculative: SpeculativeArgs
     lora: LoraArgs
+    hicache: HiCacheArgs
     GROUPS: ClassVar[dict[str, type]] = GROUPS
 
     def __init__(self, **flat: Any) -> None:
@@ -728,6 +783,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                 kwargs = {"nargs": "*"}
             elif f.name == "lora_eviction_policy":
                 kwargs = {"choices": ("lru", "fifo")}
+            elif f.name == "hicache_write_policy":
+                kwargs = {"choices": ("write_through", "write_back", "write_through_selective")}
             section.add_argument(flag, type=conv, default=f.default, help=help_text, **kwargs)
 
 

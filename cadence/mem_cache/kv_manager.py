@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cadence.mem_cache.allocator import KVAllocator
+from cadence.mem_cache.disk_tier import DiskTier
 from cadence.mem_cache.kv_events import KVEventRecorder
 from cadence.mem_cache.prefix_cache import Node, NoPrefixCache, PrefixCache, RadixCache
 
@@ -92,14 +93,27 @@ class KVManager:
 
     @classmethod
     def build(
-        cls, allocator: KVAllocator, *, enable_prefix_cache: bool = True, kv_events: bool = False
+        cls,
+        allocator: KVAllocator,
+        *,
+        enable_prefix_cache: bool = True,
+        kv_events: bool = False,
+        disk: DiskTier | None = None,
+        write_through: bool = True,
     ) -> KVManager:
         """The manager of `allocator`'s pool with a radix prefix cache, or with none; with
-        `kv_events`, the cache records its changes for `take_kv_events`."""
+        `kv_events`, the cache records its changes for `take_kv_events`; with `disk`, pages
+        the cache lets go are kept there and found again at admission."""
         if enable_prefix_cache:
             events = KVEventRecorder(allocator.page_size) if kv_events else None
-            return cls(allocator, RadixCache(allocator, events))
+            return cls(allocator, RadixCache(allocator, events, disk, write_through))
         return cls(allocator, NoPrefixCache(allocator.page_size))
+
+    def close(self) -> None:
+        """Finishes what the disk tier is writing (a clean stop keeps every page)."""
+        disk = getattr(self._cache, "disk", None)
+        if disk is not None:
+            disk.close()
 
     def take_kv_events(self) -> list:
         """The prefix cache's changes since the last call (KV events; none when not recorded)."""
@@ -133,6 +147,8 @@ class KVManager:
         cache, whole pages), locks their node, and reserves the pages of everything else up
         to `num_tokens` (all the request can ever hold), evicting unlocked cache as needed.
         None, with nothing changed, when the pool cannot promise that many pages now."""
+        if prefix and namespace is None and getattr(self._cache, "disk", None) is not None:
+            self._load_from_disk(prefix)
         pages, node = self._cache.match_prefix(prefix, namespace) if prefix else ([], None)
         num_reserved = max(self.pages_for(num_tokens), len(pages))
         need = num_reserved - len(pages)
@@ -149,6 +165,31 @@ class KVManager:
         self._num_promised += need
         self._handles.add(handle)
         return handle
+
+    def _load_from_disk(self, prefix: list[int]) -> None:
+        """Pages of `prefix` past what memory holds, read back from the disk tier into free
+        pages (never into pages promised to admitted requests) and inserted into the cache,
+        so that the match that follows takes them as if they had never left."""
+        cache = self._cache
+        assert isinstance(cache, RadixCache) and cache.disk is not None
+        page = self.page_size
+        pages, node = cache.match_prefix(prefix)
+        whole = len(prefix) // page
+        if whole <= len(pages) or not cache.disk.is_enabled:
+            return
+        digests = cache.chain_after(node, prefix[len(pages) * page : whole * page])
+        num = min(
+            cache.disk.num_available(digests), self._allocator.num_free_pages - self._num_promised
+        )
+        if num <= 0:
+            return
+        fresh = self._allocator.alloc(num)
+        if fresh is None:
+            return
+        loaded = cache.disk.load(digests[:num], fresh)
+        if loaded:
+            cache.insert(prefix[: (len(pages) + loaded) * page], pages + fresh[:loaded])
+        self._allocator.decref(fresh)  # the cache holds the loaded ones now
 
     def grow(self, handle: KVHandle, num_tokens: int) -> list[int]:
         """Gives `handle` the pages for its first `num_tokens` positions, from its

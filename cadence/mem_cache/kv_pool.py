@@ -79,6 +79,25 @@ class KVPool:
         head_dim]. One index_select over dim 0 of that view moves whole pages with memcpy."""
         return (self._planes.unsqueeze(1) // self.page_size + pages.reshape(1, -1)).reshape(-1)
 
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """A host copy of these pages' K/V, every layer: [len(pages), layers, 2, heads,
+        page_size, head_dim], contiguous (what the disk tier writes, page by page)."""
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        stacked = torch.stack([buf.index_select(2, index) for buf in self.kv_buffer])
+        return stacked.permute(3, 0, 1, 2, 4, 5).contiguous().cpu()
+
+    def write_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        """Writes `data` (as `read_pages` gives it) into these pages."""
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        data = data.to(device=self.device, dtype=self.dtype)
+        for layer, buf in enumerate(self.kv_buffer):
+            buf.index_copy_(2, index, data[:, layer].permute(1, 2, 0, 3, 4))
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """One page's K/V, every layer: [layers, 2, heads, page_size, head_dim]."""
+        return (len(self.kv_buffer), 2, self.num_kv_heads, self.page_size, self.head_dim)
+
     @staticmethod
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from cadence.mem_cache.allocator import KVAllocator
+from cadence.mem_cache.disk_tier import DiskTier
 from cadence.mem_cache.kv_events import KVEventRecorder, chain_digests, namespace_seed
 
 
@@ -31,8 +32,10 @@ class Node:
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)  # by first page's tokens
     lock_ref: int = 0  # holders (requests, sessions) that need this node and its ancestors kept
     last_access: int = 0  # the cache's tick when it was last matched or inserted (LRU order)
-    # With KV events on: each page's chained SHA-256 digest (a root: its namespace's seed).
+    # With KV events or the disk tier on: each page's chained SHA-256 digest (a root: its
+    # namespace's seed).
     digests: list[bytes] = field(default_factory=list)
+    namespace: int | None = None  # whose KV (a LoRA adapter's uid; None: the base model's)
 
 
 class PrefixCache(ABC):
@@ -139,9 +142,19 @@ class RadixCache(PrefixCache):
     outnumber the nodes (amortized O(1) a push).
     """
 
-    def __init__(self, allocator: KVAllocator, events: KVEventRecorder | None = None):
+    def __init__(
+        self,
+        allocator: KVAllocator,
+        events: KVEventRecorder | None = None,
+        disk: DiskTier | None = None,
+        write_through: bool = True,
+    ):
         self.allocator = allocator
         self.events = events  # records every change for KV-event subscribers, when given
+        # The disk tier below memory: the base model's pages are written there as they are
+        # inserted (write_through) or as they are evicted (write_back).
+        self.disk = disk
+        self.write_through = write_through
         self.page_size = allocator.page_size
         self.root = Node()
         self.root.lock_ref = 1  # never evicted
@@ -186,7 +199,7 @@ class RadixCache(PrefixCache):
             raise ValueError(f"{len(tokens)} tokens do not fill {len(pages)} whole pages")
         node = self._roots.get(namespace)
         if node is None:
-            node = self._roots[namespace] = Node(lock_ref=1)
+            node = self._roots[namespace] = Node(lock_ref=1, namespace=namespace)
             seed = namespace_seed(namespace)
             node.digests = [seed] if seed is not None else []
         pos, now = 0, self._next_tick()
@@ -194,8 +207,9 @@ class RadixCache(PrefixCache):
             first = tuple(tokens[pos : pos + page])
             child = node.children.get(first)
             if child is None:
-                new = Node(tuple(tokens[pos:]), list(pages[pos // page :]), node, last_access=now)
-                if self.events is not None:
+                new = Node(tuple(tokens[pos:]), list(pages[pos // page :]), node,
+                           last_access=now, namespace=namespace)  # fmt: skip
+                if self.events is not None or self.disk is not None:
                     self._record_stored(new, namespace)
                 self.allocator.incref(new.pages)
                 self._num_cached += len(new.pages)
@@ -296,7 +310,8 @@ class RadixCache(PrefixCache):
             raise RuntimeError("prefix cache: splitting a node that is not in the tree")
         cut = num_pages * self.page_size
         head = Node(node.key[:cut], node.pages[:num_pages], parent, lock_ref=node.lock_ref,
-                    last_access=node.last_access, digests=node.digests[:num_pages])  # fmt: skip
+                    last_access=node.last_access, digests=node.digests[:num_pages],
+                    namespace=node.namespace)  # fmt: skip
         node.digests = node.digests[num_pages:]
         parent.children[node.key[: self.page_size]] = head
         node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], head
@@ -310,6 +325,8 @@ class RadixCache(PrefixCache):
         if parent is None or parent.children.get(key) is not node:
             raise RuntimeError("prefix cache: dropping a node that is not in the tree")
         self.version += 1
+        if self.disk is not None and not self.write_through and node.namespace is None:
+            self.disk.store(node.digests, node.pages)  # write_back: kept below memory
         del parent.children[key]
         node.parent = None  # out of the tree: its heap entries are stale
         self.allocator.decref(node.pages)
@@ -321,13 +338,26 @@ class RadixCache(PrefixCache):
 
     def _record_stored(self, node: Node, namespace: int | None) -> None:
         parent, events = node.parent, self.events
-        if parent is None or events is None:
+        if parent is None:
             return
         chain_from = parent.digests[-1] if parent.digests else None
         node.digests = chain_digests(chain_from, node.key, self.page_size)
-        # Under a root the event names no parent (a namespace's seed is no page).
-        shown_parent = chain_from if parent.parent is not None else None
-        events.stored(node.digests, shown_parent, node.key, namespace)
+        if events is not None:
+            # Under a root the event names no parent (a namespace's seed is no page).
+            shown_parent = chain_from if parent.parent is not None else None
+            events.stored(node.digests, shown_parent, node.key, namespace)
+        if self.disk is not None and self.write_through and namespace is None:
+            self.disk.store(node.digests, node.pages)
+
+    def chain_after(self, node: Node | None, tokens: list[int], namespace: int | None = None):
+        """Digests of the whole pages of `tokens`, which follow `node` (None: the root of
+        `namespace`) in the tree: where the disk tier finds them."""
+        if node is not None:
+            start = node.digests[-1] if node.digests else None
+        else:
+            root = self._roots.get(namespace)
+            start = root.digests[-1] if root is not None and root.digests else None
+        return chain_digests(start, tokens, self.page_size)
 
 
 def _common_pages(key: tuple[int, ...], tokens: list[int], pos: int, page: int) -> int:

@@ -134,6 +134,8 @@ def build_scheduler(args: ServerArgs, model_path: str, tokenizer) -> Scheduler:
         runner.kv_allocator,
         enable_prefix_cache=not args.disable_radix_cache,
         kv_events=args.kv_events_config is not None,
+        disk=make_disk_tier(args, model_path, runner),
+        write_through=args.hicache_write_policy != "write_back",
     )
     return Scheduler(
         args,
@@ -195,6 +197,24 @@ def run_scheduler_process(
         )
         raise SystemExit(1) from e
     proc.run()
+
+
+def make_disk_tier(args: ServerArgs, model_path: str, runner):
+    """The prefix cache's disk tier (--enable-hierarchical-cache), bound to everything that
+    makes this server's K/V: the model and tokenizer files, the KV dtype, the page shape."""
+    if not args.enable_hierarchical_cache or args.disable_radix_cache:
+        return None
+    from cadence.mem_cache.disk_tier import DiskTier, file_identity, identity_of
+
+    pool = runner.kv_pool
+    identity = identity_of(
+        file_identity(model_path),
+        file_identity(args.tokenizer_path),
+        str(pool.dtype),
+        pool.page_shape,
+        runner.config.architecture,
+    )
+    return DiskTier(args.hicache_dir, identity, pool, int(args.hicache_size * 1e9))
 
 
 def runtime_facts(scheduler: Scheduler) -> dict:

@@ -464,6 +464,7 @@ class Scheduler:
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
+        self.kv.close()
 
     def _step_now(self) -> None:
         batch, reqs = self._schedule()
