@@ -163,3 +163,29 @@ def test_the_size_cap_keeps_the_newest_pages(tmp_path):
         assert len(_page_files(tmp_path)) == s["pages"]
     finally:
         e.shutdown()
+
+
+def test_two_servers_sharing_a_directory_never_read_each_others_half_files(tmp_path, fresh):
+    """Both write the same pages at once (same model, same settings: the same keys), then
+    each reads back what either wrote: every page read passes its checksum."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cadence import Engine
+
+    a, b = Engine(**tier_args(tmp_path)), Engine(**tier_args(tmp_path))
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda e: e.generate(PROMPT, PARAMS), (a, b)))
+        for e in (a, b):
+            written(e)
+            assert e.flush_cache().success
+        with ThreadPoolExecutor(2) as pool:
+            again = list(pool.map(lambda e: e.generate(PROMPT, PARAMS), (b, a)))
+        for out in outs + again:
+            assert out["output_ids"] == fresh["output_ids"]
+        assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
+        assert stats(a)["rejected"] == stats(b)["rejected"] == 0
+        assert not [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]
+    finally:
+        a.shutdown()
+        b.shutdown()
