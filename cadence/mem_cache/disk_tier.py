@@ -20,6 +20,7 @@ tier off with one warning: the server goes on without it.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -83,6 +84,8 @@ class DiskTier:
         self._index: collections.OrderedDict[str, int] = collections.OrderedDict()  # LRU
         self._bytes = 0
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_PAGES)
+        # Reads run here, so a request's pages come back while other requests compute.
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read")
         try:
             os.makedirs(self.dir, exist_ok=True)
             probe = os.path.join(self.dir, f".probe-{uuid.uuid4().hex}")
@@ -214,6 +217,27 @@ class DiskTier:
 
     # ---- reading ----------------------------------------------------------------------------
 
+    def read_async(self, digests: list[bytes]) -> concurrent.futures.Future:
+        """Reads the leading pages of this chain that are good, on the reader thread: a
+        future of their K/V ([n, *page_shape]; n may be 0)."""
+        return self._reader.submit(self._read_run, digests)
+
+    def _read_run(self, digests: list[bytes]) -> torch.Tensor:
+        datas = []
+        for digest in digests:
+            page = self._read(self.key(digest))
+            if page is None:
+                break
+            datas.append(page)
+        if not datas:
+            return torch.empty((0, *self.pool.page_shape), dtype=self.pool.dtype)
+        return torch.stack(datas)
+
+    def install(self, data: torch.Tensor, pages: list[int]) -> None:
+        """Writes pages read by `read_async` into the pool."""
+        self.pool.write_pages(pages, data)
+        self.num_loaded += len(pages)
+
     def load(self, digests: list[bytes], pages: list[int]) -> int:
         """Reads these pages' K/V into the pool; returns how many leading ones it could (a
         missing, foreign or corrupt file ends the run: it is deleted, never served)."""
@@ -300,6 +324,7 @@ class DiskTier:
             }
 
     def close(self) -> None:
+        self._reader.shutdown(wait=False, cancel_futures=True)
         if self.is_enabled:
             self.flush()
             self._queue.put(None)

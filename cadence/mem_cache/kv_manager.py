@@ -23,7 +23,9 @@ scheduler step):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from cadence.mem_cache.allocator import KVAllocator
 from cadence.mem_cache.disk_tier import DiskTier
@@ -90,6 +92,9 @@ class KVManager:
         self.is_caching = not isinstance(cache, NoPrefixCache)  # False: nothing is ever shared
         self._num_promised = 0  # every live handle's num_promised, together
         self._handles: set[KVHandle] = set()  # live handles (for `check`)
+        # Disk-tier reads in flight, by the whole-page prefix they serve: (pages of it in
+        # memory when the read started, the read's future).
+        self._fetches: dict[tuple[int, ...], tuple[int, Any, float]] = {}
 
     @classmethod
     def build(
@@ -147,8 +152,6 @@ class KVManager:
         cache, whole pages), locks their node, and reserves the pages of everything else up
         to `num_tokens` (all the request can ever hold), evicting unlocked cache as needed.
         None, with nothing changed, when the pool cannot promise that many pages now."""
-        if prefix and namespace is None and getattr(self._cache, "disk", None) is not None:
-            self._load_from_disk(prefix)
         pages, node = self._cache.match_prefix(prefix, namespace) if prefix else ([], None)
         num_reserved = max(self.pages_for(num_tokens), len(pages))
         need = num_reserved - len(pages)
@@ -166,30 +169,62 @@ class KVManager:
         self._handles.add(handle)
         return handle
 
-    def _load_from_disk(self, prefix: list[int]) -> None:
-        """Pages of `prefix` past what memory holds, read back from the disk tier into free
-        pages (never into pages promised to admitted requests) and inserted into the cache,
-        so that the match that follows takes them as if they had never left."""
+    def fetch_from_disk(self, prefix: list[int], namespace: int | None = None) -> bool:
+        """Whether `prefix` may be admitted now. Pages of it past what memory holds that the
+        disk tier has are read back on the tier's reader thread (started by the first call):
+        False while that read runs, so the request waits while others compute; once it is
+        done, its pages go into free pages (never pages promised to admitted requests) and
+        into the cache, where the admission's match takes them."""
         cache = self._cache
-        assert isinstance(cache, RadixCache) and cache.disk is not None
+        if not prefix or namespace is not None or not isinstance(cache, RadixCache):
+            return True
+        disk = cache.disk
+        if disk is None or not disk.is_enabled:
+            return True
         page = self.page_size
         pages, node = cache.match_prefix(prefix)
         whole = len(prefix) // page
-        if whole <= len(pages) or not cache.disk.is_enabled:
-            return
-        digests = cache.chain_after(node, prefix[len(pages) * page : whole * page])
-        num = min(
-            cache.disk.num_available(digests), self._allocator.num_free_pages - self._num_promised
-        )
-        if num <= 0:
-            return
-        fresh = self._allocator.alloc(num)
-        if fresh is None:
-            return
-        loaded = cache.disk.load(digests[:num], fresh)
-        if loaded:
-            cache.insert(prefix[: (len(pages) + loaded) * page], pages + fresh[:loaded])
-        self._allocator.decref(fresh)  # the cache holds the loaded ones now
+        key = tuple(prefix[: whole * page])
+        fetch = self._fetches.get(key)
+        if fetch is None:
+            if whole <= len(pages):
+                return True
+            self._forget_stale_fetches()
+            digests = cache.chain_after(node, prefix[len(pages) * page : whole * page])
+            num = disk.num_available(digests)
+            if num == 0:
+                return True
+            self._fetches[key] = (len(pages), disk.read_async(digests[:num]), time.monotonic())
+            return False
+        start, future, _ = fetch
+        if not future.done():
+            return False
+        del self._fetches[key]
+        try:
+            data = future.result()
+        except Exception:  # a failed read: the request prefills instead
+            return True
+        # Memory may have gained (or lost) pages of this prefix meanwhile: install what
+        # follows the match now, only where it still follows.
+        skip = len(pages) - start
+        if skip < 0 or skip >= len(data):
+            return True
+        data = data[skip:]
+        num = min(len(data), self._allocator.num_free_pages - self._num_promised)
+        fresh = self._allocator.alloc(num) if num > 0 else None
+        if fresh:
+            disk.install(data[:num], fresh)
+            cache.insert(prefix[: (len(pages) + num) * page], pages + fresh)
+            self._allocator.decref(fresh)  # the cache holds them now
+        return True
+
+    def _forget_stale_fetches(self, max_age_s: float = 30.0) -> None:
+        """Reads nobody came back for (their request was aborted while it waited)."""
+        now = time.monotonic()
+        for key in [
+            k for k, (_, f, t) in self._fetches.items() if f.done() and now - t > max_age_s
+        ]:
+            del self._fetches[key]
 
     def grow(self, handle: KVHandle, num_tokens: int) -> list[int]:
         """Gives `handle` the pages for its first `num_tokens` positions, from its

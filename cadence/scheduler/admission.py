@@ -105,6 +105,8 @@ class Admission:
                 break
             if claimed and self._shares_claimed(req, claimed):
                 continue  # takes the pages another request computes now from the cache next round
+            if not self.kv.fetch_from_disk(req.fill_ids[: self._match_limit(req)], req.lora_uid):
+                continue  # its cached prefix is being read back from disk; others go on
             if self.max_loras is not None and req.lora_uid not in loras:
                 if len(loras) >= self.max_loras:
                     continue  # its adapter waits for a step with room for one more
