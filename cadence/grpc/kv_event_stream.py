@@ -16,15 +16,15 @@ import zmq.asyncio
 
 from cadence.grpc import smg_common_pb2 as common
 from cadence.grpc.errors import RpcError
-from cadence.mem_cache.kv_events import (
+from cadence.kv_wire import (
     END_OF_REPLAY,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    KVEventsConfig,
     decode_batch,
 )
+from cadence.mem_cache.kv_events import KVEventsConfig
 
 REPLAY_TIMEOUT_MS = 5000
 

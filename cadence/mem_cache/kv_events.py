@@ -19,96 +19,29 @@ The shapes are SGLang's (and vLLM's), so their consumers read ours:
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass
 
-import msgspec
-import numpy as np
+from cadence.kv_wire import (  # noqa: F401 (the wire's names, for the cache's users)
+    END_OF_REPLAY,
+    MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    KVCacheEvent,
+    KVEventBatch,
+    chain_digests,
+    decode_batch,
+    encode_batch,
+    event_hash,
+    namespace_seed,
+)
 
 logger = logging.getLogger(__name__)
-
-MEDIUM = "GPU"  # SGLang's name for the device tier, whatever the device
-
-
-# ---- events ---------------------------------------------------------------------------------
-
-
-class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    """Base of the event types (tagged "type": the class name)."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None  # where the pages are: the recorder says MEDIUM
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-Event = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Event]
-    dp_rank: int | None = None
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(KVEventBatch)
-
-
-def encode_batch(batch: KVEventBatch) -> bytes:
-    return _encoder.encode(batch)
-
-
-def decode_batch(data: bytes) -> KVEventBatch:
-    return _decoder.decode(data)
-
-
-# ---- page hashes -----------------------------------------------------------------------------
-
-
-def chain_digests(parent: bytes | None, tokens, page_size: int) -> list[bytes]:
-    """SHA-256 digests of the whole pages of `tokens`, each over the previous one's digest
-    (`parent` for the first; None under the root) and the page's ids as little-endian uint32."""
-    ids = np.asarray(tokens, dtype="<u4")
-    digests = []
-    for start in range(0, len(ids) - page_size + 1, page_size):
-        h = hashlib.sha256()
-        if parent is not None:
-            h.update(parent)
-        h.update(ids[start : start + page_size].tobytes())
-        parent = h.digest()
-        digests.append(parent)
-    return digests
-
-
-def namespace_seed(namespace: int | None) -> bytes | None:
-    """Where a namespace's chains start: None for the base model, a digest of the adapter's
-    uid for a LoRA adapter's pages."""
-    if namespace is None:
-        return None
-    return hashlib.sha256(b"cadence-kv-namespace\0" + str(namespace).encode()).digest()
-
-
-def event_hash(digest: bytes | None) -> int | None:
-    """A page digest as events carry it: its first 8 bytes as a signed big-endian int64."""
-    return None if digest is None else int.from_bytes(digest[:8], "big", signed=True)
 
 
 class KVEventRecorder:
@@ -208,9 +141,6 @@ class KVEventsConfig:
     def local_replay_endpoint(self) -> str | None:
         e = self.replay_endpoint
         return None if e is None else e.replace("*", "127.0.0.1").replace("0.0.0.0", "127.0.0.1")
-
-
-END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
 class KVEventPublisher:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from cadence.router.config import RouterConfig
+from cadence.router.kv_index import KvEventIndex
 from cadence.router.radix_tree import PrefixTree
 from cadence.router.request_meta import RouteMeta
 from cadence.router.workers import Worker
@@ -103,7 +104,14 @@ class CacheAwarePolicy(RoutingPolicy):
        is at least `cache_threshold` of the prompt (least loaded among equals).
     3. Otherwise the least loaded worker.
     The prompt is then recorded in the tree for the chosen worker.
+
+    Where workers publish KV-cache events (`kv_index`, set by the router) and the request's
+    token ids are known, step 2 reads what each worker's cache really holds instead of the
+    tree: the worker holding the longest run of the prompt's pages wins (least loaded
+    among equals), and with no overlap anywhere the least loaded worker.
     """
+
+    kv_index: KvEventIndex | None = None
 
     name = "cache_aware"
 
@@ -117,8 +125,13 @@ class CacheAwarePolicy(RoutingPolicy):
     def select(self, candidates: Sequence[Worker], meta: RouteMeta) -> Worker:
         self._next += 1
         text = meta.prefix_text
-        if self._is_imbalanced(candidates) or not text:
+        overlaps = self._overlaps(candidates, meta)
+        if self._is_imbalanced(candidates) or (not text and overlaps is None):
             worker = least_loaded(candidates, self._next)
+        elif overlaps is not None:
+            best = max(overlaps.values(), default=0)
+            owners = [w for w in candidates if best and overlaps.get(w.id) == best]
+            worker = least_loaded(owners or candidates, self._next)
         else:
             matched, owners = self.tree.match(text, [w.id for w in candidates])
             if owners and matched >= self.cache_threshold * len(text):
@@ -131,6 +144,18 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def remove_worker(self, worker_id: str) -> None:
         self.tree.remove_tenant(worker_id)
+        if self.kv_index is not None:
+            self.kv_index.forget(worker_id)
+
+    def _overlaps(self, candidates: Sequence[Worker], meta: RouteMeta) -> dict[str, int] | None:
+        """Leading pages of the prompt each candidate holds, by their KV events; None when
+        the events (or the prompt's tokens) are not there to tell."""
+        if self.kv_index is None or not meta.token_ids:
+            return None
+        ids = [w.id for w in candidates]
+        if not self.kv_index.knows(ids):
+            return None
+        return self.kv_index.overlaps(ids, meta.token_ids)
 
     def _is_imbalanced(self, candidates: Sequence[Worker]) -> bool:
         loads = [w.active for w in candidates]

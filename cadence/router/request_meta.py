@@ -76,6 +76,8 @@ class RouteMeta:
     is_stream: bool = False
     capabilities: frozenset[str] = frozenset()
     prefix_text: str = ""  # for cache_aware; at most MAX_PREFIX_CHARS characters
+    # The prompt's token ids, when cache_aware routes by the workers' KV events.
+    token_ids: tuple[int, ...] | None = None
 
 
 def parse_route_meta(path: str, body: bytes) -> RouteMeta:

@@ -8,6 +8,7 @@ where an ASGI framework with httpx costs several times more.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -19,8 +20,9 @@ from cadence.router import admin
 from cadence.router.access import AccessControl, Handler, client_key_middleware
 from cadence.router.config import RouterConfig, WorkerSpec, short_repr
 from cadence.router.health import HealthChecker
+from cadence.router.kv_index import KvEventIndex, tokens_for_routing
 from cadence.router.metrics import RouterMetrics
-from cadence.router.policies import make_policy
+from cadence.router.policies import CacheAwarePolicy, make_policy
 from cadence.router.proxy import (
     CLIENT_CLOSED,
     Exchange,
@@ -76,14 +78,20 @@ class Router:
         self.forwarder = Forwarder(
             self.config, self.registry, self.policy, self.metrics, self.session
         )
+        if isinstance(self.policy, CacheAwarePolicy):
+            self.policy.kv_index = KvEventIndex(self.session)
         self._runner = web.AppRunner(self.build_app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=2048)
         await self._site.start()
         for worker in self.registry:
             self.health.watch(worker)
+            self._watch_kv_events(worker)
 
     async def stop(self) -> None:
+        index = getattr(self.policy, "kv_index", None)
+        if index is not None:
+            await index.close()
         if self.health is not None:
             await self.health.stop()
         if self._runner is not None:
@@ -109,7 +117,13 @@ class Router:
         worker = self.registry.add(spec)
         if self.health is not None:
             self.health.watch(worker)
+            self._watch_kv_events(worker)
         return worker
+
+    def _watch_kv_events(self, worker: Worker) -> None:
+        index = getattr(self.policy, "kv_index", None)
+        if index is not None:
+            index.watch(worker.id, worker.url)
 
     async def remove_worker(self, worker: Worker) -> None:
         """Stop routing to and probing `worker`; its requests in progress finish."""
@@ -181,10 +195,31 @@ class Router:
             if body is None:
                 return _too_large(limit, ex.rid)
             ex.meta = parse_route_meta(ex.route, body)
+            await self._add_token_ids(ex, body)
             assert self.forwarder is not None
             return await self.forwarder.forward(request, body, ex)
         finally:
             self.num_in_flight -= 1
+
+    async def _add_token_ids(self, ex: Exchange, body: bytes) -> None:
+        """cache_aware over KV events: the prompt's token ids, from a worker that publishes
+        events (none when no fitting worker does: the policy uses its own tree then)."""
+        index = getattr(self.policy, "kv_index", None)
+        if index is None or ex.route not in TOKENIZED_ROUTES or self.session is None:
+            return
+        meta = ex.meta
+        known = [
+            w
+            for w in self.registry.routable
+            if w.id in index.block_size and w.can_serve(meta.model, meta.capabilities)
+        ]
+        if known:
+            tokens = await tokens_for_routing(self.session, known[0].url, ex.route, body)
+            if tokens:
+                ex.meta = dataclasses.replace(meta, token_ids=tuple(tokens))
+
+
+TOKENIZED_ROUTES = frozenset(("/generate", "/v1/completions", "/v1/chat/completions"))
 
 
 @web.middleware

@@ -159,6 +159,13 @@ def fleet(tmp_path_factory):
                 [
                     *("-m", "cadence.launch_server", *_default_model_args()),
                     *("--port", str(port), "--lazy-kv-pool"),
+                    # KV events (ipc: no port to collide): cache_aware routes by them.
+                    *(
+                        "--kv-events-config",
+                        json.dumps(
+                            {"publisher": "zmq", "endpoint": f"ipc://{fleet.tmp}/{name}-kv-events"}
+                        ),
+                    ),
                 ],
                 port,
                 env=fault_plugin_env(),
@@ -286,6 +293,31 @@ def test_cache_aware_keeps_a_shared_long_prefix_on_one_replica(fleet):
         for question in ("Where is parcel 1?", "Where is parcel 2?", "What is a pallet?", "Hi.")
     ]
     assert len(set(answered_by)) == 1, answered_by
+
+
+def test_cache_aware_follows_what_each_replicas_cache_really_holds(fleet):
+    """The replicas publish KV events. A system prompt first routed to one replica (which
+    the router's own tree then remembers) is flushed there and sent to the other replica
+    directly, behind the router's back: the router's next requests that share it go where
+    the pages really are, against what its tree says."""
+    if not fleet.has_openai_routes:
+        pytest.skip("the replicas do not serve /v1/chat/completions yet")
+    system = "You keep a lighthouse and log the weather every hour. " * 30
+    first = _ask(fleet, "cache_aware", [{"role": "system", "content": system},
+                                         {"role": "user", "content": "Hi"}])  # fmt: skip
+    other = next(url for url in (fleet.urls["replica_a"], fleet.urls["replica_b"]) if url != first)
+    status, _, raw = _post(first + "/flush_cache", {})
+    assert status == 200, raw[:300]
+    status, _, raw = _post(
+        other + "/v1/chat/completions",
+        {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],
+         "max_tokens": 1},
+    )  # fmt: skip
+    assert status == 200, raw[:300]
+    time.sleep(1.0)  # the events reach the router
+    for question in ("Go?", "Wind?", "Rain?"):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        assert _ask(fleet, "cache_aware", messages) == other, question
 
 
 def test_a_request_that_fails_by_its_own_fault_reaches_one_replica_and_kills_none(fleet):
