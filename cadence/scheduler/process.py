@@ -201,7 +201,8 @@ def run_scheduler_process(
 
 def make_disk_tier(args: ServerArgs, model_path: str, runner):
     """The prefix cache's disk tier (--enable-hierarchical-cache), bound to everything that
-    makes this server's K/V: the model and tokenizer files, the KV dtype, the page shape."""
+    makes this server's K/V: the model and tokenizer files, how the weights are served
+    (dtype, quantization), the KV dtype, the page shape."""
     if not args.enable_hierarchical_cache or args.disable_radix_cache:
         return None
     from cadence.mem_cache.disk_tier import DiskTier, file_identity, identity_of
@@ -210,6 +211,10 @@ def make_disk_tier(args: ServerArgs, model_path: str, runner):
     identity = identity_of(
         file_identity(model_path),
         file_identity(args.tokenizer_path),
+        # How the weights are served changes the K/V they compute.
+        str(runner.dtype),
+        args.quantization,
+        args.dequantize,
         str(pool.dtype),
         pool.page_shape,
         runner.config.architecture,

@@ -82,15 +82,18 @@ def test_a_restarted_server_reuses_the_files_and_another_configuration_does_not(
         assert out["meta_info"]["cached_tokens"] > 0 and stats(e)["written"] == 0
     finally:
         e.shutdown()
-    # Another page size (and, the same way, another model, tokenizer or KV dtype) computes
-    # other keys: nothing of the first server's is found, let alone served.
-    e = Engine(**tier_args(tmp_path, page_size=32))
-    try:
-        out = e.generate(PROMPT, PARAMS)
-        assert out["meta_info"]["cached_tokens"] == 0
-        assert out["output_ids"] == fresh["output_ids"]
-    finally:
-        e.shutdown()
+    # Another page size, weights served otherwise, another KV dtype (and, the same way,
+    # another model or tokenizer file) compute other keys: nothing of the first server's
+    # is found, let alone served.
+    for other in ({"page_size": 32}, {"dequantize": True}, {"kv_cache_dtype": "bfloat16"}):
+        e = Engine(**tier_args(tmp_path, **other))
+        try:
+            out = e.generate(PROMPT, PARAMS)
+            assert out["meta_info"]["cached_tokens"] == 0, other
+            if "page_size" in other:
+                assert out["output_ids"] == fresh["output_ids"]
+        finally:
+            e.shutdown()
 
 
 def _page_files(directory) -> list[str]:
@@ -189,3 +192,35 @@ def test_two_servers_sharing_a_directory_never_read_each_others_half_files(tmp_p
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_a_full_disk_turns_the_tier_off_and_requests_go_on(tmp_path, fresh, caplog):
+    """A write that fails as a full disk fails (ENOSPC, raised by the file write itself)."""
+    import errno
+
+    from cadence import Engine
+
+    e = Engine(**tier_args(tmp_path))
+
+    def fill_the_disk(scheduler):
+        disk = scheduler.kv._cache.disk
+
+        def no_space(key, page):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        disk._write = no_space
+
+    try:
+        e.run_in_scheduler(fill_the_disk)
+        with caplog.at_level(logging.WARNING, logger="cadence.mem_cache.disk_tier"):
+            assert e.generate(PROMPT, PARAMS)["output_ids"] == fresh["output_ids"]
+            written(e)
+        assert not stats(e)["enabled"]
+        assert any("No space left" in r.getMessage() for r in caplog.records)
+        assert e.flush_cache().success
+        out = e.generate(PROMPT, PARAMS)
+        assert out["output_ids"] == fresh["output_ids"] and out["meta_info"]["cached_tokens"] == 0
+        state = engine_state(e)
+        assert state == idle_state(state)
+    finally:
+        e.shutdown()
