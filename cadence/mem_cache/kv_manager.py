@@ -118,6 +118,7 @@ class KVManager:
         """Finishes what the disk tier is writing (a clean stop keeps every page)."""
         disk = getattr(self._cache, "disk", None)
         if disk is not None:
+            self._cache.write_back_all()  # type: ignore[attr-defined]
             disk.close()
 
     def take_kv_events(self) -> list:

@@ -349,6 +349,15 @@ class RadixCache(PrefixCache):
         if self.disk is not None and self.write_through and namespace is None:
             self.disk.store(node.digests, node.pages)
 
+    def write_back_all(self) -> None:
+        """write_back at a clean stop: what memory still caches goes to the disk tier too,
+        so that a restart finds it (write_through wrote it already)."""
+        if self.disk is None or self.write_through:
+            return
+        for node in self.nodes():
+            if node.namespace is None and node.digests:
+                self.disk.store(node.digests, node.pages)
+
     def chain_after(self, node: Node | None, tokens: list[int], namespace: int | None = None):
         """Digests of the whole pages of `tokens`, which follow `node` (None: the root of
         `namespace`) in the tree: where the disk tier finds them."""

@@ -67,14 +67,17 @@ def test_an_evicted_prefix_comes_back_from_disk_and_answers_the_same(tmp_path, f
         e.shutdown()
 
 
-def test_a_restarted_server_reuses_the_files_and_another_configuration_does_not(tmp_path, fresh):
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_restarted_server_reuses_the_files_and_another_configuration_does_not(
+    tmp_path, fresh, policy
+):
     from cadence import Engine
 
-    e = Engine(**tier_args(tmp_path))
+    e = Engine(**tier_args(tmp_path, hicache_write_policy=policy))
     try:
         e.generate(PROMPT, PARAMS)
     finally:
-        e.shutdown()  # a clean stop finishes its writes
+        e.shutdown()  # a clean stop finishes its writes (write_back: writes what it caches)
     e = Engine(**tier_args(tmp_path))
     try:
         out = e.generate(PROMPT, PARAMS)
