@@ -104,24 +104,16 @@ class ModelRunner(Runner):
         # Decode replayed from captured graphs where the platform has them (captured, and
         # recaptured after a weight update, in _weights_loaded).
         self.graphs = None
-        if (
-            self.is_generation
-            and self.platform.support_cuda_graph()
-            and not args.disable_cuda_graph
-        ):
-            self.graphs = self.platform.make_graph_runner(self)
+        if self.is_generation and self.platform.support_cuda_graph():
+            self.graphs = None if args.disable_cuda_graph else self.platform.make_graph_runner(self)
         self.lora = self._init_lora(args)
         self._weights_loaded()
         if args.random_seed is not None:
             self.platform.seed(args.random_seed)
-        logger.info(
-            "KV pool: %d tokens in %d pages of %d, %.1f MiB (%s)",
-            num_pages * self.page_size,
-            num_pages,
-            self.page_size,
-            self.kv_pool_bytes / 2**20,
-            "committed" if self.is_kv_pool_committed else "lazy: committed as first written",
-        )
+        committed = "committed" if self.is_kv_pool_committed else "lazy: committed as first written"
+        logger.info("KV pool: %d tokens in %d pages of %d, %.1f MiB (%s)",
+                    num_pages * self.page_size, num_pages, self.page_size,
+                    self.kv_pool_bytes / 2**20, committed)  # fmt: skip
 
     def _init_lora(self, args: ServerArgs) -> LoraManager | None:
         if not args.enable_lora:
@@ -305,6 +297,16 @@ class ModelRunner(Runner):
         page_t = torch.tensor(pages, dtype=torch.int64)
         return page_t[pos // self.page_size] * self.page_size + pos % self.page_size
 
+    def _replays(self, items: list[BatchItem], news: list[int]) -> bool:
+        """Whether a captured graph runs this decode: one plain token per item, no hidden
+        states reported, no adapter."""
+        return (
+            self.graphs is not None
+            and self.graphs.can_run(len(items))
+            and all(n == 1 for n in news)
+            and not any(item.return_hidden_states or item.lora for item in items)
+        )
+
     def _lora_batch(self, items: list[BatchItem]) -> LoraBatch | None:
         """The step's tokens grouped by adapter (None when no item has one)."""
         if self.lora is None:
@@ -402,12 +404,7 @@ class ModelRunner(Runner):
         ones (the attention backend takes several rows per request: `decode_takes_drafts`).
         Returns logits [rows, vocab] float32 on the device, item by item."""
         news = [len(item.token_ids) for item in items]
-        if (
-            self.graphs is not None
-            and self.graphs.can_run(len(items))
-            and all(n == 1 for n in news)
-            and not any(item.return_hidden_states or item.lora for item in items)
-        ):
+        if self._replays(items, news):
             return self.graphs.run(items)
         seq_lens = [item.start + n for item, n in zip(items, news)]
         drafted = any(n > 1 for n in news)
