@@ -33,6 +33,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "bench_router.py": (["--json", "{out}/r.json", "--png", "{out}/r.png"], r"ours added p50"),
     "bench_prefix_cache.py": (["--json", "{out}/r.json", "--plot", "{out}/r.png"], r"hit_rate"),
     "bench_front.py": (["--json", "{out}/r.json", "--plot", "{out}/r.png"], r"http_w2_vs_w1"),
+    "bench_hicache.py": (["--json", "{out}/r.json", "--plot", "{out}/r.png"], r"restart cold/warm"),
     "bench_grpc_vs_http.py": (
         ["--json", "{out}/r.json", "--plot", "{out}/r.png", "--with-smg"],
         r"gRPC streamed tok/s",
