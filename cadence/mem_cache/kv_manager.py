@@ -23,6 +23,7 @@ scheduler step):
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,9 @@ from cadence.mem_cache.prefix_cache import Node, NoPrefixCache, PrefixCache, Rad
 
 # A prefix-cache node as its holders see it: opaque, passed back to `unpin`.
 CacheNode = Node
+
+
+FETCH_POLL_S = 0.002  # how long a round waits for a disk read in flight before it goes on
 
 
 @dataclass(eq=False)
@@ -199,7 +203,11 @@ class KVManager:
             return False
         start, future, _ = fetch
         if not future.done():
-            return False
+            # A moment for the reader thread (a loop that polls at once would hold the GIL
+            # it needs); other requests' steps go on after it.
+            concurrent.futures.wait([future], timeout=FETCH_POLL_S)
+            if not future.done():
+                return False
         del self._fetches[key]
         try:
             data = future.result()
