@@ -204,13 +204,15 @@ def main() -> int:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="every phase once for 1 s with 8 clients (4 on the real model), 8-token streams, "
-        "servers with --lazy-kv-pool: for CI",
+        help="every phase once, 0.2 s of load then a 0.5 s window, with 8 clients (4 on the "
+        "real model), 8-token streams, servers with --lazy-kv-pool: for CI",
     )
     args = parser.parse_args()
+    args.load_warmup = g.WARMUP_S
     if args.smoke:
         args.rounds, args.stream_duration, args.stream_tokens = 1, 0.5, 8
         args.clients, args.real_clients, args.grpc_channels = 8, 4, 2
+        args.load_warmup = 0.2
         args.server_args += " --lazy-kv-pool"  # no 2.9 GB pool written at each start
     args.duration = args.stream_duration
     load_start = os.getloadavg()[0]

@@ -161,10 +161,12 @@ def serve_http_echo(port: int) -> None:
 
 # ---- load generators (`--role load`: one JSON line) -----------
 
+WARMUP_S = 1.0  # load before each measured window opens (connections up, the server busy)
 
-async def _closed_loop(concurrency: int, duration: float, one) -> dict:
+
+async def _closed_loop(concurrency: int, duration: float, one, warmup: float = WARMUP_S) -> dict:
     """`concurrency` workers call `one()` back to back; counts what completes in the window
-    [start + 1 s warm-up, + duration]. `one` returns the number of units (requests or
+    [start + `warmup` s, + duration]. `one` returns the number of units (requests or
     tokens) it completed, or takes a `count` callback for units inside a call (streams)."""
     counted = 0
     window = {"open": False, "stop": False}
@@ -179,7 +181,7 @@ async def _closed_loop(concurrency: int, duration: float, one) -> dict:
             await one(count)
 
     tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(warmup)
     print("window-open", flush=True)  # the parent samples the front's CPU time on these lines
     window["open"] = True
     start = time.perf_counter()
@@ -195,7 +197,13 @@ async def _closed_loop(concurrency: int, duration: float, one) -> dict:
 
 
 async def _grpc_load(
-    target: str, kind: str, concurrency: int, duration: float, stream_tokens: int, num_channels: int
+    target: str,
+    kind: str,
+    concurrency: int,
+    duration: float,
+    stream_tokens: int,
+    num_channels: int,
+    warmup: float = WARMUP_S,
 ) -> dict:
     import grpc
 
@@ -245,14 +253,20 @@ async def _grpc_load(
                 count(done - seen)
                 seen = done
 
-    result = await _closed_loop(concurrency, duration, one)
+    result = await _closed_loop(concurrency, duration, one, warmup)
     for c in channels:
         await c.close()
     return result
 
 
 async def _http_load(
-    url: str, kind: str, concurrency: int, duration: float, stream_tokens: int, model: str | None
+    url: str,
+    kind: str,
+    concurrency: int,
+    duration: float,
+    stream_tokens: int,
+    model: str | None,
+    warmup: float = WARMUP_S,
 ) -> dict:
     import aiohttp
 
@@ -313,7 +327,7 @@ async def _http_load(
                             count(done - seen)
                             seen = done
 
-        return await _closed_loop(concurrency, duration, one)
+        return await _closed_loop(concurrency, duration, one, warmup)
 
 
 def _wrk_load(url: str, kind: str, concurrency: int, duration: float) -> dict:
@@ -368,6 +382,7 @@ def run_load(args) -> None:
                 args.duration,
                 args.stream_tokens,
                 args.model,
+                args.warmup,
             )
         )
     else:
@@ -379,6 +394,7 @@ def run_load(args) -> None:
                 args.duration,
                 args.stream_tokens,
                 args.grpc_channels,
+                args.warmup,
             )
         )
     print(json.dumps(result))
@@ -427,6 +443,8 @@ def measure(
         client,
         "--grpc-channels",
         str(args.grpc_channels),
+        "--warmup",
+        str(getattr(args, "load_warmup", WARMUP_S)),  # a benchmark's --smoke shortens it
     ]
     if model:
         cmd += ["--model", model]
@@ -459,10 +477,12 @@ class Processes:
         self.tmp = tempfile.mkdtemp(prefix="bench-grpc-http-")
 
     def spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
-        log_file = open(os.path.join(self.tmp, f"{name}.log"), "wb")
-        proc = subprocess.Popen(
-            cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        log_path = os.path.join(self.tmp, f"{name}.log")
+        with open(log_path, "wb") as log_file:
+            proc = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        proc.log_path = log_path  # wait_for quotes it when the process exits early
         self.procs.append(proc)
         return proc
 
@@ -481,7 +501,7 @@ def wait_for(check, what: str, proc: subprocess.Popen, timeout: float = 600) -> 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}; see its log")
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log_tail(proc)}")
         try:
             if check():
                 return
@@ -489,6 +509,16 @@ def wait_for(check, what: str, proc: subprocess.Popen, timeout: float = 600) -> 
             pass
         time.sleep(0.3)
     raise RuntimeError(f"{what} did not come up in {timeout:.0f}s")
+
+
+def log_tail(proc: subprocess.Popen, chars: int = 2000) -> str:
+    """The end of a spawned process's log: the benchmark removes its log folder when it
+    stops, and a start that failed should say why."""
+    try:
+        with open(proc.log_path, "rb") as f:
+            return f.read()[-chars:].decode(errors="replace")
+    except (AttributeError, OSError):
+        return "(no log)"
 
 
 def http_ok(url: str) -> bool:
@@ -528,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kind")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument(
+        "--warmup", type=float, default=WARMUP_S, help="seconds of load before the window"
+    )
     parser.add_argument("--stream-tokens", type=int, default=64)
     parser.add_argument("--client", default="python")
     parser.add_argument("--grpc-channels", type=int, default=4)
