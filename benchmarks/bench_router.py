@@ -373,10 +373,12 @@ class Fleet:
                 print("smg is not available: its columns stay empty (pip install smg to fill them)")
             return
         smg_port = free_port()
+        # No grace period at shutdown: nothing is in flight when the run stops it (SMG would
+        # otherwise wait ~5 s before exiting).
         self._spawn(
             "smg",
             [smg, "launch", "--worker-urls", upstream, "--host", "127.0.0.1", "--port", str(smg_port),
-             "--policy", "round_robin", "--log-level", "warn"],
+             "--policy", "round_robin", "--log-level", "warn", "--shutdown-grace-period-secs", "0"],
         )  # fmt: skip
         smg_url = f"http://127.0.0.1:{smg_port}"
         probe = json.dumps(REQUEST).encode()
@@ -524,12 +526,12 @@ def main() -> int:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="every target and phase for 0.5 s, no warm-up, smg only if it is already "
+        help="every target and phase for 0.2 s, no warm-up, smg only if it is already "
         "installed: for CI",
     )
     args = parser.parse_args()
     if args.smoke:
-        args.duration, args.warmup, args.no_install = 0.5, 0.0, True
+        args.duration, args.warmup, args.no_install = 0.2, 0.0, True
     client = args.client if args.client != "auto" else ("wrk" if shutil.which("wrk") else "aiohttp")
     fleet = Fleet(
         with_smg=not args.no_smg, install_smg=not args.no_install, with_stacks=args.stacks
