@@ -1,7 +1,7 @@
 """The radix prefix cache, on vs off, on one server build.
 
-Two servers are launched in turn from the same code: the default (prefix cache on, lpm) and
-`--disable-radix-cache`. On each:
+Two servers are launched in turn (with --smoke, at once) from the same code: the default
+(prefix cache on, lpm) and `--disable-radix-cache`. On each:
   - shared system prompt: a ~2,000-token system prompt and a short question. Cold is the
     first request after a flush; warm is the same system prompt with a new question. Time to
     first token over streamed /v1/chat/completions, median of `--repeats`.
@@ -75,6 +75,7 @@ def document(topic: str, sentences: int) -> str:
 
 
 SYSTEM_SENTENCES = 80  # ~2,000 tokens
+DOCUMENT_SENTENCES = 16  # ~400 tokens: each conversation's own document
 
 
 def system_prompt(sentences: int) -> str:
@@ -179,7 +180,10 @@ async def multiturn(session, url, args) -> tuple[float, list[list[float]]]:
     async def conversation(c: int):
         nonlocal tokens
         messages = [
-            {"role": "system", "content": "Answer briefly.\n" + document(TOPICS[c], 16)},
+            {
+                "role": "system",
+                "content": "Answer briefly.\n" + document(TOPICS[c], args.document_sentences),
+            },
         ]
         for t in range(args.turns):
             messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
@@ -195,11 +199,21 @@ async def multiturn(session, url, args) -> tuple[float, list[list[float]]]:
     return tokens / (time.perf_counter() - start), per_turn
 
 
-async def measure(args, cache_on: bool) -> dict:
+def start(args, cache_on: bool) -> tuple[subprocess.Popen, str, str]:
+    """A server launched (not yet healthy): its process, URL and log path."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(tempfile.gettempdir(), f"bench_prefix_cache_{int(cache_on)}.log")
-    proc = launch(args, port, cache_on, log_path)
+    return launch(args, port, cache_on, log_path), f"http://127.0.0.1:{port}", log_path
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(60)
+
+
+async def measure(args, cache_on: bool, server: tuple[subprocess.Popen, str, str]) -> dict:
+    """The figures of one server (stopped when done)."""
+    proc, url, log_path = server
     name = "on" if cache_on else "off"
     try:
         timeout = aiohttp.ClientTimeout(total=3600)
@@ -222,8 +236,21 @@ async def measure(args, cache_on: bool) -> dict:
             "hit_rate": loads["cache_hit_rate"],
         }
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        stop(proc)
+
+
+def measure_both(args) -> tuple[dict, dict]:
+    """Cache on, then off. A full run starts each server once the other has stopped, so the
+    two never compete; --smoke starts both at once, so that their loading overlaps, and
+    measures them in turn all the same."""
+    started = {on: start(args, on) for on in (True, False)} if args.smoke else {}
+    try:
+        on = asyncio.run(measure(args, True, started.pop(True, None) or start(args, True)))
+        off = asyncio.run(measure(args, False, started.pop(False, None) or start(args, False)))
+    finally:
+        for proc, _, _ in started.values():  # one a failed run did not reach
+            stop(proc)
+    return on, off
 
 
 def p50(values) -> float:
@@ -274,16 +301,17 @@ def main() -> None:
         "--smoke",
         action="store_true",
         help="the whole path at the smallest size, for CI: one repeat, 2 conversations x 2 "
-        "turns of 4 tokens, a short system prompt, servers with --lazy-kv-pool",
+        "turns of 4 tokens, a short system prompt and documents, both servers started at once "
+        "with --lazy-kv-pool --skip-warmup",
     )
     args = parser.parse_args()
+    args.document_sentences = DOCUMENT_SENTENCES
     if args.smoke:
         args.repeats, args.conversations, args.turns, args.answer_tokens = 1, 2, 2, 4
-        args.system_sentences = 8
-        args.server_args += " --lazy-kv-pool"
+        args.system_sentences, args.document_sentences = 8, 4
+        args.server_args += " --lazy-kv-pool --skip-warmup"
 
-    on = asyncio.run(measure(args, cache_on=True))
-    off = asyncio.run(measure(args, cache_on=False))
+    on, off = measure_both(args)
     flat_on = [x for t in on["per_turn"] for x in t]
     flat_off = [x for t in off["per_turn"] for x in t]
     result = {

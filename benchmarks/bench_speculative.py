@@ -9,7 +9,8 @@ No request repeats another of the run (each one's content is drawn with its own 
 answer remembered from an identical request would be drafted whole from the n-gram store.
 Concurrency 1 for both, and 8 for repeat: output tokens/s over each level's wall time, the
 median of --repeats passes. TTFT: one stream of short chat prompts, the p50. Servers run
-one at a time on the whole machine.
+one at a time on the whole machine (--smoke starts the two Cadence servers at once, so that
+their loading overlaps, and measures them in turn).
 
 Peers: llama-server only when LLAMA_SERVER names its binary (build it as
 docs/quantization.md says: `benchmarks/bench_quantized.py` builds it from the
@@ -376,8 +377,13 @@ async def measure(server: Server, args, with_c8: bool) -> dict:
 
 async def bench(args) -> dict:
     res: dict = {}
-    base = await measure(cadence_server(False, 8, args.server_args), args, True)
-    spec = await measure(cadence_server(True, 8, args.server_args), args, True)
+    early = cadence_server(True, 8, args.server_args) if args.smoke else None
+    try:
+        base = await measure(cadence_server(False, 8, args.server_args), args, True)
+        spec = await measure(early or cadence_server(True, 8, args.server_args), args, True)
+    finally:
+        if early is not None and early.proc.poll() is None:  # the base run failed
+            early.stop()
     for key in ("repeat_c1", "chat_c1", "repeat_c8"):
         res[f"spec_tok_s_{key}"] = spec[key]
         res[f"base_tok_s_{key}"] = base[key]
@@ -452,12 +458,14 @@ def main() -> int:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="16 new tokens, one request per client, one pass: the whole path, for CI",
+        help="16 new tokens, one request per client, one pass, both Cadence servers started at "
+        "once (--lazy-kv-pool --skip-warmup): the whole path, for CI",
     )
     args = parser.parse_args()
     if args.smoke:
         args.new_tokens, args.repeats, args.ttft_rounds = 16, 1, 1
-        args.server_args += " --lazy-kv-pool --max-total-tokens 4096"  # no 2.9 GB pool to write
+        # No 2.9 GB pool to write, no warm-up request at start (measure sends its own).
+        args.server_args += " --lazy-kv-pool --max-total-tokens 4096 --skip-warmup"
     res = asyncio.run(bench(args))
     report(res)
     if args.json:
