@@ -80,9 +80,12 @@ def bench_ours(
     return out
 
 
-def bench_limit(model, dtype, repeats: int, prefill_len: int = PREFILL_LEN) -> dict:
+def bench_limit(
+    model, dtype, repeats: int, prefill_len: int = PREFILL_LEN, timed: int | None = None
+) -> dict:
     """The model's projections alone, through the very objects the engine calls (packed
-    oneDNN weights on CPU), and the same shapes through plain F.linear for reference."""
+    oneDNN weights on CPU), and the same shapes through plain F.linear for reference; each
+    figure the median of `timed` passes (default 3 x `repeats`) after an untimed one."""
     linears = [
         lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
     ]
@@ -105,7 +108,7 @@ def bench_limit(model, dtype, repeats: int, prefill_len: int = PREFILL_LEN) -> d
         key = f"prefill_{rows}_limit" if rows == prefill_len else f"decode_b{rows}_limit"
         for suffix, fn in (("_tok_s", run), ("_plain_tok_s", run_plain)):
             fn()
-            out[key + suffix] = rows / median_time(fn, repeats * 3)
+            out[key + suffix] = rows / median_time(fn, timed or repeats * 3)
     return out
 
 
@@ -203,12 +206,13 @@ def main() -> int:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="every figure once with 4 new tokens per request and a 64-token prefill (the "
-        "peer included): for CI",
+        help="every figure once (the limit's too) with 2 new tokens per request and a 16-token "
+        "prefill (the peer included): for CI",
     )
     args = parser.parse_args()
+    limit_timed = None  # 3 x --repeats
     if args.smoke:
-        args.repeats, args.new_tokens, args.prefill_len = 1, 4, 64
+        args.repeats, args.new_tokens, args.prefill_len, limit_timed = 1, 2, 16, 1
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2: decode is timed beyond the first token")
 
@@ -233,7 +237,9 @@ def main() -> int:
         # second team on this thread would slow both down (see cadence/engine.py).
         results.update(
             engine.run_in_scheduler(
-                lambda s: bench_limit(s.runner.model, dtype, args.repeats, args.prefill_len),
+                lambda s: bench_limit(
+                    s.runner.model, dtype, args.repeats, args.prefill_len, limit_timed
+                ),
                 timeout=600,
             )
         )

