@@ -109,12 +109,12 @@ def log(msg: str) -> None:
     print(f"[bench_embeddings] {msg}", file=sys.stderr, flush=True)
 
 
-def batches(count: int) -> list[list[str]]:
-    """`count` batches of 32 sentences drawn from the queries and passages (a fixed seed), so
-    that batches differ in their mix of lengths."""
+def batches(count: int, size: int = BATCH) -> list[list[str]]:
+    """`count` batches of `size` sentences drawn from the queries and passages (a fixed seed),
+    so that batches differ in their mix of lengths."""
     rng = random.Random(0)
     pool = QUERIES + PASSAGES
-    return [rng.choices(pool, k=BATCH) for _ in range(count)]
+    return [rng.choices(pool, k=size) for _ in range(count)]
 
 
 # -- the limit and the peer (in process) -----------------------------------------------------
@@ -330,7 +330,7 @@ def plot(path: str, result: dict) -> None:
         ax.set_title(f"per second of {title}")
         ax.legend(loc="lower right")
     fig.suptitle(
-        f"all-MiniLM-L6-v2, {BATCH}-sentence batches, median of {result['rounds']} rounds "
+        f"all-MiniLM-L6-v2, {result['batch_size']}-sentence batches, median of {result['rounds']} rounds "
         f"({result['cpu_count']} cores, load avg {result['load_avg_1m']:.1f})"
     )
     fig.tight_layout()
@@ -349,16 +349,18 @@ def main() -> None:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="every figure once, briefly (0.2 s each, 2 batches): for CI",
+        help="every figure once, briefly (0.2 s each, 2 batches of 4 sentences, so that 32 "
+        "clients' requests in flight are few embeddings): for CI",
     )
     args = parser.parse_args()
+    batch_size = BATCH
     if args.smoke:
-        args.seconds, args.rounds, args.batches = 0.2, 1, 2
+        args.seconds, args.rounds, args.batches, batch_size = 0.2, 1, 2, 4
 
     from cadence.model_loader.locate import embedding_model_path
 
     path = embedding_model_path()
-    work = batches(args.batches)
+    work = batches(args.batches, batch_size)
     load_before = os.getloadavg()[0]
     warmup_s = min(2.0, 2 * args.seconds)
     runs = asyncio.run(measure(path, work, args.seconds, args.rounds, warmup_s))
@@ -373,14 +375,14 @@ def main() -> None:
             result["served_emb_cpu_s_c32"] / result["limit_budget_emb_cpu_s"]
         ),
         served_vs_st_c32_cpu=result["served_emb_cpu_s_c32"] / result["st_emb_cpu_s"],
-        batch_size=BATCH,
+        batch_size=batch_size,
         rounds=args.rounds,
         seconds_per_run=args.seconds,
         load_avg_1m_before=load_before,
         load_avg_1m=os.getloadavg()[0],
         cpu_count=os.cpu_count(),
     )
-    print(f"all-MiniLM-L6-v2, {BATCH}-sentence batches, median of {args.rounds} rounds")
+    print(f"all-MiniLM-L6-v2, {batch_size}-sentence batches, median of {args.rounds} rounds")
     print("| metric | value | runs |\n|---|---:|---|")
     for key, value in result.items():
         shown = f"{value:.3f}" if isinstance(value, float) else str(value)

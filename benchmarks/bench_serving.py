@@ -8,7 +8,8 @@ One run, one dtype, one machine:
     (p50, p99; a chunk carrying k tokens counts as k gaps of 1/k of its delay).
   - limit: the in-process `Engine` (same dtype, same max running requests) runs the same
     requests with the same closed-loop concurrency, after the server has stopped so the two
-    never compete. Target (issue 3): served tok/s at C=32 >= 0.9x offline.
+    never compete (--smoke loads it while the server starts; it idles until then). Target
+    (issue 3): served tok/s at C=32 >= 0.9x offline.
 
 Each level is measured served then offline (a fresh server and engine per level), so that a
 pair shares the load of the moment on a shared machine; the 1-minute load average at each
@@ -231,12 +232,18 @@ async def served_level(
         return await closed_loop(work, concurrency, run_one)
 
 
-async def bench_served(args, levels: list[int]) -> dict:
+def start_server(args) -> tuple[subprocess.Popen, str, str]:
+    """`cadence serve` launched (not yet healthy): its process, URL and log path."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(tempfile.mkdtemp(prefix="bench-serving-"), "server.log")
     log(f"launching cadence serve on :{port} (log: {log_path})")
-    proc = launch_server(args, port, log_path)
+    return launch_server(args, port, log_path), f"http://127.0.0.1:{port}", log_path
+
+
+async def bench_served(args, levels: list[int], server=None) -> dict:
+    """The served levels, on `server` (from start_server) or one launched here; it is stopped
+    when done."""
+    proc, url, log_path = server or start_server(args)
     results = {}
     try:
         await wait_healthy(url, proc)
@@ -282,15 +289,21 @@ async def offline_level(engine, work: list[Work], concurrency: int) -> tuple[lis
     return await closed_loop(work, concurrency, run_one)
 
 
-async def bench_offline(args, levels: list[int]) -> tuple[dict, int]:
-    import torch
-
+def load_engine(args):
     from cadence import Engine
 
     log("offline: loading the engine")
-    engine = Engine(
+    return Engine(
         model_path=args.model_path, dtype=args.dtype, max_running_requests=args.max_running_requests
     )
+
+
+async def bench_offline(args, levels: list[int], engine=None) -> tuple[dict, int]:
+    """The offline levels, on `engine` (from load_engine) or one loaded here; it is shut
+    down when done."""
+    import torch
+
+    engine = engine or load_engine(args)
     results = {}
     try:
         log("offline: warm-up")
@@ -305,6 +318,26 @@ async def bench_offline(args, levels: list[int]) -> tuple[dict, int]:
     finally:
         engine.shutdown()
     return results, torch.get_num_threads()
+
+
+def measure_levels(args, levels: list[int]) -> tuple[dict, dict, int]:
+    """Served, then offline, with a server and an engine of their own. --smoke launches the
+    server first and loads the engine while it starts (the engine idles while the server is
+    measured, and the server is gone when the engine is)."""
+    server = start_server(args) if args.smoke else None
+    try:
+        engine = load_engine(args) if args.smoke else None
+    except BaseException:
+        os.killpg(server[0].pid, signal.SIGKILL)
+        raise
+    try:
+        served = asyncio.run(bench_served(args, levels, server))
+    except BaseException:
+        if engine is not None:
+            engine.shutdown()
+        raise
+    offline, threads = asyncio.run(bench_offline(args, levels, engine))
+    return served, offline, threads
 
 
 # ---- report ------------------------------------------------------------------------------
@@ -439,7 +472,8 @@ def main() -> int:
         "--smoke",
         action="store_true",
         help="the whole path at the smallest size, for CI: C=2, 4 requests of 4 and 8 tokens, "
-        "a server with --lazy-kv-pool (no start-up step at full size)",
+        "a server with --lazy-kv-pool --skip-warmup (no start-up step at full size, no warm-up "
+        "request but the benchmark's own), the engine loaded while the server starts",
     )
     parser.add_argument(
         "--interleave",
@@ -453,7 +487,7 @@ def main() -> int:
     if args.smoke:
         args.concurrency, args.requests_per_client, args.least_requests = [2], 2, 4
         args.output_lens = [4, 8]
-        args.server_args += " --lazy-kv-pool"
+        args.server_args += " --lazy-kv-pool --skip-warmup"
     args.concurrency = sorted(set(args.concurrency))
 
     served, offline = {}, {}
@@ -461,9 +495,9 @@ def main() -> int:
     # moment (other tenants come and go); --no-interleave measures all served levels first.
     groups = [[c] for c in args.concurrency] if args.interleave else [args.concurrency]
     for levels in groups:
-        served.update(asyncio.run(bench_served(args, levels)))
-        more, threads = asyncio.run(bench_offline(args, levels))
-        offline.update(more)
+        more_served, more_offline, threads = measure_levels(args, levels)
+        served.update(more_served)
+        offline.update(more_offline)
     flat = flatten(served, offline, args, threads)
     print_table(flat, args.concurrency)
     if args.json:
