@@ -76,3 +76,28 @@ def hicache_storage_dir() -> str | None:
     """Where the disk tier of the prefix cache keeps its pages (SGLang's variable name), when
     --hicache-storage-backend-extra-config gives no file_storage_path."""
     return _get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
+
+
+def _seconds(name: str, default: float) -> float:
+    value = _get(name)
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+    if not seconds > 0:
+        raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+    return seconds
+
+
+def disaggregation_bootstrap_timeout() -> float:
+    """SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT (SGLang's name): seconds a disaggregated
+    request's room waits for its other side (default 300)."""
+    return _seconds("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0)
+
+
+def disaggregation_waiting_timeout() -> float:
+    """SGLANG_DISAGGREGATION_WAITING_TIMEOUT (SGLang's name): seconds a decode server waits
+    for a claimed request's KV pages (default 300)."""
+    return _seconds("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0)

@@ -142,6 +142,11 @@ class SessionParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     drop_previous_output: bool | None = None  # continue from the earlier prompt only
 
 
+# The bootstrap host of a request that runs both halves on the server it reaches, even a
+# prefill or decode one (SGLang's: its health checks and warm-up send it).
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
 class GenerateReqInput(_Message, kw_only=True):
     """The native /generate body, single or batch; what both adapters build.
 
@@ -194,6 +199,12 @@ class GenerateReqInput(_Message, kw_only=True):
     custom_logit_processor: str | list[str | None] | None = None
     # Continue an open session (see SessionParams): one dict for every item, or one per prompt.
     session_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+    # Prefill/decode disaggregation (a PD router sets them, on both servers alike): the
+    # prefill server's host and bootstrap port, and the room that pairs the two halves of
+    # the request; one value for every item, or one per prompt.
+    bootstrap_host: str | list[str | None] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int | None] | None = None
 
     # Derived by normalize_batch_and_arguments(); never set by the user.
     is_single: bool = True  # answer with one object, not a list
@@ -252,6 +263,11 @@ class TokenizedGenerateReqInput(_Message, kw_only=True):
     custom_logit_processor: str | None = None  # name of a registered logit processor
     # Continue an open session: the scheduler prepends the session's earlier tokens.
     session_params: SessionParams | None = None
+    # Prefill/decode disaggregation: where the prefill server's bootstrap is, and the room
+    # that pairs this request's halves (None: an ordinary request).
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 class TokenizedEmbeddingReqInput(_Message, kw_only=True):

@@ -495,6 +495,62 @@ class HiCacheArgs:
         return path or os.path.join(envs.state_dir(), "hicache")
 
 
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+DISAGGREGATION_BACKENDS = ("shm", "torch")
+
+
+@dataclass(frozen=True)
+class DisaggregationArgs:
+    """Prefill/decode disaggregation: a prefill server runs prompts, a decode server streams tokens (docs/disaggregation.md)."""
+
+    disaggregation_mode: str = "null"
+    """null (prefill and decode here), prefill (run prompts, send their KV pages to the decode server a request names) or decode (receive KV pages, stream the tokens)."""
+    disaggregation_transfer_backend: str = "shm"
+    """How KV pages move: shm (shared memory, both servers on one host) or torch (torch.distributed point to point across hosts: gloo on CPU, NCCL where both sides are on CUDA)."""
+    disaggregation_bootstrap_port: int = 8998
+    """The prefill server's bootstrap port, where decode servers claim a request's room (a router passes it to both sides as bootstrap_port)."""
+    disaggregation_bootstrap_timeout: float | None = None
+    """Seconds a request's room may wait for its other side (the decode server's claim on a prefill server; the prefill server's answer on a decode server) before it fails; default SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, else 300."""
+    disaggregation_waiting_timeout: float | None = None
+    """Seconds a decode server waits for a claimed request's KV pages and first token before it fails the request; default SGLANG_DISAGGREGATION_WAITING_TIMEOUT, else 300."""
+
+    def __post_init__(self) -> None:
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(
+                "disaggregation_mode must be null, prefill or decode, got "
+                f"{self.disaggregation_mode!r}"
+            )
+        if self.disaggregation_transfer_backend not in DISAGGREGATION_BACKENDS:
+            raise ValueError(
+                "disaggregation_transfer_backend must be shm or torch, got "
+                f"{self.disaggregation_transfer_backend!r} (SGLang's mooncake and nixl need "
+                "RDMA libraries this server does not ship)"
+            )
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValueError(
+                f"disaggregation_bootstrap_port must be a port, got "
+                f"{self.disaggregation_bootstrap_port}"
+            )
+        for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value}")
+
+    @property
+    def effective_bootstrap_timeout(self) -> float:
+        from cadence import envs
+
+        given = self.disaggregation_bootstrap_timeout
+        return given if given is not None else envs.disaggregation_bootstrap_timeout()
+
+    @property
+    def effective_waiting_timeout(self) -> float:
+        from cadence import envs
+
+        given = self.disaggregation_waiting_timeout
+        return given if given is not None else envs.disaggregation_waiting_timeout()
+
+
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _LORA_FUSED_NAMES = {  # SGLang also accepts the fused names
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -624,6 +680,7 @@ GROUPS: dict[str, type] = {
     "speculative": SpeculativeArgs,
     "lora": LoraArgs,
     "hicache": HiCacheArgs,
+    "disaggregation": DisaggregationArgs,
 }
 # flat field (and property) name -> the group that holds it
 _GROUP_OF: dict[str, str] = {
@@ -664,6 +721,7 @@ class ServerArgs(metaclass=_FlatDefaults):
     speculative: SpeculativeArgs
     lora: LoraArgs
     hicache: HiCacheArgs
+    disaggregation: DisaggregationArgs
     GROUPS: ClassVar[dict[str, type]] = GROUPS
 
     def __init__(self, **flat: Any) -> None:
@@ -683,6 +741,17 @@ class ServerArgs(metaclass=_FlatDefaults):
             )
         if not self.disable_grpc and self.effective_grpc_port == self.port:
             raise ValueError(f"grpc_port must differ from port ({self.port})")
+        if self.disaggregation_mode != "null":
+            for name, on in (
+                ("speculative_algorithm", self.speculative_algorithm is not None),
+                ("is_embedding", self.is_embedding),
+            ):
+                if on:
+                    raise ValueError(
+                        f"disaggregation_mode {self.disaggregation_mode}: {name} is not served "
+                        "by a disaggregated server; run it on a server with --disaggregation-mode "
+                        "null"
+                    )
         if self.pipeline is not None and self.api_workers > 1:
             raise ValueError(
                 "pipeline: one front process owns a pipeline's coordinator; "
@@ -783,6 +852,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                 kwargs = {"nargs": "*"}
             elif f.name == "lora_eviction_policy":
                 kwargs = {"choices": ("lru", "fifo")}
+            elif f.name == "disaggregation_mode":
+                kwargs = {"choices": DISAGGREGATION_MODES}
+            elif f.name == "disaggregation_transfer_backend":
+                kwargs = {"choices": DISAGGREGATION_BACKENDS}
             elif f.name == "hicache_write_policy":
                 kwargs = {"choices": ("write_through", "write_back", "write_through_selective")}
             section.add_argument(flag, type=conv, default=f.default, help=help_text, **kwargs)

@@ -15,7 +15,7 @@ import time
 
 from cadence.errors import CadenceError
 from cadence.front.engine_client import EngineClient
-from cadence.io_struct import EmbeddingReqInput, GenerateReqInput
+from cadence.io_struct import FAKE_BOOTSTRAP_HOST, EmbeddingReqInput, GenerateReqInput
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +23,12 @@ _GREEDY_TOKEN = {"max_new_tokens": 1, "temperature": 0}
 
 
 def probe_request(text: str | None = None) -> GenerateReqInput:
-    """A one-token greedy generation of `text` (token 0 when None)."""
+    """A one-token greedy generation of `text` (token 0 when None); on a prefill or decode
+    server it runs both halves there (the fake bootstrap host), needing no peer."""
+    fake = {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": 0}
     if text is not None:
-        return GenerateReqInput(text=text, sampling_params=dict(_GREEDY_TOKEN))
-    return GenerateReqInput(input_ids=[0], sampling_params=dict(_GREEDY_TOKEN))
+        return GenerateReqInput(text=text, sampling_params=dict(_GREEDY_TOKEN), **fake)
+    return GenerateReqInput(input_ids=[0], sampling_params=dict(_GREEDY_TOKEN), **fake)
 
 
 async def probe(client: EngineClient, text: str | None = None) -> None:

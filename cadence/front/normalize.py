@@ -129,6 +129,9 @@ def _per_item_fields(obj: GenerateReqInput, num_prompts: int) -> dict[str, list]
             ("return_hidden_states", False, _check_bool),
             ("custom_logit_processor", None, _check_str),
             ("session_params", None, _check_session_params),
+            ("bootstrap_host", None, _check_str),
+            ("bootstrap_port", None, _check_port),
+            ("bootstrap_room", None, _check_room),
         )
     }
     if obj.priority is not None and (
@@ -184,6 +187,9 @@ def _generate_item(obj: GenerateReqInput, i: int) -> GenerateReqInput:
         return_hidden_states=_entry(obj.return_hidden_states, i),
         custom_logit_processor=_entry(obj.custom_logit_processor, i),
         session_params=_entry(obj.session_params, i),
+        bootstrap_host=_entry(obj.bootstrap_host, i),
+        bootstrap_port=_entry(obj.bootstrap_port, i),
+        bootstrap_room=_entry(obj.bootstrap_room, i),
         is_single=True,
         batch_size=1,
         parallel_sample_num=1,
@@ -498,6 +504,20 @@ def _check_start_len(param: str, label: str, value: Any) -> int:
 
 def _check_top_num(param: str, label: str, value: Any) -> int:
     return _check_int(param, label, value, 0, "")
+
+
+def _check_port(param: str, label: str, value: Any) -> int:
+    if type(value) is not int or not 0 < value < 65536:
+        raise InvalidParameter(param, f"{label} must be a port number (1-65535), got {value!r}")
+    return value
+
+
+def _check_room(param: str, label: str, value: Any) -> int:
+    if type(value) is not int or not 0 <= value < 2**63:
+        raise InvalidParameter(
+            param, f"{label} must be an integer in [0, 2**63) (a PD router picks it), got {value!r}"
+        )
+    return value
 
 
 def _check_str(param: str, label: str, value: Any) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -21,6 +22,7 @@ from cadence.front.normalize import items, normalize_batch_and_arguments, one, o
 from cadence.front.sampling_checks import check_sampling_params, parse_sampling_params
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.io_struct import (
+    FAKE_BOOTSTRAP_HOST,
     GenerateReqInput,
     SamplingParams,
     SessionParams,
@@ -49,6 +51,8 @@ class RequestOptions:
     max_tokenize_chars: int = 4 << 20  # characters of one /tokenize request (--max-tokenize-chars)
     max_detokenize_tokens: int = 1 << 20  # ids of one /detokenize request (--max-detokenize-tokens)
     max_loaded_loras: int | None = None  # adapters one request may name (--max-loaded-loras)
+    disaggregation_mode: str = "null"  # null, prefill or decode (--disaggregation-mode)
+    disaggregation_bootstrap_port: int = 8998  # a decode request's default bootstrap_port
 
     @classmethod
     def of(cls, args) -> RequestOptions:
@@ -60,6 +64,8 @@ class RequestOptions:
             max_tokenize_chars=args.max_tokenize_chars,
             max_detokenize_tokens=args.max_detokenize_tokens,
             max_loaded_loras=args.max_loaded_loras,
+            disaggregation_mode=args.disaggregation_mode,
+            disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
         )
 
 
@@ -170,6 +176,12 @@ class RequestChecker:
         lora_paths = obj.lora_path if isinstance(obj.lora_path, list) else [obj.lora_path]
         await self.lora.check(lora_paths, "lora_path")
         tokenized = [await self._check_item(item, worker_ipc) for item in items(obj)]
+        if obj.parallel_sample_num > 1 and self.options.disaggregation_mode != "null":
+            raise InvalidParameter(
+                "n",
+                "n > 1 is not served by a disaggregated server (one bootstrap room pairs one "
+                "prefill with one decode); send n requests",
+            )
         if obj.parallel_sample_num > 1:
             for j, t in enumerate(tokenized):
                 if t.sampling_params.seed is not None:
@@ -250,7 +262,33 @@ class RequestChecker:
                 if item.session_params is None
                 else msgspec.convert(item.session_params, SessionParams)
             ),
+            **self._bootstrap(item),
         )
+
+    def _bootstrap(self, item: GenerateReqInput) -> dict[str, Any]:
+        """The request's disaggregation fields. A prefill server needs the room, a decode
+        server the room and the prefill host (the port defaults to its own
+        --disaggregation-bootstrap-port, as SGLang's does); a server that runs both halves
+        ignores them, as does every server for the health probe's fake host (SGLang's)."""
+        mode = self.options.disaggregation_mode
+        host = one_or_none(item.bootstrap_host, str)
+        if mode == "null" or host == FAKE_BOOTSTRAP_HOST:
+            return {}
+        room = one_or_none(item.bootstrap_room, int)
+        port = one_or_none(item.bootstrap_port, int)
+        required = {"bootstrap_room": room} | ({"bootstrap_host": host} if mode == "decode" else {})
+        for name, value in required.items():
+            if value is None or value == "":
+                raise InvalidParameter(
+                    name,
+                    f"{name} is required: this server runs the {mode} half of prefill/decode "
+                    "disaggregation; send requests through a PD router (cadence router "
+                    "--pd-disaggregation), which sets bootstrap_host, bootstrap_port and "
+                    "bootstrap_room on both halves",
+                )
+        if port is None:
+            port = self.options.disaggregation_bootstrap_port
+        return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
 
     async def _check_grammar(self, params: SamplingParams) -> None:
         """A constraint the grammar engine refuses is a 400 naming the field, with the

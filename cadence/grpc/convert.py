@@ -63,20 +63,27 @@ def sampling_params(msg: pb.SamplingParams) -> dict[str, Any]:
     return params
 
 
+def disaggregated_fields(req: Any) -> dict[str, Any]:
+    """`disaggregated_params` (both services) as the native bootstrap fields; the front
+    requires them on a prefill or decode server and ignores them on one that runs both."""
+    if not req.HasField("disaggregated_params"):
+        return {}
+    d = req.disaggregated_params
+    return {
+        "bootstrap_host": d.bootstrap_host,
+        "bootstrap_port": d.bootstrap_port,
+        "bootstrap_room": d.bootstrap_room,
+    }
+
+
 def generate_input(req: pb.TextGenerateRequest | pb.GenerateRequest) -> GenerateReqInput:
     """The GenerateReqInput of a TextGenerate or Generate call (not yet normalized)."""
-    if req.HasField("disaggregated_params"):
-        raise InvalidParameter(
-            "disaggregated_params",
-            "disaggregated_params: this server does not run "
-            "prefill/decode disaggregation; leave the field unset",
-        )
     if req.HasField("routed_dp_rank") and req.routed_dp_rank != 0:
         raise InvalidParameter(
             "routed_dp_rank",
             f"routed_dp_rank: this server has one data-parallel rank (0), got {req.routed_dp_rank}",
         )
-    kwargs: dict[str, Any] = {"stream": req.stream}
+    kwargs: dict[str, Any] = {"stream": req.stream, **disaggregated_fields(req)}
     if isinstance(req, pb.TextGenerateRequest):
         kwargs["text"] = req.text
         kwargs["return_text_in_logprobs"] = req.return_text_in_logprobs

@@ -17,6 +17,7 @@ from typing import Any
 from cadence.errors import InvalidParameter
 from cadence.front.engine_client import ModelInfo
 from cadence.grpc import sglang_scheduler_pb2 as pb
+from cadence.grpc.convert import disaggregated_fields
 from cadence.io_struct import EmbeddingReqInput, GenerateReqInput
 
 # proto3 zero -> the neutral value it stands for
@@ -88,6 +89,7 @@ def generate_input(req: pb.GenerateRequest, info: ModelInfo, rid: str) -> Genera
         sampling_params=params,
         rid=rid,
         stream=req.stream,
+        **disaggregated_fields(req),
     )
     if req.return_logprob:
         if req.top_logprobs_num < 0:
@@ -113,11 +115,6 @@ def generate_input(req: pb.GenerateRequest, info: ModelInfo, rid: str) -> Genera
 def _refuse_unserved(req: pb.GenerateRequest) -> None:
     refusals = [
         (req.return_hidden_states, "return_hidden_states", "this server returns no hidden states"),
-        (
-            req.HasField("disaggregated_params"),
-            "disaggregated_params",
-            "this server does not run prefill/decode disaggregation",
-        ),
         (
             bool(req.custom_logit_processor),
             "custom_logit_processor",

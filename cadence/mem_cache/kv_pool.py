@@ -93,6 +93,47 @@ class KVPool:
         for layer, buf in enumerate(self.kv_buffer):
             buf.index_copy_(2, index, data[:, layer].permute(1, 2, 0, 3, 4))
 
+    # ---- whole pages as bytes (prefill/decode disaggregation) ------------------------------
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page's K/V, every layer's together."""
+        return self.num_bytes // self.kv_buffer[0].shape[2]
+
+    @property
+    def layout(self) -> str:
+        """What two pools must share for pages to move between them as bytes."""
+        return f"{str(self.dtype).replace('torch.', '')}:{list(self.page_shape)}"
+
+    def gather_pages(self, pages: list[int], out: torch.Tensor) -> None:
+        """Packs these pages into `out` (1-D uint8 on the host, len(pages) * page_nbytes):
+        layer by layer, each layer's [2, heads, len(pages), page_size, head_dim] block."""
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        for buf, block in zip(self.kv_buffer, self._blocks(out, len(pages))):
+            if buf.device == block.device:
+                torch.index_select(buf, 2, index, out=block)
+            else:
+                block.copy_(buf.index_select(2, index))
+
+    def scatter_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        """Writes into these pages what `gather_pages` packed (from a pool of the same layout)."""
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        for buf, block in zip(self.kv_buffer, self._blocks(data, len(pages))):
+            buf.index_copy_(2, index, block.to(buf.device, non_blocking=False))
+
+    def _blocks(self, flat: torch.Tensor, num_pages: int) -> list[torch.Tensor]:
+        """`flat`'s bytes as one [2, heads, num_pages, page_size, head_dim] view per layer."""
+        shape = (2, self.num_kv_heads, num_pages, self.page_size, self.head_dim)
+        need = num_pages * self.page_nbytes
+        if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < need:
+            raise ValueError(f"a page buffer must be 1-D uint8 of {need} bytes")
+        typed = flat[:need].view(self.dtype)
+        per_layer = typed.numel() // len(self.kv_buffer)
+        return [
+            typed[i * per_layer : (i + 1) * per_layer].view(shape)
+            for i in range(len(self.kv_buffer))
+        ]
+
     @property
     def page_shape(self) -> tuple[int, ...]:
         """One page's K/V, every layer: [layers, 2, heads, page_size, head_dim]."""

@@ -46,6 +46,10 @@ class SchedulerProcess:
         self.inbox = bind(self.ctx, zmq.PULL, paths.scheduler_input)
         self.to_detokenizer = connect(self.ctx, zmq.PUSH, paths.detokenizer_input)
         self.fronts = FrontRouter(self.ctx)
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox, zmq.POLLIN)
+        if scheduler.pd is not None:  # the transfer agent's news wakes the loop too
+            self.poller.register(scheduler.pd.agent.wake_fd, zmq.POLLIN)
 
     def run(self) -> None:
         parent = os.getppid()
@@ -53,8 +57,9 @@ class SchedulerProcess:
             if self.heartbeat is not None:
                 self.heartbeat.beat()
             timeout = 0 if self.scheduler.has_work else IDLE_POLL_MS
-            if self.inbox.poll(timeout):
-                while True:
+            ready = dict(self.poller.poll(timeout))
+            if ready:
+                while self.inbox in ready:
                     try:
                         data = self.inbox.recv(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
@@ -137,12 +142,15 @@ def build_scheduler(args: ServerArgs, model_path: str, tokenizer) -> Scheduler:
         disk=make_disk_tier(args, model_path, runner),
         write_through=args.hicache_write_policy != "write_back",
     )
+    from cadence.scheduler.disaggregation import build_disaggregation
+
     return Scheduler(
         args,
         runner,
         kv,
         StopChecker(tokenizer, eos_ids, runner.context_len),
         grammars=grammars,
+        pd=build_disaggregation(args, kv, getattr(runner, "kv_pool", None), runner.context_len),
     )
 
 

@@ -75,6 +75,9 @@ class Req:
     # that adapter's uid: its KV namespace in the prefix cache (None: the base model's).
     lora: Any = None
     lora_uid: int | None = None
+    # Prefill/decode disaggregation: (prefill host, bootstrap port, room); None: both halves
+    # run here.
+    bootstrap: tuple[str | None, int | None, int] | None = None
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict[str, Any] | None = None
@@ -254,6 +257,11 @@ def req_from_tokenized(t: TokenizedGenerateReqInput) -> Req:
         logit_processor=t.custom_logit_processor,
         session_params=t.session_params,
         lora_name=t.lora_path,
+        bootstrap=(
+            None
+            if t.bootstrap_room is None
+            else (t.bootstrap_host, t.bootstrap_port, t.bootstrap_room)
+        ),
     )
 
 

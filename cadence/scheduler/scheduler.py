@@ -33,6 +33,7 @@ from typing import Any
 from cadence import hooks
 from cadence.constrained import grammar_key
 from cadence.constrained.grammar_queue import GrammarQueue
+from cadence.disaggregation.messages import Done
 from cadence.io_struct import (
     REPLY_TYPES,
     AbortReq,
@@ -64,6 +65,7 @@ from cadence.model_executor.lora_manager import NOT_ENABLED as LORA_NOT_ENABLED
 from cadence.model_executor.runner import BatchItem, ItemResult, Launched, Runner, ScheduleBatch
 from cadence.scheduler.admission import Admission
 from cadence.scheduler.batch import ahead_batch, decode_item, extend_item, prepare_sampling
+from cadence.scheduler.disaggregation import DecodeIntake, PrefillHandoff
 from cadence.scheduler.embedding import EmbeddingQueue, EmbedOutput, embed_req_from_tokenized
 from cadence.scheduler.profiler import Profiler
 from cadence.scheduler.req import Req, ReqOutput, is_sample_of, req_from_tokenized
@@ -94,6 +96,7 @@ class Scheduler:
         kv: KVManager,
         stop_checker: StopChecker,
         grammars: GrammarQueue | None = None,
+        pd: PrefillHandoff | DecodeIntake | None = None,
     ):
         self.args = args
         self.runner = runner
@@ -101,6 +104,8 @@ class Scheduler:
         self.stops = stop_checker
         # Requests whose constraint is compiling wait here, outside the waiting queue.
         self.grammars = grammars
+        # Prefill/decode disaggregation: this server's half of requests with a room.
+        self.pd = pd
         self.context_len = runner.context_len
         self.running: list[Req] = []  # prefill complete, decoding
         self.chunked: Req | None = None  # admitted, prefill in progress
@@ -209,7 +214,12 @@ class Scheduler:
 
     def _on_flush(self, msg: FlushCacheReqInput) -> FlushCacheReqOutput:
         busy = bool(
-            self.running or self.waiting or self.chunked or self.grammars or self.embeds.num_waiting
+            self.running
+            or self.waiting
+            or self.chunked
+            or self.grammars
+            or self.embeds.num_waiting
+            or (self.pd is not None and self.pd.waiting)
         )
         if not busy:
             self.kv.flush()  # what open sessions pin stays (their next turns need it)
@@ -243,7 +253,10 @@ class Scheduler:
         load = GetLoadReqOutput(
             dp_rank=0,
             num_running_reqs=len(self.running) + (1 if self.chunked else 0),
-            num_waiting_reqs=len(self.waiting) + len(self.grammars or ()) + self.embeds.num_waiting,
+            num_waiting_reqs=len(self.waiting)
+            + len(self.grammars or ())
+            + self.embeds.num_waiting
+            + (len(self.pd.waiting) if self.pd is not None else 0),
             num_used_tokens=used,
             num_cached_tokens=usage.num_cached * usage.page_size,
             max_total_num_tokens=total,
@@ -330,6 +343,21 @@ class Scheduler:
             if self.grammars is None:  # the front refuses these when no engine runs
                 return self.fail(req, RuntimeError("no grammar engine runs"), "being admitted")
             return self.grammars.submit(req, key)  # joins the queue once compiled
+        self._enqueue(req)
+
+    def _enqueue(self, req: Req) -> None:
+        """`req` waits for admission; a decode server's half of a disaggregated request waits
+        for its pages in the PD intake instead (it is never prefilled here)."""
+        if self.pd is not None and req.bootstrap is not None and req.params.max_new_tokens > 0:
+            refusal = self.pd.add(req)
+            if refusal is not None:
+                reason = {"type": "abort", "status_code": 400, "param": "bootstrap_room"}
+                return self._end(req, {**reason, "message": refusal})
+            if isinstance(self.pd, DecodeIntake):
+                return None
+        elif isinstance(self.pd, DecodeIntake) and req.bootstrap is not None:
+            # Nothing to generate: the prefill side answers the prompt's logprobs.
+            return self._end(req, {"type": "length", "length": 0})
         self.admission.enqueue(req)
 
     def _take_lora(self, req: Req) -> bool:
@@ -358,7 +386,7 @@ class Scheduler:
                 self.fail(req, grammar, "compiling its grammar")
             else:
                 req.grammar = grammar
-                self.admission.enqueue(req)
+                self._enqueue(req)
 
     def _relieve_memory(self) -> bool:
         """Admission is stalled with nothing running: pinned session KV yields, least
@@ -415,7 +443,9 @@ class Scheduler:
 
     def _live(self) -> list[Req]:
         compiling = self.grammars.owners if self.grammars else []
-        return [*compiling, *self.waiting, *([self.chunked] if self.chunked else []), *self.running]
+        pd = self.pd.waiting if self.pd is not None else []
+        chunked = [self.chunked] if self.chunked else []
+        return [*compiling, *self.waiting, *pd, *chunked, *self.running]
 
     # ---- the loop body ---------------------------------------------------------------------
 
@@ -427,6 +457,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        if self.pd is not None and self.pd.agent.has_events:
+            return True
         return self.inflight is not None or (
             not self.is_paused
             and bool(
@@ -445,6 +477,8 @@ class Scheduler:
             self.outputs.extend(self.embeds.step())
         if self.grammars:
             self._take_compiled(self.grammars)
+        if self.pd is not None:
+            self._step_disaggregation(self.pd)
         if self.inflight is not None:
             self._step_ahead()
         else:
@@ -455,12 +489,46 @@ class Scheduler:
         outputs, self.outputs = self.outputs, []
         return outputs
 
+    def _step_disaggregation(self, pd: PrefillHandoff | DecodeIntake) -> None:
+        """What the transfer agent reports: prefill requests whose decode side has all (they
+        answer now) or failed; decode requests whose pages arrived (they join the batch) or
+        failed; then decode requests that wait for pages try to get them."""
+        if isinstance(pd, PrefillHandoff):
+            for req, reason in pd.take_endings():
+                self._end(req, reason)
+            return
+        ready, lost = pd.take_news()
+        for req, why in lost:
+            self._end(req, {"type": "abort", "status_code": 500, "message": why})
+        if ready and self.inflight is not None:
+            self.drain()  # the step in flight decodes only its own requests
+        for req, done in ready:
+            self._join(req, done)
+        if not self.is_paused:
+            pd.admit()
+
+    def _join(self, req: Req, done: Done) -> None:
+        """A decode server's request whose prompt K/V arrived goes on from its first token,
+        sampled by the prefill server, as if it had sampled it here."""
+        req.num_computed = len(req.input_ids)
+        req.cached_tokens = done.cached_tokens  # SGLang reports the prefill side's hits
+        if done.token is None:
+            return self._end(req, {"type": "length", "length": 0})
+        self.running.append(req)
+        try:
+            result = ItemResult(done.token, done.logprob, done.top, done.given)
+            self._take_token(req, result)
+        except Exception as e:
+            self.fail(req, e, "taking its first token from the prefill server")
+
     def publish_kv_events(self) -> None:
         """What the prefix cache stored and dropped since the last call, to subscribers."""
         if self.kv_events is not None:
             self.kv_events.publish(self.kv.take_kv_events())
 
     def close(self) -> None:
+        if self.pd is not None:
+            self.pd.agent.close()
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
@@ -591,12 +659,16 @@ class Scheduler:
                 self.spec.sampled(req, result.next_id)
         if not batch.is_decode:
             self._cache_progress(req)
+            if isinstance(self.pd, PrefillHandoff) and req.bootstrap is not None:
+                self.pd.progress(req)  # its whole pages leave for the decode server now
             if req.num_computed < len(req.fill_ids):
                 return  # more chunks to come
             if self.chunked is req:
                 self.chunked = None
             if req.params.max_new_tokens == 0:
                 return self._end(req, {"type": "length", "length": 0})
+            if isinstance(self.pd, PrefillHandoff) and req.bootstrap is not None:
+                return self._hand_over(self.pd, req, result)
             self.running.append(req)
         if result.next_id is not None:
             self._take_token(req, result)
@@ -604,6 +676,26 @@ class Scheduler:
             if req.is_finished:
                 break
             self._take_token(req, more)
+
+    def _hand_over(self, pd: PrefillHandoff, req: Req, result: ItemResult) -> None:
+        """A prefill server's request sampled its first token: that token and the last pages
+        go to the decode server; the request answers once they are there (`Sent`)."""
+        if result.next_id is None:
+            return self.fail(req, RuntimeError("no first token was sampled"), "handing over")
+        self._throughput_window.append((time.monotonic(), 1))
+        self.num_generated_tokens += 1
+        req.append_token(
+            result.next_id, result.logprob, result.top_logprobs, result.token_ids_logprobs
+        )
+        done = Done(
+            room=pd._room(req),
+            token=result.next_id,
+            logprob=result.logprob,
+            top=result.top_logprobs,
+            given=result.token_ids_logprobs,
+            cached_tokens=req.cached_tokens,
+        )
+        pd.hand_over(req, done)
 
     def _take_token(self, req: Req, result: ItemResult) -> None:
         """`req` sampled `result.next_id`: record it, then end the request or stream it."""
@@ -644,6 +736,8 @@ class Scheduler:
         """Finishes `req` wherever it is (waiting, prefilling, running) and emits its last output.
         What it computed stays in the prefix cache, unless it failed (its KV is suspect)."""
         req.finished_reason = reason
+        if self.pd is not None:
+            self.pd.ended(req, reason)
         if req in self.running:
             self.running.remove(req)
         if self.chunked is req:

@@ -93,6 +93,11 @@ class _Request(msgspec.Struct, kw_only=True):
     # The LoRA adapter by name (one per prompt for a batch of completions); an adapter
     # named in `model` ("base:adapter", or its own name) wins over it, as in SGLang.
     lora_path: str | list[str | None] | None = None
+    # Prefill/decode disaggregation (SGLang's extras, set by a PD router): the prefill
+    # server's host and bootstrap port, and the room pairing the request's two halves.
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
 
     @property
     def is_stream(self) -> bool:
@@ -397,6 +402,9 @@ def extras(req: _Request) -> dict[str, Any]:
         "priority": req.priority,
         "return_hidden_states": req.return_hidden_states,
         "custom_logit_processor": req.custom_logit_processor,
+        "bootstrap_host": req.bootstrap_host,
+        "bootstrap_port": req.bootstrap_port,
+        "bootstrap_room": req.bootstrap_room,
     }
     return {name: value for name, value in fields.items() if value is not None}
 

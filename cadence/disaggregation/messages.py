@@ -1,0 +1,87 @@
+"""The bootstrap channel's messages: what a prefill server and a decode server say about one
+request's room (`bootstrap_room`) while its KV pages move between them.
+
+The channel is ZMQ over TCP: the prefill server's ROUTER on its bootstrap port, one DEALER per
+prefill server on each decode server. Pages themselves travel over a pipeline relay (shm,
+torch); a `Chunk` only announces them. In order, for one room:
+
+    decode  -> prefill   Claim        the room is mine: send from page `skip_pages` on
+    prefill -> decode    Accepted     the room's request is here too: the transfer will come
+    prefill -> decode    Chunk ...    pages [first_page, first_page + num_pages), on the relay
+    decode  -> prefill   ChunkAck     (relays that need it) the chunk's memory may be reused
+    prefill -> decode    Done         the prompt's first sampled token and its logprobs
+    decode  -> prefill   DoneAck      the request lives on the decode side now
+
+Either side may end a room at any point: `Failed` (prefill -> decode) or `Cancel` (decode ->
+prefill), with the reason the other side's client is told. `Ping` lets a prefill server find
+out that a decode server is gone (ROUTER_MANDATORY: sending to a dead peer fails).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class _Msg(msgspec.Struct, tag=True, kw_only=True, array_like=True):
+    room: int
+
+
+class Claim(_Msg):
+    rid: str  # the decode side's request id (logs)
+    skip_pages: int  # leading pages the decode side already has (its prefix cache)
+    layout: str  # KVPool.layout of the decode side: both pools must agree
+    backend: str  # the relay backend the decode side reads with
+
+
+class Accepted(_Msg):
+    pass
+
+
+class Chunk(_Msg):
+    first_page: int  # the request's page index of the chunk's first page
+    num_pages: int
+    relay: dict[str, Any]  # the relay's put metadata
+
+
+class ChunkAck(_Msg):
+    relay: dict[str, Any]
+
+
+class Done(_Msg):
+    token: int | None  # the first output token; None when the request asked for none
+    logprob: float | None = None
+    top: list[tuple[float, int]] | None = None
+    given: list[tuple[float, int]] | None = None
+    cached_tokens: int = 0  # prompt tokens the prefill side took from its prefix cache
+
+
+class DoneAck(_Msg):
+    pass
+
+
+class Failed(_Msg):
+    message: str
+
+
+class Cancel(_Msg):
+    message: str
+
+
+class Ping(_Msg):
+    pass
+
+
+Message = Claim | Accepted | Chunk | ChunkAck | Done | DoneAck | Failed | Cancel | Ping
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)
