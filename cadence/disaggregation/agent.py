@@ -44,7 +44,8 @@ from cadence.pipeline.relay import RelayContext, RelayError, create_relay
 logger = logging.getLogger("cadence.disaggregation")
 
 CHUNK_BYTES = (4 << 20) - 4096  # a chunk stays under the shm relay's split size: one gather
-PING_S = 1.0  # how often a prefill server checks that its claimed rooms' decode servers live
+PING_S = 1.0
+ANSWER_MARGIN_S = 1.0  # a decode side's own deadline runs past the prefill side's by this  # how often a prefill server checks that its claimed rooms' decode servers live
 CREDITS = 8  # relay slots in flight per prefill server
 SLOT_MB = 4.0
 
@@ -606,7 +607,8 @@ class DecodeAgent(TransferAgent):
         peer.rooms.add(room)
         into = self.rooms[room] = _In(room, rid, where)
         into.timer = self.loop.call_later(
-            self.bootstrap_timeout,
+            # A live prefill server answers first, with a more telling reason.
+            self.bootstrap_timeout + ANSWER_MARGIN_S,
             self._lose,
             room,
             f"the prefill server at {where[6:]} did not take bootstrap_room {room} within "
@@ -674,6 +676,8 @@ class DecodeAgent(TransferAgent):
                 continue
             into = self.rooms.get(msg.room)
             if isinstance(msg, m.Chunk):
+                if into is not None:
+                    into.receiving += 1  # now: the Done behind it must wait for it
                 self._spawn(self._receive(peer, into, msg))
             elif into is None:
                 continue  # a room this side dropped: Ping, Done, Failed go nowhere
@@ -704,8 +708,9 @@ class DecodeAgent(TransferAgent):
         if into is None or self.rooms.get(chunk.room) is not into:
             await relay.discard_async(meta, f"room-{chunk.room}", 0)  # nobody wants it
             ack()
+            if into is not None:
+                into.receiving -= 1
             return
-        into.receiving += 1
         try:
             data = relay.lend(meta, lambda: self._call(ack))
             release = None

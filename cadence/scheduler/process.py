@@ -204,7 +204,13 @@ def run_scheduler_process(
             )
         )
         raise SystemExit(1) from e
-    proc.run()
+    try:
+        proc.run()
+    finally:
+        # A stop (SIGTERM unwinds to here) or the server gone: the disk tier writes what it
+        # holds back, the KV-event publisher and the PD transfer agent let their sockets
+        # and shared memory go.
+        scheduler.close()
 
 
 def make_disk_tier(args: ServerArgs, model_path: str, runner):

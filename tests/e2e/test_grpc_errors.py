@@ -62,12 +62,6 @@ BAD_TEXT_REQUESTS = {
         pb.TextGenerateRequest(text="hello " * 100, sampling_params=sp(max_new_tokens=8180)),
         "max_new_tokens",
     ),
-    "disaggregation": (
-        pb.TextGenerateRequest(
-            text="hi", disaggregated_params=pb.DisaggregatedParams(bootstrap_host="h")
-        ),
-        "disaggregated_params",
-    ),
     "a session (upstream field 13)": (
         pb.TextGenerateRequest(text="hi", session_id="s-1"),
         "session_id",

@@ -78,11 +78,20 @@ def test_generate_request_fields_map_by_name():
     normalize_batch_and_arguments(obj)  # the native checks accept what the adapter built
 
 
+def test_disaggregated_params_become_the_native_bootstrap_fields():
+    params = pb.DisaggregatedParams(
+        bootstrap_host="10.0.0.2", bootstrap_port=8998, bootstrap_room=7
+    )
+    for request in (
+        pb.TextGenerateRequest(text="x", disaggregated_params=params),
+        pb.GenerateRequest(input_ids=[1], disaggregated_params=params),
+    ):
+        obj = convert.generate_input(request)
+        assert (obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room) == ("10.0.0.2", 8998, 7)
+    assert convert.generate_input(pb.TextGenerateRequest(text="x")).bootstrap_room is None
+
+
 def test_unservable_fields_are_invalid_arguments():
-    with pytest.raises(InvalidParameter, match="disaggregation"):
-        convert.generate_input(
-            pb.TextGenerateRequest(text="x", disaggregated_params=pb.DisaggregatedParams())
-        )
     for request in (
         pb.TextGenerateRequest(text="x", session_id="s"),
         pb.GenerateRequest(input_ids=[1], session_id="s"),

@@ -154,7 +154,6 @@ def test_constrained_decoding_is_refused_naming_the_field(constraint):
     "field,value",
     [
         ("return_hidden_states", True),
-        ("disaggregated_params", pb.DisaggregatedParams(bootstrap_host="h")),
         ("custom_logit_processor", "x"),
         ("input_embeds", [0.1]),
         ("mm_inputs", pb.MultimodalInputs(image_urls=["http://x/a.png"])),
@@ -164,6 +163,13 @@ def test_constrained_decoding_is_refused_naming_the_field(constraint):
 def test_fields_this_server_cannot_honour_are_refused_by_name(field, value):
     with pytest.raises(InvalidParameter, match=f"^{field}: .*leave the field unset"):
         convert.generate_input(request(**{field: value}), INFO, "r")
+
+
+def test_disaggregated_params_become_the_native_bootstrap_fields():
+    """SMG's PD mode over gRPC: the same params go to the prefill and the decode worker."""
+    params = pb.DisaggregatedParams(bootstrap_host="p", bootstrap_port=9000, bootstrap_room=12)
+    obj = convert.generate_input(request(disaggregated_params=params), INFO, "r")
+    assert (obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room) == ("p", 9000, 12)
 
 
 def test_lora_id_is_left_to_the_servicer():
