@@ -16,7 +16,15 @@ import aiohttp
 from aiohttp import web
 
 from cadence.router.access import AccessControl, Handler, admin_only
-from cadence.router.config import RouterConfig, WorkerSpec, short_repr, worker_spec_from_dict
+from cadence.router.config import (
+    DECODE,
+    PREFILL,
+    RouterConfig,
+    WorkerSpec,
+    check_role,
+    short_repr,
+    worker_spec_from_dict,
+)
 from cadence.router.metrics import CONTENT_TYPE, RouterMetrics
 from cadence.router.proxy import error_response, payload_too_large, read_body, request_id
 from cadence.router.workers import HealthState, Worker, WorkerRegistry
@@ -69,26 +77,38 @@ class _AdminHandlers:
     async def live(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    async def ready(self, request: web.Request) -> web.Response:
+    def _readiness(self) -> tuple[bool, dict]:
+        """Whether requests can be routed: a routable worker, or in PD mode a routable
+        prefill and a routable decode worker; with the counts that say so."""
         num_routable = len(self.registry.routable)
-        return web.json_response(
-            {"ready": num_routable > 0, "num_routable_workers": num_routable},
-            status=200 if num_routable else 503,
-        )
+        if not self.router.config.pd_disaggregation:
+            return num_routable > 0, {"num_routable_workers": num_routable}
+        by_role = {r: sum(w.role == r for w in self.registry.routable) for r in (PREFILL, DECODE)}
+        facts = {"num_routable_workers": num_routable, "num_routable_by_role": by_role}
+        return all(by_role.values()), facts
+
+    async def ready(self, request: web.Request) -> web.Response:
+        is_ready, facts = self._readiness()
+        return web.json_response({"ready": is_ready, **facts}, status=200 if is_ready else 503)
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while at least one worker is routable, with a count of workers by state."""
+        """200 while requests can be routed, with a count of workers by state."""
         counts = {state.value: 0 for state in HealthState}
         for worker in self.registry:
             counts[worker.health.value] += 1
-        num_routable = len(self.registry.routable)
-        body = {
-            "status": "ok" if num_routable else "no routable worker",
-            "num_routable_workers": num_routable,
-            "workers_by_health": counts,
-            "policy": self.router.config.policy,
-        }
-        return web.json_response(body, status=200 if num_routable else 503)
+        is_ready, facts = self._readiness()
+        config = self.router.config
+        if is_ready:
+            status = "ok"
+        elif config.pd_disaggregation and facts["num_routable_workers"]:
+            status = "PD mode needs a routable prefill and a routable decode worker"
+        else:
+            status = "no routable worker"
+        body = {"status": status, **facts, "workers_by_health": counts, "policy": config.policy}
+        if config.pd_disaggregation:
+            body["prefill_policy"] = config.policy_for(PREFILL)
+            body["decode_policy"] = config.policy_for(DECODE)
+        return web.json_response(body, status=200 if is_ready else 503)
 
     async def list_workers(self, request: web.Request) -> web.Response:
         return web.json_response({"workers": [w.to_dict() for w in self.registry]})
@@ -105,6 +125,7 @@ class _AdminHandlers:
             return body
         try:
             spec = worker_spec_from_dict(body, field="worker")
+            check_role(spec, self.router.config.pd_disaggregation)
         except ValueError as exc:
             return _bad_request(request, str(exc))
         try:

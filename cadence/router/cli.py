@@ -13,6 +13,8 @@ from cadence.config_docs import field_docs
 from cadence.router.config import RouterConfig, load_worker_specs
 
 _TYPES = {"str": str, "str | None": str, "int": int, "float": float}
+# SGLang router's names for the PD worker lists: one flag per worker, repeated.
+_PD_FLAGS = {"prefill_urls": "--prefill", "decode_urls": "--decode"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,7 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not MISSING else None
         help_text = docs[f.name] + ("" if default in (None, ()) else f" (default: {default})")
-        if f.type == "tuple[str, ...]":
+        if f.name == "prefill_urls":
+            # --prefill URL [BOOTSTRAP_PORT]: nargs="+" and checked in parse_config, since
+            # argparse has no "one or two" count.
+            parser.add_argument(_PD_FLAGS[f.name], dest=f.name, nargs="+", action="append",
+                                default=None, metavar=("URL", "BOOTSTRAP_PORT"),
+                                help=docs[f.name])  # fmt: skip
+        elif f.name == "decode_urls":
+            parser.add_argument(_PD_FLAGS[f.name], dest=f.name, action="append", metavar="URL",
+                                default=None, help=docs[f.name])  # fmt: skip
+        elif f.type == "tuple[str, ...]":
             parser.add_argument(flag, nargs="+", metavar="URL", default=None, help=help_text)
         elif f.type == "bool":
             # A switch that only turns things on; absent, the field keeps its default.
@@ -43,7 +54,29 @@ def parse_config(argv: list[str] | None) -> RouterConfig:
     given = {k: v for k, v in vars(args).items() if v is not None}
     if "worker_urls" in given:
         given["worker_urls"] = tuple(given["worker_urls"])
+    if "prefill_urls" in given:
+        given["prefill_urls"] = tuple(parse_prefill_arg(v) for v in given["prefill_urls"])
+    if "decode_urls" in given:
+        given["decode_urls"] = tuple(given["decode_urls"])
     return RouterConfig(**given)
+
+
+def parse_prefill_arg(values: list[str]) -> tuple[str, int | None]:
+    """One `--prefill URL [BOOTSTRAP_PORT]`: the port is a number, 'none' or left out (None:
+    the router reads it from the worker's /server_info)."""
+    if len(values) > 2:
+        raise ValueError(
+            f"prefill_urls: --prefill takes a URL and at most one bootstrap port, got {values}; "
+            "repeat --prefill for each prefill worker"
+        )
+    if len(values) == 1 or values[1].lower() == "none":
+        return values[0], None
+    try:
+        return values[0], int(values[1])
+    except ValueError:
+        raise ValueError(
+            f"prefill_urls: bootstrap port of {values[0]} must be a number or 'none', got {values[1]!r}"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,10 @@ from urllib.parse import quote, urlsplit
 
 POLICIES = ("round_robin", "least_request", "random", "power_of_two", "cache_aware")
 
+# What a worker does: a complete replica, or one side of prefill/decode disaggregation.
+REGULAR, PREFILL, DECODE = "regular", "prefill", "decode"
+ROLES = (REGULAR, PREFILL, DECODE)
+
 CAPABILITIES = frozenset(
     {
         "chat",
@@ -76,10 +80,27 @@ class RouterConfig:
     """Base URLs of the workers, http or https, e.g. http://127.0.0.1:30000."""
 
     worker_config: str | None = None
-    """JSON or YAML file listing workers: [{url, model, capabilities}, ...]."""
+    """JSON or YAML file listing workers: [{url, model, capabilities, role, bootstrap_port}, ...]."""
+
+    pd_disaggregation: bool = False
+    """Prefill/decode disaggregation: each generate request goes to a prefill worker and a
+    decode worker at once (--prefill, --decode), and the decode worker answers."""
+
+    prefill_urls: tuple[tuple[str, int | None], ...] = ()
+    """PD mode: a prefill worker, as --prefill URL [BOOTSTRAP_PORT]; repeat the flag per worker.
+    Without a port (or with 'none') the worker's GET /server_info disaggregation_bootstrap_port is used."""
+
+    decode_urls: tuple[str, ...] = ()
+    """PD mode: a decode worker, as --decode URL; repeat the flag per worker."""
 
     policy: str = "round_robin"
     """Routing policy: round_robin, least_request, random, power_of_two or cache_aware."""
+
+    prefill_policy: str | None = None
+    """PD mode: policy choosing the prefill worker (default: --policy)."""
+
+    decode_policy: str | None = None
+    """PD mode: policy choosing the decode worker (default: --policy)."""
 
     request_timeout_secs: float = 1800.0
     """Longest time one upstream exchange may take, the whole streamed answer included."""
@@ -201,6 +222,52 @@ class RouterConfig:
             normalized = normalize_worker_url(url, field="worker_urls")
             _check(normalized not in seen, "worker_urls", f"duplicate worker {normalized}")
             seen.add(normalized)
+        self._check_pd()
+
+    def _check_pd(self) -> None:
+        """PD mode takes its workers from --prefill/--decode; the two modes never mix."""
+        for field in ("prefill_policy", "decode_policy"):
+            name = getattr(self, field)
+            _check(name is None or name in POLICIES, field, f"must be one of {', '.join(POLICIES)}")
+        _check(
+            isinstance(self.pd_disaggregation, bool), "pd_disaggregation", "must be true or false"
+        )
+        if not self.pd_disaggregation:
+            for field in ("prefill_urls", "decode_urls", "prefill_policy", "decode_policy"):
+                _check(
+                    not getattr(self, field),
+                    field,
+                    f"--{field.removesuffix('_urls').replace('_', '-')} is a PD mode flag: "
+                    "add --pd-disaggregation, or drop it",
+                )
+            return
+        _check(
+            not self.worker_urls,
+            "worker_urls",
+            "--worker-urls names complete replicas, which PD mode (--pd-disaggregation) does not "
+            "route to: drop --worker-urls and give prefill workers with --prefill URL "
+            "[BOOTSTRAP_PORT] and decode workers with --decode URL",
+        )
+        seen: set[str] = set()
+        for entry in self.prefill_urls:
+            _check(
+                isinstance(entry, tuple) and len(entry) == 2,
+                "prefill_urls",
+                f"each entry is a (url, bootstrap_port or None) pair, got {short_repr(entry)}",
+            )
+            url, port = entry
+            normalized = normalize_worker_url(url, field="prefill_urls")
+            check_bootstrap_port(port, "prefill_urls")
+            _check(normalized not in seen, "prefill_urls", f"duplicate worker {normalized}")
+            seen.add(normalized)
+        for url in self.decode_urls:
+            normalized = normalize_worker_url(url, field="decode_urls")
+            _check(
+                normalized not in seen,
+                "decode_urls",
+                f"{normalized} is listed twice (a worker is either prefill or decode, once)",
+            )
+            seen.add(normalized)
 
     @property
     def is_admin_api_enabled(self) -> bool:
@@ -215,6 +282,11 @@ class RouterConfig:
     def retry_max_backoff_secs(self) -> float:
         return self.retry_max_backoff_ms / 1000.0
 
+    def policy_for(self, role: str) -> str:
+        """The policy name that chooses workers of `role` (PD mode may set one per side)."""
+        chosen = {PREFILL: self.prefill_policy, DECODE: self.decode_policy}.get(role)
+        return chosen or self.policy
+
 
 @dataclass(frozen=True)
 class WorkerSpec:
@@ -228,6 +300,12 @@ class WorkerSpec:
 
     capabilities: frozenset[str] | None = None
     """What the worker can do (see CAPABILITIES); None means everything."""
+
+    role: str = REGULAR
+    """regular (a complete replica), or prefill or decode (PD mode only)."""
+
+    bootstrap_port: int | None = None
+    """Prefill workers: the port of their KV bootstrap server; None: read from /server_info."""
 
     @property
     def id(self) -> str:
@@ -305,10 +383,21 @@ def _legacy_ipv4(host: str) -> ipaddress.IPv4Address | None:
 
 
 def load_worker_specs(config: RouterConfig) -> list[WorkerSpec]:
-    """The workers named by `--worker-urls` and `--worker-config`, validated, no duplicates."""
+    """The workers named by `--worker-urls` (or `--prefill`/`--decode`) and `--worker-config`,
+    validated, no duplicates."""
     specs = [WorkerSpec(url=normalize_worker_url(u, "worker_urls")) for u in config.worker_urls]
+    specs += [
+        WorkerSpec(url=normalize_worker_url(u, "prefill_urls"), role=PREFILL, bootstrap_port=p)
+        for u, p in config.prefill_urls
+    ]
+    specs += [
+        WorkerSpec(url=normalize_worker_url(u, "decode_urls"), role=DECODE)
+        for u in config.decode_urls
+    ]
     if config.worker_config:
-        specs.extend(read_worker_file(config.worker_config))
+        for spec in read_worker_file(config.worker_config):
+            check_role(spec, config.pd_disaggregation, "worker_config")
+            specs.append(spec)
     seen: set[str] = set()
     for spec in specs:
         if spec.url in seen:
@@ -340,17 +429,20 @@ def read_worker_file(path: str) -> list[WorkerSpec]:
 
 
 def worker_spec_from_dict(entry: object, field: str = "worker") -> WorkerSpec:
-    """Build a WorkerSpec from a URL string or a {url, model, capabilities} mapping."""
+    """Build a WorkerSpec from a URL string or a {url, model, capabilities, role,
+    bootstrap_port} mapping."""
     if isinstance(entry, str):
         return WorkerSpec(url=normalize_worker_url(entry, field))
     if not isinstance(entry, dict):
         raise ValueError(
             f"{field}: each worker must be a URL or a mapping, got {short_repr(entry)}"
         )
-    unknown = set(entry) - {"url", "model", "capabilities"}
+    unknown = set(entry) - _WORKER_KEYS
     if unknown:
         names = short_repr(sorted(map(str, unknown)))
-        raise ValueError(f"{field}: unknown worker keys {names} (url, model, capabilities)")
+        raise ValueError(
+            f"{field}: unknown worker keys {names} (url, model, capabilities, role, bootstrap_port)"
+        )
     if "url" not in entry:
         raise ValueError(f"{field}: worker entry {short_repr(entry)} has no url")
     model = entry.get("model")
@@ -362,11 +454,47 @@ def worker_spec_from_dict(entry: object, field: str = "worker") -> WorkerSpec:
         raise ValueError(
             f"{field}.model: {len(model)} characters long; the limit is {MAX_MODEL_NAME_LENGTH}"
         )
+    role = entry.get("role", REGULAR)
+    if role not in ROLES:
+        raise ValueError(f"{field}.role: must be one of {', '.join(ROLES)}, got {short_repr(role)}")
+    port = entry.get("bootstrap_port")
+    check_bootstrap_port(port, f"{field}.bootstrap_port")
+    if port is not None and role != PREFILL:
+        raise ValueError(f"{field}.bootstrap_port: only a prefill worker has one")
     return WorkerSpec(
         url=normalize_worker_url(entry["url"], f"{field}.url"),
         model=model,
         capabilities=parse_capabilities(entry.get("capabilities"), f"{field}.capabilities"),
+        role=role,
+        bootstrap_port=port,
     )
+
+
+_WORKER_KEYS = frozenset({"url", "model", "capabilities", "role", "bootstrap_port"})
+
+
+def check_role(spec: WorkerSpec, is_pd: bool, field: str = "worker") -> None:
+    """A PD router routes to prefill and decode workers only; a regular one to replicas only."""
+    if is_pd and spec.role == REGULAR:
+        raise ValueError(
+            f"{field}.role: worker {spec.url} needs a role, prefill or decode (the router runs "
+            "with --pd-disaggregation)"
+        )
+    if not is_pd and spec.role != REGULAR:
+        raise ValueError(
+            f"{field}.role: worker {spec.url} is a {spec.role} worker; start the router with "
+            "--pd-disaggregation to route to prefill and decode workers"
+        )
+
+
+def check_bootstrap_port(port: object, field: str) -> None:
+    """None (not given: asked of the worker) or a TCP port number."""
+    if port is None:
+        return
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(
+            f"{field}: bootstrap port must be a number from 1 to 65535 (or none), got {short_repr(port)}"
+        )
 
 
 def parse_capabilities(value: object, field: str = "capabilities") -> frozenset[str] | None:

@@ -62,6 +62,9 @@ class RouterMetrics:
         self._requests: dict[tuple[str, int], int] = {}
         self._latency: dict[str, _Histogram] = {}
         self._retries: dict[str, int] = {}
+        # PD mode: requests sent to each side, and those that side failed, by (role, url).
+        self._pd_requests: dict[tuple[str, str], int] = {}
+        self._pd_failures: dict[tuple[str, str], int] = {}
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -75,6 +78,14 @@ class RouterMetrics:
 
     def observe_retry(self, route: str) -> None:
         self._retries[route] = self._retries.get(route, 0) + 1
+
+    def observe_pd_request(self, role: str, url: str) -> None:
+        key = (role, url)
+        self._pd_requests[key] = self._pd_requests.get(key, 0) + 1
+
+    def observe_pd_failure(self, role: str, url: str) -> None:
+        key = (role, url)
+        self._pd_failures[key] = self._pd_failures.get(key, 0) + 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -108,6 +119,27 @@ class RouterMetrics:
             value=self._in_flight(),
         )
         yield from self._collect_workers()
+        yield from self._collect_pd()
+
+    def _collect_pd(self) -> Iterator[Metric]:
+        if not self._pd_requests:
+            return
+        requests = CounterMetricFamily(
+            "cadence_router_pd_requests",
+            "PD mode: requests sent to each worker, by its role (prefill or decode).",
+            labels=["role", "worker"],
+        )
+        for (role, url), count in sorted(self._pd_requests.items()):
+            requests.add_metric([role, url], count)
+        failures = CounterMetricFamily(
+            "cadence_router_pd_failures",
+            "PD mode: requests a worker failed (connection error, timeout, 408, 429, 5xx not "
+            "blamed on the request), by its role.",
+            labels=["role", "worker"],
+        )
+        for (role, url), count in sorted(self._pd_failures.items()):
+            failures.add_metric([role, url], count)
+        yield from (requests, failures)
 
     def _collect_workers(self) -> Iterator[Metric]:
         selections = CounterMetricFamily(

@@ -173,9 +173,10 @@ def least_loaded(candidates: Sequence[Worker], turn: int) -> Worker:
     return tied[turn % len(tied)]
 
 
-def make_policy(config: RouterConfig) -> RoutingPolicy:
-    """The policy named by `config.policy`."""
-    if config.policy == "cache_aware":
+def make_policy(config: RouterConfig, name: str | None = None) -> RoutingPolicy:
+    """The policy named `name` (default: `config.policy`), tuned by `config`."""
+    name = name or config.policy
+    if name == "cache_aware":
         return CacheAwarePolicy(config)
     simple = {
         "round_robin": RoundRobinPolicy,
@@ -183,6 +184,6 @@ def make_policy(config: RouterConfig) -> RoutingPolicy:
         "random": RandomPolicy,
         "power_of_two": PowerOfTwoPolicy,
     }
-    if config.policy not in simple:
-        raise ValueError(f"policy: unknown policy {config.policy!r}")
-    return simple[config.policy]()
+    if name not in simple:
+        raise ValueError(f"policy: unknown policy {name!r}")
+    return simple[name]()

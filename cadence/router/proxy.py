@@ -65,7 +65,8 @@ class Exchange:
     rid: str
     route: str
     meta: RouteMeta = field(default_factory=RouteMeta)
-    worker: Worker | None = None
+    worker: Worker | None = None  # the one that answered (PD mode: the decode worker)
+    prefill_worker: Worker | None = None  # PD mode
     num_attempts: int = 0
     is_client_gone: bool = False
 
@@ -155,7 +156,16 @@ def is_request_fault(status: int, headers: CIMultiDictProxy[str]) -> bool:
     return status >= 500 and headers.get(FAULT_HEADER, "").strip().lower() == "request"
 
 
-def _is_streamed(upstream: aiohttp.ClientResponse) -> bool:
+def backoff_secs(config: RouterConfig, rng: random.Random, retry: int) -> float:
+    """Delay before retry number `retry` (1-based): exponential, capped, jittered."""
+    delay = config.retry_initial_backoff_secs * config.retry_backoff_multiplier ** (retry - 1)
+    delay = min(delay, config.retry_max_backoff_secs)
+    jitter = config.retry_jitter_factor * rng.uniform(-1.0, 1.0)
+    return max(0.0, delay * (1.0 + jitter))
+
+
+def is_streamed(upstream: aiohttp.ClientResponse) -> bool:
+    """Relayed chunk by chunk (an event stream, no length, or long) rather than read whole."""
     length = upstream.content_length
     if length is None or length > _BUFFER_LIMIT:
         return True
@@ -197,11 +207,7 @@ class Forwarder:
 
     def backoff_secs(self, retry: int) -> float:
         """Delay before retry number `retry` (1-based): exponential, capped, jittered."""
-        config = self.config
-        delay = config.retry_initial_backoff_secs * config.retry_backoff_multiplier ** (retry - 1)
-        delay = min(delay, config.retry_max_backoff_secs)
-        jitter = config.retry_jitter_factor * self._rng.uniform(-1.0, 1.0)
-        return max(0.0, delay * (1.0 + jitter))
+        return backoff_secs(self.config, self._rng, retry)
 
     async def forward(self, request: web.Request, body: bytes, ex: Exchange) -> web.StreamResponse:
         tried: set[str] = set()
@@ -264,7 +270,7 @@ class Forwarder:
                 self.registry.record_request(worker, status, is_request_fault=is_fault)
                 if may_retry and status in RETRY_STATUSES and not is_fault:
                     raise _AttemptFailed(f"{worker.url} answered {status}")
-                if _is_streamed(upstream):
+                if is_streamed(upstream):
                     return await self._relay_stream(request, upstream, worker, ex)
                 return await self._relay_buffered(upstream, worker, ex)
             except TimeoutError:

@@ -18,11 +18,12 @@ from aiohttp import web
 
 from cadence.router import admin
 from cadence.router.access import AccessControl, Handler, client_key_middleware
-from cadence.router.config import RouterConfig, WorkerSpec, short_repr
+from cadence.router.config import DECODE, PREFILL, RouterConfig, WorkerSpec, short_repr
 from cadence.router.health import HealthChecker
 from cadence.router.kv_index import KvEventIndex, tokens_for_routing
 from cadence.router.metrics import RouterMetrics
-from cadence.router.policies import CacheAwarePolicy, make_policy
+from cadence.router.pd_proxy import PD_ROUTES, PdForwarder
+from cadence.router.policies import CacheAwarePolicy, RoutingPolicy, make_policy
 from cadence.router.proxy import (
     CLIENT_CLOSED,
     Exchange,
@@ -49,9 +50,16 @@ class Router:
         self._init_observability()
         self._init_workers(specs)
         self.policy = make_policy(config)
+        # PD mode: each side has its own policy (and its own round-robin turn, tree, ...).
+        self.pd_policies: dict[str, RoutingPolicy] = {}
+        if config.pd_disaggregation:
+            self.pd_policies = {
+                role: make_policy(config, config.policy_for(role)) for role in (PREFILL, DECODE)
+            }
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self.forwarder: Forwarder | None = None
+        self.pd: PdForwarder | None = None
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
 
@@ -78,7 +86,13 @@ class Router:
         self.forwarder = Forwarder(
             self.config, self.registry, self.policy, self.metrics, self.session
         )
-        if isinstance(self.policy, CacheAwarePolicy):
+        if self.config.pd_disaggregation:
+            self.pd = PdForwarder(
+                self.config, self.registry, self.pd_policies, self.metrics, self.session
+            )
+        elif isinstance(self.policy, CacheAwarePolicy):
+            # KV events tell where a prompt's pages are; in PD mode that is the prefill
+            # side, whose cache_aware policy keeps its own prefix tree instead.
             self.policy.kv_index = KvEventIndex(self.session)
         self._runner = web.AppRunner(self.build_app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
@@ -94,6 +108,8 @@ class Router:
             await index.close()
         if self.health is not None:
             await self.health.stop()
+        if self.pd is not None:
+            await self.pd.close()
         if self._runner is not None:
             await self._runner.cleanup()
         if self.session is not None:
@@ -128,7 +144,8 @@ class Router:
     async def remove_worker(self, worker: Worker) -> None:
         """Stop routing to and probing `worker`; its requests in progress finish."""
         self.registry.remove(worker.id)
-        self.policy.remove_worker(worker.id)
+        for policy in (self.policy, *self.pd_policies.values()):
+            policy.remove_worker(worker.id)
         if self.health is not None:
             await self.health.unwatch(worker)
 
@@ -175,6 +192,15 @@ class Router:
         return handle
 
     async def _proxy(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
+        if self.pd is not None and ex.route not in PD_ROUTES:
+            return error_response(
+                501,
+                f"{ex.route} is not served in PD mode (--pd-disaggregation): only "
+                f"{', '.join(sorted(PD_ROUTES))} are; route it through a router in front of "
+                "complete replicas",
+                ex.rid,
+                "not_implemented",
+            )
         limit = self.config.max_payload_size
         length = request.content_length
         if length is not None and length > limit:
@@ -195,6 +221,8 @@ class Router:
             if body is None:
                 return _too_large(limit, ex.rid)
             ex.meta = parse_route_meta(ex.route, body)
+            if self.pd is not None:
+                return await self.pd.forward(request, body, ex)
             await self._add_token_ids(ex, body)
             assert self.forwarder is not None
             return await self.forwarder.forward(request, body, ex)
@@ -305,6 +333,7 @@ def _route_record(ex: Exchange, status: int, elapsed: float, policy: str) -> dic
         "stream": ex.meta.is_stream,
         "policy": policy,
         "worker": ex.worker.url if ex.worker is not None else None,
+        "prefill_worker": ex.prefill_worker.url if ex.prefill_worker is not None else None,
         "attempts": ex.num_attempts,
         "status": status,
         "duration_ms": round(elapsed * 1000.0, 3),
@@ -316,12 +345,23 @@ async def run_router(config: RouterConfig, specs: list[WorkerSpec], stop: asynci
     router = Router(config, specs)
     try:
         await router.start()
-        logger.info(
-            "cadence router listening on %s: %d worker(s), policy %s",
-            router.url,
-            len(router.registry),
-            config.policy,
-        )
+        if config.pd_disaggregation:
+            logger.info(
+                "cadence router listening on %s in PD mode: %d prefill, %d decode worker(s), "
+                "policies %s / %s",
+                router.url,
+                sum(w.role == PREFILL for w in router.registry),
+                sum(w.role == DECODE for w in router.registry),
+                config.policy_for(PREFILL),
+                config.policy_for(DECODE),
+            )
+        else:
+            logger.info(
+                "cadence router listening on %s: %d worker(s), policy %s",
+                router.url,
+                len(router.registry),
+                config.policy,
+            )
         await stop.wait()
     finally:
         await router.stop()  # also after a failed start: the client session is closed

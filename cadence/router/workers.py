@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from cadence.router.config import (
+    PREFILL,
+    REGULAR,
     WorkerSpec,
     normalize_worker_url,
     short_repr,
@@ -60,6 +62,18 @@ class Worker:
     last_status: int | None = None
     last_error: str | None = None
     last_check_time: float | None = None  # wall-clock time of the last probe
+    role: str = REGULAR  # regular, or prefill / decode in PD mode
+    # Prefill workers: the KV bootstrap server's port as configured (wins) and as the
+    # worker's /server_info reports it (read while the worker is not yet healthy).
+    configured_bootstrap_port: int | None = None
+    reported_bootstrap_port: int | None = None
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        """The port a decode worker reaches this prefill worker's bootstrap server on."""
+        if self.configured_bootstrap_port is not None:
+            return self.configured_bootstrap_port
+        return self.reported_bootstrap_port
 
     @property
     def is_routable(self) -> bool:
@@ -94,6 +108,15 @@ class Worker:
             "last_status": self.last_status,
             "last_error": self.last_error,
             "last_check_time": self.last_check_time,
+            "role": self.role,
+            "bootstrap_port": self.bootstrap_port,
+            "bootstrap_port_source": (
+                "config"
+                if self.configured_bootstrap_port is not None
+                else "worker"
+                if self.reported_bootstrap_port is not None
+                else None
+            ),
         }
 
 
@@ -145,6 +168,8 @@ class WorkerRegistry:
             model=spec.model,
             capabilities=spec.capabilities,
             declared_capabilities=spec.capabilities,
+            role=spec.role,
+            configured_bootstrap_port=spec.bootstrap_port if spec.role == PREFILL else None,
         )
         self._workers[worker.id] = worker
         self._refresh()
@@ -156,12 +181,18 @@ class WorkerRegistry:
             self._refresh()
         return worker
 
-    def record_probe(self, worker: Worker, status: int | None, error: str | None) -> None:
-        """Account one health probe: success only for status 200."""
+    def record_probe(
+        self, worker: Worker, status: int | None, error: str | None, problem: str | None = None
+    ) -> None:
+        """Account one health probe: success only for status 200 without a `problem` (a
+        worker that answers but cannot serve as configured, e.g. a prefill worker with no
+        known bootstrap port)."""
         if worker.health is HealthState.DEAD or worker.id not in self._workers:
             return
         worker.last_check_time = time.time()
         worker.last_status = status
+        if problem is not None:
+            error, status = problem, None
         if status == 200:
             worker.last_error = None
             worker.consecutive_failures = 0

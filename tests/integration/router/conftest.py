@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
+from pd_fakes import make_pd_router, make_server  # noqa: F401 (PD mode fixtures)
 from router_fakes import FakeWorker, wait_for
 
 from cadence.router.config import RouterConfig, load_worker_specs
