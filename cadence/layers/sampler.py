@@ -241,6 +241,13 @@ def _filter_probs(
     return sorted_probs / sorted_probs.sum(-1, keepdim=True), idx
 
 
+def skip_draws(generator: torch.Generator, num_tokens: int) -> None:
+    """Advances a seeded request's generator past `num_tokens` sampled tokens (one uniform
+    number each, as `_sample` draws them): a decode server continues the stream where the
+    prefill server, which sampled the first token, left it."""
+    torch.rand(num_tokens, dtype=torch.float64, generator=generator)
+
+
 def _sample(probs: torch.Tensor, rows: list[SamplingInput]) -> torch.Tensor:
     """One token per row, drawn with its row's probabilities (which need not sum to 1).
 

@@ -222,6 +222,11 @@ class ModelRunner(Runner):
     def make_generator(self, seed: int):
         return self.platform.make_generator(seed)
 
+    def skip_draws(self, generator, num_tokens: int) -> None:
+        from cadence.layers.sampler import skip_draws
+
+        skip_draws(generator, num_tokens)
+
     def profiler_activities(self) -> list:
         return self.platform.profiler_activities()
 

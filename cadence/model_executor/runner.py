@@ -157,6 +157,10 @@ class Runner(ABC):
         """A random generator for a request with a seed (opaque to the scheduler)."""
         return None
 
+    def skip_draws(self, generator: Any, num_tokens: int) -> None:
+        """Advances `generator` (from `make_generator`) past `num_tokens` tokens sampled
+        elsewhere (a disaggregated request's first token, sampled by the prefill server)."""
+
     def load_weights(self, model_path: str, load_format: str | None) -> str:
         """Serve new weights of the same architecture in place; returns the path loaded.
         Raises, changing nothing, when they cannot be served."""

@@ -516,6 +516,8 @@ class Scheduler:
             return self._end(req, {"type": "length", "length": 0})
         self.running.append(req)
         try:
+            if req.generator is not None and not req.params.is_greedy:
+                self.runner.skip_draws(req.generator, 1)  # what the first token drew there
             result = ItemResult(done.token, done.logprob, done.top, done.given)
             self._take_token(req, result)
         except Exception as e:

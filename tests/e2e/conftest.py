@@ -26,6 +26,7 @@ from e2e_server import (
     SESSION_TAG,
     Server,
     fault_plugin_env,
+    free_port,
     is_idle,
     pipeline_env,
     tagged_pids,
@@ -49,6 +50,12 @@ KV_EVENTS_CONFIG = json.dumps(
         "topic": "kv",
     }
 )
+PD_BOOTSTRAP_PORT = free_port()
+PD_TIMEOUTS = ["--disaggregation-bootstrap-timeout", "4", "--disaggregation-waiting-timeout", "8"]
+_PD = [
+    *("--max-total-tokens", "8192", "--skip-warmup", "--chunked-prefill-size", "512"),
+    *("--disaggregation-bootstrap-port", str(PD_BOOTSTRAP_PORT), *PD_TIMEOUTS),
+]
 SERVER_SPECS: dict[str, list[str]] = {
     # Warm-up on: /health must stay 503 until the warm-up generation has passed.
     "server": ["--max-total-tokens", "16384", "--chunked-prefill-size", "512"],
@@ -115,6 +122,10 @@ SERVER_SPECS: dict[str, list[str]] = {
         *("--lora-paths", f"french={LORA_DIR}/french", f"sql={LORA_DIR}/sql"),
         *("--max-loaded-loras", "3", "--max-lora-rank", "16", "--lora-target-modules", "all"),
     ],
+    # Prefill/decode disaggregation (test_pd_e2e.py): a pair on one bootstrap port, with the
+    # shared server's prefill chunking (its greedy outputs are what the pair must give).
+    "prefill_server": [*_PD, "--disaggregation-mode", "prefill"],
+    "decode_server": [*_PD, "--disaggregation-mode", "decode"],
     # The same server without the pipeline: what the speech server's memory is compared with.
     "speech_baseline_server": [*_SMALL, "--max-speech-chars", "2000"],
 }
