@@ -55,6 +55,7 @@ class Done(_Msg):
     top: list[tuple[float, int]] | None = None
     given: list[tuple[float, int]] | None = None
     cached_tokens: int = 0  # prompt tokens the prefill side took from its prefix cache
+    num_pages: int = 0  # pages sent before it (the decode side checks it got them all)
 
 
 class DoneAck(_Msg):

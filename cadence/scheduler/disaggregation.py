@@ -22,14 +22,9 @@ from collections import deque
 from typing import Any
 
 from cadence.disaggregation import messages
-from cadence.disaggregation.agent import (
-    Arrived,
-    DecodeAgent,
-    Lost,
-    PrefillAgent,
-    Ready,
-    Sent,
-)
+from cadence.disaggregation.agent import Arrived, Lost, Ready, Sent
+from cadence.disaggregation.decode_agent import DecodeAgent
+from cadence.disaggregation.prefill_agent import PrefillAgent
 from cadence.mem_cache.kv_manager import KVManager
 from cadence.scheduler.req import Req
 

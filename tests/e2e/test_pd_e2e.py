@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -239,13 +240,50 @@ def test_a_stalled_decode_server_fails_both_halves_then_recovers(pair):
     assert d.status_code == 200, d.text
 
 
-def _pd_server(name: str, mode: str, port: int) -> Server:
+def _pd_server(name: str, mode: str, port: int, *extra: str) -> Server:
     args = [
-        *("--max-total-tokens", "8192", "--skip-warmup", "--chunked-prefill-size", "256"),
+        *("--max-total-tokens", "8192", "--skip-warmup", "--chunked-prefill-size", "512"),
         *("--disaggregation-mode", mode, "--disaggregation-bootstrap-port", str(port)),
         *PD_TIMEOUTS,
+        *extra,
     ]
     return Server(name, args).start()
+
+
+def _two_free_ports() -> int:
+    """A bootstrap port whose next port is free too (the torch backend's store)."""
+    while True:
+        port = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+
+
+def test_the_torch_backend_carries_the_pages_between_two_processes(server):
+    port = _two_free_ports()
+    torch_backend = ("--disaggregation-transfer-backend", "torch")
+    servers = [_pd_server(f"pdt-{m}", m, port, *torch_backend) for m in ("prefill", "decode")]
+    try:
+        prefill, decode = (srv.wait_ready() for srv in servers)
+        bodies = [{"text": p, "sampling_params": GREEDY} for p in PROMPTS[:10]]
+        bodies.append({"text": LONG_PROMPT, "sampling_params": GREEDY})  # several chunks
+        for body in bodies:
+            p, d = both(prefill, decode, body, port)
+            assert d.status_code == 200, d.text
+            assert d.json()["output_ids"] == colocated(server, body)["output_ids"], body["text"]
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda b: both(prefill, decode, b, port)[1], bodies))
+        assert all(r.status_code == 200 for r in got)
+        for srv in (prefill, decode):
+            assert is_idle(srv.wait_idle())
+    finally:
+        for srv in servers:
+            if srv.proc is not None and srv.proc.poll() is None:
+                srv.stop()
+            srv.destroy()
 
 
 def _kill(srv: Server) -> None:

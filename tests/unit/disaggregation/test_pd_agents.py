@@ -10,14 +10,9 @@ import pytest
 import torch
 
 from cadence.disaggregation import messages as m
-from cadence.disaggregation.agent import (
-    Arrived,
-    DecodeAgent,
-    Lost,
-    PrefillAgent,
-    Ready,
-    Sent,
-)
+from cadence.disaggregation.agent import Arrived, Lost, Ready, Sent
+from cadence.disaggregation.decode_agent import DecodeAgent
+from cadence.disaggregation.prefill_agent import PrefillAgent
 from cadence.mem_cache.kv_pool import KVPool
 
 PAGE = 4
