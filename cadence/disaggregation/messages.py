@@ -52,8 +52,8 @@ class ChunkAck(_Msg):
 class Done(_Msg):
     token: int | None  # the first output token; None when the request asked for none
     logprob: float | None = None
-    top: list[tuple[float, int]] | None = None
-    given: list[tuple[float, int]] | None = None
+    top: list[tuple[float | None, int]] | None = None  # (logprob, token id) alternatives
+    given: list[tuple[float | None, int]] | None = None  # of the token_ids_logprob asked for
     cached_tokens: int = 0  # prompt tokens the prefill side took from its prefix cache
     num_pages: int = 0  # pages sent before it (the decode side checks it got them all)
 

@@ -25,10 +25,12 @@ _GREEDY_TOKEN = {"max_new_tokens": 1, "temperature": 0}
 def probe_request(text: str | None = None) -> GenerateReqInput:
     """A one-token greedy generation of `text` (token 0 when None); on a prefill or decode
     server it runs both halves there (the fake bootstrap host), needing no peer."""
-    fake = {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": 0}
     if text is not None:
-        return GenerateReqInput(text=text, sampling_params=dict(_GREEDY_TOKEN), **fake)
-    return GenerateReqInput(input_ids=[0], sampling_params=dict(_GREEDY_TOKEN), **fake)
+        obj = GenerateReqInput(text=text, sampling_params=dict(_GREEDY_TOKEN))
+    else:
+        obj = GenerateReqInput(input_ids=[0], sampling_params=dict(_GREEDY_TOKEN))
+    obj.bootstrap_host, obj.bootstrap_room = FAKE_BOOTSTRAP_HOST, 0
+    return obj
 
 
 async def probe(client: EngineClient, text: str | None = None) -> None:

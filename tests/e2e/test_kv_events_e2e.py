@@ -129,9 +129,10 @@ def test_a_requests_pages_are_stored_then_removed_by_a_flush(smg_server, http):
         assert set(got_hashes) <= removed
         # The gRPC stream carried the same: the stored blocks with their token ids, the clear.
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and sum(
-            ev.HasField("cleared") for b in stream_events for ev in b.events
-        ) < 2:  # the first flush's and the second's
+        while (
+            time.monotonic() < deadline
+            and sum(ev.HasField("cleared") for b in stream_events for ev in b.events) < 2
+        ):  # the first flush's and the second's
             time.sleep(0.05)
         blocks = [blk for b in stream_events for ev in b.events if ev.HasField("stored")
                   for blk in ev.stored.blocks]  # fmt: skip
