@@ -51,6 +51,8 @@ class PrefillHandoff:
         """Requests that wait here, outside the scheduler's queues."""
         return list(self.handing.values())
 
+    has_work = False  # what it waits for comes as the agent's events
+
     def add(self, req: Req) -> str | None:
         """A request with a room arrived; why it is refused, or None."""
         assert req.bootstrap is not None
@@ -161,6 +163,15 @@ class DecodeIntake:
             assert host is not None and port is not None
             self.claimed[room] = req
             self.agent.claim(room, req.rid, host, port, handle.num_cached_tokens // page)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether the next step would claim a room: the first waiting request fits now."""
+        if not self.queue:
+            return False
+        usage = self.kv.usage()
+        need = self.kv.pages_for(self.queue[0].total_tokens_needed(self.context_len))
+        return need <= usage.num_free - usage.num_promised + usage.num_evictable
 
     def ended(self, req: Req, reason: dict[str, Any]) -> None:
         if req.bootstrap is None:

@@ -457,7 +457,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        if self.pd is not None and self.pd.agent.has_events:
+        pd = self.pd
+        if pd is not None and (pd.agent.has_events or (pd.has_work and not self.is_paused)):
             return True
         return self.inflight is not None or (
             not self.is_paused
