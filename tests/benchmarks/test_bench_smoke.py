@@ -43,6 +43,10 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "bench_grammar_engines.py": (["--json", "{out}/r.json"], r"mask per step p50"),
     "bench_quantized.py": (["--json", "{out}/r.json", "--plot", "{out}/r.png"], r"c=2 "),
     "bench_relay.py": (["--json", "{out}/r.json", "--png", "{out}/r.png"], r"control round trip"),
+    "bench_pd.py": (
+        ["--json", "{out}/r.json", "--plot", "{out}/r.png"],
+        r"transfer_vs_memcpy: \S+x \(target",
+    ),
     "bench_speech.py": (["--json", "{out}/r.json", "--plot", "{out}/r.png"], r"served_vs_limit"),
     "bench_speculative.py": (
         ["--json", "{out}/r.json", "--plot", "{out}/r.png"],
