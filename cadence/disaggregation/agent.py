@@ -43,11 +43,11 @@ from cadence.pipeline.relay import RelayContext
 
 logger = logging.getLogger("cadence.disaggregation")
 
-CHUNK_BYTES = (4 << 20) - 4096  # a chunk stays under the shm relay's split size: one gather
+CHUNK_BYTES = 16 << 20  # at most this much per chunk: fewer round trips, each worth its cost
 PING_S = 1.0
 ANSWER_MARGIN_S = 1.0  # a decode side's own deadline runs past the prefill side's by this  # how often a prefill server checks that its claimed rooms' decode servers live
 CREDITS = 8  # relay slots in flight per prefill server
-SLOT_MB = 4.0
+SLOT_MB = 16.0
 
 
 # ---- what the scheduler learns -------------------------------------------------------------
@@ -107,13 +107,23 @@ class PagePayload:
         self.nbytes = len(pages) * pool.page_nbytes
 
     def pack_into(self, dst: torch.Tensor, start: int = 0, end: int | None = None) -> None:
+        """Bytes [start, end) of the packed pages into dst[start:end]: the layers wholly
+        inside gathered in place, a layer cut by the range through a scratch buffer (a relay
+        splits a large put in parts, packed by several threads at once)."""
         end = self.nbytes if end is None else end
-        if (start, end) == (0, self.nbytes):
-            self.pool.gather_pages(self.pages, dst[: self.nbytes])
-            return
-        whole = torch.empty(self.nbytes, dtype=torch.uint8)  # a part of a split copy
-        self.pool.gather_pages(self.pages, whole)
-        copy_bytes(dst[start:end], whole[start:end])
+        per_layer = self.nbytes // len(self.pool.kv_buffer)
+        first, last = -(-start // per_layer), end // per_layer  # whole layers [first, last)
+        if first < last:
+            self.pool.gather_pages(
+                self.pages, dst[first * per_layer : last * per_layer], slice(first, last)
+            )
+        for layer in {start // per_layer, (end - 1) // per_layer}:
+            lo, hi = max(start, layer * per_layer), min(end, (layer + 1) * per_layer)
+            if lo < hi and not first <= layer < last:
+                scratch = torch.empty(per_layer, dtype=torch.uint8)
+                self.pool.gather_pages(self.pages, scratch, slice(layer, layer + 1))
+                base = layer * per_layer
+                copy_bytes(dst[lo:hi], scratch[lo - base : hi - base])
 
     def pack(self, device: str | torch.device = "cpu") -> torch.Tensor:
         buf = torch.empty(self.nbytes, dtype=torch.uint8, device=device)

@@ -105,11 +105,17 @@ class KVPool:
         """What two pools must share for pages to move between them as bytes."""
         return f"{str(self.dtype).replace('torch.', '')}:{list(self.page_shape)}"
 
-    def gather_pages(self, pages: list[int], out: torch.Tensor) -> None:
+    def gather_pages(
+        self, pages: list[int], out: torch.Tensor, layers: slice = slice(None)
+    ) -> None:
         """Packs these pages into `out` (1-D uint8 on the host, len(pages) * page_nbytes):
-        layer by layer, each layer's [2, heads, len(pages), page_size, head_dim] block."""
+        layer by layer, each layer's [2, heads, len(pages), page_size, head_dim] block. With
+        `layers`, only those layers' blocks, packed from the start of `out`."""
+        buffers = self.kv_buffer[layers]
+        if self._move_pages(pages, out, True, buffers):
+            return
         index = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        for buf, block in zip(self.kv_buffer, self._blocks(out, len(pages))):
+        for buf, block in zip(buffers, self._blocks(out, len(pages), len(buffers))):
             if buf.device == block.device:
                 torch.index_select(buf, 2, index, out=block)
             else:
@@ -117,22 +123,43 @@ class KVPool:
 
     def scatter_pages(self, pages: list[int], data: torch.Tensor) -> None:
         """Writes into these pages what `gather_pages` packed (from a pool of the same layout)."""
+        if self._move_pages(pages, data, False, self.kv_buffer):
+            return
         index = torch.tensor(pages, dtype=torch.int64, device=self.device)
         for buf, block in zip(self.kv_buffer, self._blocks(data, len(pages))):
             buf.index_copy_(2, index, block.to(buf.device, non_blocking=False))
 
-    def _blocks(self, flat: torch.Tensor, num_pages: int) -> list[torch.Tensor]:
-        """`flat`'s bytes as one [2, heads, num_pages, page_size, head_dim] view per layer."""
+    def _move_pages(
+        self, pages: list[int], packed: torch.Tensor, to_packed: bool, buffers: list[torch.Tensor]
+    ) -> bool:
+        """Cadence's CPU kernel for the move (memcpy per page plane), where it serves: a host
+        pool and a host buffer. False: torch's index ops do it."""
+        if str(self.device) != "cpu" or packed.device.type != "cpu":
+            return False
+        from cadence.kernels import cpu_kernels_available
+
+        if not cpu_kernels_available():
+            return False
+        need = len(pages) * self.page_nbytes * len(buffers) // len(self.kv_buffer)
+        if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() < need:
+            raise ValueError(f"a page buffer must be 1-D uint8 of {need} bytes")
+        index = torch.tensor(pages, dtype=torch.int64)
+        torch.ops.cadence.move_pages_(buffers, index, packed[:need], to_packed)
+        return True
+
+    def _blocks(
+        self, flat: torch.Tensor, num_pages: int, num_layers: int | None = None
+    ) -> list[torch.Tensor]:
+        """`flat`'s bytes as one [2, heads, num_pages, page_size, head_dim] view per layer
+        (the first `num_layers` layers' worth; all by default)."""
+        num_layers = len(self.kv_buffer) if num_layers is None else num_layers
         shape = (2, self.num_kv_heads, num_pages, self.page_size, self.head_dim)
-        need = num_pages * self.page_nbytes
+        need = num_pages * self.page_nbytes * num_layers // len(self.kv_buffer)
         if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < need:
             raise ValueError(f"a page buffer must be 1-D uint8 of {need} bytes")
         typed = flat[:need].view(self.dtype)
-        per_layer = typed.numel() // len(self.kv_buffer)
-        return [
-            typed[i * per_layer : (i + 1) * per_layer].view(shape)
-            for i in range(len(self.kv_buffer))
-        ]
+        per_layer = typed.numel() // num_layers
+        return [typed[i * per_layer : (i + 1) * per_layer].view(shape) for i in range(num_layers)]
 
     @property
     def page_shape(self) -> tuple[int, ...]:

@@ -7,6 +7,7 @@
 // decode attention. They are built on first use (cadence/kernels/__init__.py); the model
 // falls back to plain torch ops where they cannot be built.
 
+#include <cstring>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -598,6 +599,45 @@ at::Tensor refined_logits(const at::Tensor& logits, const at::Tensor& hidden, co
   return out;
 }
 
+// Whole KV pages between a pool and a packed buffer (prefill/decode disaggregation). Each
+// layer is [2, heads, pages, page_size, head_dim] contiguous: one (K/V, head) plane of a page
+// is one contiguous block, moved with memcpy. The packed layout is, layer by layer, the
+// [2, heads, len(pages), page_size, head_dim] block of the pages in order (KVPool's). torch's
+// index_select / index_copy_ reach a third to a half of memcpy's rate on these 4 KiB blocks.
+void move_pages_(const std::vector<at::Tensor>& layers, const at::Tensor& pages,
+                 const at::Tensor& packed, bool to_packed) {
+  TORCH_CHECK(pages.scalar_type() == at::kLong && pages.dim() == 1 && pages.is_contiguous(),
+              "move_pages_: pages must be a contiguous 1-D int64 tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.is_cpu(),
+              "move_pages_: packed must be a contiguous uint8 CPU tensor");
+  const int64_t n = pages.numel();
+  if (layers.empty() || n == 0) return;
+  const at::Tensor& first = layers[0];
+  TORCH_CHECK(first.dim() == 5, "move_pages_: a layer is [2, heads, pages, page_size, head_dim]");
+  const int64_t planes = first.size(0) * first.size(1), num_pages = first.size(2);
+  const int64_t block = first.size(3) * first.size(4) * first.element_size();
+  TORCH_CHECK(packed.numel() >= static_cast<int64_t>(layers.size()) * planes * n * block,
+              "move_pages_: packed holds fewer bytes than the pages");
+  const int64_t* idx = pages.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j)
+    TORCH_CHECK(idx[j] >= 0 && idx[j] < num_pages, "move_pages_: page ", idx[j], " is not in the pool");
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  for (const at::Tensor& layer : layers) {
+    TORCH_CHECK(layer.is_contiguous() && layer.is_cpu() && layer.sizes() == first.sizes() &&
+                    layer.scalar_type() == first.scalar_type(),
+                "move_pages_: every layer must be a contiguous CPU tensor of the first's shape");
+    uint8_t* base = static_cast<uint8_t*>(layer.data_ptr());
+    for (int64_t p = 0; p < planes; ++p) {
+      for (int64_t j = 0; j < n; ++j) {
+        uint8_t* slot = base + (p * num_pages + idx[j]) * block;
+        if (to_packed) std::memcpy(out, slot, block);
+        else std::memcpy(slot, out, block);
+        out += block;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cadence, m) {
@@ -608,6 +648,7 @@ TORCH_LIBRARY(cadence, m) {
   m.def("rotary_(Tensor(a!) qk, Tensor factors) -> ()");
   m.def("decode_attention(Tensor qkv, Tensor factors, Tensor(a!) kv_buffer, Tensor slots, Tensor page_table, "
         "Tensor seq_lens, int num_heads, Tensor? query_starts=None) -> Tensor");
+  m.def("move_pages_(Tensor(a!)[] layers, Tensor pages, Tensor(b!) packed, bool to_packed) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cadence, CPU, m) {
@@ -617,4 +658,5 @@ TORCH_LIBRARY_IMPL(cadence, CPU, m) {
   m.impl("refined_logits", &refined_logits);
   m.impl("rotary_", &rotary_);
   m.impl("decode_attention", &decode_attention);
+  m.impl("move_pages_", &move_pages_);
 }

@@ -192,3 +192,26 @@ def test_a_taken_bootstrap_port_is_a_clear_start_up_error():
         )
         with pytest.raises(RuntimeError, match=f"bootstrap port {port}"):
             agent.start()
+
+
+def test_a_payload_packs_any_byte_range_as_a_split_copy_does():
+    """The shm relay packs a large put in parts on several threads: every part, wherever it
+    cuts a layer, holds the bytes of the whole packing at its place."""
+    import random
+
+    from cadence.disaggregation.agent import PagePayload
+
+    src = pool()
+    for buf in src.kv_buffer:
+        buf.normal_()
+    payload = PagePayload(src, [3, 9, 1, 14])
+    whole = torch.empty(payload.nbytes, dtype=torch.uint8)
+    payload.pack_into(whole)
+    rng = random.Random(0)
+    for _ in range(100):
+        start = rng.randrange(payload.nbytes)
+        end = rng.randrange(start + 1, payload.nbytes + 1)
+        part = torch.zeros(payload.nbytes, dtype=torch.uint8)
+        payload.pack_into(part, start, end)
+        assert torch.equal(part[start:end], whole[start:end])
+        assert not part[:start].any() and not part[end:].any()

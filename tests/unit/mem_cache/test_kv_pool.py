@@ -200,3 +200,31 @@ def test_commit_takes_the_pools_memory_at_once_and_in_place():
     assert min(resident) == 1.0, f"resident after commit: {resident}"
     assert [buf.data_ptr() for buf in pool.kv_buffer] == where  # written in place, not copied
     assert all(not buf.any() for buf in pool.kv_buffer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pages_pack_and_unpack_the_same_with_the_cpu_kernel_and_with_torch(dtype, monkeypatch):
+    """gather_pages / scatter_pages (prefill/decode disaggregation): Cadence's memcpy kernel
+    and torch's index ops give the same packed bytes, and unpacking puts pages back."""
+    from cadence.mem_cache import kv_pool
+
+    src = KVPool(12, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=dtype)
+    for buf in src.kv_buffer:
+        buf.normal_()
+    pages = [7, 2, 11, 5]
+    packed = {}
+    for path in ("kernel", "torch"):
+        if path == "torch":
+            monkeypatch.setattr(kv_pool.KVPool, "_move_pages", lambda *a: False)
+        out = torch.empty(len(pages) * src.page_nbytes, dtype=torch.uint8)
+        src.gather_pages(pages, out)
+        packed[path] = out
+        dst = KVPool(9, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=dtype, scratch_page=True)
+        for buf in dst.kv_buffer:
+            buf.zero_()
+        dst.scatter_pages([0, 8, 3, 1], out)
+        for a, b in zip(src.kv_buffer, dst.kv_buffer):
+            assert torch.equal(a[:, :, pages], b[:, :, [0, 8, 3, 1]])
+        assert dst.kv_buffer[0][:, :, 2].abs().sum() == 0  # no other page touched
+    assert torch.equal(packed["kernel"], packed["torch"])
+    assert src.layout == f"{str(dtype)[6:]}:[3, 2, 2, 4, 8]"
