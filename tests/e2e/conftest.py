@@ -51,7 +51,7 @@ KV_EVENTS_CONFIG = json.dumps(
     }
 )
 PD_BOOTSTRAP_PORT = free_port()
-PD_TIMEOUTS = ["--disaggregation-bootstrap-timeout", "4", "--disaggregation-waiting-timeout", "8"]
+PD_TIMEOUTS = ["--disaggregation-bootstrap-timeout", "4", "--disaggregation-waiting-timeout", "15"]
 _PD = [
     *("--max-total-tokens", "8192", "--skip-warmup", "--chunked-prefill-size", "512"),
     *("--disaggregation-bootstrap-port", str(PD_BOOTSTRAP_PORT), *PD_TIMEOUTS),

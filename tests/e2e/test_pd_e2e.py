@@ -48,7 +48,7 @@ PROMPTS = [
     )  # fmt: skip
 ]
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
-LONG_PROMPT = " ".join(["The history of the Roman empire spans many centuries."] * 120)
+LONG_PROMPT = " ".join(["The history of the Roman empire spans many centuries."] * 60)
 
 
 def room() -> int:
@@ -87,10 +87,11 @@ def pair(prefill_server, decode_server):
 
 def test_greedy_outputs_equal_a_colocated_server_single_and_concurrent(server, pair):
     prefill, decode, port = pair
-    bodies = [{"text": p, "sampling_params": GREEDY} for p in PROMPTS]
+    # 40 prompts here; the router's test (test_pd_router_e2e.py) runs all 100 through it.
+    bodies = [{"text": p, "sampling_params": GREEDY} for p in PROMPTS[::5] + PROMPTS[1::5]]
     with ThreadPoolExecutor(8) as pool:
         want = list(pool.map(lambda b: colocated(server, b)["output_ids"], bodies))
-    for body, expected in zip(bodies[:25], want):  # one at a time
+    for body, expected in zip(bodies[:10], want):  # one at a time
         p, d = both(prefill, decode, body, port)
         assert p.status_code == d.status_code == 200, (p.text, d.text)
         assert d.json()["output_ids"] == expected, body["text"]
@@ -230,7 +231,7 @@ def test_a_stalled_decode_server_fails_both_halves_then_recovers(pair):
             started = time.monotonic()
             p = httpx.post(prefill.url + "/generate", json={**body, **fields}, timeout=60)
             assert p.status_code == 500 and "bootstrap_room" in p.text, p.text
-            assert time.monotonic() - started < 8 + 15  # the waiting timeout, then some
+            assert time.monotonic() - started < 15 + 15  # the waiting timeout, then some
         finally:
             os.kill(scheduler, signal.SIGCONT)
         assert d.result().status_code == 500, d.result().text
@@ -268,7 +269,7 @@ def test_the_torch_backend_carries_the_pages_between_two_processes(server):
     servers = [_pd_server(f"pdt-{m}", m, port, *torch_backend) for m in ("prefill", "decode")]
     try:
         prefill, decode = (srv.wait_ready() for srv in servers)
-        bodies = [{"text": p, "sampling_params": GREEDY} for p in PROMPTS[:10]]
+        bodies = [{"text": p, "sampling_params": GREEDY} for p in PROMPTS[:40:8]]
         bodies.append({"text": LONG_PROMPT, "sampling_params": GREEDY})  # several chunks
         for body in bodies:
             p, d = both(prefill, decode, body, port)
