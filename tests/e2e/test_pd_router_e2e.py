@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import PD_BOOTSTRAP_PORT
+from conftest import PD_BOOTSTRAP_PORT, PD_TIMEOUTS
 from e2e_server import free_port, is_idle, sse_events, wait_until
 from grpc_support import grpc_port
 from test_pd_e2e import GREEDY, PROMPTS
@@ -43,13 +43,16 @@ CONCURRENCY = 16
 OPENAI_MODES = [("chat", False), ("chat", True), ("completion", False), ("completion", True)]
 OPENAI_PROMPTS = PROMPTS[::2]  # 50 prompts, a quarter in each mode (2 cores: keep it short)
 OPENAI_SEQUENTIAL = 4  # of those, one in each mode, sent one by one
-# 600 tokens: two prefill chunks of the servers' 512. (Longer prompts risk the servers' 8 s
+# 600 tokens: two prefill chunks of the servers' 512. (Longer prompts risk the servers'
 # waiting timeout on a busy 2-core machine: the prefill half may not finish in time.)
 TWO_CHUNK_PROMPT = " ".join(["The history of the Roman empire spans many centuries."] * 60)
 MEDIUM_PROMPT = " ".join(["A short poem about cats has four lines."] * 20)  # 200 tokens
 # Ten prompts the openai test asked the colocated server as unstreamed chats
 SMG_PROMPTS = OPENAI_PROMPTS[::4][:10]
-BOOTSTRAP_TIMEOUT_S = 4  # the PD servers' --disaggregation-bootstrap-timeout (conftest)
+# The PD servers' --disaggregation-bootstrap-timeout (conftest)
+BOOTSTRAP_TIMEOUT_S = float(
+    PD_TIMEOUTS[PD_TIMEOUTS.index("--disaggregation-bootstrap-timeout") + 1]
+)
 
 
 class RouterProcess:
