@@ -74,6 +74,11 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+class ClientGone(Exception):
+    """The client went away before its answer was ready (its request was aborted): nothing
+    is left to answer, and nothing went wrong on this side."""
+
+
 async def until_disconnected(request: Request, coro):
     """Runs `coro`, cancelling it if the client goes away first (its request is then aborted).
 
@@ -89,7 +94,7 @@ async def until_disconnected(request: Request, coro):
             task.cancel()
     if task.done() and not task.cancelled():
         return task.result()
-    raise asyncio.CancelledError("client disconnected")
+    raise ClientGone("client disconnected")
 
 
 async def stream_response(gen: AsyncIterator) -> StreamingResponse:

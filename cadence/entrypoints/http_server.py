@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from cadence.entrypoints import openapi
 from cadence.entrypoints.embedding_routes import register_embedding_routes
-from cadence.entrypoints.http_io import BodyTooLarge, error_of, error_response
+from cadence.entrypoints.http_io import BodyTooLarge, ClientGone, error_of, error_response
 from cadence.entrypoints.native_routes import register_native_routes
 from cadence.entrypoints.openai_routes import register_invocations, register_openai_routes
 from cadence.entrypoints.speech_routes import register_speech_routes
@@ -181,6 +181,11 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(CadenceError)
     async def _cadence_error(request, e: CadenceError):
         return error_of(e)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request, e: ClientGone):
+        # nginx's 499: nobody reads it; the request was aborted, nothing to log
+        return Response(status_code=499)
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(request, e: BodyTooLarge):
