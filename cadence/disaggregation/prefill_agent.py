@@ -102,9 +102,9 @@ class PrefillAgent(TransferAgent):
             self._spawn(self._match(out, peer, claim))
         else:
             why = (
-                f"no decode server claimed bootstrap_room {room} within "
-                f"{self.bootstrap_timeout:g} s (the request must reach a decode server too, "
-                "with the same bootstrap fields)"
+                f"no decode server claimed bootstrap_room {room} at bootstrap port "
+                f"{self.port} within {self.bootstrap_timeout:g} s (the request must reach a "
+                f"decode server too, with bootstrap_port {self.port} and this server's host)"
             )
             out.timer = self.loop.call_later(self.bootstrap_timeout, self._expire, room, why)
 
