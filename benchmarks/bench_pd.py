@@ -22,7 +22,9 @@ Not a test. Measures, each next to the limit it is compared with:
     `--router-cpus` (the colocated clients talk to their server directly, unless
     `--colocated-router`). After `--warmup` seconds of load, `--duration` seconds are
     measured: ITL p99 of the short streams (the gaps between streamed events, as a client
-    sees them; an event may carry several tokens), TTFT p50 of the long prompts sent in
+    sees them; an event may carry several tokens; a stream still stalled when the run ends
+    counts its open gap up to the window's end, one that never got a token its whole wait),
+    TTFT p50 of the long prompts sent in
     the window (one not answered within `--drain` seconds after it counts with the time it
     waited, a lower bound, and is reported), completion tok/s of every stream.
 
@@ -426,6 +428,7 @@ class Window:
         self.long_sent = self.long_unanswered = self.short_done = 0
         self.events = 0
         self.errors: list[str] = []
+        self.open: dict[int, float] = {}  # stream -> when its current wait began
 
     def has(self, t: float) -> bool:
         return self.t0 <= t < self.t1
@@ -459,18 +462,21 @@ async def short_client(session, url: str, args, i: int, w: Window) -> None:
     rng = random.Random(1000 + i)
     while True:
         prev_t, prev_n = None, 0
+        w.open[i] = time.perf_counter()  # waiting since: its first token, then each next
         try:
             async for t, n in stream(session, url, random_ids(rng, args.short_tokens),
                                      args.short_new_tokens):  # fmt: skip
                 if w.has(t):
                     w.events += 1
                     w.tokens += n - prev_n
-                    if prev_t is not None:
-                        w.gaps.append(t - prev_t)
+                if prev_t is not None and (w.has(t) or w.has(prev_t)):
+                    w.gaps.append(t - prev_t)  # a gap that ends after the window counts too
                 prev_t, prev_n = t, n
+                w.open[i] = t
+            w.open.pop(i, None)
             w.short_done += w.has(time.perf_counter())
-        except (RuntimeError, aiohttp.ClientError) as e:
-            w.errors.append(f"short: {e}")
+        except Exception as e:  # counted, never a silent end of the stream
+            w.errors.append(f"short: {type(e).__name__}: {e}")
             await asyncio.sleep(0.2)
 
 
@@ -521,6 +527,9 @@ async def mixed_workload(url: str, args) -> Window:
         for task in shorts + longs:
             task.cancel()
         await asyncio.gather(*shorts, *longs, return_exceptions=True)
+        # A stream stalled when the run ends: its open wait counts, up to the window's end
+        # (a server whose decode starves behind prefills shows as such, not as no figure).
+        w.gaps += [w.t1 - since for since in w.open.values() if since < w.t1]
     return w
 
 
