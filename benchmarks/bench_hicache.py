@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 
+COLD_TOPICS = ["rivers", "deserts", "forests", "volcanoes", "harbours", "orchards", "caves"]
 TOPICS = ["lighthouses", "bees", "glaciers", "violins", "trains", "coral reefs", "bread", "comets"]
 QUESTIONS = [
     "Summarize the document in one sentence.",
@@ -117,10 +118,15 @@ def multi_turn(args, directory: str | None) -> dict:
 
 
 def restart(args, directory: str) -> dict:
-    prompts = [document(t, args.restart_tokens) for t in ("owls", "rivers")]
+    warm_prompt = document("owls", args.restart_tokens)
+    # Each cold prompt is new to the tier: the cold requests of earlier repeats wrote theirs.
+    cold_prompts = [
+        document(f"{COLD_TOPICS[r % len(COLD_TOPICS)]} {r}", args.restart_tokens)
+        for r in range(args.repeats)
+    ]
     e = engine(args, directory, args.restart_pool)
     try:
-        timed(e, prompts[0] + "\nUser: Hi.\nAssistant:", 1)
+        timed(e, warm_prompt + "\nUser: Hi.\nAssistant:", 1)
     finally:
         e.shutdown()  # a clean stop: every page is written
     warm, cold = [], []
@@ -128,9 +134,9 @@ def restart(args, directory: str) -> dict:
         e = engine(args, directory, args.restart_pool)
         try:
             q = f"\nUser: {QUESTIONS[r % len(QUESTIONS)]}\nAssistant:"
-            warm.append(timed(e, prompts[0] + q, 1)[0])
-            cold.append(timed(e, prompts[1] + f" (take {r})" + q, 1)[0])
-            tokens = len(e.tokenizer.encode(prompts[0]))
+            warm.append(timed(e, warm_prompt + q, 1)[0])
+            cold.append(timed(e, cold_prompts[r] + q, 1)[0])
+            tokens = len(e.tokenizer.encode(warm_prompt))
         finally:
             e.shutdown()
         log(
@@ -169,7 +175,7 @@ def main() -> int:
     parser.add_argument("--plot", default="bench_results/bench_hicache.png")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--write-policy", default="write_back")
-    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--conversations", type=int, default=11)  # ~4x the pool in all
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--doc-tokens", type=int, default=700)
     parser.add_argument("--answer-tokens", type=int, default=16)

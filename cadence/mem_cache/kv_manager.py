@@ -219,7 +219,15 @@ class KVManager:
         if skip < 0 or skip >= len(data):
             return True
         data = data[skip:]
-        num = min(len(data), self._allocator.num_free_pages - self._num_promised)
+        # Room for them: free pages first, then the least recently used unlocked cache (the
+        # pages this prefix already has in memory stay: they are locked meanwhile).
+        free = self._allocator.num_free_pages - self._num_promised
+        if len(data) > free:
+            cache.lock(node)
+            cache.evict(min(len(data) - free, cache.num_evictable_pages))
+            cache.unlock(node)
+            free = self._allocator.num_free_pages - self._num_promised
+        num = min(len(data), free)
         fresh = self._allocator.alloc(num) if num > 0 else None
         if fresh:
             disk.install(data[:num], fresh)

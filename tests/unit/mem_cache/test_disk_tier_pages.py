@@ -58,6 +58,28 @@ def test_pages_come_back_bit_for_bit_after_a_flush(tmp_path):
     disk.close()
 
 
+def test_a_full_pool_makes_room_for_pages_read_back(tmp_path):
+    """Memory full of other cached prefixes: the least recently used of them give way to the
+    pages read back (a fetch into free pages only got none of them, and the request
+    prefilled its whole history again)."""
+    pool, disk, kv = make(tmp_path)
+    history = list(range(100, 112))  # three pages, written through to disk
+    compute(kv, history)
+    kv.flush()  # memory forgets it; the disk keeps it
+    for k in range(5):  # fifteen of the sixteen pages: other conversations' prefixes
+        compute(kv, list(range(200 + 12 * k, 212 + 12 * k)))
+    assert kv.usage().num_free == 1
+    deadline = time.monotonic() + 5
+    while not kv.fetch_from_disk(history + [1]):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    handle = kv.admit(history + [1], 13)
+    assert handle.num_cached_tokens == 12  # all three pages came back
+    kv.release(handle)
+    kv.check()
+    disk.close()
+
+
 def test_another_identity_finds_nothing(tmp_path):
     _, disk, kv = make(tmp_path, b"a")
     tokens = list(range(8))
