@@ -257,6 +257,26 @@ class TransferAgent:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"\0")
 
+    def _dispatch(self, peer: Any, data: bytes) -> None:
+        """One bootstrap message to `_on_message`; a message that cannot be decoded or
+        handled is logged (and its room ends, `_message_failed`), never the channel's end."""
+        try:
+            msg = m.decode(data)
+        except Exception:
+            logger.warning("dropped a bootstrap message this server cannot decode")
+            return
+        try:
+            self._on_message(peer, msg)
+        except Exception:
+            logger.exception("handling a bootstrap message failed")
+            self._message_failed(msg)
+
+    def _on_message(self, peer: Any, msg: m.Message) -> None:
+        raise NotImplementedError
+
+    def _message_failed(self, msg: m.Message) -> None:
+        """`msg` could not be handled: what its room becomes (nothing by default)."""
+
     def _relay_context(self, rank: int, pipeline_id: str, store: str | None) -> RelayContext:
         config = RelayConfig(
             backend=self.backend,

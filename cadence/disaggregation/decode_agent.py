@@ -22,7 +22,6 @@ from cadence.disaggregation.agent import (
     Ready,
     TransferAgent,
     endpoint,
-    logger,
 )
 from cadence.mem_cache.kv_pool import KVPool
 from cadence.pipeline.relay import RelayError, create_relay
@@ -149,17 +148,10 @@ class DecodeAgent(TransferAgent):
 
     async def _read(self, where: str, peer: _Peer) -> None:
         while True:
-            data = await peer.sock.recv()
-            try:
-                msg = m.decode(data)
-            except Exception:
-                logger.warning("dropped a bootstrap message this server cannot decode")
-                continue
-            try:
-                self._on_message(peer, msg)
-            except Exception:  # one message's failure must not stop the channel
-                logger.exception("handling a bootstrap message failed")
-                self._lose(msg.room, "this server failed to handle the prefill server's message")
+            self._dispatch(peer, await peer.sock.recv())
+
+    def _message_failed(self, msg: m.Message) -> None:
+        self._lose(msg.room, "this server failed to handle the prefill server's message")
 
     def _on_message(self, peer: _Peer, msg: m.Message) -> None:
         into = self.rooms.get(msg.room)

@@ -156,15 +156,7 @@ class PrefillAgent(TransferAgent):
     async def _read(self) -> None:
         while True:
             peer, data = await self.sock.recv_multipart()
-            try:
-                msg = m.decode(data)
-            except Exception:
-                logger.warning("dropped a bootstrap message this server cannot decode")
-                continue
-            try:
-                self._on_message(peer, msg)
-            except Exception:  # one message's failure must not stop the channel
-                logger.exception("handling a bootstrap message failed")
+            self._dispatch(peer, data)
 
     def _on_message(self, peer: bytes, msg: m.Message) -> None:
         if isinstance(msg, m.ChunkAck):
