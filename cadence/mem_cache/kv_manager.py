@@ -178,8 +178,8 @@ class KVManager:
         """Whether `prefix` may be admitted now. Pages of it past what memory holds that the
         disk tier has are read back on the tier's reader thread (started by the first call):
         False while that read runs, so the request waits while others compute; once it is
-        done, its pages go into free pages (never pages promised to admitted requests) and
-        into the cache, where the admission's match takes them."""
+        done, its pages go into the pool and the cache (`_install`), where the admission's
+        match takes them."""
         cache = self._cache
         if not prefix or namespace is not None or not isinstance(cache, RadixCache):
             return True
@@ -216,11 +216,17 @@ class KVManager:
         # Memory may have gained (or lost) pages of this prefix meanwhile: install what
         # follows the match now, only where it still follows.
         skip = len(pages) - start
-        if skip < 0 or skip >= len(data):
-            return True
-        data = data[skip:]
-        # Room for them: free pages first, then the least recently used unlocked cache (the
-        # pages this prefix already has in memory stay: they are locked meanwhile).
+        if 0 <= skip < len(data):
+            self._install(prefix, pages, node, data[skip:])
+        return True
+
+    def _install(self, prefix: list[int], pages: list[int], node, data) -> None:
+        """Pages read back for `prefix` (after its `pages` in memory, ending at `node`) go
+        into the pool and the cache. Room for them: free pages first, then the least
+        recently used unlocked cache (this prefix's pages stay: locked meanwhile); pages
+        promised to admitted requests never."""
+        cache = self._cache
+        assert isinstance(cache, RadixCache) and cache.disk is not None
         free = self._allocator.num_free_pages - self._num_promised
         if len(data) > free:
             cache.lock(node)
@@ -230,10 +236,9 @@ class KVManager:
         num = min(len(data), free)
         fresh = self._allocator.alloc(num) if num > 0 else None
         if fresh:
-            disk.install(data[:num], fresh)
-            cache.insert(prefix[: (len(pages) + num) * page], pages + fresh)
+            cache.disk.install(data[:num], fresh)
+            cache.insert(prefix[: (len(pages) + num) * self.page_size], pages + fresh)
             self._allocator.decref(fresh)  # the cache holds them now
-        return True
 
     def _forget_stale_fetches(self, max_age_s: float = 30.0) -> None:
         """Reads nobody came back for (their request was aborted while it waited)."""
