@@ -181,20 +181,23 @@ def run_prefill_side(conn, shape, page_size: int, num_pages: int, port: int) -> 
 
 def receive_room(decode, dst_pages: list[int]) -> int:
     """What the decode scheduler does with a room: stores each chunk into its pages and
-    releases it, until Ready. The monotonic ns after the last store."""
-    from cadence.disaggregation.agent import Arrived, Lost, Ready
+    releases it; once all are stored, commits and waits for the prefill side's
+    confirmation. The monotonic ns after the last store."""
+    from cadence.disaggregation.agent import Arrived, Committed, Lost, Ready
 
     last = [0]
 
     def on_event(event) -> bool:
         if isinstance(event, Arrived):
             first = event.first_page
-            decode.store(dst_pages[first : first + event.num_pages], event.data)
+            decode.store(dst_pages[first : first + event.num_pages], event)
             event.release()
             last[0] = time.monotonic_ns()
+        elif isinstance(event, Ready):
+            decode.commit(event.room)
         elif isinstance(event, Lost):
             raise RuntimeError(f"the transfer failed: {event.message}")
-        return isinstance(event, Ready)
+        return isinstance(event, Committed)
 
     wait_events(decode, on_event)
     return last[0]

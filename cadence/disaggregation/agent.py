@@ -44,8 +44,8 @@ from cadence.pipeline.relay import RelayContext
 logger = logging.getLogger("cadence.disaggregation")
 
 CHUNK_BYTES = 16 << 20  # at most this much per chunk: fewer round trips, each worth its cost
-PING_S = 1.0
-ANSWER_MARGIN_S = 1.0  # a decode side's own deadline runs past the prefill side's by this  # how often a prefill server checks that its claimed rooms' decode servers live
+PING_S = 1.0  # how often a prefill server checks that its claimed rooms' decode servers live
+ANSWER_MARGIN_S = 1.0  # a decode side's own deadline runs past the prefill side's by this
 CREDITS = 8  # relay slots in flight per prefill server
 SLOT_MB = 16.0
 
@@ -55,14 +55,17 @@ SLOT_MB = 16.0
 
 @dataclass
 class Arrived:
-    """Pages [first_page, first_page + num_pages) of a room, as bytes; the scheduler writes
-    them into the request's pages (`DecodeAgent.store`), then calls `release`."""
+    """Pages [first_page, first_page + num_pages) of a room: as bytes (`data`, from a relay),
+    or where they lie in the prefill server's shared pool (`source`: its layers and page
+    ids). The scheduler writes them into the request's pages (`DecodeAgent.store`), then
+    calls `release`."""
 
     room: int
     first_page: int
     num_pages: int
     data: torch.Tensor | None
     _release: Callable[[], None] | None = None
+    source: tuple[list[torch.Tensor], list[int]] | None = None
 
     def release(self) -> None:
         self.data = None  # a lent view: dropping it hands the sender's memory back
@@ -73,8 +76,17 @@ class Arrived:
 
 @dataclass
 class Ready:
-    """Every page of the room is here (once the Arrived before it are stored): the request
-    goes on with `done.token`."""
+    """Every page of the room has arrived (once the Arrived before it are stored): the
+    scheduler stores them, then `commit`s; `Committed` follows, or `Lost`."""
+
+    room: int
+    done: m.Done
+
+
+@dataclass
+class Committed:
+    """The prefill server confirmed the room's pages were its own while they were copied:
+    the request goes on with `done.token`."""
 
     room: int
     done: m.Done
@@ -95,7 +107,7 @@ class Lost:
     message: str
 
 
-Event = Arrived | Ready | Sent | Lost
+Event = Arrived | Ready | Committed | Sent | Lost
 
 
 class PagePayload:

@@ -18,6 +18,7 @@ from cadence.disaggregation import messages as m
 from cadence.disaggregation.agent import (
     ANSWER_MARGIN_S,
     Arrived,
+    Committed,
     Lost,
     Ready,
     TransferAgent,
@@ -38,12 +39,15 @@ class _In:
     num_arrived: int = 0  # pages read so far
     done: m.Done | None = None
     timer: asyncio.TimerHandle | None = None
+    source: list[torch.Tensor] | None = None  # the prefill pool's layers, when shared
+    ready: bool = False  # every page arrived: committing
 
 
 @dataclass(eq=False)
 class _Peer:
     sock: Any
     rooms: set[int] = field(default_factory=set)
+    pool: tuple[str, list[torch.Tensor]] | None = None  # its shared pool, mapped
 
 
 class DecodeAgent(TransferAgent):
@@ -70,9 +74,18 @@ class DecodeAgent(TransferAgent):
         """The request ended here: the prefill server stops its side."""
         self._call(self._drop, room, message)
 
-    def store(self, pages: list[int], data: torch.Tensor) -> None:
-        """Writes an Arrived chunk into these pages (scheduler thread)."""
-        self.pool.scatter_pages(pages, data)
+    def commit(self, room: int) -> None:
+        """Every Arrived chunk of the room is stored: asks the prefill server to confirm
+        (`Committed` follows, or `Lost`)."""
+        self._call(self._commit, room)
+
+    def store(self, pages: list[int], event: Arrived) -> None:
+        """Writes an Arrived chunk into these pages (scheduler thread): copied from the
+        prefill server's shared pool, or unpacked from the relay's bytes."""
+        if event.source is not None:
+            self.pool.copy_pages_from(event.source[0], event.source[1], pages)
+        elif event.data is not None:
+            self.pool.scatter_pages(pages, event.data)
 
     # -- inside the loop -----------------------------------------------------------------
 
@@ -163,6 +176,12 @@ class DecodeAgent(TransferAgent):
             return  # a room this side dropped: Ping, Done, Failed go nowhere
         elif isinstance(msg, m.Accepted):
             self._rearm(into)
+            if msg.pool is not None:
+                into.source = self._map_pool(peer, msg.pool)
+        elif isinstance(msg, m.Confirmed):
+            if into.ready and into.done is not None:
+                self._forget(into.room)
+                self._emit(Committed(into.room, into.done))
         elif isinstance(msg, m.Done):
             into.done = msg
             self._maybe_ready(peer, into)
@@ -180,7 +199,46 @@ class DecodeAgent(TransferAgent):
             f"{self.waiting_timeout:g} s",
         )
 
+    def _map_pool(self, peer: _Peer, info: dict[str, Any]) -> list[torch.Tensor]:
+        """The prefill server's KV pool, mapped once per segment (a restarted server has a
+        new one): one [2, heads, pages, page_size, head_dim] view per layer."""
+        from cadence.pipeline.relay.shm import Segment
+
+        name = info["segment"]
+        if peer.pool is not None and peer.pool[0] == name:
+            return peer.pool[1]
+        segment = Segment(name, 0, create=False)
+        if segment.tensor is None:
+            raise RuntimeError(f"the prefill server's KV pool {name} is empty")
+        own = self.pool.kv_buffer[0]
+        shape = (*own.shape[:2], int(info["num_pages"]), *own.shape[3:])
+        per_layer = own[:, :, :1].numel() * own.element_size() * shape[2]
+        layers = [
+            segment.tensor[i * per_layer : (i + 1) * per_layer].view(own.dtype).view(shape)
+            for i in range(len(self.pool.kv_buffer))
+        ]
+        if len(layers) * per_layer > segment.size:
+            raise RuntimeError(f"the prefill server's KV pool {name} is smaller than announced")
+        peer.pool = (name, layers)  # the old mapping goes with its last view
+        return layers
+
+    def _commit(self, room: int) -> None:
+        into = self.rooms.get(room)
+        if into is not None and into.ready:
+            self._spawn(self._send(self.peers[into.where], m.DoneAck(room=room)))
+
     async def _receive(self, peer: _Peer, into: _In | None, chunk: m.Chunk) -> None:
+        if chunk.pages is not None:  # in the prefill server's shared pool
+            if into is not None:
+                into.receiving -= 1
+                if self.rooms.get(chunk.room) is into and into.source is not None:
+                    into.num_arrived += chunk.num_pages
+                    source = (into.source, chunk.pages)
+                    self._emit(
+                        Arrived(chunk.room, chunk.first_page, chunk.num_pages, None, None, source)
+                    )
+                self._maybe_ready(peer, into)
+            return
         meta, relay = chunk.relay, self.relay
         if relay is None:
             relay = await self._pair_relay(into)
@@ -232,7 +290,12 @@ class DecodeAgent(TransferAgent):
         return self.relay
 
     def _maybe_ready(self, peer: _Peer, into: _In) -> None:
-        if into.done is None or into.receiving or self.rooms.get(into.room) is not into:
+        if (
+            into.done is None
+            or into.receiving
+            or into.ready
+            or self.rooms.get(into.room) is not into
+        ):
             return
         if into.num_arrived != into.done.num_pages:
             why = (
@@ -240,6 +303,5 @@ class DecodeAgent(TransferAgent):
                 f"{into.done.num_pages} the prefill server sent"
             )
             return self._lose(into.room, why)
-        self._forget(into.room)
+        into.ready = True  # the scheduler stores what arrived, then commits
         self._emit(Ready(into.room, into.done))
-        self._spawn(self._send(peer, m.DoneAck(room=into.room)))

@@ -10,7 +10,17 @@ torch); a `Chunk` only announces them. In order, for one room:
     prefill -> decode    Chunk ...    pages [first_page, first_page + num_pages), on the relay
     decode  -> prefill   ChunkAck     (relays that need it) the chunk's memory may be reused
     prefill -> decode    Done         the prompt's first sampled token and its logprobs
-    decode  -> prefill   DoneAck      the request lives on the decode side now
+    decode  -> prefill   DoneAck      every page is copied here
+    prefill -> decode    Confirmed    and they were still the room's while copied: go on
+
+With the shm backend the prefill server's KV pool itself is in shared memory (named in
+`Accepted`): a `Chunk` names the pool's pages and the decode server copies them straight into
+its own, one copy in all. A prefill server lets a room's pages go as soon as the room ends
+there (answered, aborted, timed out); `Confirmed` is what tells the decode server that its
+copies were made while the pages were still the room's (a room the prefill side no longer
+holds answers `DoneAck` with `Failed`), so a request never decodes over pages another
+request has overwritten. Without a shared pool (the torch backend, or no room for it in
+/dev/shm), a chunk travels through the relay instead.
 
 Either side may end a room at any point: `Failed` (prefill -> decode) or `Cancel` (decode ->
 prefill), with the reason the other side's client is told. `Ping` lets a prefill server find
@@ -36,13 +46,16 @@ class Claim(_Msg):
 
 
 class Accepted(_Msg):
-    pass
+    # shm: the prefill server's KV pool lives in shared memory: {"segment": its name,
+    # "num_pages": pages per layer}; the decode side copies pages from it directly.
+    pool: dict[str, Any] | None = None
 
 
 class Chunk(_Msg):
     first_page: int  # the request's page index of the chunk's first page
     num_pages: int
-    relay: dict[str, Any]  # the relay's put metadata
+    relay: dict[str, Any]  # the relay's put metadata (empty when read from the pool)
+    pages: list[int] | None = None  # the prefill pool's pages, to read where they lie
 
 
 class ChunkAck(_Msg):
@@ -62,6 +75,10 @@ class DoneAck(_Msg):
     pass
 
 
+class Confirmed(_Msg):
+    pass
+
+
 class Failed(_Msg):
     message: str
 
@@ -74,7 +91,7 @@ class Ping(_Msg):
     pass
 
 
-Message = Claim | Accepted | Chunk | ChunkAck | Done | DoneAck | Failed | Cancel | Ping
+Message = Claim | Accepted | Chunk | ChunkAck | Done | DoneAck | Confirmed | Failed | Cancel | Ping
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -5,7 +5,10 @@ request's room, and sends the room's pages to the claimer chunk by chunk, then i
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import zmq
@@ -53,6 +56,7 @@ class PrefillAgent(TransferAgent):
         # Claims whose request has not reached this server yet: room -> (peer, claim, timer).
         self.unmatched: dict[int, tuple[bytes, m.Claim, asyncio.TimerHandle]] = {}
         self._relay_peer: bytes | None = None  # torch: the one decode server paired with us
+        self.shared: Any = None  # shm: the pool's shared-memory segment, once it is there
 
     def num_rooms(self) -> int:
         return len(self.rooms)
@@ -90,8 +94,40 @@ class PrefillAgent(TransferAgent):
             ) from None
         if self.backend == "shm":
             self.relay = create_relay(self._relay_context(0, f"pd{self.port}", None))
+            self._share_pool()
         self._spawn(self._read())
         self._spawn(self._ping())
+
+    def _share_pool(self) -> None:
+        """Moves the KV pool into shared memory (the scheduler waits in `start`: no forward
+        runs), so that decode servers copy pages from where they lie. Where /dev/shm has no
+        room for it, pages go through the relay's slots instead."""
+        from cadence.pipeline.relay.shm import Segment, segment_name
+
+        if str(self.pool.device) != "cpu":
+            return
+        name = segment_name(os.getpid(), f"pdkv{self.port}", "pool")
+        try:
+            segment = Segment(name, self.pool.num_bytes, create=True)
+            assert segment.tensor is not None  # the pool is never empty
+            self.pool.move_into(segment.tensor)
+        except (OSError, ValueError, RuntimeError) as e:
+            logger.warning("the KV pool stays private (pages go through the relay): %s", e)
+            with contextlib.suppress(Exception):
+                segment.unlink()
+            return
+        self.shared = segment
+
+    def _pool_info(self) -> dict[str, Any] | None:
+        if self.shared is None:
+            return None
+        return {"segment": self.shared.name, "num_pages": self.pool.kv_buffer[0].shape[2]}
+
+    def _teardown(self) -> None:
+        if self.shared is not None:  # the mapping stays: the pool lives on in it
+            with contextlib.suppress(OSError):
+                self.shared.unlink()
+        super()._teardown()
 
     def _expect(self, room: int, rid: str) -> None:
         out = self.rooms[room] = _Out(room, rid)
@@ -169,6 +205,13 @@ class PrefillAgent(TransferAgent):
             if out is not None:
                 self._end(out)
                 self._emit(Sent(msg.room))
+                self._spawn(self._tell(peer, m.Confirmed(room=msg.room)))
+            else:  # its pages went to others meanwhile: what was copied may not be its
+                why = (
+                    f"the prefill server ended bootstrap_room {msg.room} before the decode "
+                    "server had its pages (aborted or timed out there)"
+                )
+                self._spawn(self._tell(peer, m.Failed(room=msg.room, message=why)))
         elif isinstance(msg, m.Cancel):
             waiting = self.unmatched.pop(msg.room, None)
             if waiting is not None:
@@ -231,7 +274,7 @@ class PrefillAgent(TransferAgent):
         )
         if self.rooms.get(out.room) is not out:
             return  # dropped while the relay formed
-        if await self._tell(peer, m.Accepted(room=out.room)):
+        if await self._tell(peer, m.Accepted(room=out.room, pool=self._pool_info())):
             out.accepted = True
             self._kick(out)
         else:
@@ -276,12 +319,14 @@ class PrefillAgent(TransferAgent):
                     pages, first = pages[skip - first :], max(first, skip)
                 part = pages[: self.pages_per_chunk]
                 if part:
-                    op = await self.relay.put_payload_async(
-                        PagePayload(self.pool, part), self._relay_rid(out), 1
-                    )
-                    chunk = m.Chunk(
-                        room=out.room, first_page=first, num_pages=len(part), relay=op.metadata
-                    )
+                    chunk = m.Chunk(room=out.room, first_page=first, num_pages=len(part), relay={})
+                    if self.shared is not None:
+                        chunk.pages = part  # read where they lie
+                    else:
+                        op = await self.relay.put_payload_async(
+                            PagePayload(self.pool, part), self._relay_rid(out), 1
+                        )
+                        chunk.relay = op.metadata
                     if not await self._tell(out.peer, chunk):
                         return self._lose(out, "the decode server went away during the transfer")
                     out.num_sent += len(part)

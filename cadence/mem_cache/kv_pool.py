@@ -129,6 +129,38 @@ class KVPool:
         for buf, block in zip(self.kv_buffer, self._blocks(data, len(pages))):
             buf.index_copy_(2, index, block.to(buf.device, non_blocking=False))
 
+    def move_into(self, storage: torch.Tensor) -> None:
+        """Moves every layer's buffer into `storage` (1-D uint8 on this pool's device, at
+        least `num_bytes`; e.g. shared memory a peer maps), contents kept. Only between
+        forward passes: the buffers are read from `kv_buffer` at each use."""
+        if storage.dtype != torch.uint8 or storage.dim() != 1 or storage.numel() < self.num_bytes:
+            raise ValueError(f"KV pool storage must be 1-D uint8 of {self.num_bytes} bytes")
+        moved, offset = [], 0
+        for buf in self.kv_buffer:
+            view = storage[offset : offset + buf.nbytes].view(buf.dtype).view(buf.shape)
+            view.copy_(buf)
+            moved.append(view)
+            offset += buf.nbytes
+        self.kv_buffer = moved
+
+    def copy_pages_from(
+        self, src: list[torch.Tensor], src_pages: list[int], pages: list[int]
+    ) -> None:
+        """Copies pages `src_pages` of another pool's layers `src` (the same page layout,
+        any number of pages) into this pool's `pages`."""
+        src_index = torch.tensor(src_pages, dtype=torch.int64)
+        index = torch.tensor(pages, dtype=torch.int64)
+        if str(self.device) == "cpu" and all(t.is_cpu for t in src):
+            from cadence.kernels import cpu_kernels_available
+
+            if cpu_kernels_available():
+                torch.ops.cadence.copy_pages_(src, src_index, self.kv_buffer, index)
+                return
+        for buf, other in zip(self.kv_buffer, src):
+            buf.index_copy_(
+                2, index.to(buf.device), other.index_select(2, src_index).to(buf.device)
+            )
+
     def _move_pages(
         self, pages: list[int], packed: torch.Tensor, to_packed: bool, buffers: list[torch.Tensor]
     ) -> bool:

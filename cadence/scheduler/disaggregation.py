@@ -8,7 +8,8 @@ first token when the prompt is done. It then waits, holding its pages, until the
 server has everything (`Sent`), and answers its client with that one token (SGLang's prefill
 forces max_new_tokens to 1). On the decode server (`DecodeIntake`) the request is admitted
 for pages first (its cached prefix is matched: those pages are not sent), claims the room,
-takes the pages as they arrive, and joins the running batch with the first token.
+takes the pages as they arrive, and joins the running batch with the first token once the
+prefill server confirms the pages were still the room's while they were copied.
 
 The transfer itself is the agent's (`cadence.disaggregation.agent`), on its own thread; this
 module runs on the scheduler's thread only, so the scheduler's invariants hold: every page
@@ -22,7 +23,7 @@ from collections import deque
 from typing import Any
 
 from cadence.disaggregation import messages
-from cadence.disaggregation.agent import Arrived, Lost, Ready, Sent
+from cadence.disaggregation.agent import Arrived, Committed, Lost, Ready, Sent
 from cadence.disaggregation.decode_agent import DecodeAgent
 from cadence.disaggregation.prefill_agent import PrefillAgent
 from cadence.mem_cache.kv_manager import KVManager
@@ -190,11 +191,14 @@ class DecodeIntake:
         for event in self.agent.take_events():
             if isinstance(event, Arrived):
                 req = self.claimed.get(event.room)
-                if req is not None and event.data is not None:
+                if req is not None:
                     first = event.first_page
-                    self.agent.store(req.pages[first : first + event.num_pages], event.data)
+                    self.agent.store(req.pages[first : first + event.num_pages], event)
                 event.release()
-            elif isinstance(event, Ready):
+            elif isinstance(event, Ready):  # all stored (the Arrived before it): confirm
+                if event.room in self.claimed:
+                    self.agent.commit(event.room)
+            elif isinstance(event, Committed):
                 req = self.claimed.pop(event.room, None)
                 if req is not None:
                     ready.append((req, event.done))

@@ -638,6 +638,51 @@ void move_pages_(const std::vector<at::Tensor>& layers, const at::Tensor& pages,
   }
 }
 
+// Whole KV pages from one pool to another of the same page layout (a decode server copying
+// from a prefill server's pool in shared memory): one memcpy per page plane, one pass.
+void copy_pages_(const std::vector<at::Tensor>& src_layers, const at::Tensor& src_pages,
+                 const std::vector<at::Tensor>& dst_layers, const at::Tensor& dst_pages) {
+  TORCH_CHECK(src_layers.size() == dst_layers.size(), "copy_pages_: layer counts differ");
+  TORCH_CHECK(src_pages.scalar_type() == at::kLong && dst_pages.scalar_type() == at::kLong &&
+                  src_pages.is_contiguous() && dst_pages.is_contiguous() &&
+                  src_pages.numel() == dst_pages.numel(),
+              "copy_pages_: page lists must be contiguous int64 tensors of one length");
+  const int64_t n = src_pages.numel();
+  if (src_layers.empty() || n == 0) return;
+  const at::Tensor& s0 = src_layers[0];
+  const at::Tensor& d0 = dst_layers[0];
+  TORCH_CHECK(s0.dim() == 5 && d0.dim() == 5 && s0.size(0) == d0.size(0) &&
+                  s0.size(1) == d0.size(1) && s0.size(3) == d0.size(3) && s0.size(4) == d0.size(4) &&
+                  s0.scalar_type() == d0.scalar_type(),
+              "copy_pages_: the pools' pages differ in shape or dtype");
+  const int64_t planes = s0.size(0) * s0.size(1), src_num = s0.size(2), dst_num = d0.size(2);
+  const int64_t block = s0.size(3) * s0.size(4) * s0.element_size();
+  const int64_t* si = src_pages.data_ptr<int64_t>();
+  const int64_t* di = dst_pages.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) {
+    TORCH_CHECK(si[j] >= 0 && si[j] < src_num, "copy_pages_: source page ", si[j], " is not in its pool");
+    TORCH_CHECK(di[j] >= 0 && di[j] < dst_num, "copy_pages_: page ", di[j], " is not in the pool");
+  }
+  for (size_t l = 0; l < src_layers.size(); ++l) {
+    const at::Tensor& src = src_layers[l];
+    const at::Tensor& dst = dst_layers[l];
+    TORCH_CHECK(src.is_contiguous() && dst.is_contiguous() && src.is_cpu() && dst.is_cpu() &&
+                    src.sizes() == s0.sizes() && dst.sizes() == d0.sizes(),
+                "copy_pages_: every layer must be a contiguous CPU tensor of its pool's shape");
+    const uint8_t* sb = static_cast<const uint8_t*>(src.data_ptr());
+    uint8_t* db = static_cast<uint8_t*>(dst.data_ptr());
+    for (int64_t p = 0; p < planes; ++p)
+      for (int64_t j = 0; j < n; ++j) {
+        // The hardware prefetchers stop at each 4 KiB page: ask for the next block early.
+        if (j + 1 < n) {
+          const uint8_t* next = sb + (p * src_num + si[j + 1]) * block;
+          for (int64_t off = 0; off < block; off += 64) __builtin_prefetch(next + off, 0, 0);
+        }
+        std::memcpy(db + (p * dst_num + di[j]) * block, sb + (p * src_num + si[j]) * block, block);
+      }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cadence, m) {
@@ -649,6 +694,7 @@ TORCH_LIBRARY(cadence, m) {
   m.def("decode_attention(Tensor qkv, Tensor factors, Tensor(a!) kv_buffer, Tensor slots, Tensor page_table, "
         "Tensor seq_lens, int num_heads, Tensor? query_starts=None) -> Tensor");
   m.def("move_pages_(Tensor(a!)[] layers, Tensor pages, Tensor(b!) packed, bool to_packed) -> ()");
+  m.def("copy_pages_(Tensor[] src_layers, Tensor src_pages, Tensor(a!)[] dst_layers, Tensor dst_pages) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cadence, CPU, m) {
@@ -659,4 +705,5 @@ TORCH_LIBRARY_IMPL(cadence, CPU, m) {
   m.impl("rotary_", &rotary_);
   m.impl("decode_attention", &decode_attention);
   m.impl("move_pages_", &move_pages_);
+  m.impl("copy_pages_", &copy_pages_);
 }

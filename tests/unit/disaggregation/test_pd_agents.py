@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cadence.disaggregation import messages as m
-from cadence.disaggregation.agent import Arrived, Lost, Ready, Sent
+from cadence.disaggregation.agent import Arrived, Committed, Lost, Ready, Sent
 from cadence.disaggregation.decode_agent import DecodeAgent
 from cadence.disaggregation.prefill_agent import PrefillAgent
 from cadence.mem_cache.kv_pool import KVPool
@@ -31,8 +31,12 @@ def pool(num_pages=64, dtype=torch.float32, head_dim=8) -> KVPool:
     return p
 
 
-@pytest.fixture
-def pair():
+@pytest.fixture(params=["shared pool", "relay"])
+def pair(request, monkeypatch):
+    """A prefill and a decode agent; the prefill pool in shared memory (read where it lies),
+    or kept private (pages through the relay's slots)."""
+    if request.param == "relay":
+        monkeypatch.setattr(PrefillAgent, "_share_pool", lambda self: None)
     src, dst = pool(), pool()
     for buf in src.kv_buffer:
         buf.normal_()
@@ -60,16 +64,20 @@ def events(agent, until, timeout=8.0) -> list:
 
 
 def store_all(decode: DecodeAgent, got: list, pages: list[int]) -> m.Done:
-    """What the decode scheduler does: writes each Arrived chunk, releases it."""
-    done = None
+    """What the decode scheduler does: writes each Arrived chunk, releases it, and once all
+    are written asks the prefill side to confirm; the Done once confirmed."""
+    ready = None
     for e in got:
         if isinstance(e, Arrived):
-            decode.store(pages[e.first_page : e.first_page + e.num_pages], e.data)
+            decode.store(pages[e.first_page : e.first_page + e.num_pages], e)
             e.release()
         elif isinstance(e, Ready):
-            done = e.done
-    assert done is not None
-    return done
+            ready = e
+    assert ready is not None
+    decode.commit(ready.room)
+    [committed] = [e for e in events(decode, lambda e: isinstance(e, Committed | Lost))]
+    assert isinstance(committed, Committed), committed
+    return committed.done
 
 
 def test_pages_move_in_chunks_and_the_first_token_follows(pair):
@@ -85,6 +93,8 @@ def test_pages_move_in_chunks_and_the_first_token_follows(pair):
     done = store_all(decode, got, dst_pages)
     assert (done.token, done.logprob, done.cached_tokens) == (42, -0.5, 3)
     assert sum(isinstance(e, Arrived) for e in got) >= 3
+    if prefill.shared is not None:  # read where they lie: no bytes went through the relay
+        assert all(e.source is not None and e.data is None for e in got if isinstance(e, Arrived))
     for a, b in zip(prefill.pool.kv_buffer, decode.pool.kv_buffer):
         assert torch.equal(a[:, :, src_pages], b[:, :, dst_pages])
     assert any(isinstance(e, Sent) for e in events(prefill, lambda e: isinstance(e, Sent)))
@@ -109,6 +119,27 @@ def test_a_claim_before_its_request_and_cached_pages_skipped(pair):
     store_all(decode, got, [0, 0, 20, 21])
     for a, b in zip(prefill.pool.kv_buffer, decode.pool.kv_buffer):
         assert torch.equal(a[:, :, [9, 12]], b[:, :, [20, 21]])
+
+
+def test_a_room_the_prefill_side_ended_is_not_confirmed(pair):
+    """The prefill side dropped the room after its Done went out (its client left, its
+    pages went to others): the decode side's copies may be anyone's, so it must not go on."""
+    prefill, decode, port = pair
+    prefill.expect(12, "r")
+    decode.claim(12, "r", "127.0.0.1", port, 0)
+    prefill.send(12, 0, [3, 6])
+    prefill.finish(12, m.Done(room=12, token=1))
+    got = events(decode, lambda e: isinstance(e, Ready))
+    prefill.drop(12, "the client went away")  # before the decode side commits
+    time.sleep(0.2)
+    for e in got:
+        if isinstance(e, Arrived):
+            decode.store([1, 2][e.first_page : e.first_page + e.num_pages], e)
+            e.release()
+    decode.commit(12)
+    ended = [e for e in events(decode, lambda e: isinstance(e, Committed | Lost))]
+    assert isinstance(ended[-1], Lost) and "the client went away" in ended[-1].message
+    assert decode.num_rooms() == 0
 
 
 def test_unclaimed_rooms_and_unknown_rooms_time_out_on_both_sides(pair):

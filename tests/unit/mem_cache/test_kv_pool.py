@@ -228,3 +228,29 @@ def test_pages_pack_and_unpack_the_same_with_the_cpu_kernel_and_with_torch(dtype
         assert dst.kv_buffer[0][:, :, 2].abs().sum() == 0  # no other page touched
     assert torch.equal(packed["kernel"], packed["torch"])
     assert src.layout == f"{str(dtype)[6:]}:[3, 2, 2, 4, 8]"
+
+
+def test_a_pool_moves_into_given_storage_and_copies_pages_from_another(monkeypatch):
+    """The prefill server's pool moves into shared memory (contents kept); a decode server's
+    pool copies pages out of it, with the CPU kernel and with torch's ops alike."""
+    from cadence.mem_cache import kv_pool
+
+    src = KVPool(12, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    for buf in src.kv_buffer:
+        buf.normal_()
+    before = [buf.clone() for buf in src.kv_buffer]
+    storage = torch.zeros(src.num_bytes + 64, dtype=torch.uint8)
+    src.move_into(storage)
+    assert all(torch.equal(a, b) for a, b in zip(src.kv_buffer, before))
+    assert src.kv_buffer[0].data_ptr() == storage.data_ptr()
+    for use_kernel in (True, False):
+        if not use_kernel:
+            monkeypatch.setattr("cadence.kernels.cpu_kernels_available", lambda: False)
+        dst = KVPool(7, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+        for buf in dst.kv_buffer:
+            buf.zero_()
+        dst.copy_pages_from(src.kv_buffer, [11, 0, 5], [6, 2, 3])
+        for a, b in zip(src.kv_buffer, dst.kv_buffer):
+            assert torch.equal(a[:, :, [11, 0, 5]], b[:, :, [6, 2, 3]])
+        assert dst.kv_buffer[1][:, :, [0, 1, 4, 5]].abs().sum() == 0
+    assert kv_pool.KVPool is KVPool

@@ -7,7 +7,7 @@ from __future__ import annotations
 from test_scheduler import PAGE, assert_pool_full, final, make, run_until_idle
 
 from cadence.disaggregation import messages as m
-from cadence.disaggregation.agent import Arrived, Lost, Ready, Sent
+from cadence.disaggregation.agent import Arrived, Committed, Lost, Ready, Sent
 from cadence.io_struct import AbortReq, SamplingParams, TokenizedGenerateReqInput
 from cadence.scheduler.disaggregation import DecodeIntake, PrefillHandoff
 
@@ -19,6 +19,7 @@ class FakeAgent:
         self.calls: list[tuple] = []
         self.events: list = []
         self.stored: list[tuple[list[int], object]] = []
+        self.ready_done: dict[int, object] = {}
 
     @property
     def has_events(self) -> bool:
@@ -26,15 +27,23 @@ class FakeAgent:
 
     def take_events(self):
         events, self.events = self.events, []
+        for event in events:
+            if isinstance(event, Ready):
+                self.ready_done[event.room] = event.done
         return events
+
+    def commit(self, room):
+        """The prefill side confirms at once (tests queue a Lost where it does not)."""
+        self.calls.append(("commit", room))
+        self.events.append(Committed(room, self.ready_done.pop(room)))
 
     def __getattr__(self, name):
         if name in ("expect", "send", "finish", "drop", "claim"):
             return lambda *args: self.calls.append((name, *args))
         raise AttributeError(name)
 
-    def store(self, pages, data):
-        self.stored.append((list(pages), data))
+    def store(self, pages, event):
+        self.stored.append((list(pages), event.data))
 
     def stats(self):
         return {}
