@@ -26,7 +26,6 @@ from e2e_server import (
     SESSION_TAG,
     Server,
     fault_plugin_env,
-    free_port,
     is_idle,
     pipeline_env,
     tagged_pids,
@@ -35,6 +34,7 @@ from e2e_server import (
 )
 from embedding_models import CLASSIFIER_PATH, MINILM_PATH, classifier_env
 from lora_adapters import LORA_DIR, lora_env
+from pd_servers import PD_ARGS
 
 from cadence.chat_templates import template_path
 
@@ -50,12 +50,6 @@ KV_EVENTS_CONFIG = json.dumps(
         "topic": "kv",
     }
 )
-PD_BOOTSTRAP_PORT = free_port()
-PD_TIMEOUTS = ["--disaggregation-bootstrap-timeout", "4", "--disaggregation-waiting-timeout", "15"]
-_PD = [
-    *("--max-total-tokens", "8192", "--skip-warmup", "--chunked-prefill-size", "512"),
-    *("--disaggregation-bootstrap-port", str(PD_BOOTSTRAP_PORT), *PD_TIMEOUTS),
-]
 SERVER_SPECS: dict[str, list[str]] = {
     # Warm-up on: /health must stay 503 until the warm-up generation has passed.
     "server": ["--max-total-tokens", "16384", "--chunked-prefill-size", "512"],
@@ -124,8 +118,8 @@ SERVER_SPECS: dict[str, list[str]] = {
     ],
     # Prefill/decode disaggregation (test_pd_e2e.py): a pair on one bootstrap port, with the
     # shared server's prefill chunking (its greedy outputs are what the pair must give).
-    "prefill_server": [*_PD, "--disaggregation-mode", "prefill"],
-    "decode_server": [*_PD, "--disaggregation-mode", "decode"],
+    "prefill_server": [*PD_ARGS, "--disaggregation-mode", "prefill"],
+    "decode_server": [*PD_ARGS, "--disaggregation-mode", "decode"],
     # The same server without the pipeline: what the speech server's memory is compared with.
     "speech_baseline_server": [*_SMALL, "--max-speech-chars", "2000"],
 }

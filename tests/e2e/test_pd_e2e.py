@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import PD_TIMEOUTS
 from e2e_server import Server, free_port, is_idle, sse_events
+from pd_servers import PD_BOOTSTRAP_PORT, PD_TIMEOUTS
 
 PROMPTS = [
     f"{subject} {verb}"
@@ -78,8 +78,6 @@ def colocated(server: Server, body: dict) -> dict:
 
 @pytest.fixture
 def pair(prefill_server, decode_server):
-    from conftest import PD_BOOTSTRAP_PORT
-
     yield prefill_server, decode_server, PD_BOOTSTRAP_PORT
     for srv in (prefill_server, decode_server):
         assert is_idle(srv.wait_idle()), f"{srv.name} holds pages after the test"

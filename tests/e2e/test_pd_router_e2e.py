@@ -29,9 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import PD_BOOTSTRAP_PORT, PD_TIMEOUTS
 from e2e_server import free_port, is_idle, sse_events, wait_until
 from grpc_support import grpc_port
+from pd_servers import PD_BOOTSTRAP_PORT, PD_TIMEOUTS
 from test_pd_e2e import GREEDY, PROMPTS
 from test_smg_gateway import Gateway, smg_command
 
