@@ -107,14 +107,21 @@ class PrefillAgent(TransferAgent):
         if str(self.pool.device) != "cpu":
             return
         name = segment_name(os.getpid(), f"pdkv{self.port}", "pool")
+        segment = None
         try:
             segment = Segment(name, self.pool.num_bytes, create=True)
             assert segment.tensor is not None  # the pool is never empty
             self.pool.move_into(segment.tensor)
         except (OSError, ValueError, RuntimeError) as e:
-            logger.warning("the KV pool stays private (pages go through the relay): %s", e)
-            with contextlib.suppress(Exception):
-                segment.unlink()
+            logger.warning(
+                "the KV pool stays private, pages go through the relay's slots (one copy more); "
+                "give /dev/shm room for %d MB to share it: %s",
+                self.pool.num_bytes >> 20,
+                e,
+            )
+            if segment is not None:
+                with contextlib.suppress(OSError):
+                    segment.unlink()
             return
         self.shared = segment
 

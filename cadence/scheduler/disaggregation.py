@@ -73,13 +73,13 @@ class PrefillHandoff:
 
     def hand_over(self, req: Req, done: messages.Done) -> None:
         """The prompt is done and `done` holds its first token: the rest goes out."""
-        room = self._room(req)
+        room = self.room_of(req)
         self._queue(req, self.kv.pages_for(req.num_computed))
         self.handing[room] = req
         self.agent.finish(room, done)
 
     def _queue(self, req: Req, num_pages: int) -> None:
-        room = self._room(req)
+        room = self.room_of(req)
         sent = self.queued_pages.get(room)
         if sent is not None and num_pages > sent:
             self.agent.send(room, sent, req.pages[sent:num_pages])
@@ -116,7 +116,7 @@ class PrefillHandoff:
         return {"mode": self.mode, "rooms": len(self.live), **self.agent.stats()}
 
     @staticmethod
-    def _room(req: Req) -> int:
+    def room_of(req: Req) -> int:
         assert req.bootstrap is not None
         return req.bootstrap[2]
 

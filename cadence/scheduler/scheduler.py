@@ -65,7 +65,7 @@ from cadence.model_executor.lora_manager import NOT_ENABLED as LORA_NOT_ENABLED
 from cadence.model_executor.runner import BatchItem, ItemResult, Launched, Runner, ScheduleBatch
 from cadence.scheduler.admission import Admission
 from cadence.scheduler.batch import ahead_batch, decode_item, extend_item, prepare_sampling
-from cadence.scheduler.disaggregation import DecodeIntake, PrefillHandoff
+from cadence.scheduler.disaggregation import DecodeIntake, PrefillHandoff, transfer_failed
 from cadence.scheduler.embedding import EmbeddingQueue, EmbedOutput, embed_req_from_tokenized
 from cadence.scheduler.profiler import Profiler
 from cadence.scheduler.req import Req, ReqOutput, is_sample_of, req_from_tokenized
@@ -500,7 +500,7 @@ class Scheduler:
             return
         ready, lost = pd.take_news()
         for req, why in lost:
-            self._end(req, {"type": "abort", "status_code": 500, "message": why})
+            self._end(req, transfer_failed(why))
         if ready and self.inflight is not None:
             self.drain()  # the step in flight decodes only its own requests
         for req, done in ready:
@@ -691,7 +691,7 @@ class Scheduler:
             result.next_id, result.logprob, result.top_logprobs, result.token_ids_logprobs
         )
         done = Done(
-            room=pd._room(req),
+            room=pd.room_of(req),
             token=result.next_id,
             logprob=result.logprob,
             top=result.top_logprobs,
