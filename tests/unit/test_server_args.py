@@ -61,3 +61,27 @@ def test_the_flat_cli_flags_fill_the_groups():
     assert args.http.port == 31001 and args.api_workers == 2
     assert args.disable_grpc is True
     assert parse() == ServerArgs(model_path="m.gguf")
+
+
+def test_disaggregation_flags_are_checked_by_name():
+    """SGLang's --disaggregation-* flags: a bad value names the flag and what exists."""
+    args = ServerArgs(disaggregation_mode="prefill", disaggregation_bootstrap_port=9100)
+    assert (args.disaggregation_mode, args.disaggregation_bootstrap_port) == ("prefill", 9100)
+    assert ServerArgs().disaggregation_mode == "null"
+    for kwargs, words in [
+        ({"disaggregation_mode": "both"}, "null, prefill or decode"),
+        ({"disaggregation_transfer_backend": "mooncake"}, "shm or torch"),
+        ({"disaggregation_bootstrap_port": 0}, "must be a port"),
+        ({"disaggregation_waiting_timeout": 0}, "> 0 seconds"),
+        ({"disaggregation_mode": "decode", "speculative_algorithm": "NGRAM"}, "speculative"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            ServerArgs(**kwargs)
+
+
+def test_disaggregation_timeouts_default_to_sglangs_variables(monkeypatch):
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "12")
+    args = ServerArgs(disaggregation_mode="decode")
+    assert args.effective_bootstrap_timeout == 12.0
+    assert args.effective_waiting_timeout == 300.0
+    assert ServerArgs(disaggregation_waiting_timeout=5).effective_waiting_timeout == 5
