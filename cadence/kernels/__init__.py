@@ -32,6 +32,7 @@ SOURCES = [os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "quant_unit.cpp"
 HEADERS = [
     os.path.join(CSRC, name)
     for name in (
+        "lora_products.cpp",
         "quant_layout.h",
         "quant_repack.cpp",
         "quant_products.cpp",

@@ -58,6 +58,40 @@ class LayerOps:
             rotated = torch.view_as_complex(qk.float().view(t, *factors.shape[1:], 2)).mul_(factors)
             qk.copy_(torch.view_as_real(rotated).view(t, -1))
 
+    def lora_products_(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        rows: torch.Tensor,
+        starts: list[int],
+        scales: list[float],
+        a: list[torch.Tensor],
+        bt: list[torch.Tensor],
+        offsets: tuple[int, ...],
+    ) -> None:
+        """In place, for each group g of rows `rows[starts[g]:starts[g + 1]]` and each part p
+        of the projection (P = len(offsets)): y[row, offsets[p]:] += scales[g] (x[row] A^T)
+        B^T, with A = a[g * P + p] [r, in] and B^T = bt[g * P + p] [r, out_p] (r = 0:
+        nothing). The products run in the wider of x's and the weights' dtypes."""
+        parts = len(offsets)
+        every = len(starts) == 2 and starts[1] == y.shape[0]  # one group: rows is 0..T-1
+        for g in range(len(starts) - 1):
+            idx = rows[starts[g] : starts[g + 1]]
+            xs = None
+            for p, offset in enumerate(offsets):
+                ap, btp = a[g * parts + p], bt[g * parts + p]
+                if ap.shape[0] == 0:
+                    continue
+                wide = torch.promote_types(x.dtype, ap.dtype)
+                if xs is None:
+                    xs = (x if every else x.index_select(0, idx)).to(wide)
+                delta = (((xs @ ap.to(wide).T) * scales[g]) @ btp.to(wide)).to(y.dtype)
+                columns = y[:, offset : offset + btp.shape[1]]
+                if every:
+                    columns.add_(delta)
+                else:
+                    columns.index_add_(0, idx, delta)
+
 
 class CpuFusedOps(LayerOps):
     """`LayerOps` through Cadence's CPU kernels (available only once they are loaded)."""
@@ -82,3 +116,6 @@ class CpuFusedOps(LayerOps):
 
     def rotary_(self, qk, factors):
         self._ops.rotary_(qk, factors)
+
+    def lora_products_(self, y, x, rows, starts, scales, a, bt, offsets):
+        self._ops.lora_products_(y, x, rows, starts, scales, a, bt, list(offsets))

@@ -1,24 +1,28 @@
 """LoRA products for a batch whose rows use different adapters, or none.
 
 A projection y = x W^T gains, for the tokens of a request served with an adapter,
-y += (x A^T) B^T: A [rank, in] and B [out, rank] with the adapter's scaling folded into B
-at load. The model's projections are fused (q|k|v in one matrix, gate|up in another), so an
-adapter's parts are fused the same way: their A matrices stacked (one product gives every
-part's low-rank activations), their B matrices placed block-diagonally on the fused output's
-rows. A part the adapter does not target is a zero block; a projection it does not target at
-all has no entry and costs nothing.
+y += s (x A^T) B^T: A [rank, in], B [out, rank] and the adapter's scaling s (lora_alpha / r,
+or / sqrt(r) for rsLoRA). The model's projections are fused (q|k|v in one matrix, gate|up in another), so an
+adapter's product on a fused projection is kept per part: A_p and B_p^T for each part it
+targets (an empty [0, ...] pair for one it does not), part p writing the output columns from
+its offset. A projection the adapter does not target at all has no entry and costs nothing.
 
-A step's tokens are grouped by adapter once (`LoraBatch`), and each layer applies one pair
-of matmuls per adapter present in the batch, over that adapter's tokens (gathered when the
-batch mixes adapters, in place when one adapter has every token): a segmented matmul, not a
-loop over rows. The base projection (dense or quantized) is untouched.
+A step's tokens are grouped by adapter once (`LoraBatch`), and each layer's projection adds
+every group's products in one call of `LayerOps.lora_products_`: on the CPU one kernel for
+the whole step (a segmented matmul: each adapter's weights read once for all its rows), in
+torch a pair of matmuls per adapter and part. The base projection (dense or quantized) is
+untouched.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from cadence.layers.layer_ops import LayerOps
 
 # The fused projections of a decoder layer, and the PEFT module names fused into each.
 FUSED_PARTS: dict[str, tuple[str, ...]] = {
@@ -32,10 +36,21 @@ TARGET_MODULES = tuple(part for parts in FUSED_PARTS.values() for part in parts)
 
 @dataclass
 class LoraProduct:
-    """One adapter on one fused projection."""
+    """One adapter on one fused projection, part by part (`FUSED_PARTS` order)."""
 
-    a: torch.Tensor  # [rank_total, in_features], the stacked A of the targeted parts
-    b: torch.Tensor  # [out_features, rank_total], block-diagonal B, scaling folded in
+    a: tuple[torch.Tensor, ...]  # per part: A [r, in]; [0, in] where the part is not targeted
+    bt: tuple[torch.Tensor, ...]  # per part: B^T [r, out_p]
+    offsets: tuple[int, ...]  # per part: its first column of the fused output
+    scale: float = 1.0  # the adapter's scaling
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """s (x A^T) B^T over the fused output's columns [tokens, out] in float32, plainly (a
+        reference)."""
+        out = self.offsets[-1] + self.bt[-1].shape[1]
+        y = torch.zeros(x.shape[0], out, device=x.device)
+        for a, bt, offset in zip(self.a, self.bt, self.offsets):
+            y[:, offset : offset + bt.shape[1]] += (x.float() @ a.float().T) @ bt.float()
+        return y * self.scale
 
 
 class LoraWeights:
@@ -48,18 +63,22 @@ class LoraWeights:
     @property
     def nbytes(self) -> int:
         return sum(
-            p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size()
+            t.numel() * t.element_size()
             for layer in self.layers
-            for p in layer.values()
+            for product in layer.values()
+            for t in (*product.a, *product.bt)
         )
 
 
 class LoraBatch:
-    """A step's tokens grouped by adapter: for each adapter present, its weights and the
-    rows (flat token indices) it applies to (None: every row of the step)."""
+    """A step's tokens grouped by adapter: `adapters[g]` serves the flat token indices
+    `rows[starts[g]:starts[g + 1]]` (group order; a request without an adapter is in no
+    group)."""
 
-    def __init__(self, groups: list[tuple[LoraWeights, torch.Tensor | None]]):
-        self.groups = groups
+    def __init__(self, adapters: list[LoraWeights], rows: torch.Tensor, starts: list[int]):
+        self.adapters = adapters
+        self.rows = rows
+        self.starts = starts
 
     @classmethod
     def build(
@@ -67,36 +86,47 @@ class LoraBatch:
     ) -> LoraBatch | None:
         """`adapters[i]` serves the `counts[i]` consecutive tokens of request i; None when
         no request of the step has an adapter."""
-        present = [a for a in adapters if a is not None]
-        if not present:
-            return None
-        first = present[0]
-        if len(present) == len(adapters) and all(a is first for a in present):
-            return cls([(first, None)])
-        rows: dict[int, tuple[LoraWeights, list[int]]] = {}
+        groups: dict[int, tuple[LoraWeights, list[int]]] = {}
         start = 0
         for adapter, count in zip(adapters, counts):
             if adapter is not None:
-                rows.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + count))
+                groups.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + count))
             start += count
-        return cls(
-            [
-                (adapter, torch.tensor(idx, dtype=torch.int64, device=device))
-                for adapter, idx in rows.values()
-            ]
-        )
+        if not groups:
+            return None
+        rows: list[int] = []
+        starts = [0]
+        for _, idx in groups.values():
+            rows.extend(idx)
+            starts.append(len(rows))
+        order = torch.tensor(rows, dtype=torch.int64, device=device)
+        return cls([adapter for adapter, _ in groups.values()], order, starts)
 
-    def apply(self, layer_id: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def apply(
+        self, layer_id: int, proj: str, x: torch.Tensor, y: torch.Tensor, ops: LayerOps
+    ) -> torch.Tensor:
         """y (the base projection of x, [tokens, out]) plus every adapter's product on its
         rows; `y` is written in place and returned."""
-        for adapter, rows in self.groups:
-            product = adapter.layers[layer_id].get(proj)
+        products = [adapter.layers[layer_id].get(proj) for adapter in self.adapters]
+        present = next((p for p in products if p is not None), None)
+        if present is None:
+            return y
+        a: list[torch.Tensor] = []
+        bt: list[torch.Tensor] = []
+        scales: list[float] = []
+        for product in products:
             if product is None:
-                continue
-            if rows is None:
-                low = x.to(product.a.dtype) @ product.a.T
-                y.add_((low @ product.b.T).to(y.dtype))
-            else:
-                low = x.index_select(0, rows).to(product.a.dtype) @ product.a.T
-                y.index_add_(0, rows, (low @ product.b.T).to(y.dtype))
+                product = _untargeted(present)
+            a.extend(product.a)
+            bt.extend(product.bt)
+            scales.append(product.scale)
+        ops.lora_products_(y, x, self.rows, self.starts, scales, a, bt, present.offsets)
         return y
+
+
+def _untargeted(like: LoraProduct) -> LoraProduct:
+    """Empty parts shaped like `like`'s: an adapter that does not target this projection."""
+    empty_a = like.a[0].new_empty(0, like.a[0].shape[1])
+    empty_bt = like.bt[0].new_empty(0, 0)
+    n = len(like.a)
+    return LoraProduct((empty_a,) * n, (empty_bt,) * n, like.offsets)

@@ -73,7 +73,9 @@ class LoraManager:
 
     def __init__(self, args: ServerArgs, config: ModelConfig, dtype: torch.dtype, device):
         self.config = config
-        self.dtype = dtype
+        # On the CPU an adapter stays at its file's precision (lora_products_ sums in float32
+        # whatever the weights' dtype); elsewhere it takes the model's.
+        self.dtype: torch.dtype | None = None if torch.device(device).type == "cpu" else dtype
         self.device = device
         self.max_loaded = args.max_loaded_loras
         self.policy = args.lora_eviction_policy

@@ -2,10 +2,12 @@
 
 An adapter is checked against the base model and the server's LoRA limits before anything
 is kept: a refusal names the file and the field (or tensor) and says what would be accepted.
-What is kept is the fused form the layers apply (`cadence.layers.lora`): per layer and fused
-projection, the targeted parts' A stacked and B block-diagonal, the scaling (lora_alpha / r,
-or lora_alpha / sqrt(r) for rsLoRA) folded into B, and B's q and k rows put in the model's
-interleaved rotary order (as the base weights are: `interleave_rotary_rows`).
+What is kept is the form the layers apply (`cadence.layers.lora`): per layer and fused
+projection, each part's A and B^T (empty for a part not targeted), B's q and k rows put in
+the model's interleaved rotary order (as the base weights are: `interleave_rotary_rows`),
+and the scaling (lora_alpha / r, or lora_alpha / sqrt(r) for rsLoRA) beside them. The
+weights are not changed otherwise: kept at the file's precision (`dtype=None`), an adapter is
+served exactly as it was saved.
 """
 
 from __future__ import annotations
@@ -128,23 +130,31 @@ def _full_match(pattern: str, module: str) -> bool:
 def load_adapter(
     path: str,
     config: ModelConfig,
-    dtype: torch.dtype,
+    dtype: torch.dtype | None,
     device: torch.device | str = "cpu",
     max_rank: int | None = None,
     allowed: tuple[str, ...] | None = None,
 ) -> tuple[AdapterInfo, LoraWeights]:
-    """Reads and checks the adapter at `path` for a base model of `config`."""
+    """Reads and checks the adapter at `path` for a base model of `config`. Its weights are
+    kept in `dtype`, or with None at the file's precision: bfloat16 when every tensor is,
+    float32 otherwise (float16 and float32 both fit it exactly)."""
     info = read_adapter_config(path, max_rank, allowed)
     tensors = _read_tensors(path, config, info)
+    if dtype is None:
+        saved = {t.dtype for pairs in tensors.values() for pair in pairs.values() for t in pair}
+        dtype = torch.bfloat16 if saved == {torch.bfloat16} else torch.float32
     layers: list[dict[str, LoraProduct]] = []
     for layer_id in range(config.num_hidden_layers):
         products = {}
         for proj, parts in FUSED_PARTS.items():
             product = _fuse(config, info, tensors.get(layer_id, {}), proj, parts)
             if product is not None:
+                a, bt, offsets = product
                 products[proj] = LoraProduct(
-                    product[0].to(device=device, dtype=dtype).contiguous(),
-                    product[1].to(device=device, dtype=dtype).contiguous(),
+                    tuple(t.to(device=device, dtype=dtype).contiguous() for t in a),
+                    tuple(t.to(device=device, dtype=dtype).contiguous() for t in bt),
+                    offsets,
+                    info.scaling,
                 )
         layers.append(products)
     return info, LoraWeights(layers)
@@ -197,7 +207,12 @@ def _read_tensors(path: str, config: ModelConfig, info: AdapterInfo):
                         f"{file}: tensor {key!r} has shape {list(tensor.shape)}; "
                         f"r={info.rank} on this base model needs {list(want)}"
                     )
-                halves.setdefault((layer_id, module), {})[half] = tensor.float()
+                if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise LoraLoadError(
+                        f"{file}: tensor {key!r} is {tensor.dtype}; LoRA weights are "
+                        "float32, bfloat16 or float16"
+                    )
+                halves.setdefault((layer_id, module), {})[half] = tensor
     except LoraLoadError:
         raise
     except Exception as e:  # a truncated or foreign file
@@ -214,25 +229,28 @@ def _read_tensors(path: str, config: ModelConfig, info: AdapterInfo):
 
 
 def _fuse(config: ModelConfig, info: AdapterInfo, modules: dict, proj: str, parts):
-    """(A stacked [sum r, in], B block-diagonal [out, sum r]) of one fused projection, or
+    """Per part of one fused projection: A [r, in], B^T [r, out_p] (q and k rows in the
+    rotary order), [0, ...] for a part not targeted, and the parts' first output columns;
     None when the adapter targets none of its parts in this layer."""
-    present = [p for p in parts if p in modules]
-    if not present:
+    present = next((p for p in parts if p in modules), None)
+    if present is None:
         return None
     shapes = _shapes(config)
-    rows = sum(shapes[p][0] for p in parts)
-    a = torch.cat([modules[p][0] for p in present])
-    b = torch.zeros(rows, a.shape[0])
-    row = col = 0
+    a, bt, offsets = [], [], []
+    column = 0
     for part in parts:
-        out = shapes[part][0]
-        if part in modules:
-            part_b = modules[part][1] * info.scaling
-            if part == "q_proj":
-                part_b = interleave_rotary_rows(part_b, config.num_attention_heads)
-            elif part == "k_proj":
-                part_b = interleave_rotary_rows(part_b, config.num_key_value_heads)
-            b[row : row + out, col : col + info.rank] = part_b
-            col += info.rank
-        row += out
-    return a, b
+        out, inp = shapes[part]
+        offsets.append(column)
+        column += out
+        if part not in modules:
+            a.append(torch.zeros(0, inp, dtype=modules[present][0].dtype))
+            bt.append(torch.zeros(0, out, dtype=modules[present][0].dtype))
+            continue
+        part_b = modules[part][1]
+        if part == "q_proj":
+            part_b = interleave_rotary_rows(part_b, config.num_attention_heads)
+        elif part == "k_proj":
+            part_b = interleave_rotary_rows(part_b, config.num_key_value_heads)
+        a.append(modules[part][0])
+        bt.append(part_b.T)
+    return a, bt, tuple(offsets)

@@ -97,7 +97,7 @@ class LlamaDecoderLayer(nn.Module):
         lora, i = batch.lora, self.layer_id
         qkv = self.qkv(x)  # [T, (H + 2 KVH) * D]
         if lora is not None:
-            qkv = lora.apply(i, "qkv", x, qkv)
+            qkv = lora.apply(i, "qkv", x, qkv, ops)
         if qkv.dtype != attn.kv_pool.dtype:
             qkv = qkv.to(attn.kv_pool.dtype)
         # Rotary on q and k (and the softmax scale on q), the K/V store, attention.
@@ -108,10 +108,10 @@ class LlamaDecoderLayer(nn.Module):
             x = ops.add_rms_norm_(residual, self.o(o), self.post_attention_norm, self.eps)
             return self.down(ops.silu_and_mul(self.gate_up(x)))
         x = ops.add_rms_norm_(
-            residual, lora.apply(i, "o", o, self.o(o)), self.post_attention_norm, self.eps
+            residual, lora.apply(i, "o", o, self.o(o), ops), self.post_attention_norm, self.eps
         )
-        h = ops.silu_and_mul(lora.apply(i, "gate_up", x, self.gate_up(x)))
-        return lora.apply(i, "down", h, self.down(h))
+        h = ops.silu_and_mul(lora.apply(i, "gate_up", x, self.gate_up(x), ops))
+        return lora.apply(i, "down", h, self.down(h), ops)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -3,7 +3,7 @@ code paths a CI box or a user's older CPU compiles are tested here too: AVX-512 
 its bfloat16 instructions (bfloat16 then goes through float32 FMAs), AVX2 (the portable
 loops of the element-wise kernels, the AVX2 loops of the quantized projections), and plain
 x86-64 without AVX (the quantized projections' portable loop). Each build runs the kernel,
-quantized-projection and attention-backend unit tests in a fresh process against its own
+quantized-projection, attention-backend and LoRA-product unit tests in a fresh process against its own
 cache directory."""
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def test_kernels_built_for_another_instruction_set_pass_the_kernel_tests(isa, ma
             "tests/unit/kernels/test_cpu_kernels.py",
             "tests/unit/kernels/test_quantized_kernels.py",
             "tests/unit/layers/test_attention_backend.py",
+            "tests/unit/layers/test_lora_products.py",
         ],
         cwd=ROOT,
         env=env,

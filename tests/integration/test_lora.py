@@ -191,6 +191,39 @@ def test_hot_load_and_unload_while_requests_run(lora_engine, adapters):
     _lora_idle(lora_engine)
 
 
+def test_an_adapter_saved_in_bfloat16_is_served_at_its_own_precision(hf_dir, lora_engine, tmp_path):
+    """The server keeps a bfloat16 file's weights as they are (summing in float32), so it
+    answers what PEFT answers with the same file (which widens it to float32 on load)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(tmp_path / "half")
+    _make_adapter(hf_dir, path, ALL, 8, 16, False, 7).to(torch.bfloat16).save_pretrained(path)
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    reference = PeftModel.from_pretrained(base, path).double().eval()
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    before = {a.name: a.path for a in lora_engine.list_lora_adapters()}
+    assert lora_engine.load_lora_adapter("half", path).success
+    try:
+        kept = lora_engine.run_in_scheduler(
+            lambda s: {t.dtype for t in s.runner.lora.adapters["half"].weights.layers[0]["qkv"].a}
+        )
+        assert kept == {torch.bfloat16}  # half the bytes a decode step reads
+        for prompt in PROMPTS:
+            ids, logprobs = _peft_greedy(reference, tokenizer, prompt, PARAMS["max_new_tokens"])
+            out = lora_engine.generate(prompt, PARAMS, lora_path="half", return_logprob=True)
+            assert out["output_ids"] == ids, prompt
+            got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+            assert max(abs(a - b) for a, b in zip(got, logprobs)) < LOGPROB_TOL, prompt
+    finally:
+        assert lora_engine.unload_lora_adapter("half").success
+        for name, adapter_path in before.items():  # whatever the load evicted comes back
+            if name not in {a.name for a in lora_engine.list_lora_adapters()}:
+                assert lora_engine.load_lora_adapter(name, adapter_path).success
+    _lora_idle(lora_engine)
+
+
 def test_a_bad_adapter_is_refused_naming_the_file_and_field(lora_engine, tmp_path):
     import json
 

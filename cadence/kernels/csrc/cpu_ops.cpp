@@ -15,6 +15,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -683,6 +685,8 @@ void copy_pages_(const std::vector<at::Tensor>& src_layers, const at::Tensor& sr
   }
 }
 
+#include "lora_products.cpp"
+
 }  // namespace
 
 TORCH_LIBRARY(cadence, m) {
@@ -695,6 +699,8 @@ TORCH_LIBRARY(cadence, m) {
         "Tensor seq_lens, int num_heads, Tensor? query_starts=None) -> Tensor");
   m.def("move_pages_(Tensor(a!)[] layers, Tensor pages, Tensor(b!) packed, bool to_packed) -> ()");
   m.def("copy_pages_(Tensor[] src_layers, Tensor src_pages, Tensor(a!)[] dst_layers, Tensor dst_pages) -> ()");
+  m.def("lora_products_(Tensor(a!) y, Tensor x, Tensor rows, int[] starts, float[] scales, Tensor[] a, "
+        "Tensor[] bt, int[] offsets) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cadence, CPU, m) {
@@ -706,4 +712,5 @@ TORCH_LIBRARY_IMPL(cadence, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("move_pages_", &move_pages_);
   m.impl("copy_pages_", &copy_pages_);
+  m.impl("lora_products_", &lora_products_);
 }

@@ -126,8 +126,8 @@ def test_every_tensor_name_form_loads_the_same_product(tmp_path, form):
     assert info.rank == 4 and info.target_modules == ("q_proj", "v_proj")
     for layer in range(2):
         assert set(weights.layers[layer]) == {"qkv"}
-        assert torch.equal(weights.layers[layer]["qkv"].a, ref.layers[layer]["qkv"].a)
-        assert torch.equal(weights.layers[layer]["qkv"].b, ref.layers[layer]["qkv"].b)
+        got, want = weights.layers[layer]["qkv"], ref.layers[layer]["qkv"]
+        assert all(torch.equal(g, w) for g, w in zip(got.a + got.bt, want.a + want.bt))
 
 
 def test_a_real_peft_config_with_its_default_fields_is_accepted(tmp_path):
@@ -321,9 +321,9 @@ def test_fused_products_match_the_peft_computation(tmp_path, rslora, scaling):
         assert set(weights.layers[layer]) == set(fused)
         for proj, parts in fused.items():
             product = weights.layers[layer][proj]
-            x = torch.randn(5, product.a.shape[1], generator=gen)
+            x = torch.randn(5, product.a[0].shape[1], generator=gen)
             want = fused_reference(tensors, layer, parts, modules, x, scaling)
-            got = x @ product.a.T @ product.b.T
+            got = product.delta(x)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
@@ -333,7 +333,7 @@ def test_q_and_k_rows_are_interleaved_not_left_in_peft_order(tmp_path):
     _, weights = load(path)
     product = weights.layers[0]["qkv"]
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
-    got = x @ product.a.T @ product.b.T
+    got = product.delta(x)
     plain = torch.cat([(x @ tensors[key(0, m, "A")].T @ tensors[key(0, m, "B")].T) * 2.0
                        for m in ("q_proj", "k_proj")], dim=1)  # fmt: skip
     assert not torch.allclose(got[:, :24], plain)  # the order matters with these shapes
@@ -341,7 +341,7 @@ def test_q_and_k_rows_are_interleaved_not_left_in_peft_order(tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
-def test_parts_not_targeted_are_zero_blocks_and_projections_not_targeted_are_absent(tmp_path):
+def test_parts_not_targeted_are_empty_and_projections_not_targeted_are_absent(tmp_path):
     tensors = peft_tensors(("q_proj", "v_proj", "up_proj"), rank=2)
     path = write_adapter(tmp_path, modules=("q_proj", "v_proj", "up_proj"), rank=2,
                          tensors=tensors)  # fmt: skip
@@ -349,12 +349,12 @@ def test_parts_not_targeted_are_zero_blocks_and_projections_not_targeted_are_abs
     for layer in weights.layers:
         assert set(layer) == {"qkv", "gate_up"}
         qkv, gate_up = layer["qkv"], layer["gate_up"]
-        assert qkv.a.shape == (4, 16) and qkv.b.shape == (32, 4)  # q|k|v rows, two parts' ranks
-        assert torch.count_nonzero(qkv.b[16:24]) == 0  # k rows
-        assert torch.count_nonzero(qkv.b[:16, 2:]) == 0  # q reads only its own A rows
-        assert torch.count_nonzero(qkv.b[24:, :2]) == 0  # v reads only its own A rows
-        assert gate_up.a.shape == (2, 16) and gate_up.b.shape == (64, 2)
-        assert torch.count_nonzero(gate_up.b[:32]) == 0  # gate rows
+        assert [tuple(a.shape) for a in qkv.a] == [(2, 16), (0, 16), (2, 16)]  # q, k, v
+        assert [tuple(bt.shape) for bt in qkv.bt] == [(2, 16), (0, 8), (2, 8)]
+        assert qkv.offsets == (0, 16, 24)  # q | k | v columns
+        assert [tuple(a.shape) for a in gate_up.a] == [(0, 16), (2, 16)]
+        assert [tuple(bt.shape) for bt in gate_up.bt] == [(0, 32), (2, 32)]
+        assert gate_up.offsets == (0, 32)
 
 
 def test_a_layer_without_tensors_has_no_products(tmp_path):
@@ -391,8 +391,31 @@ def test_weights_land_in_the_dtype_asked_for(tmp_path):
     path = write_adapter(tmp_path)
     _, weights = load_adapter(path, CONFIG, torch.bfloat16, "cpu")
     product = weights.layers[0]["qkv"]
-    assert product.a.dtype == product.b.dtype == torch.bfloat16
-    assert product.a.is_contiguous() and product.b.is_contiguous()
+    tensors = product.a + product.bt
+    assert all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
     assert weights.nbytes == sum(
-        (p.a.numel() + p.b.numel()) * 2 for layer in weights.layers for p in layer.values()
+        t.numel() * 2 for layer in weights.layers for p in layer.values() for t in p.a + p.bt
     )
+
+
+@pytest.mark.parametrize(
+    ("saved", "kept"),
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float32),
+        (torch.float32, torch.float32),
+    ],
+)
+def test_the_files_precision_is_kept_exactly(tmp_path, saved, kept):
+    tensors = {k: v.to(saved) for k, v in peft_tensors(("q_proj", "v_proj"), seed=4).items()}
+    path = write_adapter(tmp_path, tensors=tensors)
+    info, weights = load_adapter(path, CONFIG, None, "cpu")
+    q_a = weights.layers[1]["qkv"].a[0]
+    assert q_a.dtype == kept
+    assert torch.equal(q_a.to(saved), tensors[key(1, "q_proj", "A")])  # not rounded again
+    assert weights.layers[1]["qkv"].scale == info.scaling  # beside the weights, not folded in
+
+
+def test_integer_weights_are_refused(tmp_path):
+    tensors = {k: v.to(torch.int8) for k, v in peft_tensors(("q_proj", "v_proj")).items()}
+    refused(write_adapter(tmp_path, tensors=tensors), "torch.int8", "float32, bfloat16 or float16")
