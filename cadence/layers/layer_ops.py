@@ -118,4 +118,4 @@ class CpuFusedOps(LayerOps):
         self._ops.rotary_(qk, factors)
 
     def lora_products_(self, y, x, rows, starts, scales, a, bt, offsets):
-        self._ops.lora_products_(y, x, rows, starts, scales, a, bt, list(offsets))
+        self._ops.lora_products_.default(y, x, rows, starts, scales, a, bt, offsets)
