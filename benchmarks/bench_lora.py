@@ -36,8 +36,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +43,9 @@ import tempfile
 import time
 
 import aiohttp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_serving as bs  # noqa: E402
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TARGETS = {1: 0.7, 8: 0.8, 32: 0.8}
@@ -54,12 +55,6 @@ ASKS = ["Describe", "Write a short story about", "List facts about", "Explain th
 
 def log(msg: str) -> None:
     print(f"[bench_lora] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- adapters ------------------------------------------------------------------------------
@@ -100,10 +95,10 @@ def make_adapters(model_path: str, root: str, count: int, rank: int, dtype: str)
 
 
 def launch(name: str, args, lora_paths: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+    port = bs.free_port()
     cmd = [
         sys.executable, "-m", "cadence.launch_server", "--model-path", args.model_path,
-        "--port", str(port), "--grpc-port", str(free_port()), "--log-level", "warning",
+        "--port", str(port), "--grpc-port", str(bs.free_port()), "--log-level", "warning",
         "--max-running-requests", str(max(args.batch)), "--incremental-streaming-output",
     ]  # fmt: skip
     if lora_paths:
@@ -115,32 +110,6 @@ def launch(name: str, args, lora_paths: list[str]) -> tuple[subprocess.Popen, st
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-async def wait_healthy(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            async with session.get(url + "/health") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.3)
-    raise RuntimeError("the server did not become healthy in time")
 
 
 async def stream(session, url: str, prompt: str, new_tokens: int, adapter: str | None) -> list:
@@ -222,7 +191,7 @@ async def measure(name: str, args, lora_paths: list[str], extra: str | None) -> 
     timeout = aiohttp.ClientTimeout(total=3600)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            await wait_healthy(session, url, proc)
+            await bs.wait_healthy(url, proc, timeout=900)
             for warm in [None, names] if names else [None]:  # warm-up
                 await batch_pass(session, url, max(args.batch), args, warm, seed=999)
             for b in args.batch:
@@ -245,7 +214,7 @@ async def measure(name: str, args, lora_paths: list[str], extra: str | None) -> 
                 out["load_ms"] = await load_ms(session, url, extra, args.repeats)
                 log(f"{name}: adapter load {out['load_ms']:.0f} ms")
     finally:
-        stop(proc)
+        bs.stop_group(proc)
     return out
 
 

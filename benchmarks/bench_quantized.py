@@ -41,7 +41,6 @@ import functools  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
 import shlex  # noqa: E402
-import signal  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -203,15 +202,6 @@ def launch(name: str, cmd: list[str], port: int, args) -> subprocess.Popen:
         )
 
 
-def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 async def run_server(name: str, proc: subprocess.Popen, port: int, levels, args, level_fn) -> dict:
     """The figures of one launched server (stopped when done)."""
     url = f"http://127.0.0.1:{port}"
@@ -243,7 +233,7 @@ async def run_server(name: str, proc: subprocess.Popen, port: int, levels, args,
                     info = await r.json()
             results["max_total_tokens"] = info.get("max_total_tokens")
     finally:
-        stop(proc)
+        bs.stop_group(proc)
     return results
 
 
@@ -440,7 +430,7 @@ async def bench(args) -> dict:
             runs.update(await run_each("llamacpp", proc, port, args, llama_level))
     finally:
         for proc in started.values():  # one a failed run did not reach
-            stop(proc)
+            bs.stop_group(proc)
     return runs
 
 

@@ -167,6 +167,19 @@ def launch_server(args, port: int, log_path: str) -> subprocess.Popen:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def stop_group(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM to a server launched in its own session (it and its children), SIGKILL if it
+    has not exited within `timeout`."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 async def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:
