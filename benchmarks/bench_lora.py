@@ -101,6 +101,8 @@ def launch(name: str, args, lora_paths: list[str]) -> tuple[subprocess.Popen, st
         "--port", str(port), "--grpc-port", str(bs.free_port()), "--log-level", "warning",
         "--max-running-requests", str(max(args.batch)), "--incremental-streaming-output",
     ]  # fmt: skip
+    if args.smoke:
+        cmd.append("--lazy-kv-pool")  # no pool written and no throwaway steps at start
     if lora_paths:
         cmd += ["--lora-paths", *(f"a{i}={p}" for i, p in enumerate(lora_paths))]
         cmd += ["--max-loras-per-batch", str(len(lora_paths) + 1)]
