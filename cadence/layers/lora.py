@@ -43,15 +43,6 @@ class LoraProduct:
     offsets: tuple[int, ...]  # per part: its first column of the fused output
     scale: float = 1.0  # the adapter's scaling
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """s (x A^T) B^T over the fused output's columns [tokens, out] in float32, plainly (a
-        reference)."""
-        out = self.offsets[-1] + self.bt[-1].shape[1]
-        y = torch.zeros(x.shape[0], out, device=x.device)
-        for a, bt, offset in zip(self.a, self.bt, self.offsets):
-            y[:, offset : offset + bt.shape[1]] += (x.float() @ a.float().T) @ bt.float()
-        return y * self.scale
-
 
 class LoraWeights:
     """One adapter's products, per layer and fused projection, on the model's device and in

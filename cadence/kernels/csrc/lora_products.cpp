@@ -118,10 +118,12 @@ std::vector<LoraPart> lora_parts(at::IntArrayRef starts, const std::vector<at::T
     for (int64_t p = 0; p < parts; ++p) {
       const at::Tensor& ap = a[g * parts + p];
       const at::Tensor& bp = bt[g * parts + p];
-      if (ap.dim() != 2 || ap.size(0) == 0) continue;
+      TORCH_CHECK(ap.dim() == 2 && bp.dim() == 2, "lora_products_: part ", p, " of group ", g,
+                  ": A and B^T must be matrices ([r, in] and [r, out]; r = 0: not targeted)");
+      if (ap.size(0) == 0) continue;
       const bool bf16 = ap.scalar_type() == at::kBFloat16;
       TORCH_CHECK((ap.scalar_type() == at::kFloat || bf16) && bp.scalar_type() == ap.scalar_type() &&
-                      ap.is_cpu() && bp.is_cpu() && bp.dim() == 2 && ap.stride(1) == 1 &&
+                      ap.is_cpu() && bp.is_cpu() && ap.stride(1) == 1 &&
                       bp.stride(1) == 1,
                   "lora_products_: A and B^T must be float32 or bfloat16 CPU matrices of one "
                   "dtype with contiguous rows");

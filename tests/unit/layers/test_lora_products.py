@@ -229,6 +229,8 @@ def test_the_kernel_refuses_what_does_not_fit():
         op(y, x, rows, [0, 1], a, bt, [0])
     with pytest.raises(RuntimeError, match="one scale per group"):
         op(y, x, rows, [0, 2], a, bt, [0], scales=(1.0, 1.0))
+    with pytest.raises(RuntimeError, match="must be matrices"):
+        op(y, x, rows, [0, 2], [torch.randn(IN)], bt, [0])  # a vector is not skipped silently
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         op(y, x, rows, [0, 2], [a[0].double()], bt, [0])
     with pytest.raises(RuntimeError, match="one dtype"):
