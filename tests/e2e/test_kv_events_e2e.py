@@ -111,20 +111,22 @@ def test_a_requests_pages_are_stored_then_removed_by_a_flush(smg_server, http):
         tokens = ids + out["output_ids"]
         want = sha_chain(tokens[: len(tokens) - 1])  # the last token's K/V is never computed
         stored = sub.wait_for(lambda e: isinstance(e, BlockStored) and want[0] in e.block_hashes)
-        got_hashes = [
-            h for e in sub.events if isinstance(e[1], BlockStored) for h in e[1].block_hashes
-        ]
-        assert want[: len(ids) // PAGE] == [h for h in got_hashes if h in want][: len(ids) // PAGE]
         first = stored[0]
         assert first.parent_block_hash is None and first.block_size == PAGE
         assert first.token_ids == tokens[: len(first.token_ids)]
         # The first flush's clear is already in the list: wait for one after the stores.
+        # Later pages may still be on their way now; every store is published before
+        # the second flush's clear, so the stored hashes are read once that has come.
         cleared_before = sum(isinstance(e, AllBlocksCleared) for _, e in sub.events)
         assert http.post("/flush_cache").status_code == 200
         deadline = time.monotonic() + 20
         while sum(isinstance(e, AllBlocksCleared) for _, e in sub.events) == cleared_before:
             assert time.monotonic() < deadline, "the second flush published no clear"
             time.sleep(0.05)
+        got_hashes = [
+            h for e in sub.events if isinstance(e[1], BlockStored) for h in e[1].block_hashes
+        ]
+        assert want[: len(ids) // PAGE] == [h for h in got_hashes if h in want][: len(ids) // PAGE]
         removed = {h for _, e in sub.events if isinstance(e, BlockRemoved) for h in e.block_hashes}
         assert set(got_hashes) <= removed
         # The gRPC stream carried the same: the stored blocks with their token ids, the clear.
