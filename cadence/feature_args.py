@@ -321,3 +321,56 @@ def _lora_modules(value: Any) -> tuple[str, ...]:
             if part not in out:
                 out.append(part)
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class ParallelArgs:
+    """Tensor and pipeline parallelism over torch.distributed, on one machine or several (docs/parallel.md)."""
+
+    tp_size: int = 1
+    """Tensor parallel ranks: attention heads, key-value heads, the MLP and the vocabulary split across this many processes (gloo on CPU, NCCL on CUDA)."""
+    pp_size: int = 1
+    """Pipeline parallel stages: contiguous layer ranges, activations sent from stage to stage; a batch runs as up to this many micro-batches in flight."""
+    nnodes: int = 1
+    """Machines the tp_size × pp_size ranks are spread over (each runs `cadence serve` with the same flags and its own --node-rank)."""
+    node_rank: int = 0
+    """This machine's index among --nnodes. Node 0 runs the scheduler and serves HTTP and gRPC; the others run ranks only."""
+    dist_init_addr: str | None = None
+    """host:port of node 0, where every rank meets (torch.distributed's TCP store). Required with --nnodes > 1; on one machine a free local port is taken."""
+    dist_timeout: float = 60.0
+    """Seconds any collective may wait for the other ranks before the server stops with an error (a rank that died ends the server sooner: its sockets close)."""
+
+    def __post_init__(self) -> None:
+        _at_least_one(self, "tp_size", "pp_size", "nnodes")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}"
+            )
+        if self.world_size % self.nnodes:
+            raise ValueError(
+                f"nnodes ({self.nnodes}) must divide tp_size × pp_size ({self.world_size}): "
+                "each machine runs the same number of ranks"
+            )
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("dist_init_addr: --nnodes > 1 needs node 0's host:port")
+        if self.dist_init_addr is not None:
+            split_host_port(self.dist_init_addr)
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be > 0 seconds, got {self.dist_timeout}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """`host:port` (an IPv6 host in brackets) -> (host, port); ValueError naming dist_init_addr."""
+    host, sep, port = addr.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"dist_init_addr must be host:port, got {addr!r}")
+    return host, int(port)

@@ -41,7 +41,12 @@ def engine_processes(args: ServerArgs, paths, model_path: str) -> list:
     shared = mp.get_context("spawn").RawArray("d", 2)
     beats = Heartbeat(shared, 0), Heartbeat(shared, 1)
     tokenizer_source = args.tokenizer_path or model_path
-    return [
+    ranks = []
+    if args.is_parallel:  # ranks 1 .. of this machine; rank 0 is the scheduler's
+        from cadence.distributed.ranks import follower_specs
+
+        ranks = follower_specs(args, model_path)
+    return ranks + [
         ProcessSpec(
             SCHEDULER,
             "cadence.scheduler.process:run_scheduler_process",
@@ -73,9 +78,20 @@ def launch(args: ServerArgs) -> int:
     model_path = _model_path(args)
     if model_path is None:
         return 2
-    paths = IpcPaths.create()
+    from cadence.distributed.ranks import prepare_parallel_args, serve_ranks_only
+
+    args = prepare_parallel_args(args)
     envs.set_openmp_defaults()  # the children read it when they start (see envs.py)
     supervisor = Supervisor(watchdog_timeout_s=args.watchdog_timeout)
+    if args.node_rank > 0:  # another machine's ranks: no front, no scheduler
+        try:
+            return serve_ranks_only(args, model_path, supervisor, stopping)
+        except ChildFailed as e:
+            logger.error("%s", e)
+            return 1
+        finally:
+            supervisor.stop()
+    paths = IpcPaths.create()
     plan = FrontPlan(args, paths, model_path)
     try:
         engine = engine_processes(args, paths, model_path)

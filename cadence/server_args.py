@@ -29,6 +29,7 @@ from cadence.feature_args import (  # noqa: F401 (read from here too)
     DisaggregationArgs,
     HiCacheArgs,
     LoraArgs,
+    ParallelArgs,
     SpeculativeArgs,
     _at_least_one,
     parse_lora_path,
@@ -381,6 +382,7 @@ GROUPS: dict[str, type] = {
     "lora": LoraArgs,
     "hicache": HiCacheArgs,
     "disaggregation": DisaggregationArgs,
+    "parallel": ParallelArgs,
 }
 # flat field (and property) name -> the group that holds it
 _GROUP_OF: dict[str, str] = {
@@ -422,6 +424,7 @@ class ServerArgs(metaclass=_FlatDefaults):
     lora: LoraArgs
     hicache: HiCacheArgs
     disaggregation: DisaggregationArgs
+    parallel: ParallelArgs
     GROUPS: ClassVar[dict[str, type]] = GROUPS
 
     def __init__(self, **flat: Any) -> None:
@@ -451,6 +454,16 @@ class ServerArgs(metaclass=_FlatDefaults):
                         f"disaggregation_mode {self.disaggregation_mode}: {name} is not served "
                         "by a disaggregated server; run it on a server with --disaggregation-mode "
                         "null"
+                    )
+        if self.is_parallel:
+            for name, on in (
+                ("enable_lora", self.enable_lora),
+                ("disaggregation_mode", self.disaggregation_mode != "null"),
+            ):
+                if on:
+                    raise ValueError(
+                        f"{name} is not served with tp_size × pp_size > 1 yet; serve it with "
+                        "--tp-size 1 --pp-size 1"
                     )
         if self.pipeline is not None and self.api_workers > 1:
             raise ValueError(

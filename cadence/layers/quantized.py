@@ -108,6 +108,29 @@ class QuantizedWeight(nn.Module):
         index = torch.as_tensor(np.asarray(rows), dtype=torch.int64)
         return type(self)(self.qtypes, [self.parts[0].data[index]], self.in_features)
 
+    def columns_slice(self, start: int, end: int) -> QuantizedWeight:
+        """Columns [start, end) of every row: a row-parallel projection's share. Blocks move
+        whole, so both ends must fall on a block boundary (or `end` on in_features)."""
+        parts = []
+        for qtype, part in zip(self.qtypes, self.parts):
+            data = part.data
+            if qtype == DENSE:
+                parts.append(data[:, start:end].contiguous())
+                continue
+            block, size = BLOCKS[qtype]
+            last = end == self.in_features
+            if start % block or (end % block and not last):
+                raise ValueError(
+                    f"columns [{start}, {end}) of a {qtype} weight cut its {block}-column blocks"
+                )
+            stop = data.shape[1] if last else end // block * size
+            parts.append(data[:, start // block * size : stop].contiguous())
+        return type(self)(self.qtypes, parts, end - start)
+
+    def rows_slice(self, start: int, end: int) -> QuantizedWeight:
+        """Rows [start, end): a column-parallel projection's or a vocabulary's share."""
+        return self[np.arange(start, end)]
+
     def check_parts(self) -> None:
         """Raises ValueError when a part no longer matches its type (new weights of another kind)."""
         for qtype, rows, part in zip(self.qtypes, self.part_rows, self.parts):

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -34,8 +35,14 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner(Runner):
-    def __init__(self, args: ServerArgs, model_path: str):
+    """The model on this process. With tensor or pipeline parallelism (`groups`), this rank's
+    share of it: every rank runs the same steps, in the same order (the leader's, rank 0's,
+    whose scheduler decides them: `model_executor/parallel.py`), and only the leader samples."""
+
+    def __init__(self, args: ServerArgs, model_path: str, groups: Any = None):
         self.args = args
+        self.groups = groups  # cadence.distributed.group.RankGroups, with tp or pp > 1
+        self.samples = groups is None or groups.is_leader
         # Every device decision (device, dtypes, kernels, memory) is the platform's.
         self.platform = get_current_platform()
         self.platform.init_backend()
@@ -48,8 +55,10 @@ class ModelRunner(Runner):
             self.device,
             quantization=args.quantization,
             dequantize=args.dequantize,
+            shard=None if groups is None else groups.shard,
         )
         cfg = self.config
+        dims = self.model.dims  # this rank's heads (all of them on one rank)
         # --is-embedding: served as an embedding model (`embed`); generation is refused.
         self.is_generation = not args.is_embedding
         self.embed_needs_kv = True
@@ -68,8 +77,8 @@ class ModelRunner(Runner):
         self.kv_pool = self.platform.make_kv_pool(
             num_pages,
             self.page_size,
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
+            len(self.model.layers),
+            dims.num_kv_heads,
             cfg.head_dim,
             self.kv_dtype,
         )
@@ -80,13 +89,14 @@ class ModelRunner(Runner):
         # The scheduler borrows this; the runner only reads the page lists it is handed.
         self.kv_allocator: KVAllocator = self.platform.make_allocator(num_pages, self.page_size)
         self.attn = self.platform.make_attention_backend(
-            self.kv_pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            self.kv_pool, dims.num_heads, dims.num_kv_heads, cfg.head_dim
         )
         self.model.setup(
             self.attn,
             self.context_len + 1,
             self.platform.make_linear,
             self.platform.make_layer_ops(),
+            comm=groups,
         )
         self._last_decode: tuple[list[int], list[int]] = (
             [],
@@ -100,11 +110,14 @@ class ModelRunner(Runner):
         pinned = self.platform.is_pin_memory_available()
         self._ids_host = [torch.zeros(rows, dtype=torch.int64, pin_memory=pinned) for _ in "ab"]
         self._flip = 0
-        self._overlaps = not args.disable_overlap_schedule and _has_events(self.device)
+        # Ranks follow the leader step by step: no step is launched ahead of its results.
+        self._overlaps = (
+            not args.disable_overlap_schedule and groups is None and _has_events(self.device)
+        )
         # Decode replayed from captured graphs where the platform has them (captured, and
         # recaptured after a weight update, in _weights_loaded).
         self.graphs = None
-        if self.is_generation and self.platform.support_cuda_graph():
+        if self.is_generation and groups is None and self.platform.support_cuda_graph():
             self.graphs = None if args.disable_cuda_graph else self.platform.make_graph_runner(self)
         self.lora = self._init_lora(args)
         self._weights_loaded()
@@ -233,14 +246,18 @@ class ModelRunner(Runner):
     def _kv_budget_tokens(self) -> int:
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens // self.page_size * self.page_size
-        c = self.config
         per_token = KVPool.bytes_per_token(
-            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.kv_dtype
+            len(self.model.layers),
+            self.model.dims.num_kv_heads,
+            self.config.head_dim,
+            self.kv_dtype,
         )
         tokens = (
             int(self.platform.available_memory_bytes() * self.args.kv_cache_memory_fraction)
             // per_token
         )
+        if self.groups is not None:  # one page numbering for all: what every rank can hold
+            tokens = self.groups.min_over_ranks(tokens)
         return max(tokens // self.page_size, 1) * self.page_size
 
     # ---- a step -----------------------------------------------------------------------
@@ -255,6 +272,8 @@ class ModelRunner(Runner):
             if drafted:  # a verify step as a prefill: the next decode starts its state afresh
                 self.release_decode_state()
             logits = self._forward_extend(batch.items, hidden)
+        if not self.samples:
+            return []  # a follower rank: the leader samples
         results = self._postprocess(batch.items, logits)
         for i, states in hidden.items():
             results[i].hidden_states = states
@@ -382,7 +401,7 @@ class ModelRunner(Runner):
         if hidden_rows:
             return self._extend_with_hidden(batch, items, logits_idx, hidden_rows, hidden_out)
         hidden = self.model(batch)
-        return self.model.compute_logits(hidden) if logits_idx else None
+        return self.model.compute_logits(hidden) if logits_idx and hidden is not None else None
 
     def _extend_with_hidden(self, batch, items, logits_idx, hidden_rows, hidden_out):
         """The forward pass keeps the final hidden states of the logit rows and of every row
@@ -391,6 +410,8 @@ class ModelRunner(Runner):
         where = {row: k for k, row in enumerate(rows)}
         batch.logits_indices = torch.tensor(rows, dtype=torch.int64, device=self.device)
         hidden = self.model(batch)
+        if hidden is None:  # a later pipeline stage: the first one gets the rows
+            return None
         spans = iter(hidden_rows)
         for i, item in enumerate(items):
             if item.return_hidden_states:
@@ -474,6 +495,8 @@ class ModelRunner(Runner):
             lora=self._lora_batch(items),
         )
         hidden = self.model(batch)
+        if hidden is None:  # a later pipeline stage: the first one gets the rows
+            return None
         row = 0
         for i, item in enumerate(items):
             if item.return_hidden_states:  # never drafted: its one row
@@ -511,7 +534,10 @@ class ModelRunner(Runner):
             logits_indices=rows.to(dev),
             page_table=self._page_table(items, lens) if self.attn.needs_page_table else None,
         )
-        hidden = self.model(batch).float()
+        hidden = self.model(batch)
+        if hidden is None or not self.samples:
+            return []  # a follower rank: the leader pools
+        hidden = hidden.float()
         if self.pooling.mode in ("last", "cls"):
             config = PoolingConfig("cls", self.pooling.normalize)  # one row per item already
             return pool(hidden, [1] * len(items), config).cpu().tolist()
@@ -525,6 +551,11 @@ class ModelRunner(Runner):
             "pooling": self.pooling.mode,
             "normalizes": self.pooling.normalize,
         }
+
+    @property
+    def has_decode_state(self) -> bool:
+        """Something is kept for the running batch between steps (`release_decode_state`)."""
+        return bool(self._last_decode[0])
 
     def release_decode_state(self) -> None:
         """The running batch has emptied: forget it, and let the attention backend drop what it

@@ -169,3 +169,9 @@ class Runner(ABC):
     def profiler_activities(self) -> list:
         """What the torch profiler records here (CPU, and the device's own activity)."""
         return []
+
+    def keep_alive(self) -> None:
+        """Called while the scheduler idles: a runner with other ranks tells them it lives."""
+
+    def close(self) -> None:
+        """The scheduler is stopping: let go of other ranks and devices."""

@@ -115,22 +115,18 @@ def iter_weights(
     progress: bool = True,
     keep_quantized: bool = False,
     served: dict[str, dict] | None = None,
+    wanted=None,
 ) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
     """Yield (Hugging Face name, weight) for every tensor: a QuantizedWeight of the file's
     blocks where `keep_quantized` and the type is one Cadence serves quantized, else a float32
-    array. `served` collects {file type: {"tensors": n, "served_as": type or "float"}}."""
+    array. `served` collects {file type: {"tensors": n, "served_as": type or "float"}}.
+    `wanted(name)` False skips a tensor unread (another pipeline stage's)."""
     from tqdm import tqdm
 
     reader = reader or _reader(path)
     for tensor in tqdm(
         reader.tensors, desc="Loading GGUF weights", unit="tensor", disable=not progress
     ):
-        data, served_as = _tensor_weight(tensor, keep_quantized)
-        if served is not None:
-            entry = served.setdefault(
-                tensor.tensor_type.name, {"tensors": 0, "served_as": served_as}
-            )
-            entry["tensors"] += 1
         match = _BLOCK.match(tensor.name)
         if match:
             layer, suffix = match.groups()
@@ -139,14 +135,22 @@ def iter_weights(
                     f"GGUF tensor {tensor.name!r} is not understood by the llama loader"
                 )
             name = f"model.layers.{layer}.{_LAYER_NAMES[suffix]}"
-            if suffix.startswith("attn_q."):
-                data = unpermute_rotary(data, config.num_attention_heads)
-            elif suffix.startswith("attn_k."):
-                data = unpermute_rotary(data, config.num_key_value_heads)
         elif tensor.name in _GLOBAL_NAMES:
             name = _GLOBAL_NAMES[tensor.name]
         elif tensor.name == "rope_freqs.weight":
             continue  # only used by llama3-style rope scaling, which we do not support yet
         else:
             raise ValueError(f"GGUF tensor {tensor.name!r} is not understood by the llama loader")
+        if wanted is not None and not wanted(name):
+            continue
+        data, served_as = _tensor_weight(tensor, keep_quantized)
+        if served is not None:
+            entry = served.setdefault(
+                tensor.tensor_type.name, {"tensors": 0, "served_as": served_as}
+            )
+            entry["tensors"] += 1
+        if match and suffix.startswith("attn_q."):
+            data = unpermute_rotary(data, config.num_attention_heads)
+        elif match and suffix.startswith("attn_k."):
+            data = unpermute_rotary(data, config.num_key_value_heads)
         yield name, data

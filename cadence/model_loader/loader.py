@@ -53,8 +53,13 @@ def load_model(
     *,
     quantization: str | None = None,
     dequantize: bool = False,
+    shard=None,
 ):
     """Returns (config, model) with weights in `dtype` on `device`, in eval mode.
+
+    With `shard` (a `cadence.distributed.layout.ModelShard`), the model is that rank's share:
+    tensors of other pipeline stages are not read, and of each tensor read only this rank's
+    rows or columns are kept.
 
     A GGUF file's quantized matrices stay quantized (`QuantizedWeight`s; the platform's
     `make_linear` decides how they run) unless `dequantize`; `quantization` ("int8", "int4")
@@ -65,19 +70,24 @@ def load_model(
 
     start = time.monotonic()
     served: dict[str, dict] = {}
-    if is_gguf(path):
-        reader = gguf_loader._reader(path)
-        config = gguf_loader.read_config(path, reader)
+    reader = gguf_loader._reader(path) if is_gguf(path) else None
+    config = gguf_loader.read_config(path, reader) if reader else ModelConfig.from_hf_dir(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, shard)
+    if reader is not None:
         weights = gguf_loader.iter_weights(
-            path, config, reader, progress=progress, keep_quantized=not dequantize, served=served
+            path,
+            config,
+            reader,
+            progress=progress,
+            keep_quantized=not dequantize,
+            served=served,
+            wanted=model.wants_weight,
         )
     else:
-        config = ModelConfig.from_hf_dir(path)
         weights = _count_float(_iter_safetensors(path, progress), served)
     if quantization is not None:
         weights = quantize_floats(weights, quantization, served)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
     model = _materialize(model).to(torch.float32)
     model.load_weights(weights)
     reader = weights = None  # the file's mapping goes with the reader

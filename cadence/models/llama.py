@@ -9,10 +9,13 @@ parameter it was meant for; the model only reorders and fuses its rows and hands
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cadence.distributed.layout import ModelShard
 from cadence.layers.attention import AttentionBackend
 from cadence.layers.forward_batch import ForwardBatch
 from cadence.layers.layer_ops import LayerOps
@@ -49,12 +52,21 @@ def interleave_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor
     return weight[order.reshape(-1)]  # rows of a tensor or of a QuantizedWeight
 
 
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    """One decoder layer, or a tensor-parallel rank's share of it: its query and key-value
+    heads (q|k|v and gate|up split by rows), o and down split by columns, each of those two
+    followed by `reduce` (an all-reduce over the ranks; nothing on one rank)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, shard: ModelShard | None = None):
         super().__init__()
-        self.layer_id = layer_id
+        self.layer_id = layer_id  # this rank's index: its layer of the KV pool
         self.eps = config.rms_norm_eps
-        h, q_dim, kv_dim = config.hidden_size, config.q_dim, config.kv_dim
+        dims = local_dims(config, shard or ModelShard())
+        h, q_dim, kv_dim, inter = config.hidden_size, dims.q_dim, dims.kv_dim, dims.intermediate
         self.input_norm = nn.Parameter(torch.ones(h))
         self.post_attention_norm = nn.Parameter(torch.ones(h))
         self.qkv_proj = nn.Parameter(torch.empty(q_dim + 2 * kv_dim, h))  # rows: q | k | v
@@ -62,10 +74,9 @@ class LlamaDecoderLayer(nn.Module):
             nn.Parameter(torch.zeros(q_dim + 2 * kv_dim)) if config.attention_bias else None
         )
         self.o_proj = nn.Parameter(torch.empty(h, q_dim))
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(2 * config.intermediate_size, h)
-        )  # rows: gate | up
-        self.down_proj = nn.Parameter(torch.empty(h, config.intermediate_size))
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * inter, h))  # rows: gate | up
+        self.down_proj = nn.Parameter(torch.empty(h, inter))
+        self.reduce = _same
 
     def build_linears(self, make_linear) -> list[tuple[nn.Parameter, Linear]]:
         self.qkv = make_linear(self.qkv_proj, self.qkv_bias)
@@ -104,9 +115,10 @@ class LlamaDecoderLayer(nn.Module):
         o = attn.forward_qkv(qkv, rope_factors, ops, self.layer_id, batch)
         if o.dtype != residual.dtype:
             o = o.to(residual.dtype)
+        reduce = self.reduce
         if lora is None:
-            x = ops.add_rms_norm_(residual, self.o(o), self.post_attention_norm, self.eps)
-            return self.down(ops.silu_and_mul(self.gate_up(x)))
+            x = ops.add_rms_norm_(residual, reduce(self.o(o)), self.post_attention_norm, self.eps)
+            return reduce(self.down(ops.silu_and_mul(self.gate_up(x))))
         x = ops.add_rms_norm_(
             residual, lora.apply(i, "o", o, self.o(o), ops), self.post_attention_norm, self.eps
         )
@@ -114,23 +126,76 @@ class LlamaDecoderLayer(nn.Module):
         return lora.apply(i, "down", h, self.down(h), ops)
 
 
+@dataclass(frozen=True)
+class LocalDims:
+    """One rank's sizes of a model's split dimensions (the whole model's on one rank)."""
+
+    q_heads: range
+    kv_heads: range
+    intermediate_range: range
+    vocab_range: range
+    head_dim: int
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.q_heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.kv_heads)
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def intermediate(self) -> int:
+        return len(self.intermediate_range)
+
+
+def local_dims(config: ModelConfig, shard: ModelShard) -> LocalDims:
+    c = config
+    return LocalDims(
+        q_heads=shard.q_heads(c.num_attention_heads, c.num_key_value_heads),
+        kv_heads=shard.kv_heads(c.num_key_value_heads),
+        intermediate_range=shard.intermediate(c.intermediate_size),
+        vocab_range=shard.vocab(c.vocab_size),
+        head_dim=c.head_dim,
+    )
+
+
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """The whole model on one rank, or one rank's share of it (`ModelShard`): its pipeline
+    stage's layers (the first stage also holds the embedding table and the LM head, the last
+    the final norm) and its tensor-parallel share of each (`LlamaDecoderLayer`; the vocabulary
+    split by rows). `comm` (set in `setup`) carries what crosses ranks: all-reduces, the
+    gathered logits, the stage-to-stage activations."""
+
+    def __init__(self, config: ModelConfig, shard: ModelShard | None = None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.shard = shard = shard or ModelShard()
+        self.dims = dims = local_dims(config, shard)
+        self.layer_ids = shard.layers(config.num_hidden_layers)  # this stage's, of the model's
+        h, first = config.hidden_size, shard.is_first_stage
+        self.embed_tokens = nn.Parameter(torch.empty(len(dims.vocab_range), h)) if first else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i - self.layer_ids.start, shard) for i in self.layer_ids
         )
-        self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.norm = nn.Parameter(torch.ones(h))
         self.lm_head = (
             None
-            if config.tie_word_embeddings
-            else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+            if config.tie_word_embeddings or not first
+            else nn.Parameter(torch.empty(len(dims.vocab_range), h))
         )
         self.rope: RotaryEmbedding | None = None
         self.attn: AttentionBackend | None = None
         self.ops = LayerOps()
+        self.comm = None
 
     def setup(
         self,
@@ -138,19 +203,24 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         make_linear=Linear,
         ops: LayerOps | None = None,
+        comm=None,
     ) -> None:
-        """Attach the attention backend and the layer ops, build rotary tables and the
-        projections (after weights are loaded)."""
-        c = self.config
+        """Attach the attention backend, the layer ops and the ranks' communication (None on
+        one rank), build rotary tables and the projections (after weights are loaded)."""
+        c, d = self.config, self.dims
         self.ops = ops or LayerOps()
+        self.comm = comm
+        if comm is not None and self.shard.tp_size > 1:
+            for layer in self.layers:
+                layer.reduce = comm.all_reduce_
         self.build_linears(make_linear)
         self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, self.norm.device)
-        scales = [c.head_dim**-0.5] * c.num_attention_heads + [1.0] * c.num_key_value_heads
+        scales = [c.head_dim**-0.5] * d.num_heads + [1.0] * d.num_kv_heads
         self.head_scales = torch.tensor(scales, dtype=torch.complex64, device=self.norm.device)
         self.attn = attn
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:
+    def lm_head_weight(self) -> torch.Tensor | None:
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def build_linears(self, make_linear) -> None:
@@ -163,9 +233,8 @@ class LlamaForCausalLM(nn.Module):
         lookups and the float32 refinement of the top logits read them.
         """
         pairs = [pair for layer in self.layers for pair in layer.build_linears(make_linear)]
-        self.lm_head_linear = make_linear(
-            self.lm_head_weight
-        )  # its weight stays: see compute_logits
+        if self.lm_head_weight is not None:  # the first pipeline stage's
+            self.lm_head_linear = make_linear(self.lm_head_weight)  # its weight stays
         for param, linear in pairs:
             if not linear.holds_weight:
                 _release(param)
@@ -173,40 +242,104 @@ class LlamaForCausalLM(nn.Module):
             # Its only other reader is the embedding lookup (tied): rows come from the projection.
             self.lm_head_weight.read_rows_from(self.lm_head_linear)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Returns the final hidden states of the rows in `batch.logits_indices`: [rows, hidden]."""
-        if isinstance(self.embed_tokens, QuantizedWeight):
-            residual = self.embed_tokens.embedding(batch.input_ids, self.norm.dtype)
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Returns the final hidden states of the rows in `batch.logits_indices`: [rows, hidden]
+        (every row when it is None). With pipeline stages, the first stage gets them back from
+        the last; the other stages return None."""
+        shard, comm = self.shard, self.comm
+        if shard.is_first_stage:
+            residual = self._embed(batch.input_ids)
         else:
-            residual = F.embedding(batch.input_ids, self.embed_tokens)
+            shape = (batch.input_ids.shape[0], self.config.hidden_size)
+            residual = comm.recv_from_prev(shape, self.norm.dtype)
         factors = self.ops.rope_factors(self.rope.step_factors(batch.positions, self.head_scales))
         delta = None
         for layer in self.layers:
             delta = layer(residual, delta, factors, self.attn, batch, self.ops)
+        if not shard.is_last_stage:
+            comm.send_to_next(residual.add_(delta))
+            if not shard.is_first_stage:
+                return None
+            rows = residual.shape[0] if batch.logits_indices is None else len(batch.logits_indices)
+            return comm.recv_from_last((rows, self.config.hidden_size), self.norm.dtype)
+        eps = self.config.rms_norm_eps
         if batch.logits_indices is None:
-            return self.ops.add_rms_norm_(residual, delta, self.norm, self.config.rms_norm_eps)
-        residual.add_(delta)
-        return self.ops.rms_norm(
-            residual[batch.logits_indices], self.norm, self.config.rms_norm_eps
-        )
+            hidden = self.ops.add_rms_norm_(residual, delta, self.norm, eps)
+        else:
+            residual.add_(delta)
+            hidden = self.ops.rms_norm(residual[batch.logits_indices], self.norm, eps)
+        if shard.is_first_stage:
+            return hidden
+        comm.send_to_first(hidden.contiguous())
+        return None
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the embedding table; with a split vocabulary each rank looks up the ids it
+        holds, zeros the others, and the ranks' rows are summed."""
+        table, vocab = self.embed_tokens, self.dims.vocab_range
+        split = self.shard.tp_size > 1
+        if split:
+            inside = (ids >= vocab.start) & (ids < vocab.stop)
+            ids = torch.where(inside, ids - vocab.start, 0)
+        if isinstance(table, QuantizedWeight):
+            rows = table.embedding(ids, self.norm.dtype)
+        else:
+            rows = F.embedding(ids, table)
+        if split:
+            rows.masked_fill_(~inside.unsqueeze(1), 0)
+            self.comm.all_reduce_(rows)
+        return rows
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> float32 logits [rows, vocab]. From a bfloat16/float16 model the
         logits near each row's maximum are recomputed in float32 (`refine_top_logits`). A
-        quantized LM head takes float32 rows and gives float32 sums."""
+        quantized LM head takes float32 rows and gives float32 sums. With a split vocabulary
+        each rank computes its share and the shares are gathered."""
         if isinstance(self.lm_head_weight, QuantizedWeight):
-            return self.lm_head_linear(hidden.float())
-        logits = self.lm_head_linear(hidden)
-        if hidden.dtype in (torch.bfloat16, torch.float16):
-            return self.ops.refined_logits(logits, hidden, self.lm_head_weight)
-        return logits.float()
+            logits = self.lm_head_linear(hidden.float())
+        else:
+            logits = self.lm_head_linear(hidden)
+            if hidden.dtype in (torch.bfloat16, torch.float16):
+                logits = self.ops.refined_logits(logits, hidden, self.lm_head_weight)
+            logits = logits.float()
+        if self.shard.tp_size == 1:
+            return logits
+        vocab_size = self.config.vocab_size
+        return self.comm.all_gather_vocab(logits, self.shard.vocab_rows(vocab_size))[:, :vocab_size]
 
     # ---- weight loading -------------------------------------------------------------
 
+    def wants_weight(self, name: str) -> bool:
+        """Whether this rank holds any of the checkpoint tensor `name` (a pipeline stage skips
+        the other stages' layers, and the embedding and LM head unless it is the first)."""
+        if name.startswith("model.layers."):
+            return int(name.split(".", 3)[2]) in self.layer_ids
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return self.shard.is_first_stage
+        return True
+
+    def _local_part(self, rest: str, tensor):
+        """This rank's share of layer tensor `rest` (the whole tensor on one rank)."""
+        if self.shard.tp_size == 1:
+            return tensor
+        d, hd = self.dims, self.config.head_dim
+        q = range(d.q_heads.start * hd, d.q_heads.stop * hd)
+        kv = range(d.kv_heads.start * hd, d.kv_heads.stop * hd)
+        rows = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+        rows.update({"gate_proj": d.intermediate_range, "up_proj": d.intermediate_range})
+        cols = {"o_proj": q, "down_proj": d.intermediate_range}
+        proj = rest.split(".")[1]
+        if proj in rows:
+            return _take_rows(tensor, rows[proj])
+        if proj in cols:
+            return _take_columns(tensor, cols[proj])
+        return tensor  # norms: every rank holds them whole
+
     def load_weights(self, weights) -> None:
-        """Copy (Hugging Face name, array) pairs into our fused parameters."""
-        c = self.config
-        q, kv, inter = c.q_dim, c.kv_dim, c.intermediate_size
+        """Copy (Hugging Face name, array) pairs into our fused parameters: this rank's share
+        of each (`wants_weight`, `_local_part`)."""
+        d = self.dims
+        q, kv, inter = d.q_dim, d.kv_dim, d.intermediate
         fused = {
             "self_attn.q_proj.weight": ("qkv_proj", 0, q),
             "self_attn.k_proj.weight": ("qkv_proj", q, q + kv),
@@ -227,6 +360,8 @@ class LlamaForCausalLM(nn.Module):
         kept: dict[tuple[nn.Module, str], list] = {}  # (module, attr) -> [(row, QuantizedWeight)]
         with torch.no_grad():
             for name, array in weights:
+                if not self.wants_weight(name):
+                    continue
                 if isinstance(array, QuantizedWeight):
                     tensor = array
                 else:
@@ -235,18 +370,20 @@ class LlamaForCausalLM(nn.Module):
                     tensor = torch.as_tensor(array)
                 if name.startswith("model.layers."):
                     _, _, idx, rest = name.split(".", 3)
-                    layer = self.layers[int(idx)]
+                    layer = self.layers[int(idx) - self.layer_ids.start]
                     if rest in fused:
                         attr, lo, hi = fused[rest]
+                        tensor = self._local_part(rest, tensor)
                         if rest.startswith("self_attn.q_proj"):
-                            tensor = interleave_rotary_rows(tensor, c.num_attention_heads)
+                            tensor = interleave_rotary_rows(tensor, d.num_heads)
                         elif rest.startswith("self_attn.k_proj"):
-                            tensor = interleave_rotary_rows(tensor, c.num_key_value_heads)
+                            tensor = interleave_rotary_rows(tensor, d.num_kv_heads)
                         if isinstance(tensor, QuantizedWeight):
                             kept.setdefault((layer, attr), []).append((lo, tensor))
                         else:
                             getattr(layer, attr)[lo:hi].copy_(tensor)
                     elif rest in plain:
+                        tensor = self._local_part(rest, tensor)
                         if isinstance(tensor, QuantizedWeight):
                             kept[(layer, plain[rest])] = [(0, tensor)]
                         else:
@@ -255,29 +392,44 @@ class LlamaForCausalLM(nn.Module):
                         continue
                     else:
                         raise ValueError(f"unexpected weight {name!r} for a llama model")
-                elif name == "model.embed_tokens.weight":
+                elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                    attr = "embed_tokens" if name == "model.embed_tokens.weight" else "lm_head"
+                    if getattr(self, attr) is None:  # a tied LM head: the table serves as one
+                        continue
+                    tensor = _take_rows(tensor, d.vocab_range)
                     if isinstance(tensor, QuantizedWeight):
-                        kept[(self, "embed_tokens")] = [(0, tensor)]
+                        kept[(self, attr)] = [(0, tensor)]
                     else:
-                        self.embed_tokens.copy_(tensor)
+                        getattr(self, attr).copy_(tensor)
                 elif name == "model.norm.weight":
                     self.norm.copy_(tensor)
-                elif name == "lm_head.weight":
-                    if self.lm_head is not None and isinstance(tensor, QuantizedWeight):
-                        kept[(self, "lm_head")] = [(0, tensor)]
-                    elif self.lm_head is not None:
-                        self.lm_head.copy_(tensor)
                 else:
                     raise ValueError(f"unexpected weight {name!r} for a llama model")
                 loaded.add(name)
             for (module, attr), pieces in kept.items():
                 _install_quantized(module, attr, pieces)
-        if "model.embed_tokens.weight" not in loaded:
+        if self.shard.is_first_stage and "model.embed_tokens.weight" not in loaded:
             raise ValueError("the checkpoint has no model.embed_tokens.weight")
         if self.lm_head is not None and "lm_head.weight" not in loaded:
             raise ValueError(
                 "the checkpoint has no lm_head.weight and the config does not tie embeddings"
             )
+
+
+def _take_rows(tensor, rows: range):
+    if rows.start == 0 and rows.stop == tensor.shape[0]:
+        return tensor
+    if isinstance(tensor, QuantizedWeight):
+        return tensor.rows_slice(rows.start, rows.stop)
+    return tensor[rows.start : rows.stop]
+
+
+def _take_columns(tensor, cols: range):
+    if cols.start == 0 and cols.stop == tensor.shape[1]:
+        return tensor
+    if isinstance(tensor, QuantizedWeight):
+        return tensor.columns_slice(cols.start, cols.stop)
+    return tensor[:, cols.start : cols.stop]
 
 
 def _release(param) -> None:

@@ -67,6 +67,8 @@ class SchedulerProcess:
                     self._dispatch(data.bytes)
             elif os.getppid() != parent:
                 return  # the server is gone
+            elif not self.scheduler.has_work:
+                self.scheduler.runner.keep_alive()
             if self.heartbeat is not None and self.scheduler.has_work:
                 # A step is one forward pass the loop cannot beat inside: a long prefill on a
                 # busy machine is progress, so the watchdog allows time in proportion to the
@@ -160,12 +162,22 @@ def make_runner(args: ServerArgs, model_path: str):
     from cadence.model_loader.encoder_loader import is_encoder
 
     if is_encoder(model_path):
+        if args.is_parallel:
+            raise ValueError(
+                "tp_size / pp_size: encoder models are served on one rank; give "
+                "--tp-size 1 --pp-size 1"
+            )
         from cadence.model_executor.encoder_runner import EncoderRunner
 
         return EncoderRunner(args, model_path)
     from cadence.model_executor.model_runner import ModelRunner
 
-    return ModelRunner(args, model_path)
+    if not args.is_parallel:
+        return ModelRunner(args, model_path)
+    from cadence.model_executor.parallel import LeaderRunner
+    from cadence.model_executor.rank_process import make_groups
+
+    return LeaderRunner(ModelRunner(args, model_path, make_groups(args, 0)))
 
 
 def run_scheduler_process(

@@ -536,6 +536,7 @@ class Scheduler:
             self.kv_events.close()
             self.kv_events = None
         self.kv.close()
+        self.runner.close()
 
     def _step_now(self) -> None:
         batch, reqs = self._schedule()
