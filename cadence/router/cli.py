@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(_PD_FLAGS[f.name], dest=f.name, action="append", metavar="URL",
                                 default=None, help=docs[f.name])  # fmt: skip
         elif f.type == "tuple[str, ...]":
-            parser.add_argument(flag, nargs="+", metavar="URL", default=None, help=help_text)
+            metavar = "KEY=VALUE" if f.name.endswith("selector") else "URL"
+            parser.add_argument(flag, nargs="+", metavar=metavar, default=None, help=help_text)
         elif f.type == "bool":
             # A switch that only turns things on; absent, the field keeps its default.
             parser.add_argument(flag, action="store_true", default=None, help=docs[f.name])
@@ -52,8 +53,9 @@ def parse_config(argv: list[str] | None) -> RouterConfig:
     """RouterConfig from command-line arguments; ValueError names a bad field."""
     args = build_parser().parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v is not None}
-    if "worker_urls" in given:
-        given["worker_urls"] = tuple(given["worker_urls"])
+    for name in ("worker_urls", "selector", "prefill_selector", "decode_selector"):
+        if name in given:
+            given[name] = tuple(given[name])
     if "prefill_urls" in given:
         given["prefill_urls"] = tuple(parse_prefill_arg(v) for v in given["prefill_urls"])
     if "decode_urls" in given:

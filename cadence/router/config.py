@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,33 @@ class RouterConfig:
 
     decode_policy: str | None = None
     """PD mode: policy choosing the decode worker (default: --policy)."""
+
+    service_discovery: bool = False
+    """Add and remove workers as Kubernetes pods chosen by --selector (PD mode: --prefill-selector
+    and --decode-selector) become ready, stop being ready or go away (docs/kubernetes.md)."""
+
+    selector: tuple[str, ...] = ()
+    """Service discovery: labels a worker pod must all carry, as KEY=VALUE (several, or joined by commas)."""
+
+    prefill_selector: tuple[str, ...] = ()
+    """Service discovery in PD mode: labels of prefill worker pods, as KEY=VALUE; their
+    sglang.ai/bootstrap-port annotation gives the bootstrap port (else GET /server_info does)."""
+
+    decode_selector: tuple[str, ...] = ()
+    """Service discovery in PD mode: labels of decode worker pods, as KEY=VALUE (a pod that
+    also matches --prefill-selector is a prefill worker)."""
+
+    service_discovery_port: int = 80
+    """Service discovery: the port a discovered pod serves HTTP on (its workers are
+    http://POD_IP:PORT)."""
+
+    service_discovery_namespace: str | None = None
+    """Service discovery: the namespace whose pods are watched (default: all namespaces)."""
+
+    service_discovery_api_server: str | None = None
+    """Service discovery: the Kubernetes API server's URL, called without credentials (e.g.
+    `kubectl proxy`'s http://127.0.0.1:8001); default: the pod's service account inside a
+    cluster, else the kubeconfig."""
 
     request_timeout_secs: float = 1800.0
     """Longest time one upstream exchange may take, the whole streamed answer included."""
@@ -223,6 +251,7 @@ class RouterConfig:
             _check(normalized not in seen, "worker_urls", f"duplicate worker {normalized}")
             seen.add(normalized)
         self._check_pd()
+        self._check_discovery()
 
     def _check_pd(self) -> None:
         """PD mode takes its workers from --prefill/--decode; the two modes never mix."""
@@ -268,6 +297,90 @@ class RouterConfig:
                 f"{normalized} is listed twice (a worker is either prefill or decode, once)",
             )
             seen.add(normalized)
+
+    def _check_discovery(self) -> None:
+        """Selectors are validated here; which ones apply depends on the mode."""
+        _check(
+            isinstance(self.service_discovery, bool), "service_discovery", "must be true or false"
+        )
+        for field in _SELECTOR_FIELDS:
+            parse_selector(getattr(self, field), field)
+        if not self.service_discovery:
+            for field in (*_SELECTOR_FIELDS, "service_discovery_namespace"):
+                _check(
+                    not getattr(self, field),
+                    field,
+                    f"--{field.replace('_', '-')} is a service discovery flag: add "
+                    "--service-discovery, or drop it",
+                )
+            _check(
+                self.service_discovery_api_server is None,
+                "service_discovery_api_server",
+                "is a service discovery flag: add --service-discovery, or drop it",
+            )
+        elif self.pd_disaggregation:
+            _check(
+                not self.selector,
+                "selector",
+                "PD mode discovers workers by --prefill-selector and --decode-selector; "
+                "--selector has no role: drop it",
+            )
+            _check(
+                bool(self.prefill_selector or self.decode_selector),
+                "prefill_selector",
+                "service discovery in PD mode needs --prefill-selector and/or --decode-selector "
+                "KEY=VALUE ...",
+            )
+        else:
+            _check(
+                bool(self.selector),
+                "selector",
+                "service discovery needs --selector KEY=VALUE ... (the labels of worker pods)",
+            )
+            for field in ("prefill_selector", "decode_selector"):
+                _check(
+                    not getattr(self, field),
+                    field,
+                    f"--{field.replace('_', '-')} is a PD mode flag: add --pd-disaggregation, "
+                    "or use --selector",
+                )
+        _check(
+            isinstance(self.service_discovery_port, int)
+            and not isinstance(self.service_discovery_port, bool)
+            and 1 <= self.service_discovery_port <= 65535,
+            "service_discovery_port",
+            "must be between 1 and 65535",
+        )
+        namespace = self.service_discovery_namespace
+        _check(
+            namespace is None or _is_dns_label(namespace),
+            "service_discovery_namespace",
+            f"{short_repr(namespace)} is not a namespace name (lowercase letters, digits and "
+            "'-', at most 63 characters)",
+        )
+        server = self.service_discovery_api_server
+        if server is not None:
+            parts = urlsplit(server) if isinstance(server, str) else None
+            _check(
+                parts is not None
+                and parts.scheme in _DEFAULT_PORTS
+                and bool(parts.hostname)
+                and not parts.query
+                and not parts.fragment,
+                "service_discovery_api_server",
+                f"must be an http:// or https:// URL, got {short_repr(server)}",
+            )
+
+    def selectors(self) -> dict[str, tuple[tuple[str, str], ...]]:
+        """Service discovery: the label pairs that choose each role's pods (only the roles
+        that have a selector)."""
+        if not self.pd_disaggregation:
+            return {REGULAR: parse_selector(self.selector, "selector")}
+        chosen = {
+            PREFILL: parse_selector(self.prefill_selector, "prefill_selector"),
+            DECODE: parse_selector(self.decode_selector, "decode_selector"),
+        }
+        return {role: pairs for role, pairs in chosen.items() if pairs}
 
     @property
     def is_admin_api_enabled(self) -> bool:
@@ -513,6 +626,50 @@ def parse_capabilities(value: object, field: str = "capabilities") -> frozenset[
             f"{field}: unknown capabilities {short_repr(sorted(unknown))}; known: {sorted(CAPABILITIES)}"
         )
     return frozenset(value)
+
+
+_SELECTOR_FIELDS = ("selector", "prefill_selector", "decode_selector")
+# Kubernetes label syntax: a name segment (also a label value) and a DNS subdomain prefix.
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def parse_selector(values: tuple[str, ...], field: str) -> tuple[tuple[str, str], ...]:
+    """('app=cadence', 'tier=a,zone=b') -> (('app', 'cadence'), ('tier', 'a'), ('zone', 'b')):
+    label pairs a pod must all carry. ValueError names `field` and the bad pair."""
+    if isinstance(values, str) or not isinstance(values, tuple):
+        raise ValueError(f"{field}: must be a list of KEY=VALUE labels, got {short_repr(values)}")
+    pairs: dict[str, str] = {}
+    for value in values:
+        if not isinstance(value, str):
+            raise ValueError(f"{field}: each label must be KEY=VALUE text, got {short_repr(value)}")
+        for part in value.split(","):
+            key, sep, label = part.strip().partition("=")
+            if not sep or not _is_label_key(key) or not _is_label_value(label):
+                raise ValueError(
+                    f"{field}: {short_repr(part.strip())} is not a KEY=VALUE label (a key such as "
+                    "app or example.com/role, a value of at most 63 letters, digits, '-', '_', '.')"
+                )
+            if pairs.get(key, label) != label:
+                raise ValueError(f"{field}: label {key} is given twice, with different values")
+            pairs[key] = label
+    return tuple(pairs.items())
+
+
+def _is_label_key(key: str) -> bool:
+    prefix, slash, name = key.rpartition("/")
+    if slash and not _DNS_SUBDOMAIN.fullmatch(prefix):
+        return False
+    return _LABEL_NAME.fullmatch(name) is not None
+
+
+def _is_label_value(value: str) -> bool:
+    return value == "" or _LABEL_NAME.fullmatch(value) is not None
+
+
+def _is_dns_label(name: object) -> bool:
+    return isinstance(name, str) and _DNS_LABEL.fullmatch(name) is not None
 
 
 def _check(ok: bool, field: str, message: str) -> None:

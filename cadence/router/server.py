@@ -19,6 +19,7 @@ from aiohttp import web
 from cadence.router import admin
 from cadence.router.access import AccessControl, Handler, client_key_middleware
 from cadence.router.config import DECODE, PREFILL, RouterConfig, WorkerSpec, short_repr
+from cadence.router.discovery import PodDiscovery
 from cadence.router.health import HealthChecker
 from cadence.router.kv_index import KvEventIndex, tokens_for_routing
 from cadence.router.metrics import RouterMetrics
@@ -62,6 +63,7 @@ class Router:
         self.pd: PdForwarder | None = None
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
+        self.discovery: PodDiscovery | None = None
 
     def _init_observability(self) -> None:
         self.metrics = RouterMetrics(
@@ -101,8 +103,13 @@ class Router:
         for worker in self.registry:
             self.health.watch(worker)
             self._watch_kv_events(worker)
+        if self.config.service_discovery:  # loads the Kubernetes client (only then)
+            self.discovery = PodDiscovery(self.config, self)
+            await self.discovery.start()
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         index = getattr(self.policy, "kv_index", None)
         if index is not None:
             await index.close()

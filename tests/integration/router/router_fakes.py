@@ -46,6 +46,8 @@ class FakeWorker:
     num_events_written: int = 0
     stream_closed: asyncio.Event = field(default_factory=asyncio.Event)
     handler_started: asyncio.Event = field(default_factory=asyncio.Event)
+    host: str = "127.0.0.1"  # any loopback address (pods of one port differ by address)
+    port: int = 0  # 0: a free port
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -57,9 +59,10 @@ class FakeWorker:
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self.port = self._runner.addresses[0][1]
+        self.url = f"http://{self.host}:{self.port}"
         return self
 
     async def stop(self) -> None:
