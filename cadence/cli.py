@@ -1,4 +1,5 @@
-"""`cadence` command line: `cadence serve`, `cadence generate`, `cadence router`.
+"""`cadence` command line: `cadence serve`, `cadence generate`, `cadence router`,
+`cadence launch`.
 
 Imports nothing heavy: each subcommand imports its own module only when chosen.
 """
@@ -13,6 +14,7 @@ commands:
   serve      serve a model over HTTP (OpenAI-compatible and native routes) and gRPC
   generate   generate text once from a prompt, in this process
   router     route requests over many Cadence replicas
+  launch     serve from N data-parallel replicas behind the router (--dp-size N)
 
 Run `cadence <command> --help` for the options of a command."""
 
@@ -35,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from cadence.router.cli import main as router_main
 
         return router_main(rest)
+    if command == "launch":
+        from cadence.launch_dp import main as launch_main
+
+        return launch_main(rest)
     print(f"cadence: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 
