@@ -33,6 +33,7 @@ from cadence.io_struct import BatchTokenIDOutput, EmbeddingReqInput, GenerateReq
 from cadence.model_loader.locate import resolve_model_path
 from cadence.model_loader.tokenizer_files import load_tokenizer, tokenizer_dir
 from cadence.plugins import load_plugins
+from cadence.model_executor.parallel import RanksLost
 from cadence.scheduler.process import build_scheduler, runtime_facts
 from cadence.scheduler.req import to_messages
 from cadence.scheduler.scheduler import Scheduler
@@ -42,6 +43,7 @@ from cadence.serving.native_api import last_result
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+IDLE_WAKE_S = 0.5  # an idle scheduler thread wakes this often (s): keep-alives to other ranks
 
 
 class _SchedulerThread:
@@ -85,7 +87,11 @@ class _SchedulerThread:
         scheduler = self.scheduler
         while True:
             try:
-                msg = self.inbox.get() if not scheduler.has_work else self.inbox.get_nowait()
+                msg = (
+                    self.inbox.get(timeout=IDLE_WAKE_S)
+                    if not scheduler.has_work
+                    else self.inbox.get_nowait()
+                )
                 while True:
                     if msg is _STOP:
                         return
@@ -100,7 +106,9 @@ class _SchedulerThread:
                 pass
             try:
                 outputs = scheduler.step()
-            except Exception as e:
+                if not scheduler.has_work:
+                    scheduler.runner.keep_alive()  # other ranks, if any, hear from us
+            except (Exception, RanksLost) as e:
                 # The forward pass failed: every request would wait forever. Fail them all.
                 logger.exception("scheduler step failed; the engine stops")
                 scheduler.abort(abort_all=True, message=f"the engine failed: {e}")
@@ -130,9 +138,21 @@ class Engine:
         self.args = finalize_server_args(ServerArgs.from_kwargs(model_path=model_path, **kwargs))
         path = resolve_model_path(self.args.model_path)
         self.tokenizer = load_tokenizer(path, self.args.tokenizer_path)
-        self._worker = _SchedulerThread(
-            lambda: build_scheduler(self.args, path, self.tokenizer), Detokenizer(self.tokenizer)
-        )
+        self._ranks = None  # the follower ranks' supervisor, with tp_size × pp_size > 1
+        if self.args.is_parallel:
+            from cadence.distributed.ranks import prepare_parallel_args, start_followers
+
+            self.args = prepare_parallel_args(self.args)
+            self._ranks = start_followers(self.args, path)
+        try:
+            self._worker = _SchedulerThread(
+                lambda: build_scheduler(self.args, path, self.tokenizer),
+                Detokenizer(self.tokenizer),
+            )
+        except BaseException:
+            if self._ranks is not None:
+                self._ranks.stop()
+            raise
         self.scheduler = self._worker.scheduler
         self.info = ModelInfo.from_facts(
             path,
@@ -406,6 +426,8 @@ class Engine:
             return
         self._closed = True
         self._worker.stop()
+        if self._ranks is not None:  # ordered to stop by the scheduler's close: reaped here
+            self._ranks.stop(patience_s=5.0)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._loop_thread.join(timeout=5)
 

@@ -61,6 +61,19 @@ def follower_specs(args: ServerArgs, model_path: str) -> list:
     ]
 
 
+def start_followers(args: ServerArgs, model_path: str):
+    """For an in-process Engine: a supervisor with this machine's follower ranks started
+    (they report ready once the engine's own rank 0 has met them)."""
+    from cadence.supervisor import Supervisor
+
+    if args.node_rank != 0:
+        raise ValueError("node_rank: an Engine runs node 0; start the other nodes with cadence serve")
+    supervisor = Supervisor()
+    for spec in follower_specs(args, model_path):
+        supervisor.start(spec)
+    return supervisor
+
+
 def serve_ranks_only(
     args: ServerArgs, model_path: str, supervisor, stopping: threading.Event
 ) -> int:
