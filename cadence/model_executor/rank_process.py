@@ -9,6 +9,7 @@ leader orders a stop, and exits non-zero when the leader or a peer is lost.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import traceback
 
@@ -57,6 +58,7 @@ def run_rank_process(args: ServerArgs, model_path: str, rank: int, ready_pipe) -
         load_plugins()
         runner = ModelRunner(args, model_path, make_groups(args, rank))
         ready_pipe.send_bytes(msgspec.msgpack.encode({"status": "ready", "rank": rank}))
+        logger.info("rank %d ready (pid %d)", rank, os.getpid())
     except Exception as e:
         ready_pipe.send_bytes(
             msgspec.msgpack.encode(
