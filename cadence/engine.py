@@ -30,10 +30,10 @@ from cadence.front.request_checks import RequestOptions
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.hooks import finalize_server_args
 from cadence.io_struct import BatchTokenIDOutput, EmbeddingReqInput, GenerateReqInput
+from cadence.model_executor.parallel import RanksLost
 from cadence.model_loader.locate import resolve_model_path
 from cadence.model_loader.tokenizer_files import load_tokenizer, tokenizer_dir
 from cadence.plugins import load_plugins
-from cadence.model_executor.parallel import RanksLost
 from cadence.scheduler.process import build_scheduler, runtime_facts
 from cadence.scheduler.req import to_messages
 from cadence.scheduler.scheduler import Scheduler

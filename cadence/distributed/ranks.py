@@ -67,7 +67,9 @@ def start_followers(args: ServerArgs, model_path: str):
     from cadence.supervisor import Supervisor
 
     if args.node_rank != 0:
-        raise ValueError("node_rank: an Engine runs node 0; start the other nodes with cadence serve")
+        raise ValueError(
+            "node_rank: an Engine runs node 0; start the other nodes with cadence serve"
+        )
     supervisor = Supervisor()
     for spec in follower_specs(args, model_path):
         supervisor.start(spec)
