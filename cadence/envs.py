@@ -44,6 +44,13 @@ def cpu_packed_linear() -> bool:
     return _get("CADENCE_CPU_PACKED_LINEAR", "1") not in ("0", "false", "no")
 
 
+def shm_collectives() -> bool:
+    """CADENCE_SHM_COLLECTIVES: 0 keeps gloo for the all-reduces and logit gathers of
+    tensor-parallel ranks on one machine instead of shared memory (default 1; see
+    cadence/distributed/shm_collectives.py)."""
+    return _get("CADENCE_SHM_COLLECTIVES", "1") not in ("0", "false", "no")
+
+
 def cpu_kernels() -> bool:
     """CADENCE_CPU_KERNELS: 0 keeps torch's own ops on CPU instead of Cadence's fused kernels
     (built once per machine with the C++ compiler; see cadence/kernels)."""

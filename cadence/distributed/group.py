@@ -42,6 +42,7 @@ class RankGroups:
         self.layout, self.rank = layout, rank
         self.tp_rank, self.pp_rank = layout.tp_rank(rank), layout.pp_rank(rank)
         self.backend = backend
+        self._timeout_s = timeout_s
         dist.init_process_group(
             backend,
             init_method=f"tcp://{init_addr}",
@@ -58,6 +59,27 @@ class RankGroups:
             if pp_rank == self.pp_rank:
                 self.tp_group = group
         self._reduce_in_float32 = backend == "gloo"
+        self.shm = None  # ShmCollectives of this stage's tensor-parallel ranks (`use_shm`)
+
+    def use_shm(self, capacity: int) -> None:
+        """Collective over this stage's tensor-parallel ranks (call on every rank, in the same
+        order): all-reduces and logit gathers of up to `capacity` float32 elements go through
+        shared memory where the group's ranks share this machine (see shm_collectives)."""
+        from cadence.distributed.shm_collectives import (
+            ShmCollectives,
+            ShmUnavailable,
+            shm_available,
+        )
+
+        lay = self.layout
+        ranks = lay.tp_group(self.pp_rank)
+        one_node = len({r // lay.ranks_per_node for r in ranks}) == 1
+        if lay.tp_size == 1 or self.backend != "gloo" or not one_node or not shm_available():
+            return
+        try:
+            self.shm = ShmCollectives(self.tp_group, ranks, self.rank, capacity, self._timeout_s)
+        except ShmUnavailable:
+            self.shm = None
 
     @property
     def shard(self) -> ModelShard:
@@ -73,6 +95,8 @@ class RankGroups:
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """Sums `x` over this stage's tensor-parallel ranks, in place; returns it. Reduced
         partial sums in float32 on gloo (bfloat16 sums there would round at every rank)."""
+        if self.shm is not None and self.shm.fits(x.numel()):
+            return self.shm.all_reduce_(x)
         if x.dtype == torch.float32 or not self._reduce_in_float32:
             dist.all_reduce(x, group=self.tp_group)
             return x
@@ -86,6 +110,8 @@ class RankGroups:
         n = logits.shape[1]
         if n < rows_per_rank:
             logits = torch.nn.functional.pad(logits, (0, rows_per_rank - n))
+        if self.shm is not None and self.shm.fits(logits.numel()):
+            return torch.cat(self.shm.all_gather(logits), dim=1)
         parts = [torch.empty_like(logits) for _ in range(self.layout.tp_size)]
         dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=1)
@@ -110,6 +136,14 @@ class RankGroups:
         x = torch.empty(shape, dtype=dtype, device=self._device())
         dist.recv(x, self._peer(self.layout.pp_size - 1))
         return x
+
+    def isend_to_next(self, x: torch.Tensor):
+        """`send_to_next` that returns at once: the caller waits on the returned work (and
+        keeps `x` unchanged until then)."""
+        return dist.isend(x, self._peer(self.pp_rank + 1))
+
+    def isend_to_first(self, x: torch.Tensor):
+        return dist.isend(x, self._peer(0))
 
     def _device(self) -> torch.device:
         if self.backend == "nccl":
@@ -141,5 +175,7 @@ class RankGroups:
         return int(t)
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
         if dist.is_initialized():
             dist.destroy_process_group()

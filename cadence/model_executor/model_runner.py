@@ -91,6 +91,11 @@ class ModelRunner(Runner):
         self.attn = self.platform.make_attention_backend(
             self.kv_pool, dims.num_heads, dims.num_kv_heads, cfg.head_dim
         )
+        if groups is not None:  # decode steps' all-reduces and logits through shared memory
+            capacity = max(
+                512 * cfg.hidden_size, min(args.max_running_requests, 64) * cfg.vocab_size
+            )
+            groups.use_shm(capacity)
         self.model.setup(
             self.attn,
             self.context_len + 1,
@@ -434,14 +439,54 @@ class ModelRunner(Runner):
             return self.graphs.run(items)
         seq_lens = [item.start + n for item, n in zip(items, news)]
         drafted = any(n > 1 for n in news)
-        uids = [item.uid for item in items]
-        last_uids, last_lens = self._last_decode
-        continues = (
-            not drafted
-            and uids == last_uids
-            and all(n == m + 1 for n, m in zip(seq_lens, last_lens))
-        )
-        self._last_decode = ([], []) if drafted else (uids, seq_lens)
+        spans = self._micro_batches(len(items))
+        if len(spans) > 1:  # pipeline stages: micro-batches in flight, each stage on its own
+            self._last_decode = ([], [])
+            batches = [
+                self._decode_batch(items[a:b], news[a:b], seq_lens[a:b], drafted, False)
+                for a, b in spans
+            ]
+            parts = self.model.forward_micro(batches)
+            hidden = None if parts is None else torch.cat(parts)
+        else:
+            uids = [item.uid for item in items]
+            last_uids, last_lens = self._last_decode
+            continues = (
+                not drafted
+                and uids == last_uids
+                and all(n == m + 1 for n, m in zip(seq_lens, last_lens))
+            )
+            self._last_decode = ([], []) if drafted else (uids, seq_lens)
+            hidden = self.model(self._decode_batch(items, news, seq_lens, drafted, continues))
+        if hidden is None:  # a later pipeline stage: the first one gets the rows
+            return None
+        row = 0
+        for i, item in enumerate(items):
+            if item.return_hidden_states:  # never drafted: its one row
+                hidden_out[i] = [hidden[row].float().cpu().tolist()]
+            row += news[i]
+        return self.model.compute_logits(hidden)
+
+    def _micro_batches(self, num_items: int) -> list[tuple[int, int]]:
+        """[start, end) item spans run as micro-batches: with pipeline stages, twice as many
+        as stages (while the last stage runs one, the first runs the next), else one."""
+        pp = self.groups.layout.pp_size if self.groups is not None else 1
+        if pp == 1 or num_items < 2:
+            return [(0, num_items)]
+        from cadence.distributed.layout import split_evenly
+
+        parts = min(num_items, 2 * pp)
+        return [split_evenly(num_items, parts, i) for i in range(parts)]
+
+    def _decode_batch(
+        self,
+        items: list[BatchItem],
+        news: list[int],
+        seq_lens: list[int],
+        drafted: bool,
+        continues: bool,
+    ) -> ForwardBatch:
+        """The ForwardBatch of a decode (or verify) step over `items`."""
         ps = self.page_size
         locs = [
             item.pages[pos // ps] * ps + pos % ps
@@ -477,7 +522,7 @@ class ModelRunner(Runner):
                 device=dev,
             )
             input_ids = torch.where(src >= 0, self.future_ids[src.clamp(min=0)], input_ids)
-        batch = ForwardBatch(
+        return ForwardBatch(
             is_decode=True,
             input_ids=input_ids,
             positions=positions.to(dev),
@@ -494,15 +539,6 @@ class ModelRunner(Runner):
             query_starts=None if query_starts is None else query_starts.to(dev),
             lora=self._lora_batch(items),
         )
-        hidden = self.model(batch)
-        if hidden is None:  # a later pipeline stage: the first one gets the rows
-            return None
-        row = 0
-        for i, item in enumerate(items):
-            if item.return_hidden_states:  # never drafted: its one row
-                hidden_out[i] = [hidden[row].float().cpu().tolist()]
-            row += news[i]
-        return self.model.compute_logits(hidden)
 
     # ---- embeddings (--is-embedding) -----------------------------------------------------
 

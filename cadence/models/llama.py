@@ -250,28 +250,64 @@ class LlamaForCausalLM(nn.Module):
         if shard.is_first_stage:
             residual = self._embed(batch.input_ids)
         else:
-            shape = (batch.input_ids.shape[0], self.config.hidden_size)
-            residual = comm.recv_from_prev(shape, self.norm.dtype)
+            residual = comm.recv_from_prev(self._shape_in(batch), self.norm.dtype)
+        out = self._run_layers(batch, residual)
+        if shard.is_last_stage:
+            if shard.is_first_stage:
+                return out
+            comm.send_to_first(out)
+            return None
+        comm.send_to_next(out)
+        if not shard.is_first_stage:
+            return None
+        return comm.recv_from_last(self._shape_out(batch), self.norm.dtype)
+
+    def forward_micro(self, batches: list[ForwardBatch]) -> list[torch.Tensor] | None:
+        """`forward` of several micro-batches with pipeline stages, in flight together: while
+        stage s + 1 runs micro-batch k, stage s runs k + 1. The first stage returns each one's
+        final rows, in order; the other stages return None."""
+        shard, comm, dtype = self.shard, self.comm, self.norm.dtype
+        sending = []  # (work, tensor): a tensor stays alive until its send is done
+        out = None
+        if shard.is_first_stage:
+            for batch in batches:
+                x = self._run_layers(batch, self._embed(batch.input_ids)).contiguous()
+                sending.append((comm.isend_to_next(x), x))
+            out = [comm.recv_from_last(self._shape_out(b), dtype) for b in batches]
+        else:
+            for batch in batches:
+                x = self._run_layers(batch, comm.recv_from_prev(self._shape_in(batch), dtype))
+                x = x.contiguous()
+                work = comm.isend_to_first(x) if shard.is_last_stage else comm.isend_to_next(x)
+                sending.append((work, x))
+        for work, _ in sending:
+            work.wait()
+        return out
+
+    def _shape_in(self, batch: ForwardBatch) -> tuple[int, int]:
+        return (batch.input_ids.shape[0], self.config.hidden_size)
+
+    def _shape_out(self, batch: ForwardBatch) -> tuple[int, int]:
+        rows = (
+            batch.input_ids.shape[0] if batch.logits_indices is None else len(batch.logits_indices)
+        )
+        return (rows, self.config.hidden_size)
+
+    def _run_layers(self, batch: ForwardBatch, residual: torch.Tensor) -> torch.Tensor:
+        """This stage's layers over `residual` (updated in place). Returns it with the last
+        layer's output added, or, on the last stage, the final rows normed (those of
+        `batch.logits_indices`, or all)."""
         factors = self.ops.rope_factors(self.rope.step_factors(batch.positions, self.head_scales))
         delta = None
         for layer in self.layers:
             delta = layer(residual, delta, factors, self.attn, batch, self.ops)
-        if not shard.is_last_stage:
-            comm.send_to_next(residual.add_(delta))
-            if not shard.is_first_stage:
-                return None
-            rows = residual.shape[0] if batch.logits_indices is None else len(batch.logits_indices)
-            return comm.recv_from_last((rows, self.config.hidden_size), self.norm.dtype)
+        if not self.shard.is_last_stage:
+            return residual.add_(delta)
         eps = self.config.rms_norm_eps
         if batch.logits_indices is None:
-            hidden = self.ops.add_rms_norm_(residual, delta, self.norm, eps)
-        else:
-            residual.add_(delta)
-            hidden = self.ops.rms_norm(residual[batch.logits_indices], self.norm, eps)
-        if shard.is_first_stage:
-            return hidden
-        comm.send_to_first(hidden.contiguous())
-        return None
+            return self.ops.add_rms_norm_(residual, delta, self.norm, eps)
+        residual.add_(delta)
+        return self.ops.rms_norm(residual[batch.logits_indices], self.norm, eps)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the embedding table; with a split vocabulary each rank looks up the ids it
