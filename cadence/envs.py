@@ -44,6 +44,20 @@ def cpu_packed_linear() -> bool:
     return _get("CADENCE_CPU_PACKED_LINEAR", "1") not in ("0", "false", "no")
 
 
+def pp_layer_partition() -> list[int] | None:
+    """SGLANG_PP_LAYER_PARTITION: layers per pipeline stage, comma-separated (SGLang's
+    variable), e.g. 12,18; default: an even load, the first stage's LM head counted."""
+    value = _get("SGLANG_PP_LAYER_PARTITION")
+    if value is None:
+        return None
+    try:
+        return [int(v) for v in value.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"SGLANG_PP_LAYER_PARTITION must be layer counts separated by commas, got {value!r}"
+        ) from None
+
+
 def shm_collectives() -> bool:
     """CADENCE_SHM_COLLECTIVES: 0 keeps gloo for the all-reduces and logit gathers of
     tensor-parallel ranks on one machine instead of shared memory (default 1; see

@@ -20,6 +20,20 @@ def split_evenly(total: int, parts: int, index: int, unit: int = 1) -> tuple[int
     return start * unit, end * unit
 
 
+def stage_layer_counts(num_layers: int, stages: int, first_extra: float) -> list[int]:
+    """Layers per pipeline stage for an even load when the first stage also does work worth
+    `first_extra` layers; every stage keeps at least one."""
+    if stages == 1:
+        return [num_layers]
+    share = (num_layers + first_extra) / stages
+    first = min(max(1, round(share - first_extra)), num_layers - (stages - 1))
+    rest = [
+        b - a
+        for a, b in (split_evenly(num_layers - first, stages - 1, i) for i in range(stages - 1))
+    ]
+    return [first, *rest]
+
+
 @dataclass(frozen=True)
 class RankLayout:
     """The ranks of one server: tp_size × pp_size processes over nnodes machines."""
@@ -73,14 +87,28 @@ class ModelShard:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    def layers(self, num_layers: int) -> range:
-        """This stage's contiguous range of the model's layers."""
+    def layers(
+        self, num_layers: int, first_extra: float = 0.0, partition: list[int] | None = None
+    ) -> range:
+        """This stage's contiguous range of the model's layers: `partition` (layers per stage,
+        as SGLANG_PP_LAYER_PARTITION gives them) or an even load, where the first stage's
+        other work (the LM head and sampling) counts as `first_extra` layers."""
         if num_layers < self.pp_size:
             raise ValueError(
                 f"pp_size ({self.pp_size}) exceeds the model's {num_layers} layers: each "
                 "pipeline stage needs at least one"
             )
-        return range(*split_evenly(num_layers, self.pp_size, self.pp_rank))
+        if partition is not None:
+            if len(partition) != self.pp_size or sum(partition) != num_layers or min(partition) < 1:
+                raise ValueError(
+                    f"SGLANG_PP_LAYER_PARTITION {partition} must give each of the {self.pp_size} "
+                    f"stages at least one of the {num_layers} layers"
+                )
+            counts = partition
+        else:
+            counts = stage_layer_counts(num_layers, self.pp_size, first_extra)
+        start = sum(counts[: self.pp_rank])
+        return range(start, start + counts[self.pp_rank])
 
     def kv_heads(self, num_kv_heads: int) -> range:
         """This rank's key-value heads; the query heads of their groups come with them."""

@@ -446,6 +446,9 @@ class ModelRunner(Runner):
                 self._decode_batch(items[a:b], news[a:b], seq_lens[a:b], drafted, False)
                 for a, b in spans
             ]
+            if not any(item.return_hidden_states for item in items):  # logits as rows return
+                logits = self.model.forward_micro(batches, self.model.compute_logits)
+                return None if logits is None else torch.cat(logits)
             parts = self.model.forward_micro(batches)
             hidden = None if parts is None else torch.cat(parts)
         else:

@@ -168,6 +168,20 @@ def local_dims(config: ModelConfig, shard: ModelShard) -> LocalDims:
     )
 
 
+def lm_head_in_layers(config: ModelConfig) -> float:
+    """The LM head's weights in layers' worth: what the first pipeline stage computes beyond
+    its layers, so that it takes fewer (SmolLM2-135M's is worth ~8 of its 30 layers)."""
+    c = config
+    per_layer = c.hidden_size * (2 * c.q_dim + 2 * c.kv_dim + 3 * c.intermediate_size)
+    return c.vocab_size * c.hidden_size / per_layer
+
+
+def pp_layer_partition() -> list[int] | None:
+    from cadence import envs
+
+    return envs.pp_layer_partition()
+
+
 class LlamaForCausalLM(nn.Module):
     """The whole model on one rank, or one rank's share of it (`ModelShard`): its pipeline
     stage's layers (the first stage also holds the embedding table and the LM head, the last
@@ -180,7 +194,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.shard = shard = shard or ModelShard()
         self.dims = dims = local_dims(config, shard)
-        self.layer_ids = shard.layers(config.num_hidden_layers)  # this stage's, of the model's
+        self.layer_ids = shard.layers(  # this stage's, of the model's
+            config.num_hidden_layers, lm_head_in_layers(config), pp_layer_partition()
+        )
         h, first = config.hidden_size, shard.is_first_stage
         self.embed_tokens = nn.Parameter(torch.empty(len(dims.vocab_range), h)) if first else None
         self.layers = nn.ModuleList(
@@ -262,10 +278,11 @@ class LlamaForCausalLM(nn.Module):
             return None
         return comm.recv_from_last(self._shape_out(batch), self.norm.dtype)
 
-    def forward_micro(self, batches: list[ForwardBatch]) -> list[torch.Tensor] | None:
+    def forward_micro(self, batches: list[ForwardBatch], finish=None) -> list[torch.Tensor] | None:
         """`forward` of several micro-batches with pipeline stages, in flight together: while
         stage s + 1 runs micro-batch k, stage s runs k + 1. The first stage returns each one's
-        final rows, in order; the other stages return None."""
+        final rows, in order, or `finish(rows)` of each (the logits), computed as each comes
+        back while the later stages still run the others; the other stages return None."""
         shard, comm, dtype = self.shard, self.comm, self.norm.dtype
         sending = []  # (work, tensor): a tensor stays alive until its send is done
         out = None
@@ -273,7 +290,10 @@ class LlamaForCausalLM(nn.Module):
             for batch in batches:
                 x = self._run_layers(batch, self._embed(batch.input_ids)).contiguous()
                 sending.append((comm.isend_to_next(x), x))
-            out = [comm.recv_from_last(self._shape_out(b), dtype) for b in batches]
+            out = []
+            for b in batches:
+                rows = comm.recv_from_last(self._shape_out(b), dtype)
+                out.append(rows if finish is None else finish(rows))
         else:
             for batch in batches:
                 x = self._run_layers(batch, comm.recv_from_prev(self._shape_in(batch), dtype))

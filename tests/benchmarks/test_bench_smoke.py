@@ -47,6 +47,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
         ["--json", "{out}/r.json", "--plot", "{out}/r.png"],
         r"transfer_vs_memcpy: \S+x \(target",
     ),
+    "bench_parallel.py": (["--json", "{out}/r.json", "--plot", "{out}/r.png"], r"all-reduce \["),
     "bench_lora.py": (["--json", "{out}/r.json", "--plot", "{out}/r.png"], r"adapter load: "),
     "bench_speech.py": (["--json", "{out}/r.json", "--plot", "{out}/r.png"], r"served_vs_limit"),
     "bench_speculative.py": (

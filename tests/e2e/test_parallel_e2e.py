@@ -80,12 +80,24 @@ def test_clients_see_one_server_behind_two_ranks(tp2_server):
     assert srv.wait_idle()["num_used_tokens"] == 0
 
 
-def test_killing_a_follower_rank_stops_the_server(tp2_server):
+def test_killing_rank_0_stops_the_server_and_its_followers(tp2_server):
     srv = tp2_server
-    os.kill(rank_pid(srv, 1), signal.SIGKILL)
+    os.kill(srv.child_pid("scheduler"), signal.SIGKILL)  # rank 0 runs in the scheduler
     dies_non_zero(srv)
-    assert "rank 1 process died" in srv.log_text()
     assert wait_until(lambda: not srv.leftover_pids(), 10), srv.leftover_pids()
+
+
+def test_four_ranks_serve_and_a_killed_last_stage_rank_stops_them():
+    srv = Server("tp2pp2", ["--tp-size", "2", "--pp-size", "2", *SMALL]).start()
+    try:
+        srv.wait_ready()
+        assert greedy(srv)["text"].startswith(EXPECTED_START)
+        os.kill(rank_pid(srv, 3), signal.SIGKILL)
+        dies_non_zero(srv)
+        assert "rank 3 process died" in srv.log_text()
+        assert wait_until(lambda: not srv.leftover_pids(), 10), srv.leftover_pids()
+    finally:
+        srv.destroy()
 
 
 def test_two_nodes_serve_together_and_a_lost_node_stops_node_0():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cadence.distributed.layout import ModelShard, RankLayout, split_evenly
+from cadence.distributed.layout import ModelShard, RankLayout, split_evenly, stage_layer_counts
 from cadence.server_args import ServerArgs
 
 
@@ -59,6 +59,19 @@ def test_stages_take_contiguous_layers():
         range(23, 30),
     ]
     assert stages[0].is_first_stage and stages[-1].is_last_stage
+
+
+def test_the_first_stage_takes_fewer_layers_for_its_lm_head():
+    assert stage_layer_counts(30, 2, 8.0) == [11, 19]
+    assert stage_layer_counts(30, 4, 8.0) == [2, 10, 9, 9]
+    assert stage_layer_counts(2, 2, 100.0) == [1, 1]  # never an empty stage
+    assert ModelShard(pp_rank=1, pp_size=2).layers(30, 8.0) == range(11, 30)
+
+
+def test_a_given_partition_is_followed_or_refused():
+    assert ModelShard(pp_rank=1, pp_size=2).layers(30, 8.0, [12, 18]) == range(12, 30)
+    with pytest.raises(ValueError, match="SGLANG_PP_LAYER_PARTITION"):
+        ModelShard(pp_rank=0, pp_size=2).layers(30, 0.0, [30, 0])
 
 
 def test_more_ranks_than_the_model_has_heads_or_layers_is_a_clear_error():
