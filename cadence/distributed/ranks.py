@@ -13,12 +13,13 @@ import logging
 import os
 import socket
 import threading
-from typing import TYPE_CHECKING
+from typing import Any
 
 from cadence.distributed.layout import RankLayout
 
-if TYPE_CHECKING:
-    from cadence.server_args import ServerArgs
+# The server's arguments (cadence.server_args.ServerArgs), read by name: this room sits
+# below the arguments' module and imports nothing above it.
+ServerArgs = Any
 
 logger = logging.getLogger("cadence.server")
 
