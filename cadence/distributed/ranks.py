@@ -36,7 +36,8 @@ def prepare_parallel_args(args: ServerArgs) -> ServerArgs:
             args = args.replace(dist_init_addr=f"127.0.0.1:{s.getsockname()[1]}")
     per_node = RankLayout(args.tp_size, args.pp_size, args.nnodes).ranks_per_node
     if "CADENCE_NUM_THREADS" not in os.environ:
-        os.environ["CADENCE_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_node))
+        cores = len(os.sched_getaffinity(0))  # this process's share (cadence launch pins one)
+        os.environ["CADENCE_NUM_THREADS"] = str(max(1, cores // per_node))
     return args
 
 
