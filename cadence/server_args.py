@@ -459,6 +459,8 @@ class ServerArgs(metaclass=_FlatDefaults):
             for name, on in (
                 ("enable_lora", self.enable_lora),
                 ("disaggregation_mode", self.disaggregation_mode != "null"),
+                # The disk tier saves and restores rank 0's pool only.
+                ("enable_hierarchical_cache", self.enable_hierarchical_cache),
             ):
                 if on:
                     raise ValueError(
