@@ -328,11 +328,7 @@ def main() -> int:
         lora = asyncio.run(measure("lora", args, paths[:-1], paths[-1]))
     flat = flatten(plain, lora, args)
     print_report(flat, args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(flat, f, indent=2)
-    if args.plot:
-        plot(flat, args, args.plot)
+    bs.save_figures(flat, args, plot)
     return 0
 
 

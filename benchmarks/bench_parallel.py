@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -230,11 +229,7 @@ def main() -> int:
     reduce = measure_allreduce(args)
     flat = flatten(served, reduce, args)
     print_report(flat, args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(flat, f, indent=2)
-    if args.plot:
-        plot(flat, args, args.plot)
+    bs.save_figures(flat, args, plot)
     return 0
 
 

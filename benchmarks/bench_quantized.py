@@ -516,12 +516,7 @@ def main() -> int:
             )
     flat = flatten(runs, limits, args, file_mb)
     print_report(flat, args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(flat, f, indent=2)
-    if args.plot:
-        plot(flat, args, args.plot)
-        print(f"plot: {args.plot}")
+    bs.save_figures(flat, args, plot)
     return 0
 
 

@@ -167,6 +167,17 @@ def launch_server(args, port: int, log_path: str) -> subprocess.Popen:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def save_figures(flat: dict, args, plot_fn) -> None:
+    """A benchmark's figures as JSON at --json and its chart at --plot (`plot_fn(flat, args,
+    path)`), where asked for."""
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump(flat, f, indent=2)
+    if getattr(args, "plot", None):
+        plot_fn(flat, args, args.plot)
+        print(f"plot: {args.plot}")
+
+
 def stop_group(proc: subprocess.Popen, timeout: float = 30) -> None:
     """SIGTERM to a server launched in its own session (it and its children), SIGKILL if it
     has not exited within `timeout`."""

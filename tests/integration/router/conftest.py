@@ -1,10 +1,13 @@
 """Fixtures: fake upstream workers, routers in front of them, and a client session.
 
-Everything runs in-process on the test's event loop, over real loopback sockets.
+Everything runs in-process on the test's event loop, over real loopback sockets; `spawn`
+starts router processes.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -64,3 +67,25 @@ async def client() -> aiohttp.ClientSession:
     session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=10))
     yield session
     await session.close()
+
+
+@pytest.fixture
+def spawn():
+    """Starts `python -m cadence.router ARGS` processes (output piped); kills what is left."""
+    procs: list[subprocess.Popen] = []
+
+    def start(*args: str) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cadence.router", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)

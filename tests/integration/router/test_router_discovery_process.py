@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 import sys
 import time
 
@@ -39,27 +38,6 @@ async def kube_api():
     api = await FakeKubeApi().start()
     yield api
     await api.stop()
-
-
-@pytest.fixture
-def spawn():
-    procs: list[subprocess.Popen] = []
-
-    def start(*args: str) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cadence.router", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        procs.append(proc)
-        return proc
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
 
 
 def _port() -> int:

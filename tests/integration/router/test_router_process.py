@@ -49,27 +49,6 @@ def test_router_modules_and_a_running_router_do_not_import_torch():
     assert "HEAVY:\n" in out.stdout, out.stdout  # none of them loaded
 
 
-@pytest.fixture
-def spawn():
-    procs: list[subprocess.Popen] = []
-
-    def start(*args: str) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cadence.router", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        procs.append(proc)
-        return proc
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
-
-
 async def test_cli_router_serves_without_torch_and_exits_on_sigterm(make_worker, spawn):
     worker = await make_worker(body=b"from worker")
     port = _free_port()
