@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from cadence.layers.quantized import QTYPES, QuantizedWeight
+from cadence.layers.quantized import BLOCKS, QTYPES, QuantizedWeight
 from cadence.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -94,8 +94,9 @@ def unpermute_rotary(weight, num_heads: int):
     return weight[order.reshape(-1)]
 
 
-def _tensor_weight(tensor, keep_quantized: bool):
-    """(the tensor as the model receives it, what it is served as)."""
+def _tensor_weight(tensor, keep_quantized: bool, rows=None, cols=None):
+    """(the tensor as the model receives it, what it is served as). A quantized matrix's
+    `rows` and block-aligned `cols` ranges are cut before its blocks are copied."""
     import gguf
 
     qtype = tensor.tensor_type.name
@@ -103,7 +104,14 @@ def _tensor_weight(tensor, keep_quantized: bool):
         int(d) for d in reversed(tensor.shape)
     )  # GGUF lists the innermost dimension first
     if keep_quantized and qtype in QTYPES and len(shape) == 2:
-        return QuantizedWeight.from_blocks(qtype, tensor.data.reshape(shape[0], -1)), qtype
+        blocks, in_features = tensor.data.reshape(shape[0], -1), shape[1]
+        if rows is not None:
+            blocks = blocks[rows.start : rows.stop]
+        block, size = BLOCKS[qtype]
+        if cols is not None and cols.start % block == 0 and cols.stop % block == 0:
+            blocks = blocks[:, cols.start // block * size : cols.stop // block * size]
+            in_features = len(cols)
+        return QuantizedWeight.from_blocks(qtype, blocks, in_features), qtype
     data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
     return data.reshape(shape), "float"
 
@@ -116,11 +124,14 @@ def iter_weights(
     keep_quantized: bool = False,
     served: dict[str, dict] | None = None,
     wanted=None,
+    shard_of=None,
 ) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
     """Yield (Hugging Face name, weight) for every tensor: a QuantizedWeight of the file's
     blocks where `keep_quantized` and the type is one Cadence serves quantized, else a float32
     array. `served` collects {file type: {"tensors": n, "served_as": type or "float"}}.
-    `wanted(name)` False skips a tensor unread (another pipeline stage's)."""
+    `wanted(name)` False skips a tensor unread (another pipeline stage's); `shard_of(name)`
+    gives the (rows, columns) to read of a quantized matrix, None for all (a rank's share:
+    only those blocks are copied out of the file)."""
     from tqdm import tqdm
 
     reader = reader or _reader(path)
@@ -143,14 +154,13 @@ def iter_weights(
             raise ValueError(f"GGUF tensor {tensor.name!r} is not understood by the llama loader")
         if wanted is not None and not wanted(name):
             continue
-        data, served_as = _tensor_weight(tensor, keep_quantized)
+        rows, cols = shard_of(name) if shard_of is not None else (None, None)
+        data, served_as = _tensor_weight(tensor, keep_quantized, rows, cols)
         if served is not None:
             entry = served.setdefault(
                 tensor.tensor_type.name, {"tensors": 0, "served_as": served_as}
             )
             entry["tensors"] += 1
-        if match and suffix.startswith("attn_q."):
-            data = unpermute_rotary(data, config.num_attention_heads)
-        elif match and suffix.startswith("attn_k."):
-            data = unpermute_rotary(data, config.num_key_value_heads)
+        if match and suffix.startswith(("attn_q.", "attn_k.")):  # per head: a share's heads too
+            data = unpermute_rotary(data, data.shape[0] // config.head_dim)
         yield name, data

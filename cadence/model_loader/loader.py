@@ -58,8 +58,8 @@ def load_model(
     """Returns (config, model) with weights in `dtype` on `device`, in eval mode.
 
     With `shard` (a `cadence.distributed.layout.ModelShard`), the model is that rank's share:
-    tensors of other pipeline stages are not read, and of each tensor read only this rank's
-    rows or columns are kept.
+    tensors of other pipeline stages are not read; of a GGUF file's quantized matrices only
+    this rank's blocks are copied out, and of any other tensor only its rows or columns kept.
 
     A GGUF file's quantized matrices stay quantized (`QuantizedWeight`s; the platform's
     `make_linear` decides how they run) unless `dequantize`; `quantization` ("int8", "int4")
@@ -83,6 +83,7 @@ def load_model(
             keep_quantized=not dequantize,
             served=served,
             wanted=model.wants_weight,
+            shard_of=model.shard_of,
         )
     else:
         weights = _count_float(_iter_safetensors(path, progress), served)

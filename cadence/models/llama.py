@@ -374,21 +374,32 @@ class LlamaForCausalLM(nn.Module):
             return self.shard.is_first_stage
         return True
 
-    def _local_part(self, rest: str, tensor):
-        """This rank's share of layer tensor `rest` (the whole tensor on one rank)."""
-        if self.shard.tp_size == 1:
-            return tensor
+    def shard_of(self, name: str) -> tuple[range | None, range | None]:
+        """(rows, columns) of checkpoint tensor `name` this rank keeps, None where it keeps
+        them all. A loader that can read just those (a GGUF file's blocks) hands over only
+        them; `load_weights` cuts what comes whole."""
         d, hd = self.dims, self.config.head_dim
+        if self.shard.tp_size == 1:
+            return None, None
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return d.vocab_range, None
+        if not name.startswith("model.layers."):
+            return None, None
         q = range(d.q_heads.start * hd, d.q_heads.stop * hd)
         kv = range(d.kv_heads.start * hd, d.kv_heads.stop * hd)
         rows = {"q_proj": q, "k_proj": kv, "v_proj": kv}
         rows.update({"gate_proj": d.intermediate_range, "up_proj": d.intermediate_range})
         cols = {"o_proj": q, "down_proj": d.intermediate_range}
-        proj = rest.split(".")[1]
-        if proj in rows:
-            return _take_rows(tensor, rows[proj])
-        if proj in cols:
-            return _take_columns(tensor, cols[proj])
+        proj = name.split(".")[4]
+        return rows.get(proj), cols.get(proj)
+
+    def _local_part(self, name: str, tensor):
+        """This rank's share of checkpoint tensor `name` (the whole tensor on one rank)."""
+        rows, cols = self.shard_of(name)
+        if rows is not None:
+            tensor = _take_rows(tensor, rows)
+        if cols is not None:
+            tensor = _take_columns(tensor, cols)
         return tensor  # norms: every rank holds them whole
 
     def load_weights(self, weights) -> None:
@@ -429,7 +440,7 @@ class LlamaForCausalLM(nn.Module):
                     layer = self.layers[int(idx) - self.layer_ids.start]
                     if rest in fused:
                         attr, lo, hi = fused[rest]
-                        tensor = self._local_part(rest, tensor)
+                        tensor = self._local_part(name, tensor)
                         if rest.startswith("self_attn.q_proj"):
                             tensor = interleave_rotary_rows(tensor, d.num_heads)
                         elif rest.startswith("self_attn.k_proj"):
@@ -439,7 +450,7 @@ class LlamaForCausalLM(nn.Module):
                         else:
                             getattr(layer, attr)[lo:hi].copy_(tensor)
                     elif rest in plain:
-                        tensor = self._local_part(rest, tensor)
+                        tensor = self._local_part(name, tensor)
                         if isinstance(tensor, QuantizedWeight):
                             kept[(layer, plain[rest])] = [(0, tensor)]
                         else:
@@ -452,7 +463,7 @@ class LlamaForCausalLM(nn.Module):
                     attr = "embed_tokens" if name == "model.embed_tokens.weight" else "lm_head"
                     if getattr(self, attr) is None:  # a tied LM head: the table serves as one
                         continue
-                    tensor = _take_rows(tensor, d.vocab_range)
+                    tensor = self._local_part(name, tensor)
                     if isinstance(tensor, QuantizedWeight):
                         kept[(self, attr)] = [(0, tensor)]
                     else:
@@ -473,7 +484,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _take_rows(tensor, rows: range):
-    if rows.start == 0 and rows.stop == tensor.shape[0]:
+    if tensor.shape[0] == len(rows):  # this share already (or the whole on one rank)
         return tensor
     if isinstance(tensor, QuantizedWeight):
         return tensor.rows_slice(rows.start, rows.stop)
@@ -481,7 +492,7 @@ def _take_rows(tensor, rows: range):
 
 
 def _take_columns(tensor, cols: range):
-    if cols.start == 0 and cols.stop == tensor.shape[1]:
+    if tensor.shape[-1] == len(cols):  # this share already (or the whole on one rank)
         return tensor
     if isinstance(tensor, QuantizedWeight):
         return tensor.columns_slice(cols.start, cols.stop)

@@ -83,3 +83,31 @@ def test_a_column_cut_through_a_block_is_refused():
     assert weight.columns_slice(32, 64).in_features == 32
     with pytest.raises(ValueError, match="cut its 32-column blocks"):
         weight.columns_slice(16, 64)
+
+
+def test_the_gguf_loader_copies_out_only_a_ranks_blocks():
+    from cadence.model_loader import gguf_loader
+    from cadence.models.llama import LlamaForCausalLM
+
+    path = default_model_path()
+    reader = gguf_loader._reader(path)
+    config = gguf_loader.read_config(path, reader)
+    with torch.device("meta"):
+        rank1 = LlamaForCausalLM(config, ModelShard(1, 2))
+    shapes = {
+        name: tuple(weight.shape)
+        for name, weight in gguf_loader.iter_weights(
+            path, config, reader, progress=False, keep_quantized=True,
+            wanted=rank1.wants_weight, shard_of=rank1.shard_of,
+        )
+        if name.startswith(("model.layers.0.", "model.embed_tokens"))
+    }  # fmt: skip
+    d = rank1.dims
+    hidden, inter = config.hidden_size, config.intermediate_size
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (d.q_dim, hidden)
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (d.kv_dim, hidden)
+    assert shapes["model.layers.0.mlp.up_proj.weight"] == (d.intermediate, hidden)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (hidden, d.intermediate)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (hidden, d.q_dim)
+    assert shapes["model.embed_tokens.weight"] == (len(d.vocab_range), hidden)
+    assert d.intermediate < inter and d.q_dim < config.q_dim
