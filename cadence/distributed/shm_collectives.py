@@ -70,9 +70,13 @@ class ShmCollectives:
             path = f"/dev/shm/cadence-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
             try:
                 with open(path, "wb") as f:
-                    f.truncate(nbytes)
+                    # Reserved, not just sized: a sparse file on a full tmpfs would be SIGBUS at
+                    # the first write (a container's /dev/shm is often 64 MiB).
+                    os.posix_fallocate(f.fileno(), 0, nbytes)
                 name = [path]
             except OSError as e:  # no room in /dev/shm: every rank keeps gloo
+                if os.path.exists(path):
+                    os.unlink(path)
                 logger.warning("no shared memory for tensor-parallel collectives (%s): gloo", e)
         dist.broadcast_object_list(name, src=ranks[0], group=group)
         if name[0] is None:

@@ -92,10 +92,9 @@ class ModelRunner(Runner):
             self.kv_pool, dims.num_heads, dims.num_kv_heads, cfg.head_dim
         )
         if groups is not None:  # decode steps' all-reduces and logits through shared memory
-            capacity = max(
-                512 * cfg.hidden_size, min(args.max_running_requests, 64) * cfg.vocab_size
-            )
-            groups.use_shm(capacity)
+            vocab_share = self.model.shard.vocab_rows(cfg.vocab_size)  # a gather's slot
+            rows = min(args.max_running_requests, 64)
+            groups.use_shm(max(512 * cfg.hidden_size, rows * vocab_share))
         self.model.setup(
             self.attn,
             self.context_len + 1,

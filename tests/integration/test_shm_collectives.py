@@ -18,7 +18,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, size: int, addr: str, absent: int | None, q) -> None:
+def _rank(rank: int, size: int, addr: str, absent: int | None, q, no_room=False) -> None:
+    import errno
+    import os
+
     import torch
     import torch.distributed as dist
 
@@ -27,6 +30,17 @@ def _rank(rank: int, size: int, addr: str, absent: int | None, q) -> None:
 
     torch.set_num_threads(1)
     groups = RankGroups(RankLayout(tp_size=size), rank, addr, "gloo", 30.0)
+    if no_room:  # /dev/shm full: the first rank cannot reserve the segment
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        os.posix_fallocate = full
+        groups.use_shm(4096)
+        x = torch.full((3,), float(rank + 1))
+        q.put((rank, {"shm": groups.shm is not None, "sum": groups.all_reduce_(x).tolist()}))
+        groups.close()
+        return
     groups.use_shm(4096)
     assert groups.shm is not None
     groups.shm.timeout_s = 2.0
@@ -61,11 +75,13 @@ def _rank(rank: int, size: int, addr: str, absent: int | None, q) -> None:
             groups.close()
 
 
-def _run(size: int, absent: int | None = None) -> dict:
+def _run(size: int, absent: int | None = None, no_room: bool = False) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     addr = f"127.0.0.1:{_port()}"
-    procs = [ctx.Process(target=_rank, args=(r, size, addr, absent, q)) for r in range(size)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, size, addr, absent, q, no_room)) for r in range(size)
+    ]
     for p in procs:
         p.start()
     results = dict(q.get(timeout=240) for _ in procs)
@@ -100,3 +116,9 @@ def test_shared_memory_collectives_match_gloo_on_every_rank(size):
 def test_a_rank_that_never_arrives_is_an_error_within_the_timeout():
     results = _run(2, absent=1)
     assert "did not arrive within 2 s" in results[0]["absent"]
+
+
+def test_no_room_in_dev_shm_keeps_gloo_on_every_rank():
+    results = _run(2, no_room=True)
+    assert [results[r]["shm"] for r in range(2)] == [False, False]
+    assert results[0]["sum"] == results[1]["sum"] == [3.0, 3.0, 3.0]
