@@ -472,7 +472,7 @@ class ModelRunner(Runner):
     def _micro_batches(self, num_items: int) -> list[tuple[int, int]]:
         """[start, end) item spans run as micro-batches: with pipeline stages, twice as many
         as stages (while the last stage runs one, the first runs the next), else one."""
-        pp = self.groups.layout.pp_size if self.groups is not None else 1
+        pp = self.model.shard.pp_size
         if pp == 1 or num_items < 2:
             return [(0, num_items)]
         from cadence.distributed.layout import split_evenly
