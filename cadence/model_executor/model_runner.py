@@ -336,6 +336,42 @@ class ModelRunner(Runner):
         done.synchronize()  # this step's ids are in; the step launched after it may run on
         return [ItemResult(next_id=i) for i in host[:n].tolist()]
 
+    # ---- a decode lane of pipeline stages (parallel.LeaderRunner.launch) ----------------------
+
+    def launches_lane(self, batch: ScheduleBatch) -> bool:
+        """A decode that stays in flight through the pipeline stages while others run: one
+        token per item, no hidden states reported."""
+        return (
+            self.model.shard.pp_size > 1
+            and batch.is_decode
+            and all(
+                len(item.token_ids) == 1 and not item.return_hidden_states for item in batch.items
+            )
+        )
+
+    @torch.inference_mode()
+    def launch_lane(self, batch: ScheduleBatch) -> tuple[ScheduleBatch, ForwardBatch, Any]:
+        """This stage's layers over a decode lane, their output sent on; `finish_lane` takes
+        the step back. Every rank launches and finishes the same lanes in the same order."""
+        self._zero_fresh_pages(batch.new_pages)
+        self._last_decode = ([], [])  # lanes alternate: no decode state carries over
+        items = batch.items
+        news = [1] * len(items)
+        seq_lens = [item.start + 1 for item in items]
+        fb = self._decode_batch(items, news, seq_lens, False, False)
+        return batch, fb, self.model.forward_start(fb)
+
+    @torch.inference_mode()
+    def finish_lane(self, lane: tuple[ScheduleBatch, ForwardBatch, Any]) -> list[ItemResult]:
+        """The lane's results on the leader (the first stage receives the final rows, computes
+        the logits and samples); [] on the other ranks, once their sends are done."""
+        batch, fb, started = lane
+        rows = self.model.forward_end(fb, started)
+        if rows is None:
+            return []
+        logits = self.model.compute_logits(rows)  # the first stage's ranks gather the vocabulary
+        return self._postprocess(batch.items, logits) if self.samples else []
+
     def _slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
         page_t = torch.tensor(pages, dtype=torch.int64)

@@ -8,6 +8,13 @@ the collectives inside the forward pass meet. Followers never sample: the leader
 are the server's. What a follower needs of a step is the batch without what only sampling
 reads (grammars, penalties, seeds, adapters), so that is what travels.
 
+With pipeline stages a decode is a lane: `launch` orders every rank to run its stage's
+layers over it and send them on, and returns; the scheduler launches the next lane (other
+requests) while later stages run this one, then `finish` orders the ranks to take it back
+(the first stage's ranks receive the final rows and compute the logits; the leader
+samples). Every rank launches and finishes lanes in the leader's order, and nothing else
+runs through the stages while a lane is in flight.
+
 A follower that cannot reach the leader (it died, or its server stopped) ends with an
 error; the leader's next order to a follower that died fails the same way. Either way the
 rank's process exits non-zero and its supervisor stops its server.
@@ -17,10 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
+import threading
 import time
+from collections import deque
 from typing import Any
 
-from cadence.model_executor.runner import EmbedItem, ItemResult, Runner, ScheduleBatch
+from cadence.model_executor.runner import EmbedItem, ItemResult, Launched, Runner, ScheduleBatch
 
 logger = logging.getLogger("cadence.parallel")
 
@@ -29,6 +39,7 @@ logger = logging.getLogger("cadence.parallel")
 KEEP_ALIVE_S = 1.0
 
 RUN, EMBED, RELEASE, LOAD, KEEP_ALIVE, STOP = "run", "embed", "release", "load", "ping", "stop"
+LAUNCH, FINISH = "launch", "finish"  # a decode lane of pipeline stages, begun then taken back
 
 
 class RanksLost(BaseException):  # noqa: N818 (not an Exception: no request handler may keep it)
@@ -66,6 +77,10 @@ class LeaderRunner(Runner):
         self.embed_needs_kv = runner.embed_needs_kv
         self.kv_pool_bytes = runner.kv_pool_bytes
         self.is_kv_pool_committed = runner.is_kv_pool_committed
+        # With pipeline stages, a decode keeps one lane per stage in flight.
+        self.decode_lanes = runner.groups.layout.pp_size
+        self._lanes_in_flight = 0
+        self.lanes_launched = 0  # decode lanes launched since start
         self._last_order = time.monotonic()
 
     def __getattr__(self, name: str) -> Any:  # config, kv_pool, kv_allocator, platform, ...
@@ -81,17 +96,44 @@ class LeaderRunner(Runner):
         except Exception as e:
             raise RanksLost(f"the ranks lost step with each other during {kind!r}: {e}") from e
 
+    def _alone(self, kind: str) -> None:
+        """A step that goes through the stages on its own: no lane may be in flight, or the
+        stages would pair its sends with a lane's."""
+        if self._lanes_in_flight:
+            raise RuntimeError(f"{kind!r} ordered while {self._lanes_in_flight} lane(s) fly")
+
     def run(self, batch: ScheduleBatch) -> list[ItemResult]:
+        self._alone(RUN)
         return self._together(RUN, _for_followers(batch), self.inner.run, batch)
 
+    def launch(self, batch: ScheduleBatch) -> Launched:
+        """A decode with pipeline stages returns once the first stage has sent it on: the
+        scheduler launches the next lane (other requests) while the later stages run this
+        one, and finishes the lanes in order. Any other step runs now."""
+        if not self.inner.launches_lane(batch):
+            return super().launch(batch)
+        lane = self._together(LAUNCH, _for_followers(batch), self.inner.launch_lane, batch)
+        self._lanes_in_flight += 1
+        self.lanes_launched += 1
+        return Launched(batch, None, lane)
+
+    def finish(self, launched: Launched) -> list[ItemResult]:
+        if launched.results is not None:
+            return launched.results
+        self._lanes_in_flight -= 1
+        return self._together(FINISH, None, self.inner.finish_lane, launched.pending)
+
     def embed(self, items: list[EmbedItem]) -> list[list[float]]:
+        self._alone(EMBED)
         return self._together(EMBED, items, self.inner.embed, items)
 
     def release_decode_state(self) -> None:
         if self.inner.has_decode_state:  # called at every idle step: only when there is some
+            self._alone(RELEASE)
             self._together(RELEASE, None, self.inner.release_decode_state)
 
     def load_weights(self, model_path: str, load_format: str | None) -> str:
+        self._alone(LOAD)
         # A file that cannot be served fails alike on every rank, before any collective.
         return self._together(LOAD, (model_path, load_format), self.inner.load_weights,
                               model_path, load_format)  # fmt: skip
@@ -122,13 +164,40 @@ class LeaderRunner(Runner):
         return self.inner.profiler_activities()
 
 
+def _listen(groups: Any, orders: queue.SimpleQueue) -> None:
+    """Receives the leader's orders as they come, while the rank works on earlier ones: a
+    broadcast returns on the leader only once every rank has joined it, so a rank busy with
+    one lane's layers would otherwise hold the leader back from launching the next."""
+    try:
+        while True:
+            order = groups.broadcast_order()
+            orders.put(order)
+            if order[0] == STOP:
+                return
+    except BaseException as e:  # the leader gone: the rank's loop raises it
+        orders.put((_LOST, e))
+
+
+_LOST = "lost"
+
+
 def follow(runner: Any) -> None:
     """A follower rank's loop: every order the leader broadcasts, done on this rank's share,
     until it orders a stop. A failure (the leader gone, a collective timed out) raises."""
-    groups = runner.groups
+    orders: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(
+        target=_listen, args=(runner.groups, orders), name="rank-orders", daemon=True
+    ).start()
+    lanes: deque = deque()  # launched, not yet finished, oldest first
     while True:
-        kind, payload = groups.broadcast_order()
-        if kind == RUN:
+        kind, payload = orders.get()
+        if kind == _LOST:
+            raise RuntimeError(f"lost the leader rank's orders: {payload}") from payload
+        if kind == LAUNCH:
+            lanes.append(runner.launch_lane(payload))
+        elif kind == FINISH:
+            runner.finish_lane(lanes.popleft())
+        elif kind == RUN:
             runner.run(payload)
         elif kind == EMBED:
             runner.embed(payload)

@@ -119,6 +119,10 @@ class Runner(ABC):
     embed_needs_kv: bool = False  # `embed` needs KV pages for its items (see EmbedItem)
     kv_pool_bytes: int = 0  # host or device memory of the K/V tensors (an encoder has none)
     is_kv_pool_committed: bool = False  # that memory was all written at start (--lazy-kv-pool)
+    # How many disjoint groups of the running requests a decode keeps in flight at once
+    # (pipeline stages: while one group's step is on a later stage, the next group's runs on
+    # the first). 1: a decode step takes every running request.
+    decode_lanes: int = 1
 
     @abstractmethod
     def run(self, batch: ScheduleBatch) -> list[ItemResult]:
@@ -135,7 +139,8 @@ class Runner(ABC):
         return Launched(batch, self.run(batch))
 
     def finish(self, launched: Launched) -> list[ItemResult]:
-        """The results of a launched step, waiting for the device if they are not in yet."""
+        """The results of a launched step, waiting for the device if they are not in yet.
+        Launched steps finish in the order they were launched."""
         assert launched.results is not None
         return launched.results
 

@@ -10,6 +10,7 @@ parameter it was meant for; the model only reorders and fuses its rows and hands
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -303,6 +304,32 @@ class LlamaForCausalLM(nn.Module):
         for work, _ in sending:
             work.wait()
         return out
+
+    def forward_start(self, batch: ForwardBatch) -> tuple[Any, torch.Tensor]:
+        """The first half of `forward` with pipeline stages, for a step that stays in flight
+        while the stages run others (`forward_end` takes it back): this stage's layers over
+        the batch (the first embeds it, the others receive the previous stage's rows), their
+        output sent on (the last stage's to the first). Returns the send and its tensor,
+        which stays unchanged until the send is done."""
+        shard, comm = self.shard, self.comm
+        if shard.is_first_stage:
+            residual = self._embed(batch.input_ids)
+        else:
+            residual = comm.recv_from_prev(self._shape_in(batch), self.norm.dtype)
+        x = self._run_layers(batch, residual).contiguous()
+        if shard.is_last_stage:
+            return comm.isend_to_first(x), x
+        return comm.isend_to_next(x), x
+
+    def forward_end(self, batch: ForwardBatch, started: tuple[Any, torch.Tensor]):
+        """The end of a step begun by `forward_start`: the first stage receives the final
+        rows from the last one and returns them; every stage waits for its send."""
+        work, _ = started
+        rows = None
+        if self.shard.is_first_stage:
+            rows = self.comm.recv_from_last(self._shape_out(batch), self.norm.dtype)
+        work.wait()
+        return rows
 
     def _shape_in(self, batch: ForwardBatch) -> tuple[int, int]:
         return (batch.input_ids.shape[0], self.config.hidden_size)

@@ -109,9 +109,11 @@ class Scheduler:
         self.context_len = runner.context_len
         self.running: list[Req] = []  # prefill complete, decoding
         self.chunked: Req | None = None  # admitted, prefill in progress
-        # Overlap scheduling: a launched decode whose tokens the device has not given back
-        # yet, with its requests row by row (see step).
-        self.inflight: tuple[Launched, list[Req]] | None = None
+        # Launched decodes whose tokens are not back yet, oldest first, each with its requests
+        # row by row: the overlap schedule's one step on the device, or with pipeline stages
+        # one lane per stage (see step).
+        self.inflight: deque[tuple[Launched, list[Req]]] = deque()
+        self._decode_turns = 0  # decode batches scheduled (Req.decode_turn)
         self.is_paused = False
         self.outputs: list[ReqOutput | EmbedOutput] = []  # since the last step (`to_messages`)
         self.num_generated_tokens = 0
@@ -170,7 +172,7 @@ class Scheduler:
         that fails is answered with a failure (a request: its own error), never raised.
         A control message that may change running requests or the KV (pause, flush, weights,
         sessions, ...) first waits for the step in flight and applies it."""
-        if self.inflight is not None and type(msg) not in NO_DRAIN_TYPES:
+        if self.inflight and type(msg) not in NO_DRAIN_TYPES:
             self.drain()
         handler = self._handlers.get(type(msg))
         if handler is None:
@@ -460,7 +462,7 @@ class Scheduler:
         pd = self.pd
         if pd is not None and (pd.agent.has_events or (pd.has_work and not self.is_paused)):
             return True
-        return self.inflight is not None or (
+        return bool(self.inflight) or (
             not self.is_paused
             and bool(
                 self.waiting
@@ -475,16 +477,19 @@ class Scheduler:
         """One scheduling round. Returns the outputs produced since the last call."""
         self.sessions.reap(time.monotonic())
         if self.embeds.num_waiting and not self.is_paused:
+            self.drain()  # the runner takes no other step while one is in flight
             self.outputs.extend(self.embeds.step())
         if self.grammars:
             self._take_compiled(self.grammars)
         if self.pd is not None:
             self._step_disaggregation(self.pd)
-        if self.inflight is not None:
-            self._step_ahead()
-        else:
+        if not self.inflight:
             self._step_now()
-        if not self.running and self.inflight is None:
+        elif self.runner.decode_lanes > 1:
+            self._step_lanes()
+        else:
+            self._step_ahead()
+        if not self.running and not self.inflight:
             self.runner.release_decode_state()
         self.publish_kv_events()
         outputs, self.outputs = self.outputs, []
@@ -501,7 +506,7 @@ class Scheduler:
         ready, lost = pd.take_news()
         for req, why in lost:
             self._end(req, transfer_failed(why))
-        if ready and self.inflight is not None:
+        if ready and self.inflight:
             self.drain()  # the step in flight decodes only its own requests
         for req, done in ready:
             self._join(req, done)
@@ -551,8 +556,8 @@ class Scheduler:
             if self.spec is None
             else Launched(batch, self.runner.run(batch))
         )
-        if launched.results is None:  # on the device: its tokens come in the next step
-            self.inflight = (launched, reqs)
+        if launched.results is None:  # in flight: its tokens come in a later step
+            self.inflight.append((launched, reqs))
             return
         results = launched.results
         if batch.is_decode and self.spec is not None:  # what a step of this size costs
@@ -567,8 +572,7 @@ class Scheduler:
         each decoding the token N samples for it, read on the device) when nothing else
         wants the next step (no request waits for admission, nothing is paused), then take
         N's tokens, so the host's work on N and on N+1 runs while the device computes."""
-        assert self.inflight is not None
-        _, reqs = self.inflight
+        _, reqs = self.inflight[0]
         ahead = None
         if not (self.is_paused or self.waiting or self.chunked or self.embeds.num_waiting):
             ahead = ahead_batch(self.kv, reqs, self.context_len)
@@ -579,15 +583,46 @@ class Scheduler:
         nxt = self.runner.launch(batch)
         self.drain()  # N's tokens, while N+1 runs
         if nxt.results is None:
-            self.inflight = (nxt, ahead_reqs)
+            self.inflight.append((nxt, ahead_reqs))
         else:  # the runner ran it at once: applied in order, after N
             self._postprocess(batch, ahead_reqs, nxt.results)
 
+    def _step_lanes(self) -> None:
+        """Pipeline stages: lanes of disjoint running requests are in flight together, so
+        that while a later stage runs one lane the first stage runs the next (and samples,
+        and schedules). Launch a lane of the running requests that are not in flight (an
+        even share of them over the lanes still free); once every lane flies, or nothing
+        is left to launch, take the oldest lane's tokens. Anything but a decode (a prompt
+        waits, a pause, embeddings) first takes every lane back; the lanes are cut afresh
+        after it."""
+        if self.is_paused or self.waiting or self.chunked or self.embeds.num_waiting:
+            return self.drain()
+        lanes = self.runner.decode_lanes
+        flying = {id(req) for _, reqs in self.inflight for req in reqs}
+        rest = [req for req in self.running if id(req) not in flying]
+        if rest and len(self.inflight) < lanes and self._lanes_fit(rest):
+            share = -(-len(rest) // (lanes - len(self.inflight)))
+            batch, reqs = self._decode(rest[:share])
+            if batch is not None:
+                launched = self.runner.launch(batch)
+                if launched.results is None:
+                    self.inflight.append((launched, reqs))
+                    if len(self.inflight) < lanes:
+                        return  # the pipeline is still filling
+                else:  # run at once: its requests are no other lane's, so order is free
+                    self._postprocess(batch, reqs, launched.results)
+        launched, reqs = self.inflight.popleft()
+        self._postprocess(launched.batch, reqs, self.runner.finish(launched))
+
+    def _lanes_fit(self, reqs: list[Req]) -> bool:
+        """Whether a decode of `reqs` may fly as a lane: no speculation (its drafts come from
+        each step's tokens) and no hidden states reported."""
+        return self.spec is None and not any(req.return_hidden_states for req in reqs)
+
     def drain(self) -> None:
-        """Waits for the step in flight, if any, and applies its tokens."""
-        if self.inflight is not None:
-            launched, reqs = self.inflight
-            self.inflight = None
+        """Waits for the steps in flight, if any, and applies their tokens, oldest first."""
+        while self.inflight:
+            launched, reqs = self.inflight.popleft()
             self._postprocess(launched.batch, reqs, self.runner.finish(launched))
 
     def _notify_scheduled(self, batch: ScheduleBatch) -> None:
@@ -600,34 +635,51 @@ class Scheduler:
 
     def _schedule(self) -> tuple[ScheduleBatch | None, list[Req]]:
         """Prefill first (the unfinished chunk, then new requests while memory and the token
-        budget allow); otherwise one decode step of every running request. Returns the batch
-        and its requests, item for item."""
+        budget allow); otherwise one decode step of every running request (with pipeline
+        stages, of the first lane's share of them). Returns the batch and its requests,
+        item for item."""
         if self.is_paused:
             return None, []
-        new_pages: list[int] = []
         loras = {req.lora_uid for req in self.running} if self.runner.lora else None
         extend = self.admission.take(self.chunked, len(self.running), loras)
         if extend:
             last, n = extend[-1]
             if last.num_computed + n < len(last.fill_ids):
                 self.chunked = last  # the rest of its prompt comes in the next rounds
-            reqs = [req for req, _ in extend]
+            new_pages: list[int] = []
             items = [extend_item(self.kv, req, n, new_pages) for req, n in extend]
-        elif self.running:
-            reqs = list(self.running)
-            drafts = (
-                self.spec.drafts(reqs, self.stops.suppressed_ids)
-                if self.spec is not None
-                else [[]] * len(reqs)
-            )
-            items = [
-                decode_item(self.kv, req, new_pages, draft) for req, draft in zip(reqs, drafts)
-            ]
-        else:
+            return self._prepared(ScheduleBatch(False, items, new_pages), [r for r, _ in extend])
+        if not self.running:
             return None, []
-        batch = ScheduleBatch(is_decode=not extend, items=items, new_pages=new_pages)
+        reqs = list(self.running)
+        lanes = self.runner.decode_lanes
+        if lanes > 1 and self._lanes_fit(reqs):  # the first lane; the others follow it
+            # Those that decoded longest ago: when the lanes are taken back before the others
+            # fly (a prompt waits for memory), every request still gets its turn.
+            reqs = sorted(reqs, key=lambda req: req.decode_turn)[: -(-len(reqs) // lanes)]
+        return self._decode(reqs)
+
+    def _decode(self, reqs: list[Req]) -> tuple[ScheduleBatch | None, list[Req]]:
+        """A decode step of `reqs` (each with its draft, when speculating)."""
+        new_pages: list[int] = []
+        self._decode_turns += 1
+        for req in reqs:
+            req.decode_turn = self._decode_turns
+        drafts = (
+            self.spec.drafts(reqs, self.stops.suppressed_ids)
+            if self.spec is not None
+            else [[]] * len(reqs)
+        )
+        items = [decode_item(self.kv, req, new_pages, draft) for req, draft in zip(reqs, drafts)]
+        return self._prepared(ScheduleBatch(True, items, new_pages), reqs)
+
+    def _prepared(
+        self, batch: ScheduleBatch, reqs: list[Req]
+    ) -> tuple[ScheduleBatch | None, list[Req]]:
+        """The batch with each item's sampling inputs; a request whose inputs fail ends, and
+        leaves the batch before it runs. None when no item is left."""
         for req, error in prepare_sampling(batch, reqs, self.stops.suppressed_ids):
-            self.fail(req, error, "preparing its sampling")  # it left the batch before it runs
+            self.fail(req, error, "preparing its sampling")
         if not batch.items:
             return None, []
         self._notify_scheduled(batch)

@@ -8,6 +8,7 @@ other node, ends the server with a non-zero exit within 30 s; no process is left
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -85,6 +86,53 @@ def test_killing_rank_0_stops_the_server_and_its_followers(tp2_server):
     os.kill(srv.child_pid("scheduler"), signal.SIGKILL)  # rank 0 runs in the scheduler
     dies_non_zero(srv)
     assert wait_until(lambda: not srv.leftover_pids(), 10), srv.leftover_pids()
+
+
+def test_pipeline_lanes_under_concurrent_streams_then_a_stage_killed_mid_stream():
+    """pp=2 keeps two decode lanes in flight: eight concurrent streams each get what the
+    same request alone gets, the pool is back after them; then a stage killed while streams
+    decode ends the server non-zero and every stream ends (none hangs)."""
+    srv = Server("pp2", ["--pp-size", "2", *SMALL]).start()
+    try:
+        srv.wait_ready()
+
+        async def stream(api, max_tokens: int) -> str:
+            chunks = await api.completions.create(
+                model="default",
+                prompt=PROMPT,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+        async def together(n: int, max_tokens: int, kill_after: float | None = None) -> list:
+            async with openai.AsyncOpenAI(
+                base_url=srv.url + "/v1", api_key="none", max_retries=0
+            ) as api:
+                streams = asyncio.gather(
+                    *(stream(api, max_tokens) for _ in range(n)), return_exceptions=True
+                )
+                if kill_after is not None:
+                    await asyncio.sleep(kill_after)
+                    os.kill(rank_pid(srv, 1), signal.SIGKILL)
+                return await asyncio.wait_for(streams, DEATH_LIMIT_S + 10)
+
+        (alone,) = asyncio.run(together(1, 12))
+        assert alone.startswith(EXPECTED_START)
+        assert asyncio.run(together(8, 12)) == [alone] * 8
+        assert srv.wait_idle()["num_used_tokens"] == 0
+
+        ended = asyncio.run(together(8, 2000, kill_after=3))
+        # 2,000 tokens each take minutes here: every stream was cut, none hung.
+        print("streams ended by:", sorted({repr(e)[:200] for e in ended}))
+        assert all(isinstance(e, Exception) for e in ended), ended
+        dies_non_zero(srv)
+        assert "rank 1 process died" in srv.log_text()
+        assert wait_until(lambda: not srv.leftover_pids(), 10), srv.leftover_pids()
+    finally:
+        srv.destroy()
 
 
 def test_four_ranks_serve_and_a_killed_last_stage_rank_stops_them():

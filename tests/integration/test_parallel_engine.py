@@ -62,5 +62,10 @@ def test_parallel_ranks_give_the_single_process_logprobs(reference, sizes):
         _assert_close(_logprobs(engine), ref, f"{sizes} dense={dense}")
         # Every rank's KV pool went back: nothing of these requests is held.
         assert engine.run_in_scheduler(lambda s: s.kv.usage().num_in_use) == 0
+        # With stages, the three prompts decoded as two lanes in flight together.
+        lanes = engine.run_in_scheduler(lambda s: s.runner.decode_lanes)
+        launched = engine.run_in_scheduler(lambda s: getattr(s.runner, "lanes_launched", 0))
+        assert lanes == sizes.get("pp_size", 1)
+        assert (launched >= 2 * (PARAMS["max_new_tokens"] - 1)) == (lanes > 1), launched
     finally:
         engine.shutdown()
