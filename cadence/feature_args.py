@@ -330,7 +330,7 @@ class ParallelArgs:
     tp_size: int = 1
     """Tensor parallel ranks: attention heads, key-value heads, the MLP and the vocabulary split across this many processes (gloo on CPU, NCCL on CUDA)."""
     pp_size: int = 1
-    """Pipeline parallel stages: contiguous layer ranges, activations sent from stage to stage; a batch runs as up to this many micro-batches in flight."""
+    """Pipeline parallel stages: contiguous layer ranges, activations sent from stage to stage; a decode keeps one lane of the running requests per stage in flight."""
     nnodes: int = 1
     """Machines the tp_size × pp_size ranks are spread over (each runs `cadence serve` with the same flags and its own --node-rank)."""
     node_rank: int = 0
