@@ -93,7 +93,7 @@ class Req:
     session_turn: Any = None  # its turn in an open session
     session_id: str | None = None
     generator: Any = None  # the runner's random generator for a request with a seed
-    decode_turn: int = 0  # the scheduler's decode count when it last decoded (lanes go by it)
+    decode_turn: int = 0  # when it last decoded, in decode items scheduled (lanes go by it)
     created: float = field(default_factory=time.monotonic)
     # Logprobs gathered since the last output (cleared when sent).
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -113,7 +113,11 @@ class Scheduler:
         # row by row: the overlap schedule's one step on the device, or with pipeline stages
         # one lane per stage (see step).
         self.inflight: deque[tuple[Launched, list[Req]]] = deque()
-        self._decode_turns = 0  # decode batches scheduled (Req.decode_turn)
+        self._decode_turns = 0  # decode items scheduled (Req.decode_turn)
+        # Requests queued or ended so far, and that count when admission last took nothing
+        # from a non-empty queue: until it moves, the queue cannot move either.
+        self._queue_changes = 0
+        self._stuck_at = -1
         self.is_paused = False
         self.outputs: list[ReqOutput | EmbedOutput] = []  # since the last step (`to_messages`)
         self.num_generated_tokens = 0
@@ -361,6 +365,7 @@ class Scheduler:
             # Nothing to generate: the prefill side answers the prompt's logprobs.
             return self._end(req, {"type": "length", "length": 0})
         self.admission.enqueue(req)
+        self._queue_changes += 1
 
     def _take_lora(self, req: Req) -> bool:
         """`req` holds its adapter until it ends; False (and it ended, a 400) when that
@@ -593,9 +598,11 @@ class Scheduler:
         and schedules). Launch a lane of the running requests that are not in flight (an
         even share of them over the lanes still free); once every lane flies, or nothing
         is left to launch, take the oldest lane's tokens. Anything but a decode (a prompt
-        waits, a pause, embeddings) first takes every lane back; the lanes are cut afresh
-        after it."""
-        if self.is_paused or self.waiting or self.chunked or self.embeds.num_waiting:
+        to admit, a pause, embeddings) first takes every lane back; the lanes are cut
+        afresh after it. A prompt that waits for memory (admission took nothing, and no
+        request came or ended since) leaves the lanes flying."""
+        admits = self.waiting and self._stuck_at != self._queue_changes
+        if self.is_paused or admits or self.chunked or self.embeds.num_waiting:
             return self.drain()
         lanes = self.runner.decode_lanes
         flying = {id(req) for _, reqs in self.inflight for req in reqs}
@@ -642,6 +649,8 @@ class Scheduler:
             return None, []
         loras = {req.lora_uid for req in self.running} if self.runner.lora else None
         extend = self.admission.take(self.chunked, len(self.running), loras)
+        if not extend and self.waiting:
+            self._stuck_at = self._queue_changes  # memory or --max-running-requests
         if extend:
             last, n = extend[-1]
             if last.num_computed + n < len(last.fill_ids):
@@ -662,8 +671,8 @@ class Scheduler:
     def _decode(self, reqs: list[Req]) -> tuple[ScheduleBatch | None, list[Req]]:
         """A decode step of `reqs` (each with its draft, when speculating)."""
         new_pages: list[int] = []
-        self._decode_turns += 1
-        for req in reqs:
+        for req in reqs:  # one turn each, in order: a cut by turn is a rotation
+            self._decode_turns += 1
             req.decode_turn = self._decode_turns
         drafts = (
             self.spec.drafts(reqs, self.stops.suppressed_ids)
@@ -792,6 +801,7 @@ class Scheduler:
         """Finishes `req` wherever it is (waiting, prefilling, running) and emits its last output.
         What it computed stays in the prefix cache, unless it failed (its KV is suspect)."""
         req.finished_reason = reason
+        self._queue_changes += 1  # its pages and its running slot may let a prompt in
         if self.pd is not None:
             self.pd.ended(req, reason)
         if req in self.running:

@@ -94,18 +94,47 @@ def test_lanes_give_the_synchronous_outputs_with_each_request_in_one_lane():
         assert max(sizes) - min(sizes) <= 1 and sum(sizes) == 4
 
 
-def test_a_prompt_that_waits_for_memory_leaves_no_running_request_behind():
-    """Lanes are taken back while a prompt waits; each decode then takes the requests that
-    decoded longest ago, so none starves while the prompt waits for one of them to end."""
+def test_a_prompt_that_waits_for_memory_leaves_the_lanes_flying():
+    """Admission took nothing and no request came or ended since: the queue cannot move, so
+    the lanes stay in flight; once one ends, the prompt gets in and the lanes are cut
+    again with it."""
     ours = LaneRunner(2)
     s, _, alloc = make(runner=ours, num_pages=32)  # d waits for a, b or c to end
-    for rid in "abcd":
+    for rid in "abc":
         s.handle(request(rid, prompt_len=4, max_new=30))
-    outputs = run_until_idle(s, max_steps=400)
+    s.handle(request("d", prompt_len=4, max_new=30))
+    outputs, flying_while_waiting = [], 0
+    for _ in range(400):
+        outputs += s.step()
+        if s.waiting:
+            flying_while_waiting = max(flying_while_waiting, ours.most_in_flight)
+        if not s.has_work:
+            break
+    assert flying_while_waiting == 2
     for rid in "abcd":
         assert len(final(outputs, rid).new_ids) == 30
-    first_three = [b for b in ours.batches + ours.launches if b.is_decode][:6]
-    assert {i.rid for b in first_three for i in b.items} == {"a", "b", "c"}
+    assert ours.ran_while_flying == 0
+    assert_pool_full(s, alloc)
+
+
+def test_each_fresh_cut_starts_with_the_requests_that_decoded_longest_ago():
+    """Lanes taken back at every step are cut afresh each time, by turn: a rotation, so no
+    request decodes less often than the others."""
+    ours = LaneRunner(2)
+    s, _, alloc = make(runner=ours, num_pages=64)
+    for rid in "abc":
+        s.handle(request(rid, prompt_len=4, max_new=30))
+    while not s.running:
+        s.step()
+    for _ in range(6):  # nothing flies longer than a step: every decode is a fresh cut
+        s.step()
+        s.drain()
+    cuts = [[i.rid for i in b.items] for b in ours.launches[:6]]
+    counts = {rid: sum(rid in cut for cut in cuts) for rid in "abc"}
+    assert max(counts.values()) - min(counts.values()) <= 1, cuts
+    outputs = run_until_idle(s, max_steps=400)
+    for rid in "abc":
+        assert len(final(outputs, rid).new_ids) == 30
     assert_pool_full(s, alloc)
 
 
