@@ -284,26 +284,12 @@ class LlamaForCausalLM(nn.Module):
         stage s + 1 runs micro-batch k, stage s runs k + 1. The first stage returns each one's
         final rows, in order, or `finish(rows)` of each (the logits), computed as each comes
         back while the later stages still run the others; the other stages return None."""
-        shard, comm, dtype = self.shard, self.comm, self.norm.dtype
-        sending = []  # (work, tensor): a tensor stays alive until its send is done
-        out = None
-        if shard.is_first_stage:
-            for batch in batches:
-                x = self._run_layers(batch, self._embed(batch.input_ids)).contiguous()
-                sending.append((comm.isend_to_next(x), x))
-            out = []
-            for b in batches:
-                rows = comm.recv_from_last(self._shape_out(b), dtype)
-                out.append(rows if finish is None else finish(rows))
-        else:
-            for batch in batches:
-                x = self._run_layers(batch, comm.recv_from_prev(self._shape_in(batch), dtype))
-                x = x.contiguous()
-                work = comm.isend_to_first(x) if shard.is_last_stage else comm.isend_to_next(x)
-                sending.append((work, x))
-        for work, _ in sending:
-            work.wait()
-        return out
+        started = [self.forward_start(batch) for batch in batches]  # each sent on at once
+        out = []
+        for batch, begun in zip(batches, started, strict=True):
+            rows = self.forward_end(batch, begun)  # None on the later stages
+            out.append(rows if finish is None or rows is None else finish(rows))
+        return out if self.shard.is_first_stage else None
 
     def forward_start(self, batch: ForwardBatch) -> tuple[Any, torch.Tensor]:
         """The first half of `forward` with pipeline stages, for a step that stays in flight
