@@ -2,7 +2,8 @@
 
 One core serves both the scheduler process (`scheduler/process.py`, over ZMQ) and the
 in-process `Engine` (on a thread): every request and control message goes through one
-dispatch table, and a step is schedule -> run -> postprocess.
+dispatch table (the control messages' answers are the control desk's, `control.py`), and a
+step is schedule -> run -> postprocess.
 
 KV memory is the KV manager's (`mem_cache/kv_manager.py`): admission (`admission.py`) asks
 it to reserve every page a request can ever need, with its cached prefix; a request grows
@@ -38,26 +39,10 @@ from cadence.io_struct import (
     REPLY_TYPES,
     AbortReq,
     BatchTokenizedEmbeddingReqInput,
-    CloseSessionReqInput,
-    CloseSessionReqOutput,
-    ContinueGenerationReqInput,
-    FlushCacheReqInput,
-    FlushCacheReqOutput,
     GetLoadReqInput,
-    GetLoadReqOutput,
-    GetLoRAAdaptersReqInput,
-    LoadLoRAAdapterReqInput,
     LoRAUpdateOutput,
-    OpenSessionReqInput,
-    OpenSessionReqOutput,
-    PauseGenerationReqInput,
-    ProfileReq,
-    ProfileReqOutput,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
-    UnloadLoRAAdapterReqInput,
-    UpdateWeightFromDiskReqInput,
-    UpdateWeightFromDiskReqOutput,
 )
 from cadence.mem_cache.kv_events import KVEventPublisher, KVEventsConfig
 from cadence.mem_cache.kv_manager import KVManager
@@ -65,6 +50,7 @@ from cadence.model_executor.lora_manager import NOT_ENABLED as LORA_NOT_ENABLED
 from cadence.model_executor.runner import BatchItem, ItemResult, Launched, Runner, ScheduleBatch
 from cadence.scheduler.admission import Admission
 from cadence.scheduler.batch import ahead_batch, decode_item, extend_item, prepare_sampling
+from cadence.scheduler.control import ControlDesk
 from cadence.scheduler.disaggregation import DecodeIntake, PrefillHandoff, transfer_failed
 from cadence.scheduler.embedding import EmbeddingQueue, EmbedOutput, embed_req_from_tokenized
 from cadence.scheduler.profiler import Profiler
@@ -151,17 +137,7 @@ class Scheduler:
             TokenizedEmbeddingReqInput: self._on_embed,
             BatchTokenizedEmbeddingReqInput: self._on_embed_batch,
             AbortReq: self._on_abort,
-            FlushCacheReqInput: self._on_flush,
-            PauseGenerationReqInput: self._on_pause,
-            ContinueGenerationReqInput: self._on_continue,
-            GetLoadReqInput: self._on_get_load,
-            ProfileReq: self._on_profile,
-            UpdateWeightFromDiskReqInput: self._on_update_weights,
-            OpenSessionReqInput: self._on_open_session,
-            CloseSessionReqInput: self._on_close_session,
-            LoadLoRAAdapterReqInput: self._on_load_lora,
-            UnloadLoRAAdapterReqInput: self._on_unload_lora,
-            GetLoRAAdaptersReqInput: self._on_list_lora,
+            **ControlDesk(self).handlers(),  # flush, pause, load, profile, weights, ...
         }
 
     @property
@@ -217,109 +193,6 @@ class Scheduler:
 
     def _on_abort(self, msg: AbortReq) -> None:
         self.abort(msg.rid, msg.abort_all, msg.message or "aborted")
-
-    def _on_flush(self, msg: FlushCacheReqInput) -> FlushCacheReqOutput:
-        busy = bool(
-            self.running
-            or self.waiting
-            or self.chunked
-            or self.grammars
-            or self.embeds.num_waiting
-            or (self.pd is not None and self.pd.waiting)
-        )
-        if not busy:
-            self.kv.flush()  # what open sessions pin stays (their next turns need it)
-            if self.spec is not None:
-                self.spec.flush()
-        return FlushCacheReqOutput(
-            success=not busy, message="requests are running; retry when idle" if busy else ""
-        )
-
-    def _on_open_session(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
-        return self.sessions.open(msg)
-
-    def _on_close_session(self, msg: CloseSessionReqInput) -> CloseSessionReqOutput:
-        if self.sessions.close(msg.session_id):
-            return CloseSessionReqOutput(success=True)
-        return CloseSessionReqOutput(success=False, message=f"no open session {msg.session_id!r}")
-
-    def _on_pause(self, msg: PauseGenerationReqInput) -> None:
-        if msg.mode == "abort":
-            self.abort(abort_all=True, message="generation paused")
-        elif msg.mode == "retract":
-            self.retract_all()
-        self.is_paused = True
-
-    def _on_continue(self, msg: ContinueGenerationReqInput) -> None:
-        self.is_paused = False
-
-    def _on_get_load(self, msg: GetLoadReqInput) -> GetLoadReqOutput:
-        usage = self.kv.usage()
-        used, total = usage.num_used_tokens, usage.num_tokens
-        load = GetLoadReqOutput(
-            dp_rank=0,
-            num_running_reqs=len(self.running) + (1 if self.chunked else 0),
-            num_waiting_reqs=len(self.waiting)
-            + len(self.grammars or ())
-            + self.embeds.num_waiting
-            + (len(self.pd.waiting) if self.pd is not None else 0),
-            num_used_tokens=used,
-            num_cached_tokens=usage.num_cached * usage.page_size,
-            max_total_num_tokens=total,
-            token_usage=used / total if total else 0.0,
-            gen_throughput=self.throughput(),
-            cache_hit_rate=self.cache_hit_rate(),
-        )
-        if self.spec is not None:
-            (load.spec_accept_length, load.spec_accept_rate, load.avg_spec_accept_length) = (
-                self.spec.load_figures()
-            )
-        if self.runner.lora is not None:
-            load.lora_slots_used = len({r.lora_uid for r in self.running} - {None})
-            load.lora_slots_total = self.args.max_loras_per_batch
-        return load
-
-    def _on_profile(self, msg: ProfileReq) -> ProfileReqOutput:
-        if msg.action == "start":
-            ok, message = self.profiler.start(msg.output_dir, msg.num_steps, msg.start_step)
-        else:
-            ok, message = self.profiler.stop()
-        return ProfileReqOutput(success=ok, message=message)
-
-    def _on_update_weights(
-        self, msg: UpdateWeightFromDiskReqInput
-    ) -> UpdateWeightFromDiskReqOutput:
-        try:
-            path = self.runner.load_weights(msg.model_path, msg.load_format)
-        except Exception as e:  # the server keeps its old weights and says why
-            return UpdateWeightFromDiskReqOutput(success=False, message=str(e))
-        # Cached KV was computed by the old weights: none of it may be matched again.
-        self.sessions.unpin_all()
-        self.kv.flush()
-        return UpdateWeightFromDiskReqOutput(success=True, message=f"loaded weights from {path}")
-
-    def _on_load_lora(self, msg: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
-        return self._lora_update(lambda lora: lora.load(msg.lora_name, msg.lora_path, msg.pinned))
-
-    def _on_unload_lora(self, msg: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
-        return self._lora_update(lambda lora: lora.unload(msg.lora_name))
-
-    def _on_list_lora(self, msg: GetLoRAAdaptersReqInput) -> LoRAUpdateOutput:
-        return self._lora_update(lambda lora: None)
-
-    def _lora_update(self, change) -> LoRAUpdateOutput:
-        """A change to the loaded adapters (SGLang's LoRAUpdateOutput): every adapter loaded
-        after it, or why it failed (an unloaded adapter's requests run on to their end)."""
-        lora = self.runner.lora
-        if lora is None:
-            return LoRAUpdateOutput(success=False, error_message=LORA_NOT_ENABLED)
-        try:
-            change(lora)
-        except ValueError as e:
-            return LoRAUpdateOutput(
-                success=False, error_message=str(e), loaded_adapters=lora.describe()
-            )
-        return LoRAUpdateOutput(success=True, loaded_adapters=lora.describe())
 
     # ---- requests ------------------------------------------------------------------------
 
