@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -119,12 +120,15 @@ class SchedulerProcess:
 
 def build_scheduler(args: ServerArgs, model_path: str, tokenizer) -> Scheduler:
     """The scheduler core with its collaborators: the model runner (which loads the weights),
-    the KV manager over the runner's pool, the stop checker."""
+    the KV manager over the runner's pool, the stop checker. `tokenizer` may be a Future of
+    it, still loading while the weights load."""
     from cadence.constrained import create_grammar_queue
     from cadence.mem_cache.kv_manager import KVManager
     from cadence.scheduler.stop_checker import StopChecker
 
     runner = make_runner(args, model_path)
+    if isinstance(tokenizer, Future):
+        tokenizer = tokenizer.result()
     eos_ids = set(runner.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
@@ -200,9 +204,11 @@ def run_scheduler_process(
         from cadence.plugins import load_plugins
 
         load_plugins()
-        scheduler = build_scheduler(
-            args, model_path, load_tokenizer(model_path, args.tokenizer_path)
-        )
+        # The tokenizer (transformers' import is most of its second) loads on a thread while
+        # the weights load and the KV pool is written, which hold no GIL for most of theirs.
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as loader:
+            tokenizer = loader.submit(load_tokenizer, model_path, args.tokenizer_path)
+            scheduler = build_scheduler(args, model_path, tokenizer)
         proc = SchedulerProcess(scheduler, paths, heartbeat)
         ready_pipe.send_bytes(
             msgspec.msgpack.encode({"status": "ready", **runtime_facts(scheduler)})
