@@ -17,7 +17,7 @@
 #include <algorithm>
 #include <array>
 #include <bit>
-#if defined(__AVX512F__) || defined(__SSE2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__SSE2__)
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -640,15 +640,37 @@ void move_pages_(const std::vector<at::Tensor>& layers, const at::Tensor& pages,
   }
 }
 
-// Copies a block whose size is a multiple of 64 bytes to a 16-byte aligned destination with
-// non-temporal stores: each destination line is written without being read first. A plain
-// copy of blocks this size (glibc streams only far larger ones) reads every line it is about
-// to overwrite, a third of the memory traffic, and keeps it in the cache, which the next
-// blocks evict anyway. The caller fences once after its last block.
-inline bool copy_streaming(uint8_t* dst, const uint8_t* src, int64_t bytes) {
-#if defined(__SSE2__)
+// Copies a block whose size is a multiple of 128 bytes (SSE2: 64) to a 32-byte (16) aligned
+// destination with non-temporal stores: each destination line is written without being read
+// first. A plain copy of blocks this size (glibc streams only far larger ones) reads every
+// line it is about to overwrite, a third of the memory traffic, and keeps it in the cache,
+// which the next blocks evict anyway. While it copies, it asks for the next block `next` (of
+// the same size; null: none) line for line: the hardware prefetchers stop at each 4 KiB
+// page, and asking for a whole block at once fills the line buffers the copy itself needs
+// (a pool's scattered 4 KiB blocks, 2 Zen cores: 5.5 -> 10.3 GB/s alone). The caller fences
+// once after its last block.
+inline bool copy_streaming(uint8_t* dst, const uint8_t* src, const uint8_t* next, int64_t bytes) {
+#if defined(__AVX2__)
+  if (bytes % 128 != 0 || reinterpret_cast<uintptr_t>(dst) % 32 != 0) return false;
+  for (int64_t off = 0; off < bytes; off += 128) {
+    if (next != nullptr) {
+      __builtin_prefetch(next + off, 0, 0);
+      __builtin_prefetch(next + off + 64, 0, 0);
+    }
+    const __m256i* s = reinterpret_cast<const __m256i*>(src + off);
+    __m256i* d = reinterpret_cast<__m256i*>(dst + off);
+    const __m256i a = _mm256_loadu_si256(s), b = _mm256_loadu_si256(s + 1);
+    const __m256i c = _mm256_loadu_si256(s + 2), e = _mm256_loadu_si256(s + 3);
+    _mm256_stream_si256(d, a);
+    _mm256_stream_si256(d + 1, b);
+    _mm256_stream_si256(d + 2, c);
+    _mm256_stream_si256(d + 3, e);
+  }
+  return true;
+#elif defined(__SSE2__)
   if (bytes % 64 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0) return false;
   for (int64_t off = 0; off < bytes; off += 64) {
+    if (next != nullptr) __builtin_prefetch(next + off, 0, 0);
     const __m128i* s = reinterpret_cast<const __m128i*>(src + off);
     __m128i* d = reinterpret_cast<__m128i*>(dst + off);
     const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1);
@@ -660,7 +682,7 @@ inline bool copy_streaming(uint8_t* dst, const uint8_t* src, int64_t bytes) {
   }
   return true;
 #else
-  (void)dst, (void)src, (void)bytes;
+  (void)dst, (void)src, (void)next, (void)bytes;
   return false;
 #endif
 }
@@ -672,7 +694,10 @@ inline void streaming_done() {
 }
 
 // Whole KV pages from one pool to another of the same page layout (a decode server copying
-// from a prefill server's pool in shared memory): one streamed copy per page plane, one pass.
+// from a prefill server's pool in shared memory): one streamed copy per page plane, in one
+// pass over (layer, plane, page), each copy asking for the block after it, across planes and
+// layers too (a chunk of a transfer is a few pages: without that, every plane would start
+// cold).
 void copy_pages_(const std::vector<at::Tensor>& src_layers, const at::Tensor& src_pages,
                  const std::vector<at::Tensor>& dst_layers, const at::Tensor& dst_pages) {
   TORCH_CHECK(src_layers.size() == dst_layers.size(), "copy_pages_: layer counts differ");
@@ -696,24 +721,28 @@ void copy_pages_(const std::vector<at::Tensor>& src_layers, const at::Tensor& sr
     TORCH_CHECK(si[j] >= 0 && si[j] < src_num, "copy_pages_: source page ", si[j], " is not in its pool");
     TORCH_CHECK(di[j] >= 0 && di[j] < dst_num, "copy_pages_: page ", di[j], " is not in the pool");
   }
-  for (size_t l = 0; l < src_layers.size(); ++l) {
+  const int64_t layers = static_cast<int64_t>(src_layers.size());
+  for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor& src = src_layers[l];
     const at::Tensor& dst = dst_layers[l];
     TORCH_CHECK(src.is_contiguous() && dst.is_contiguous() && src.is_cpu() && dst.is_cpu() &&
                     src.sizes() == s0.sizes() && dst.sizes() == d0.sizes(),
                 "copy_pages_: every layer must be a contiguous CPU tensor of its pool's shape");
-    const uint8_t* sb = static_cast<const uint8_t*>(src.data_ptr());
-    uint8_t* db = static_cast<uint8_t*>(dst.data_ptr());
+  }
+  for (int64_t l = 0; l < layers; ++l) {
+    const uint8_t* sb = static_cast<const uint8_t*>(src_layers[l].data_ptr());
+    uint8_t* db = static_cast<uint8_t*>(dst_layers[l].data_ptr());
+    const uint8_t* next_layer =
+        l + 1 < layers ? static_cast<const uint8_t*>(src_layers[l + 1].data_ptr()) : nullptr;
     for (int64_t p = 0; p < planes; ++p)
       for (int64_t j = 0; j < n; ++j) {
-        // The hardware prefetchers stop at each 4 KiB page: ask for the next block early.
-        if (j + 1 < n) {
-          const uint8_t* next = sb + (p * src_num + si[j + 1]) * block;
-          for (int64_t off = 0; off < block; off += 64) __builtin_prefetch(next + off, 0, 0);
-        }
+        const uint8_t* next = nullptr;  // the block copied after this one
+        if (j + 1 < n) next = sb + (p * src_num + si[j + 1]) * block;
+        else if (p + 1 < planes) next = sb + ((p + 1) * src_num + si[0]) * block;
+        else if (next_layer != nullptr) next = next_layer + si[0] * block;
         uint8_t* to = db + (p * dst_num + di[j]) * block;
         const uint8_t* from = sb + (p * src_num + si[j]) * block;
-        if (!copy_streaming(to, from, block)) std::memcpy(to, from, block);
+        if (!copy_streaming(to, from, next, block)) std::memcpy(to, from, block);
       }
   }
   streaming_done();

@@ -261,3 +261,42 @@ def test_refined_logits_match_torch_and_recover_the_exact_greedy_token(dtype, vo
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     untouched = got == rounded.float()
     assert untouched.float().mean() > 0.9  # only the candidates near the top were recomputed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "page_size, head_dim",
+    [(16, 64), (2, 16), (1, 12)],  # blocks of 4 KiB / 2 KiB, 64 / 32 bytes, 48 / 24 bytes
+)
+def test_copy_pages_moves_exactly_the_listed_pages_of_every_layer_and_plane(
+    dtype, page_size, head_dim
+):
+    """copy_pages_ (a decode server copying from a prefill server's pool): every (layer, K/V,
+    head) block of each listed page lands on its page and nothing else changes, whatever
+    the block's size (streamed, or copied plainly when it does not fit the streamed path)
+    and however the pages are spread; the same as torch's index ops."""
+    gen = torch.Generator().manual_seed(page_size * 1000 + head_dim)
+    shape = (2, 3, 0, page_size, head_dim)  # K/V, heads, pages, page_size, head_dim
+
+    def pool(pages: int) -> list[torch.Tensor]:
+        size = (*shape[:2], pages, *shape[3:])
+        return [torch.randn(size, generator=gen).to(dtype) for _ in range(4)]
+
+    src, dst = pool(11), pool(9)
+    src_pages = torch.randperm(11, generator=gen)[:7]
+    dst_pages = torch.randperm(9, generator=gen)[:7]
+    expected = [d.clone() for d in dst]
+    for e, s in zip(expected, src):
+        e.index_copy_(2, dst_pages, s.index_select(2, src_pages))
+    torch.ops.cadence.copy_pages_(src, src_pages, dst, dst_pages)
+    for got, want in zip(dst, expected):
+        assert torch.equal(got, want)
+
+
+def test_copy_pages_refuses_pages_outside_either_pool():
+    src = [torch.zeros(2, 1, 3, 4, 8)]
+    dst = [torch.zeros(2, 1, 2, 4, 8)]
+    with pytest.raises(RuntimeError, match="source page 3 is not in its pool"):
+        torch.ops.cadence.copy_pages_(src, torch.tensor([3]), dst, torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="page 2 is not in the pool"):
+        torch.ops.cadence.copy_pages_(src, torch.tensor([0]), dst, torch.tensor([2]))
