@@ -20,7 +20,10 @@ Not a test. Measures, each next to the limit it is compared with:
     server on `--prefill-cpus` (0), a decode server on `--decode-cpus` (1), each with
     CADENCE_NUM_THREADS=1, `cadence router --pd-disaggregation` in front, unpinned unless
     `--router-cpus` (the colocated clients talk to their server directly, unless
-    `--colocated-router`). After `--warmup` seconds of load, `--duration` seconds are
+    `--colocated-router`); the router sends prompts of at most `--local-prefill-max-tokens`
+    (256) to the decode server alone, which prefills them itself (conditional
+    disaggregation: the short streams never queue behind long prompts on the prefill server;
+    0 sends every prompt through the prefill server, as SGLang's router does). After `--warmup` seconds of load, `--duration` seconds are
     measured: ITL p99 of the short streams (the gaps between streamed events, as a client
     sees them; an event may carry several tokens; a stream still stalled when the run ends
     counts its open gap up to the window's end, one that never got a token its whole wait),
@@ -381,6 +384,8 @@ def server_cmd(args, port: int, mode: str = "null", bootstrap_port: int = 0) -> 
     if mode != "null":
         cmd += ["--disaggregation-mode", mode]
         cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    if mode == "decode" and args.local_prefill_max_tokens:
+        cmd.append("--disaggregation-decode-local-prefill")
     if args.smoke:
         cmd.append("--lazy-kv-pool")
     return cmd + shlex.split(args.server_args)
@@ -411,6 +416,8 @@ def launch(fleet: Fleet, args, setup: str) -> list[tuple[str, str]]:
     fleet.spawn("prefill", server_cmd(args, ports[0], "prefill", bootstrap), args.prefill_cpus)
     fleet.spawn("decode", server_cmd(args, ports[1], "decode", bootstrap), args.decode_cpus)
     pd = ["--pd-disaggregation", "--prefill", url(ports[0]), str(bootstrap)]
+    if args.local_prefill_max_tokens:
+        pd += ["--pd-local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
     fleet.spawn(
         "pd_router", router_cmd(ports[2], [*pd, "--decode", url(ports[1])]), args.router_cpus
     )
@@ -672,7 +679,7 @@ def measure(args) -> dict:
     stopped, after the transfer, so that nothing competes; --smoke starts everything at
     once and measures in turn, so that the servers load while the transfer runs."""
     fleet = Fleet()
-    res: dict = {}
+    res: dict = {"local_prefill_max_tokens": args.local_prefill_max_tokens}
     try:
         started = {s: launch(fleet, args, s) for s in ("colocated", "pd")} if args.smoke else {}
         log(f"KV transfer: {args.transfer_tokens} tokens, {args.transfer_repeats} repeats")
@@ -714,6 +721,10 @@ def parse_args() -> argparse.Namespace:
         help="the decode server's pool; it takes pages for a request when the request "
              "arrives, before its prompt is computed: by default enough for every long "
              "prompt the run sends and every stream")  # fmt: skip
+    add("--local-prefill-max-tokens", type=int, default=256,
+        help="the PD router's --pd-local-prefill-max-tokens: prompts this short are "
+        "prefilled by the decode server (conditional disaggregation); 0: every prompt goes "
+        "to the prefill server")  # fmt: skip
     add("--prefill-cpus", default="0", help="taskset list of the prefill server")
     add("--decode-cpus", default="1", help="taskset list of the decode server")
     add("--router-cpus", default="", help="taskset list of the PD router (default: unpinned)")

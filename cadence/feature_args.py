@@ -167,6 +167,8 @@ class DisaggregationArgs:
     """Seconds a request's room may wait for its other side (the decode server's claim on a prefill server; the prefill server's answer on a decode server) before it fails; default SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, else 300."""
     disaggregation_waiting_timeout: float | None = None
     """Seconds a decode server waits for a claimed request's KV pages and first token before it fails the request; default SGLANG_DISAGGREGATION_WAITING_TIMEOUT, else 300."""
+    disaggregation_decode_local_prefill: bool = False
+    """Decode mode: also prefill here a request that comes without a room (the short prompts a router sends with --pd-local-prefill-max-tokens). Without it such a request is refused (400), which catches a client that bypasses the router."""
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
@@ -184,6 +186,11 @@ class DisaggregationArgs:
             raise ValueError(
                 f"disaggregation_bootstrap_port must be a port, got "
                 f"{self.disaggregation_bootstrap_port}"
+            )
+        if self.disaggregation_decode_local_prefill and self.disaggregation_mode != "decode":
+            raise ValueError(
+                "disaggregation_decode_local_prefill: only a decode server (--disaggregation-mode "
+                f"decode) prefills requests without a room, this one runs {self.disaggregation_mode!r}"
             )
         for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout"):
             value = getattr(self, name)

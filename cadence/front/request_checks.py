@@ -53,6 +53,7 @@ class RequestOptions:
     max_loaded_loras: int | None = None  # adapters one request may name (--max-loaded-loras)
     disaggregation_mode: str = "null"  # null, prefill or decode (--disaggregation-mode)
     disaggregation_bootstrap_port: int = 8998  # a decode request's default bootstrap_port
+    decode_local_prefill: bool = False  # a decode server prefills roomless requests itself
 
     @classmethod
     def of(cls, args) -> RequestOptions:
@@ -66,6 +67,7 @@ class RequestOptions:
             max_loaded_loras=args.max_loaded_loras,
             disaggregation_mode=args.disaggregation_mode,
             disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
+            decode_local_prefill=args.disaggregation_decode_local_prefill,
         )
 
 
@@ -268,14 +270,18 @@ class RequestChecker:
     def _bootstrap(self, item: GenerateReqInput) -> dict[str, Any]:
         """The request's disaggregation fields. A prefill server needs the room, a decode
         server the room and the prefill host (the port defaults to its own
-        --disaggregation-bootstrap-port, as SGLang's does); a server that runs both halves
-        ignores them, as does every server for the health probe's fake host (SGLang's)."""
+        --disaggregation-bootstrap-port, as SGLang's does), unless it prefills requests
+        without a room itself (--disaggregation-decode-local-prefill); a server that runs
+        both halves ignores them, as does every server for the health probe's fake host
+        (SGLang's)."""
         mode = self.options.disaggregation_mode
         host = one_or_none(item.bootstrap_host, str)
         if mode == "null" or host == FAKE_BOOTSTRAP_HOST:
             return {}
         room = one_or_none(item.bootstrap_room, int)
         port = one_or_none(item.bootstrap_port, int)
+        if mode == "decode" and self.options.decode_local_prefill and room is None and not host:
+            return {}  # --disaggregation-decode-local-prefill: prefilled here, no transfer
         required = {"bootstrap_room": room} | ({"bootstrap_host": host} if mode == "decode" else {})
         for name, value in required.items():
             if value is None or value == "":

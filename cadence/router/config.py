@@ -103,6 +103,9 @@ class RouterConfig:
     decode_policy: str | None = None
     """PD mode: policy choosing the decode worker (default: --policy)."""
 
+    pd_local_prefill_max_tokens: int = 0
+    """PD mode: a prompt of at most this many tokens (counted from input_ids, estimated from text at 3 bytes a token) goes to a decode worker alone, which prefills it itself: short prompts never queue behind long ones on the prefill workers (conditional disaggregation). 0: every request is disaggregated, as SGLang's router does."""
+
     service_discovery: bool = False
     """Add and remove workers as Kubernetes pods chosen by --selector (PD mode: --prefill-selector
     and --decode-selector) become ready, stop being ready or go away (docs/kubernetes.md)."""
@@ -261,7 +264,20 @@ class RouterConfig:
         _check(
             isinstance(self.pd_disaggregation, bool), "pd_disaggregation", "must be true or false"
         )
+        _check(
+            isinstance(self.pd_local_prefill_max_tokens, int)
+            and not isinstance(self.pd_local_prefill_max_tokens, bool)
+            and self.pd_local_prefill_max_tokens >= 0,
+            "pd_local_prefill_max_tokens",
+            "must be a whole number of tokens >= 0",
+        )
         if not self.pd_disaggregation:
+            _check(
+                not self.pd_local_prefill_max_tokens,
+                "pd_local_prefill_max_tokens",
+                "--pd-local-prefill-max-tokens is a PD mode flag: add --pd-disaggregation, "
+                "or drop it",
+            )
             for field in ("prefill_urls", "decode_urls", "prefill_policy", "decode_policy"):
                 _check(
                     not getattr(self, field),

@@ -72,6 +72,70 @@ def batch_size(route: str, obj: dict) -> int | None:
     return None
 
 
+def prompt_tokens(route: str, obj: dict) -> int | None:
+    """The longest prompt of the body in tokens: counted where it comes as token ids,
+    estimated where it comes as text (`BYTES_PER_TOKEN`, fewer than most tokenizers' 4 or so
+    for English, so that the estimate errs long); None when the body's prompt is neither
+    (input embeddings, images): such a request is never prefilled locally."""
+    if route == "/generate":
+        if obj.get("input_embeds") is not None or obj.get("image_data") is not None:
+            return None
+        return _longest(obj.get("input_ids"), obj.get("text"))
+    if route == "/v1/completions":
+        prompt = obj.get("prompt")
+        return _longest(prompt, None) if _is_ids(prompt) else _longest(None, prompt)
+    if route == "/v1/chat/completions":
+        messages = obj.get("messages")
+        if not isinstance(messages, list):
+            return None
+        size = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):  # parts: text only, else not local
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text":
+                        return None
+                    size += _text_tokens(part.get("text"))
+            else:
+                size += _text_tokens(content)
+        return size
+    return None
+
+
+BYTES_PER_TOKEN = 3
+
+
+def _is_ids(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], int | list)
+
+
+def _text_tokens(text: object) -> int:
+    if not isinstance(text, str):
+        return 0
+    return -(-len(text.encode("utf-8", "replace")) // BYTES_PER_TOKEN)
+
+
+def _longest(ids: object, text: object) -> int | None:
+    if isinstance(ids, list) and ids:
+        if isinstance(ids[0], list):  # a batch of id lists
+            return max(len(item) if isinstance(item, list) else 0 for item in ids)
+        return len(ids)
+    if isinstance(text, str):
+        return _text_tokens(text)
+    if isinstance(text, list) and text:
+        return max(_text_tokens(item) for item in text)
+    return None
+
+
+def without_bootstrap(obj: dict) -> bool:
+    """Drops bootstrap fields a client sent (a request prefilled where it decodes waits
+    for no transfer); True when there were any."""
+    found = False
+    for key in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
+        found |= obj.pop(key, None) is not None
+    return found
+
+
 def bootstrap_host(url: str) -> str:
     """The host part of a worker's base URL."""
     return urlsplit(url).hostname or ""

@@ -116,6 +116,8 @@ class PdForwarder:
             obj = pd_body.decode_object(body)
         except pd_body.PdBodyError as exc:
             return error_response(400, str(exc), ex.rid, "invalid_request")
+        if self._prefills_locally(ex.route, obj):
+            return await self._forward_local(request, body, obj, ex)
         batch = pd_body.batch_size(ex.route, obj)
         wants_logprobs = pd_body.wants_input_logprobs(ex.route, obj)
         tried: dict[str, set[str]] = {PREFILL: set(), DECODE: set()}
@@ -127,7 +129,10 @@ class PdForwarder:
             prefill = self.choose(PREFILL, ex.meta, tried[PREFILL])
             decode = self.choose(DECODE, ex.meta, tried[DECODE])
             if prefill is None or decode is None:
-                return last.response if last is not None else self._no_pair(ex, prefill, decode)
+                if last is not None:
+                    return last.response
+                missing = [r for r, w in ((PREFILL, prefill), (DECODE, decode)) if w is None]
+                return self._no_pair(ex, missing)
             tried[PREFILL].add(prefill.id)
             tried[DECODE].add(decode.id)
             ex.prefill_worker, ex.worker, ex.num_attempts = prefill, decode, attempt + 1
@@ -144,19 +149,74 @@ class PdForwarder:
         assert last is not None  # the loop returns unless it retried
         return last.response
 
-    def _no_pair(self, ex: Exchange, prefill: Worker | None, decode: Worker | None) -> web.Response:
+    def _no_pair(self, ex: Exchange, missing: list[str]) -> web.Response:
         meta = ex.meta
         wanted = f"model {short_repr(meta.model)}" if meta.model else "any model"
         if meta.capabilities:
             wanted += f" with capabilities {sorted(meta.capabilities)}"
-        missing = " or ".join(r for r, w in ((PREFILL, prefill), (DECODE, decode)) if w is None)
         return error_response(
             503,
-            f"no healthy {missing} worker serves {wanted}; PD mode needs one of each, "
-            "check GET /workers",
+            f"no healthy {' or '.join(missing)} worker serves {wanted}; PD mode needs one of "
+            "each, check GET /workers",
             ex.rid,
             "no_worker_available",
         )
+
+    # -- a short prompt, prefilled where it decodes ---------------------------------------
+
+    def _prefills_locally(self, route: str, obj: dict) -> bool:
+        """--pd-local-prefill-max-tokens: a prompt this short skips the prefill workers."""
+        limit = self.config.pd_local_prefill_max_tokens
+        if not limit:
+            return False
+        tokens = pd_body.prompt_tokens(route, obj)
+        return tokens is not None and tokens <= limit
+
+    async def _forward_local(
+        self, request: web.Request, body: bytes, obj: dict, ex: Exchange
+    ) -> web.StreamResponse:
+        """A decode worker alone prefills and decodes the request (no room, no transfer), its
+        answer relayed as a disaggregated one is; a failed worker is retried on another
+        decode worker, by the same rules."""
+        if pd_body.without_bootstrap(obj):
+            body = pd_body.encode(obj)
+        tried: set[str] = set()
+        last: _SideFailed | None = None
+        for attempt in range(self.max_attempts):
+            if attempt:
+                self.metrics.observe_retry(ex.route)
+                await asyncio.sleep(backoff_secs(self.config, self._rng, attempt))
+            decode = self.choose(DECODE, ex.meta, tried)
+            if decode is None:
+                return last.response if last is not None else self._no_pair(ex, [DECODE])
+            tried.add(decode.id)
+            ex.prefill_worker, ex.worker, ex.num_attempts = None, decode, attempt + 1
+            try:
+                return await self._local(request, body, decode, ex)
+            except _SideFailed as exc:
+                if not exc.is_retryable or attempt + 1 == self.max_attempts:
+                    return exc.response
+                last = exc
+        assert last is not None  # the loop returns unless it retried
+        return last.response
+
+    async def _local(
+        self, request: web.Request, data: bytes, decode: Worker, ex: Exchange
+    ) -> web.StreamResponse:
+        headers = forward_headers(request.headers, ex.rid)
+        decode.active += 1
+        decode.num_requests += 1
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            upstream = await self._open_decode(decode, request, data, headers, ex)
+            if is_streamed(upstream):
+                response, _ = await self._relay_stream(request, upstream, decode, None, None, ex)
+                return response
+            return await self._relay_buffered(upstream, decode, None, None, ex)
+        finally:
+            decode.active -= 1
+            if upstream is not None:
+                _close(upstream)
 
     # -- one exchange with one pair ------------------------------------------------------
 
@@ -345,7 +405,7 @@ class PdForwarder:
         self,
         upstream: aiohttp.ClientResponse,
         decode: Worker,
-        prefill_task: asyncio.Task,
+        prefill_task: asyncio.Task | None,
         merger: pd_body.StreamMerger | None,
         ex: Exchange,
     ) -> web.Response:
@@ -368,7 +428,7 @@ class PdForwarder:
         request: web.Request,
         upstream: aiohttp.ClientResponse,
         decode: Worker,
-        prefill_task: asyncio.Task,
+        prefill_task: asyncio.Task | None,
         merger: pd_body.StreamMerger | None,
         ex: Exchange,
     ) -> tuple[web.StreamResponse, bool]:
@@ -421,9 +481,10 @@ async def _decode_first(decode_task: asyncio.Task, prefill_task: asyncio.Task):
     return decode_task.result()
 
 
-async def _unless_prefill_fails(work, prefill_task: asyncio.Task):
-    """Await `work` (a coroutine); if the prefill side fails first, cancel it and raise."""
-    if prefill_task.done():
+async def _unless_prefill_fails(work, prefill_task: asyncio.Task | None):
+    """Await `work` (a coroutine); if the prefill side (None: none) fails first, cancel it
+    and raise."""
+    if prefill_task is None or prefill_task.done():
         return await work
     future = _task(work)
     try:

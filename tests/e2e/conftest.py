@@ -119,7 +119,12 @@ SERVER_SPECS: dict[str, list[str]] = {
     # Prefill/decode disaggregation (test_pd_e2e.py): a pair on one bootstrap port, with the
     # shared server's prefill chunking (its greedy outputs are what the pair must give).
     "prefill_server": [*PD_ARGS, "--disaggregation-mode", "prefill"],
-    "decode_server": [*PD_ARGS, "--disaggregation-mode", "decode"],
+    # It also prefills requests without a room itself: a router's short prompts
+    # (test_pd_router_e2e.py, --pd-local-prefill-max-tokens).
+    "decode_server": [
+        *(*PD_ARGS, "--disaggregation-mode", "decode"),
+        "--disaggregation-decode-local-prefill",
+    ],
     # The same server without the pipeline: what the speech server's memory is compared with.
     "speech_baseline_server": [*_SMALL, "--max-speech-chars", "2000"],
 }

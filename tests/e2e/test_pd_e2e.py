@@ -191,11 +191,20 @@ def test_the_openai_routes_carry_the_bootstrap_fields(server, pair):
     assert d.json()["usage"]["completion_tokens"] == expected["usage"]["completion_tokens"]
 
 
-def test_requests_without_a_room_are_refused_and_health_needs_no_peer(pair):
+def test_requests_without_a_room_are_refused_or_prefilled_locally_and_health_needs_no_peer(
+    server, pair
+):
+    """A prefill server refuses a request without a room (400 naming bootstrap_room); the
+    decode server, started with --disaggregation-decode-local-prefill, runs it whole itself
+    (the colocated answer). Neither needs its peer for /health_generate."""
     prefill, decode, _ = pair
+    body = {"text": "hi", "sampling_params": GREEDY}
+    r = httpx.post(prefill.url + "/generate", json=body, timeout=30)
+    assert r.status_code == 400 and "bootstrap_room" in r.text
+    r = httpx.post(decode.url + "/generate", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == colocated(server, body)["output_ids"]
     for srv in (prefill, decode):
-        r = httpx.post(srv.url + "/generate", json={"text": "hi"}, timeout=30)
-        assert r.status_code == 400 and "bootstrap_room" in r.text
         assert httpx.get(srv.url + "/health_generate", timeout=30).status_code == 200
     info = httpx.get(prefill.url + "/server_info", timeout=30).json()
     assert info["disaggregation_mode"] == "prefill"

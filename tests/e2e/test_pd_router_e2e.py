@@ -310,6 +310,68 @@ def test_the_prompts_logprobs_come_merged_from_the_prefill_half(server, pd_route
     )
 
 
+# ---- short prompts prefilled where they decode (--pd-local-prefill-max-tokens) ---------------
+
+LOCAL_MAX_TOKENS = 32  # the PROMPTS are at most 46 bytes: 16 tokens by the router's estimate
+
+
+@pytest.fixture(scope="module")
+def local_router(request, prefill_server, decode_server) -> RouterProcess:
+    args = pd_router_args(prefill_server.url, decode_server.url, PD_BOOTSTRAP_PORT)
+    local = ("--pd-local-prefill-max-tokens", str(LOCAL_MAX_TOKENS))
+    router = RouterProcess([*args, *local, "--retry-max-retries", "0"])
+    request.addfinalizer(router.stop)
+    return router.start().wait_ready()
+
+
+def test_short_prompts_are_prefilled_by_the_decode_server_alone_and_long_ones_are_not(
+    server, prefill_server, decode_server, local_router, model_id
+):
+    """Conditional disaggregation: a prompt within --pd-local-prefill-max-tokens goes to the
+    decode server alone (no prefill worker named in the answer, no room opened on the prefill
+    server), with the colocated server's greedy answer, natively and over the openai SDK
+    streamed; a longer prompt is disaggregated as usual; bootstrap fields a client sends with
+    a short prompt are dropped rather than left waiting for a transfer."""
+    prompts = PROMPTS[:8]
+    want = colocated(server, "native", prompts)
+    before = prefill_requests(prefill_server)
+    for prompt, expected in zip(prompts, want):
+        body = {"text": prompt, "sampling_params": GREEDY}
+        if prompt is prompts[0]:  # a client's own room: dropped, never waited for
+            body |= {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 7}
+        r = httpx.post(local_router.url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert native(r.json()) == expected, prompt
+        assert r.headers["x-cadence-worker"] == decode_server.url
+        assert "x-cadence-prefill-worker" not in r.headers
+    ids = list(range(100, 100 + LOCAL_MAX_TOKENS))  # exactly at the limit, counted as ids
+    body = {"input_ids": ids, "sampling_params": GREEDY}
+    r = httpx.post(local_router.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200 and "x-cadence-prefill-worker" not in r.headers, r.text
+    chat = colocated(server, "chat", prompts[:2], model_id)
+    with openai_client(local_router.url) as client:
+        for prompt, expected in zip(prompts[:2], chat):
+            assert ask(client, model_id, prompt, "chat", True) == expected, prompt
+    assert prefill_requests(prefill_server) == before  # the prefill server saw none of them
+    body = {"text": MEDIUM_PROMPT, "sampling_params": GREEDY}  # 200 tokens: disaggregated
+    r = httpx.post(local_router.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-cadence-prefill-worker"] == prefill_server.url
+    assert native(r.json()) == colocated(server, "native", [MEDIUM_PROMPT])[0]
+    assert wait_until(lambda: prefill_requests(prefill_server) == before + 1, 30)
+
+
+def prefill_requests(srv) -> float:
+    """The server's `sglang:num_requests_total`: generation requests that ended there."""
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    name = "sglang:num_requests_total"
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
 # ---- clients that leave ---------------------------------------------------------------------
 
 

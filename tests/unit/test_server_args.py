@@ -74,6 +74,11 @@ def test_disaggregation_flags_are_checked_by_name():
         ({"disaggregation_bootstrap_port": 0}, "must be a port"),
         ({"disaggregation_waiting_timeout": 0}, "> 0 seconds"),
         ({"disaggregation_mode": "decode", "speculative_algorithm": "NGRAM"}, "speculative"),
+        ({"disaggregation_decode_local_prefill": True}, "only a decode server"),
+        (
+            {"disaggregation_mode": "prefill", "disaggregation_decode_local_prefill": True},
+            "only a decode server",
+        ),
     ]:
         with pytest.raises(ValueError, match=words):
             ServerArgs(**kwargs)

@@ -23,12 +23,12 @@ INFO = ModelInfo(
 )
 
 
-def check(mode: str, n: int = 1, **fields):
+def check(mode: str, n: int = 1, local: bool = False, **fields):
+    options = RequestOptions(
+        disaggregation_mode=mode, disaggregation_bootstrap_port=8998, decode_local_prefill=local
+    )
     checker = RequestChecker(
-        CountingTokenizer(char_tokenizer()),
-        INFO,
-        max_items=16,
-        options=RequestOptions(disaggregation_mode=mode, disaggregation_bootstrap_port=8998),
+        CountingTokenizer(char_tokenizer()), INFO, max_items=16, options=options
     )
     obj = GenerateReqInput(text="abc", sampling_params={"max_new_tokens": 2, "n": n}, **fields)
     return asyncio.run(checker.check_generate(obj, None))
@@ -68,6 +68,18 @@ def test_bad_values_are_refused_naming_the_field():
 
 def test_parallel_sampling_is_refused_on_either_half():
     refused("n", "n > 1", "prefill", n=2, bootstrap_room=1)
+
+
+def test_a_decode_server_that_prefills_locally_runs_roomless_requests_itself():
+    """--disaggregation-decode-local-prefill (a router's short prompts): a request with no
+    room and no host runs here; one that names its prefill server is still disaggregated,
+    and half a pair of fields is still refused."""
+    [t] = check("decode", local=True)
+    assert (t.bootstrap_host, t.bootstrap_room) == (None, None)
+    [t] = check("decode", local=True, bootstrap_host="p", bootstrap_room=4)
+    assert (t.bootstrap_host, t.bootstrap_room) == ("p", 4)
+    refused("bootstrap_room", "required", "decode", local=True, bootstrap_host="h")
+    refused("bootstrap_room", "router", "prefill", local=False)
 
 
 def test_the_health_probes_fake_host_runs_both_halves_here():

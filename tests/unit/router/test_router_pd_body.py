@@ -139,3 +139,33 @@ def test_an_unfinished_event_is_flushed_as_it_is():
     merger = pd_body.StreamMerger({0: [[-1, 1]]})
     assert merger.feed(b'data: {"text": "cut') == b""
     assert merger.flush() == b'data: {"text": "cut'
+
+
+def test_prompt_tokens_counts_ids_and_estimates_text_erring_long():
+    """--pd-local-prefill-max-tokens reads the prompt's size: ids are counted, text is
+    estimated at 3 bytes a token (longer than most tokenizers make it), a batch by its
+    longest prompt; a prompt of embeddings or images has no size (never local)."""
+    count = pd_body.prompt_tokens
+    assert count("/generate", {"input_ids": [1, 2, 3]}) == 3
+    assert count("/generate", {"input_ids": [[1], [1, 2, 3, 4]]}) == 4
+    assert count("/generate", {"text": "abcdefg"}) == 3  # 7 bytes
+    assert count("/generate", {"text": ["ab", "é" * 6]}) == 4  # 12 bytes
+    assert count("/generate", {"input_embeds": [[0.0]]}) is None
+    assert count("/generate", {"text": "hi", "image_data": "x.png"}) is None
+    assert count("/v1/completions", {"prompt": "abcdef"}) == 2
+    assert count("/v1/completions", {"prompt": [5, 6, 7, 8, 9]}) == 5
+    assert count("/v1/completions", {"prompt": ["a", "abcdefghi"]}) == 3
+    messages = [{"role": "system", "content": "abc"}, {"role": "user", "content": "abcdef"}]
+    assert count("/v1/chat/completions", {"messages": messages}) == 3
+    parts = [{"role": "user", "content": [{"type": "text", "text": "abc"}]}]
+    assert count("/v1/chat/completions", {"messages": parts}) == 1
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]
+    assert count("/v1/chat/completions", {"messages": image}) is None
+    assert count("/v1/chat/completions", {"messages": "not a list"}) is None
+
+
+def test_a_locally_prefilled_request_loses_the_bootstrap_fields_a_client_sent():
+    obj = {"text": "hi", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 5}
+    assert pd_body.without_bootstrap(obj) is True
+    assert obj == {"text": "hi"}
+    assert pd_body.without_bootstrap(obj) is False

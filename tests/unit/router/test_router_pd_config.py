@@ -57,6 +57,8 @@ def test_prefill_and_decode_flags_repeat_with_an_optional_bootstrap_port():
         ),
         (["--pd-disaggregation", "--prefill", "http://169.254.169.254"], "link-local"),
         (["--pd-disaggregation", "--prefill-policy", "fastest"], "prefill_policy: must be one of"),
+        (["--pd-local-prefill-max-tokens", "64"], "add --pd-disaggregation"),
+        (["--pd-disaggregation", "--pd-local-prefill-max-tokens", "-1"], ">= 0"),
     ],
 )
 def test_bad_pd_configurations_are_refused_naming_what_to_change(argv, message):
