@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import msgspec
@@ -120,28 +121,42 @@ class PdForwarder:
             return await self._forward_local(request, body, obj, ex)
         batch = pd_body.batch_size(ex.route, obj)
         wants_logprobs = pd_body.wants_input_logprobs(ex.route, obj)
-        tried: dict[str, set[str]] = {PREFILL: set(), DECODE: set()}
+
+        async def pair(picked: dict[str, Worker]) -> web.StreamResponse:
+            prefill, decode = picked[PREFILL], picked[DECODE]
+            host = pd_body.bootstrap_host(prefill.url)
+            pd_body.inject_bootstrap(obj, host, prefill.bootstrap_port, batch, self._rng)
+            data = pd_body.encode(obj)
+            return await self._exchange(request, data, prefill, decode, ex, wants_logprobs)
+
+        return await self._with_retries(ex, (PREFILL, DECODE), pair)
+
+    async def _with_retries(
+        self,
+        ex: Exchange,
+        roles: tuple[str, ...],
+        run: Callable[[dict[str, Worker]], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        """`run` with a worker of each role (untried ones first), again on new workers after
+        a retryable failure, up to 1 + --retry-max-retries times; the answer, the last
+        failure's, or 503 when a role has no routable worker."""
+        tried: dict[str, set[str]] = {role: set() for role in roles}
         last: _SideFailed | None = None
         for attempt in range(self.max_attempts):
             if attempt:
                 self.metrics.observe_retry(ex.route)
                 await asyncio.sleep(backoff_secs(self.config, self._rng, attempt))
-            prefill = self.choose(PREFILL, ex.meta, tried[PREFILL])
-            decode = self.choose(DECODE, ex.meta, tried[DECODE])
-            if prefill is None or decode is None:
-                if last is not None:
-                    return last.response
-                missing = [r for r, w in ((PREFILL, prefill), (DECODE, decode)) if w is None]
-                return self._no_pair(ex, missing)
-            tried[PREFILL].add(prefill.id)
-            tried[DECODE].add(decode.id)
-            ex.prefill_worker, ex.worker, ex.num_attempts = prefill, decode, attempt + 1
-            host = pd_body.bootstrap_host(prefill.url)
-            pd_body.inject_bootstrap(obj, host, prefill.bootstrap_port, batch, self._rng)
+            picked = {role: self.choose(role, ex.meta, tried[role]) for role in roles}
+            missing = [role for role, worker in picked.items() if worker is None]
+            if missing:
+                return last.response if last is not None else self._no_pair(ex, missing)
+            workers = {role: worker for role, worker in picked.items() if worker is not None}
+            for role, worker in workers.items():
+                tried[role].add(worker.id)
+            ex.prefill_worker, ex.worker = workers.get(PREFILL), workers[DECODE]
+            ex.num_attempts = attempt + 1
             try:
-                return await self._exchange(
-                    request, pd_body.encode(obj), prefill, decode, ex, wants_logprobs
-                )
+                return await run(workers)
             except _SideFailed as exc:
                 if not exc.is_retryable or attempt + 1 == self.max_attempts:
                     return exc.response
@@ -180,25 +195,11 @@ class PdForwarder:
         decode worker, by the same rules."""
         if pd_body.without_bootstrap(obj):
             body = pd_body.encode(obj)
-        tried: set[str] = set()
-        last: _SideFailed | None = None
-        for attempt in range(self.max_attempts):
-            if attempt:
-                self.metrics.observe_retry(ex.route)
-                await asyncio.sleep(backoff_secs(self.config, self._rng, attempt))
-            decode = self.choose(DECODE, ex.meta, tried)
-            if decode is None:
-                return last.response if last is not None else self._no_pair(ex, [DECODE])
-            tried.add(decode.id)
-            ex.prefill_worker, ex.worker, ex.num_attempts = None, decode, attempt + 1
-            try:
-                return await self._local(request, body, decode, ex)
-            except _SideFailed as exc:
-                if not exc.is_retryable or attempt + 1 == self.max_attempts:
-                    return exc.response
-                last = exc
-        assert last is not None  # the loop returns unless it retried
-        return last.response
+
+        async def alone(picked: dict[str, Worker]) -> web.StreamResponse:
+            return await self._local(request, body, picked[DECODE], ex)
+
+        return await self._with_retries(ex, (DECODE,), alone)
 
     async def _local(
         self, request: web.Request, data: bytes, decode: Worker, ex: Exchange

@@ -60,6 +60,42 @@ async def test_client_sent_bootstrap_fields_are_replaced(make_server, make_pd_ro
     assert bootstrap(decode.bodies[0])[:2] == ("127.0.0.1", 9000)
 
 
+async def test_short_prompts_go_to_a_decode_worker_alone_and_a_failed_one_is_retried(
+    make_server, make_pd_router, client
+):
+    """--pd-local-prefill-max-tokens: a prompt within the limit reaches a decode worker
+    alone, without the bootstrap fields the client sent; a decode worker that fails (502)
+    is retried on the other one; a longer prompt is disaggregated as usual."""
+    prefill = await make_server("prefill")
+    broken = await make_server("decode", status=500, answer={"error": "down"})
+    decode = await make_server("decode", answer={"text": "local"})
+    router = await make_pd_router(
+        [(prefill, 8998)],
+        [broken, decode],
+        pd_local_prefill_max_tokens=8,
+        retry_max_retries=2,
+        decode_policy="round_robin",
+    )
+    short = {"input_ids": list(range(8)), "bootstrap_host": "h", "bootstrap_room": 3}
+    for _ in range(2):  # round robin: one of the two meets the broken worker first
+        async with client.post(router.url + GENERATE, json=short) as resp:
+            assert resp.status == 200, await resp.text()
+            assert await resp.json() == {"text": "local"}
+            assert resp.headers["x-cadence-worker"] == decode.url
+            assert "x-cadence-prefill-worker" not in resp.headers
+    assert prefill.bodies == []
+    assert decode.bodies == [{"input_ids": list(range(8))}] * 2
+    assert len(broken.bodies) >= 1
+    long = {"input_ids": list(range(9))}
+    async with client.post(router.url + GENERATE, json=long) as resp:
+        assert resp.status == 200
+        assert resp.headers["x-cadence-prefill-worker"] == prefill.url
+    # (on a new pair, a new room, when the broken decode worker met it first)
+    assert prefill.bodies and all(bootstrap(b)[2] is not None for b in prefill.bodies)
+    await wait_for(lambda: all(w.active == 0 for w in router.registry), what="counts released")
+    await assert_idle(router)
+
+
 async def test_bootstrap_port_comes_from_server_info_when_not_configured(
     make_server, make_pd_router, client
 ):
