@@ -9,9 +9,11 @@ load query, so that none sees a step half applied.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from cadence.constrained.grammar_queue import GrammarQueue
 from cadence.io_struct import (
     CloseSessionReqInput,
     CloseSessionReqOutput,
@@ -32,16 +34,50 @@ from cadence.io_struct import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
 )
+from cadence.mem_cache.kv_manager import KVManager
 from cadence.model_executor.lora_manager import NOT_ENABLED as LORA_NOT_ENABLED
+from cadence.model_executor.runner import Runner
+from cadence.scheduler.disaggregation import DecodeIntake, PrefillHandoff
+from cadence.scheduler.embedding import EmbeddingQueue
+from cadence.scheduler.profiler import Profiler
+from cadence.scheduler.req import Req
+from cadence.scheduler.sessions import SessionController
+from cadence.scheduler.speculative import Speculation
+from cadence.server_args import ServerArgs
 
-if TYPE_CHECKING:
-    from cadence.scheduler.scheduler import Scheduler
+
+class Controlled(Protocol):
+    """What the desk reads and acts on: the scheduler's (`scheduler.py`)."""
+
+    args: ServerArgs
+    runner: Runner
+    kv: KVManager
+    running: list[Req]
+    chunked: Req | None
+    grammars: GrammarQueue | None
+    embeds: EmbeddingQueue
+    pd: PrefillHandoff | DecodeIntake | None
+    spec: Speculation | None
+    sessions: SessionController
+    profiler: Profiler
+    is_paused: bool
+
+    @property
+    def waiting(self) -> deque[Req]: ...
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "") -> None: ...
+
+    def retract_all(self) -> None: ...
+
+    def throughput(self) -> float: ...
+
+    def cache_hit_rate(self) -> float: ...
 
 
 class ControlDesk:
     """Control messages of one scheduler, by type (`handlers`)."""
 
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: Controlled):
         self.scheduler = scheduler
 
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
