@@ -285,12 +285,18 @@ class RequestChecker:
         required = {"bootstrap_room": room} | ({"bootstrap_host": host} if mode == "decode" else {})
         for name, value in required.items():
             if value is None or value == "":
+                local = (
+                    " (a request without a room is prefilled on a decode server started with "
+                    "--disaggregation-decode-local-prefill)"
+                    if mode == "decode"
+                    else ""
+                )
                 raise InvalidParameter(
                     name,
                     f"{name} is required: this server runs the {mode} half of prefill/decode "
                     "disaggregation; send requests through a PD router (cadence router "
                     "--pd-disaggregation), which sets bootstrap_host, bootstrap_port and "
-                    "bootstrap_room on both halves",
+                    f"bootstrap_room on both halves{local}",
                 )
         if port is None:
             port = self.options.disaggregation_bootstrap_port
