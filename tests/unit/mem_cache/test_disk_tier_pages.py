@@ -65,6 +65,7 @@ def test_a_full_pool_makes_room_for_pages_read_back(tmp_path):
     pool, disk, kv = make(tmp_path)
     history = list(range(100, 112))  # three pages, written through to disk
     compute(kv, history)
+    disk.flush()  # their writes are done (the writer is a thread: a busy machine delays it)
     kv.flush()  # memory forgets it; the disk keeps it
     for k in range(5):  # fifteen of the sixteen pages: other conversations' prefixes
         compute(kv, list(range(200 + 12 * k, 212 + 12 * k)))
