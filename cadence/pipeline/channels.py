@@ -5,12 +5,11 @@ socket's file descriptor and `Inbox` drains every message available into a handl
 arrival order. Sending is a plain non-blocking send: queues are unbounded (HWM 0), so a send
 never waits on the loop, and flow control is the relay's credits and the requests in flight.
 
-An inbox handles one message per turn of the loop, reading first (a wake-up nearly always
-has one) and asking ZMQ_EVENTS for more only in a later turn, so that whatever the handler
-woke (a caller awaiting its reply) runs before that check; it learns whether a payload frame
-follows from the message itself (`carries_frame`), not from ZMQ_RCVMORE: every socket
-option read processes the socket's command queue, and a control round trip crosses two
-inboxes.
+A drain reads first and asks ZMQ_EVENTS only after each message (a wake-up nearly always
+has one: asking before the first read costs as much as the read), and learns whether a
+payload frame follows from the message itself (`carries_frame`), not from ZMQ_RCVMORE:
+every socket option read processes the socket's command queue, several times the cost of
+the read itself, and a control round trip crosses two drains.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from cadence.pipeline import messages
 
 logger = logging.getLogger(__name__)
 
+_MAX_BATCH = 256  # messages handled before the loop gets a turn
 _NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum flags cost a conversion per call
 _RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
@@ -91,35 +91,30 @@ class Inbox:
             self._loop = None
 
     def _drain(self) -> None:
-        # One message per turn of the loop: whatever its handler woke (a caller awaiting a
-        # reply, a run started eagerly) goes first, and whether more is waiting is asked
-        # after that, off a round trip's path.
+        # The socket's descriptor is edge-triggered: it fires again only after ZMQ_EVENTS
+        # (or a read) has found nothing left, so a drain ends only there, or hands over to
+        # the next turn of the loop, which goes on.
         sock = self.sock
         if self._loop is None:  # stopped since this call was scheduled
             return
-        try:
-            data = sock.recv(_NOBLOCK)
-        except zmq.Again:  # woken with nothing to read
-            return
-        try:
-            msg = messages.decode(data)
-        except Exception as e:
-            while sock.getsockopt(_RCVMORE):  # its frames too: the next read is a message
-                sock.recv(_NOBLOCK)
-            logger.error("%s: dropped a message that does not decode: %s", self.name, e)
-            msg = None
-        if msg is not None:
+        for _ in range(_MAX_BATCH):
+            try:
+                data = sock.recv(_NOBLOCK)
+            except zmq.Again:  # woken with nothing to read
+                return
+            try:
+                msg = messages.decode(data)
+            except Exception as e:
+                while sock.getsockopt(_RCVMORE):  # its frames too: the next read is a message
+                    sock.recv(_NOBLOCK)
+                logger.error("%s: dropped a message that does not decode: %s", self.name, e)
+                continue
             frame = sock.recv(_NOBLOCK) if messages.carries_frame(msg) else None
             try:
                 self.handler(msg, frame)
             except Exception:
                 logger.exception("%s: handling %s failed", self.name, type(msg).__name__)
+            if self._loop is None or not sock.getsockopt(_EVENTS) & _POLLIN:
+                return  # stopped by the handler, or nothing left
         if self._loop is not None:
-            self._loop.call_soon(self._more)
-
-    def _more(self) -> None:
-        # The socket's descriptor is edge-triggered: it fires again only after ZMQ_EVENTS (or
-        # a read) has found nothing left, so the inbox reads until it says so. ZMQ_EVENTS
-        # costs less than a read that finds nothing (an exception per call).
-        if self._loop is not None and self.sock.getsockopt(_EVENTS) & _POLLIN:
-            self._drain()
+            self._loop.call_soon(self._drain)  # more may be waiting: after others had a turn
