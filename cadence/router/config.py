@@ -104,7 +104,7 @@ class RouterConfig:
     """PD mode: policy choosing the decode worker (default: --policy)."""
 
     pd_local_prefill_max_tokens: int = 0
-    """PD mode: a prompt of at most this many tokens (counted from input_ids, estimated from text at 3 bytes a token) goes to a decode worker alone, which prefills it itself: short prompts never queue behind long ones on the prefill workers (conditional disaggregation). 0: every request is disaggregated, as SGLang's router does."""
+    """PD mode: a prompt of at most this many tokens (counted from input_ids, estimated from text at 3 bytes a token, chat tools included) goes to a decode worker alone, which prefills it itself: short prompts never queue behind long ones on the prefill workers (conditional disaggregation). 0: every request is disaggregated, as SGLang's router does."""
 
     service_discovery: bool = False
     """Add and remove workers as Kubernetes pods chosen by --selector (PD mode: --prefill-selector

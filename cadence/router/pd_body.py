@@ -82,13 +82,14 @@ def prompt_tokens(route: str, obj: dict) -> int | None:
             return None
         return _longest(obj.get("input_ids"), obj.get("text"))
     if route == "/v1/completions":
-        prompt = obj.get("prompt")
-        return _longest(prompt, None) if _is_ids(prompt) else _longest(None, prompt)
+        prompt = obj.get("prompt")  # ids, a batch of id lists, a text or a batch of texts
+        return _longest(prompt if _is_ids(prompt) else None, prompt)
     if route == "/v1/chat/completions":
         messages = obj.get("messages")
         if not isinstance(messages, list):
             return None
-        size = 0
+        # The tool definitions are templated into the prompt too.
+        size = _text_tokens(_encoder.encode(obj["tools"]).decode()) if obj.get("tools") else 0
         for message in messages:
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, list):  # parts: text only, else not local

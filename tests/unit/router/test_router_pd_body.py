@@ -162,6 +162,8 @@ def test_prompt_tokens_counts_ids_and_estimates_text_erring_long():
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]
     assert count("/v1/chat/completions", {"messages": image}) is None
     assert count("/v1/chat/completions", {"messages": "not a list"}) is None
+    tools = [{"type": "function", "function": {"name": "f" * 40}}]  # 84 bytes of JSON
+    assert count("/v1/chat/completions", {"messages": messages, "tools": tools}) == 3 + 28
 
 
 def test_a_locally_prefilled_request_loses_the_bootstrap_fields_a_client_sent():
