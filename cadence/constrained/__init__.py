@@ -64,14 +64,21 @@ def create_grammar_queue(
     name: str, tokenizer, vocab_size: int, eos_token_ids: list[int], **options
 ):
     """The scheduler's GrammarQueue for engine `name` (None for "none"); the engine is bound
-    to the vocabulary at the first constraint, on the queue's worker thread."""
-    if backend_class(name) is None:
+    to the vocabulary at the first constraint, on the queue's worker thread. `tokenizer` is
+    the transformers tokenizer, or a function that loads it then. Nothing of the engine is
+    imported before that (xgrammar brings transformers: ~1 s of CPU at each start of a
+    server that may never see a constraint)."""
+    if name == "none":
         return None
+    if name not in GRAMMAR_BACKENDS:
+        backend_class(name)  # raises, naming the engines there are
     from cadence.constrained.grammar_queue import GrammarQueue
 
-    return GrammarQueue(
-        name, lambda: create_backend(name, tokenizer, vocab_size, eos_token_ids, **options)
-    )
+    def bind() -> GrammarBackend:
+        whole = tokenizer() if callable(tokenizer) else tokenizer
+        return create_backend(name, whole, vocab_size, eos_token_ids, **options)
+
+    return GrammarQueue(name, bind)
 
 
 def check_grammar(backend: str, key: GrammarKey) -> None:

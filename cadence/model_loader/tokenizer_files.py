@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 
 from cadence import envs
@@ -34,7 +35,10 @@ def tokenizer_dir(path: str, tokenizer_path: str | None = None) -> str:
 
 def load_tokenizer(path: str, tokenizer_path: str | None = None):
     """The model's own tokenizer (with its chat template) as a transformers fast tokenizer."""
-    directory = tokenizer_dir(path, tokenizer_path)
+    return _load_from_dir(tokenizer_dir(path, tokenizer_path))
+
+
+def _load_from_dir(directory: str):
     generic = _generic_class(directory)
     if generic is not None:
         return generic.from_pretrained(directory)
@@ -57,6 +61,79 @@ class TokenDecoder:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def vocab(self) -> dict[str, int]:
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
+
+class LightTokenizer(TokenDecoder):
+    """What the scheduler asks of the model's tokenizer (`decode`, `encode`, the EOS and BOS
+    ids) through `tokenizers` alone, so that its process does not import transformers (~1 s
+    of CPU at each start). Made only where that is exact (`is_light_exact`). A grammar engine
+    needs transformers' tokenizer: `transformers_tokenizer()` loads it at the first call
+    (on the grammar queue's thread, at the first constrained request, whose engine imports
+    transformers anyway)."""
+
+    def __init__(self, directory: str, config: dict):
+        super().__init__(directory)
+        self.directory = directory
+        self.eos_token_id = self._special_id(config, "eos_token")
+        self.bos_token_id = self._special_id(config, "bos_token")
+        self._whole = None
+        self._lock = threading.Lock()
+
+    def _special_id(self, config: dict, key: str) -> int | None:
+        token = _special_token(config, key)
+        return None if token is None else self._tokenizer.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
+
+    def transformers_tokenizer(self):
+        with self._lock:
+            if self._whole is None:
+                self._whole = _load_from_dir(self.directory)
+            return self._whole
+
+
+def _special_token(config: dict, key: str) -> str | None:
+    value = config.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def is_light_exact(directory: str, vocab: dict[str, int] | None = None) -> bool:
+    """Whether a `LightTokenizer` answers as transformers' tokenizer would: it decodes alone
+    (`decodes_alone`), its config names its special tokens itself and they are in the
+    vocabulary, and it asks for no BOS/EOS insertion (add_bos_token / add_eos_token: transformers
+    would rewrite the post-processor) and keeps no separate special-tokens map. `vocab` is the
+    tokenizer's, with its added tokens, when at hand."""
+    if not decodes_alone(directory):
+        return False
+    if os.path.exists(os.path.join(directory, "special_tokens_map.json")):
+        return False
+    config = _tokenizer_config(directory)
+    if "add_bos_token" in config or "add_eos_token" in config:
+        return False
+    if vocab is None:
+        vocab = TokenDecoder(directory).vocab()
+    return all(
+        _special_token(config, key) in vocab
+        for key in ("eos_token", "bos_token")
+        if config.get(key) is not None
+    )
+
+
+def load_scheduler_tokenizer(path: str, tokenizer_path: str | None = None):
+    """The tokenizer the scheduler holds: a `LightTokenizer` where that is exact, else the
+    whole transformers one."""
+    directory = tokenizer_dir(path, tokenizer_path)
+    if decodes_alone(directory):
+        light = LightTokenizer(directory, _tokenizer_config(directory))
+        if is_light_exact(directory, light.vocab()):
+            return light
+    return _load_from_dir(directory)
 
 
 def load_decoder(path: str, tokenizer_path: str | None = None):

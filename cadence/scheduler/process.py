@@ -124,6 +124,7 @@ def build_scheduler(args: ServerArgs, model_path: str, tokenizer) -> Scheduler:
     it, still loading while the weights load."""
     from cadence.constrained import create_grammar_queue
     from cadence.mem_cache.kv_manager import KVManager
+    from cadence.model_loader.tokenizer_files import LightTokenizer
     from cadence.scheduler.stop_checker import StopChecker
 
     runner = make_runner(args, model_path)
@@ -136,7 +137,9 @@ def build_scheduler(args: ServerArgs, model_path: str, tokenizer) -> Scheduler:
     if runner.is_generation:  # an embedding model generates nothing to constrain
         grammars = create_grammar_queue(
             args.grammar_backend,
-            tokenizer,
+            tokenizer.transformers_tokenizer
+            if isinstance(tokenizer, LightTokenizer)
+            else tokenizer,
             runner.config.vocab_size,
             sorted(eos_ids),
             any_whitespace=args.constrained_json_any_whitespace,
@@ -200,14 +203,14 @@ def run_scheduler_process(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     try:
-        from cadence.model_loader.tokenizer_files import load_tokenizer
+        from cadence.model_loader.tokenizer_files import load_scheduler_tokenizer
         from cadence.plugins import load_plugins
 
         load_plugins()
-        # The tokenizer (transformers' import is most of its second) loads on a thread while
-        # the weights load and the KV pool is written, which hold no GIL for most of theirs.
+        # The tokenizer loads on a thread while the weights load and the KV pool is written,
+        # which hold no GIL for most of theirs.
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as loader:
-            tokenizer = loader.submit(load_tokenizer, model_path, args.tokenizer_path)
+            tokenizer = loader.submit(load_scheduler_tokenizer, model_path, args.tokenizer_path)
             scheduler = build_scheduler(args, model_path, tokenizer)
         proc = SchedulerProcess(scheduler, paths, heartbeat)
         ready_pipe.send_bytes(

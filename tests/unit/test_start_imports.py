@@ -1,6 +1,8 @@
 """What a server's lighter processes import as they start: torch costs each of them seconds
 of CPU (on a 2-core machine, seconds of every start), so the front and the detokenizer must
-get their tokenizer and the platform's argument defaults without it."""
+get their tokenizer and the platform's argument defaults without it; and transformers
+(~1 s more) is left to the processes that render chat templates: the scheduler's tokenizer
+goes without it."""
 
 from __future__ import annotations
 
@@ -115,3 +117,85 @@ def test_a_tokenizer_that_cleans_up_spaces_is_decoded_by_transformers(tmp_path):
     assert not decodes_alone(str(tmp_path))
     config_path.write_text(json.dumps({**config, "tokenizer_class": "BertTokenizer"}))
     assert not decodes_alone(str(tmp_path))
+
+
+SCHEDULER_PROBE = """
+import sys
+from cadence.model_loader.locate import default_model_path
+from cadence.model_loader.tokenizer_files import LightTokenizer, load_scheduler_tokenizer
+from cadence.scheduler.sessions import auto_bos
+
+tokenizer = load_scheduler_tokenizer(default_model_path())
+assert isinstance(tokenizer, LightTokenizer)
+print(tokenizer.eos_token_id, auto_bos(tokenizer), "|", "transformers" in sys.modules)
+"""
+
+
+def test_the_scheduler_gets_its_tokenizer_without_transformers():
+    done = subprocess.run(
+        [sys.executable, "-c", SCHEDULER_PROBE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ids, imported = done.stdout.strip().splitlines()[-1].split(" | ")
+    assert imported == "False", done.stdout
+    assert ids.split()[0].isdigit(), done.stdout  # the EOS id was found
+
+
+def test_the_scheduler_tokenizer_answers_as_transformers_does():
+    """The special ids, `encode` (and so whether a BOS leads every text) and `decode` of the
+    `tokenizers`-only tokenizer equal transformers' on the default model; the grammar engine
+    gets transformers' own tokenizer, loaded once."""
+    from cadence.model_loader.locate import default_model_path
+    from cadence.model_loader.tokenizer_files import (
+        LightTokenizer,
+        load_scheduler_tokenizer,
+        load_tokenizer,
+    )
+    from cadence.scheduler.sessions import auto_bos
+
+    path = default_model_path()
+    light, whole = load_scheduler_tokenizer(path), load_tokenizer(path)
+    assert isinstance(light, LightTokenizer)
+    assert (light.eos_token_id, light.bos_token_id) == (whole.eos_token_id, whole.bos_token_id)
+    assert light.eos_token_id is not None
+    assert auto_bos(light) == auto_bos(whole)
+    for text in ["a", "", "Hello, world! Ça va? 你好 🙂", "<|im_start|>user\nhi<|im_end|>\n"]:
+        assert light.encode(text) == whole.encode(text), text
+        ids = whole.encode(text)
+        assert light.decode(ids) == whole.decode(ids)
+    full = light.transformers_tokenizer()
+    assert type(full) is type(whole) and light.transformers_tokenizer() is full
+
+
+def test_a_tokenizer_that_adds_special_tokens_is_the_whole_transformers_one(tmp_path):
+    """Where transformers would rewrite what `encode` adds (add_bos_token in the config) or
+    reads its special tokens from a separate map, the scheduler gets transformers' tokenizer."""
+    import json
+    import os
+    import shutil
+
+    from cadence.model_loader.locate import default_model_path
+    from cadence.model_loader.tokenizer_files import (
+        LightTokenizer,
+        is_light_exact,
+        load_scheduler_tokenizer,
+        tokenizer_dir,
+    )
+
+    source = tokenizer_dir(default_model_path())
+    for name in os.listdir(source):
+        shutil.copy(os.path.join(source, name), tmp_path)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    assert is_light_exact(str(tmp_path))
+    config_path.write_text(json.dumps({**config, "add_bos_token": True}))
+    assert not is_light_exact(str(tmp_path))
+    whole = load_scheduler_tokenizer(str(tmp_path), str(tmp_path))
+    assert not isinstance(whole, LightTokenizer)
+    assert hasattr(whole, "apply_chat_template")  # transformers' own
+    config_path.write_text(json.dumps(config))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    assert not is_light_exact(str(tmp_path))
+    os.remove(tmp_path / "special_tokens_map.json")
+    config_path.write_text(json.dumps({**config, "eos_token": "<|no such token|>"}))
+    assert not is_light_exact(str(tmp_path))
