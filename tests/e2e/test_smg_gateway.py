@@ -77,6 +77,9 @@ class Gateway:
             "round_robin",
             "--log-level",
             "info",
+            # Its default waits up to 180 s for requests in flight at SIGTERM; the stop waits
+            # 15 s before SIGKILL, which then ended every module that used one.
+            *("--shutdown-grace-period-secs", "0"),
         ]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
