@@ -9,6 +9,8 @@ Imports no engine until one is used.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 from cadence.constrained.base import (
     GRAMMAR_FIELDS,
@@ -61,11 +63,15 @@ def create_backend(
 
 
 def create_grammar_queue(
-    name: str, tokenizer, vocab_size: int, eos_token_ids: list[int], **options
+    name: str,
+    load_tokenizer: Callable[[], Any],
+    vocab_size: int,
+    eos_token_ids: list[int],
+    **options,
 ):
     """The scheduler's GrammarQueue for engine `name` (None for "none"); the engine is bound
-    to the vocabulary at the first constraint, on the queue's worker thread. `tokenizer` is
-    the transformers tokenizer, or a function that loads it then. Nothing of the engine is
+    to the vocabulary at the first constraint, on the queue's worker thread, with the
+    transformers tokenizer `load_tokenizer()` returns then. Nothing of the engine is
     imported before that (xgrammar brings transformers: ~1 s of CPU at each start of a
     server that may never see a constraint)."""
     if name == "none":
@@ -75,8 +81,7 @@ def create_grammar_queue(
     from cadence.constrained.grammar_queue import GrammarQueue
 
     def bind() -> GrammarBackend:
-        whole = tokenizer() if callable(tokenizer) else tokenizer
-        return create_backend(name, whole, vocab_size, eos_token_ids, **options)
+        return create_backend(name, load_tokenizer(), vocab_size, eos_token_ids, **options)
 
     return GrammarQueue(name, bind)
 
