@@ -62,29 +62,43 @@ class TokenDecoder:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def vocab(self) -> dict[str, int]:
-        return self._tokenizer.get_vocab(with_added_tokens=True)
-
 
 class LightTokenizer(TokenDecoder):
     """What the scheduler asks of the model's tokenizer (`decode`, `encode`, the EOS and BOS
     ids) through `tokenizers` alone, so that its process does not import transformers (~1 s
-    of CPU at each start). Made only where that is exact (`is_light_exact`). A grammar engine
+    of CPU at each start). Used only where that is exact (`is_exact`). A grammar engine
     needs transformers' tokenizer: `transformers_tokenizer()` loads it at the first call
     (on the grammar queue's thread, at the first constrained request, whose engine imports
     transformers anyway)."""
 
-    def __init__(self, directory: str, config: dict):
+    def __init__(self, directory: str):
         super().__init__(directory)
         self.directory = directory
-        self.eos_token_id = self._special_id(config, "eos_token")
-        self.bos_token_id = self._special_id(config, "bos_token")
+        self._config = _tokenizer_config(directory)
+        self.eos_token_id = self._special_id("eos_token")
+        self.bos_token_id = self._special_id("bos_token")
         self._whole = None
         self._lock = threading.Lock()
 
-    def _special_id(self, config: dict, key: str) -> int | None:
-        token = _special_token(config, key)
+    def _special_id(self, key: str) -> int | None:
+        token = _special_token(self._config, key)
         return None if token is None else self._tokenizer.token_to_id(token)
+
+    def is_exact(self) -> bool:
+        """Whether it answers as transformers' tokenizer would, given that it decodes alone
+        (`decodes_alone`): its config names its special tokens itself and they are in the
+        vocabulary, it asks for no BOS/EOS insertion (add_bos_token / add_eos_token:
+        transformers would rewrite the post-processor) and there is no separate
+        special-tokens map."""
+        if os.path.exists(os.path.join(self.directory, "special_tokens_map.json")):
+            return False
+        if "add_bos_token" in self._config or "add_eos_token" in self._config:
+            return False
+        return all(
+            self._special_id(key) is not None
+            for key in ("eos_token", "bos_token")
+            if self._config.get(key) is not None
+        )
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text).ids
@@ -103,26 +117,9 @@ def _special_token(config: dict, key: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def is_light_exact(directory: str, vocab: dict[str, int] | None = None) -> bool:
-    """Whether a `LightTokenizer` answers as transformers' tokenizer would: it decodes alone
-    (`decodes_alone`), its config names its special tokens itself and they are in the
-    vocabulary, and it asks for no BOS/EOS insertion (add_bos_token / add_eos_token: transformers
-    would rewrite the post-processor) and keeps no separate special-tokens map. `vocab` is the
-    tokenizer's, with its added tokens, when at hand."""
-    if not decodes_alone(directory):
-        return False
-    if os.path.exists(os.path.join(directory, "special_tokens_map.json")):
-        return False
-    config = _tokenizer_config(directory)
-    if "add_bos_token" in config or "add_eos_token" in config:
-        return False
-    if vocab is None:
-        vocab = TokenDecoder(directory).vocab()
-    return all(
-        _special_token(config, key) in vocab
-        for key in ("eos_token", "bos_token")
-        if config.get(key) is not None
-    )
+def is_light_exact(directory: str) -> bool:
+    """Whether a `LightTokenizer` of `directory` answers as transformers' tokenizer would."""
+    return decodes_alone(directory) and LightTokenizer(directory).is_exact()
 
 
 def load_scheduler_tokenizer(path: str, tokenizer_path: str | None = None):
@@ -130,8 +127,8 @@ def load_scheduler_tokenizer(path: str, tokenizer_path: str | None = None):
     whole transformers one."""
     directory = tokenizer_dir(path, tokenizer_path)
     if decodes_alone(directory):
-        light = LightTokenizer(directory, _tokenizer_config(directory))
-        if is_light_exact(directory, light.vocab()):
+        light = LightTokenizer(directory)
+        if light.is_exact():
             return light
     return _load_from_dir(directory)
 

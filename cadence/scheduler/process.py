@@ -135,11 +135,12 @@ def build_scheduler(args: ServerArgs, model_path: str, tokenizer) -> Scheduler:
         eos_ids.add(tokenizer.eos_token_id)
     grammars = None
     if runner.is_generation:  # an embedding model generates nothing to constrain
-        loaded = tokenizer
         # The grammar engine needs transformers' own tokenizer: loaded then if not now.
         grammars = create_grammar_queue(
             args.grammar_backend,
-            loaded.transformers_tokenizer if isinstance(loaded, LightTokenizer) else lambda: loaded,
+            tokenizer.transformers_tokenizer
+            if isinstance(tokenizer, LightTokenizer)
+            else lambda: tokenizer,
             runner.config.vocab_size,
             sorted(eos_ids),
             any_whitespace=args.constrained_json_any_whitespace,
