@@ -81,6 +81,9 @@ class LoraManager:
         self.policy = args.lora_eviction_policy
         self.adapters: dict[str, LoraAdapter] = {}  # by name: the loaded ones
         self._draining: set[LoraAdapter] = set()  # unloaded, still used by requests
+        # LoraBatch's products' arguments by group composition (keys hold adapters' ids):
+        # emptied whenever an adapter's weights are freed.
+        self.batch_args: dict[tuple[int, ...], dict] = {}
         self._uids = itertools.count(1)
         self._order = itertools.count()
         entries = args.lora_entries
@@ -144,6 +147,7 @@ class LoraManager:
 
     def _free(self, adapter: LoraAdapter) -> None:
         self._draining.discard(adapter)
+        self.batch_args.clear()
         adapter.weights = LoraWeights([])
         logger.info("unloaded LoRA adapter %s", adapter.name)
 

@@ -341,7 +341,9 @@ class ModelRunner(Runner):
         if self.lora is None:
             return None
         counts = [len(item.token_ids) for item in items]
-        return LoraBatch.build([item.lora for item in items], counts, self.device)
+        return LoraBatch.build(
+            [item.lora for item in items], counts, self.device, self.lora.batch_args
+        )
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

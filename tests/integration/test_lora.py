@@ -20,8 +20,10 @@ from tests.integration.conftest import engine_state, idle_state
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 PARAMS = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
 # Ours (float32) against PEFT in float64: these adapters perturb the model hard, and float32
-# itself strays up to ~5e-3 from float64 on them (PEFT's own float32 model does).
-LOGPROB_TOL = 3e-3
+# itself strays up to ~5e-3 from float64 on them: PEFT's own float32 model, over these
+# prompts, 5.3e-3 with "qv" and 1.3e-3 with the bfloat16 adapter below (where ours, in
+# another order of float32 sums, strays 3.2e-3). Greedy ids must still be equal.
+LOGPROB_TOL = 6e-3
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (target modules, r, lora_alpha, rsLoRA, seed)
 ADAPTERS = {

@@ -13,14 +13,18 @@
 //
 // The weights are what the step reads most (eight rank-16 adapters on every projection of a
 // 135M model are 78 MB in bfloat16), so each is read once per step, whatever the number of
-// rows its adapter serves. The sums are float32; y is rounded to its dtype once, at the end,
-// as an in-place add of the product would round. Small steps run on the calling thread (a
-// thread pool's wake-up costs more than a decode row's products).
+// rows its adapter serves. The sums are float32 and y is rounded to its dtype once: a
+// float32 y takes each part's product in place (y + product, as an in-place add of the
+// product rounds), any other dtype goes through a float32 copy of the rows. Every row's sums
+// run in one order whatever rows share its group, so a row's result does not depend on the
+// batch it is in. Small steps run on the calling thread (a thread pool's wake-up costs more
+// than a decode row's products); larger ones are split between the threads by work, one
+// contiguous run of (group, part) tasks each.
 
 constexpr int64_t kLoraSerialWork = 1 << 16;  // multiply-adds below which no thread is woken
 
 struct LoraPart {
-  int64_t group, part, rank, out, low_offset;
+  int64_t group, part, rank, out, column;
   const void* a;
   const void* bt;
   int64_t a_stride, bt_stride;
@@ -33,86 +37,194 @@ inline float lora_weight(c10::BFloat16 w) {
   return std::bit_cast<float>(static_cast<uint32_t>(w.x) << 16);
 }
 
-// One (group, part): low[t, j] = scale * x[t] . A[j], each A row read once for all the
-// group's rows; then delta[t, part] += sum_j low[t, j] B^T[j], each B^T row read once. Four
-// rows of A (of B^T) go together: four independent sums per x element (a single running sum
-// would wait on its own latency), one pass over each delta row per four B^T rows.
-template <typename W>
-void lora_part(const LoraPart& pt, const float* xs, int64_t in, int64_t first, int64_t count,
-               float scale, float* lows, float* delta, int64_t out, int64_t column) {
-  const W* a = static_cast<const W*>(pt.a);
-  const W* bt = static_cast<const W*>(pt.bt);
-  const int64_t r = pt.rank, r4 = r - r % 4;
-  for (int64_t t = 0; t < count; ++t) {
-    const float* __restrict x = xs + (first + t) * in;
-    float* low = lows + t * r;
-    for (int64_t j = 0; j < r4; j += 4) {
-      const W* __restrict a0 = a + j * pt.a_stride;
-      const W* __restrict a1 = a0 + pt.a_stride;
-      const W* __restrict a2 = a1 + pt.a_stride;
-      const W* __restrict a3 = a2 + pt.a_stride;
-      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-      for (int64_t i = 0; i < in; ++i) {
-        s0 += lora_weight(a0[i]) * x[i];
-        s1 += lora_weight(a1[i]) * x[i];
-        s2 += lora_weight(a2[i]) * x[i];
-        s3 += lora_weight(a3[i]) * x[i];
-      }
-      low[j] = scale * s0, low[j + 1] = scale * s1, low[j + 2] = scale * s2, low[j + 3] = scale * s3;
-    }
-    for (int64_t j = r4; j < r; ++j) {
-      const W* __restrict a0 = a + j * pt.a_stride;
-      float s0 = 0.f;
-      for (int64_t i = 0; i < in; ++i) s0 += lora_weight(a0[i]) * x[i];
-      low[j] = scale * s0;
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 lora_load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 lora_load8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline float lora_hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The cache lines of a matrix's rows, asked for a few at a time while other work runs: the
+// B^T of a part while its A is summed, the next part's A while this one's B^T is (each part
+// is a few small matrices of its own, and the hardware prefetchers start over at each).
+struct LoraPrefetch {
+  const char* base = nullptr;
+  int64_t stride = 0, row_bytes = 0, rows = 0, row = 0, off = 0;
+  LoraPrefetch() = default;
+  LoraPrefetch(const void* p, int64_t stride_bytes, int64_t bytes, int64_t n)
+      : base(static_cast<const char*>(p)), stride(stride_bytes), row_bytes(bytes), rows(n) {}
+  int64_t lines() const { return rows * ((row_bytes + 63) / 64); }
+  inline void issue(int64_t n) {
+    for (; n > 0 && row < rows; --n) {
+      _mm_prefetch(base + row * stride + off, _MM_HINT_T0);
+      off += 64;
+      if (off >= row_bytes) off = 0, ++row;
     }
   }
-  for (int64_t j = 0; j < r4; j += 4) {
-    const W* __restrict b0 = bt + j * pt.bt_stride;
-    const W* __restrict b1 = b0 + pt.bt_stride;
-    const W* __restrict b2 = b1 + pt.bt_stride;
-    const W* __restrict b3 = b2 + pt.bt_stride;
-    for (int64_t t = 0; t < count; ++t) {
-      const float* low = lows + t * r;
-      const float c0 = low[j], c1 = low[j + 1], c2 = low[j + 2], c3 = low[j + 3];
-      float* __restrict d = delta + (first + t) * out + column;
-      for (int64_t c = 0; c < pt.out; ++c)
-        d[c] += c0 * lora_weight(b0[c]) + c1 * lora_weight(b1[c]) + c2 * lora_weight(b2[c]) +
-                c3 * lora_weight(b3[c]);
+};
+
+// low[t * r + j] = scale * A[j] . x_t for rank rows [j0, j0 + J) and rows [t0, t0 + T): the
+// 8-lane sums over the columns, then the lanes, then the tail columns (one order per row).
+template <typename W, int J, int T>
+inline void lora_shrink_block(const W* a, int64_t a_stride, const float* const* xs, int64_t in, int64_t j0,
+                              int64_t t0, int64_t r, float scale, float* low, LoraPrefetch* pf, int64_t pf_step) {
+  __m256 acc[J][T];
+  for (int q = 0; q < J; ++q)
+    for (int t = 0; t < T; ++t) acc[q][t] = _mm256_setzero_ps();
+  const int64_t in8 = in - in % 8;
+  for (int64_t i = 0; i < in8; i += 8) {
+    pf->issue(pf_step);
+    __m256 xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(xs[t0 + t] + i);
+    for (int q = 0; q < J; ++q) {
+      const __m256 w = lora_load8(a + (j0 + q) * a_stride + i);
+      for (int t = 0; t < T; ++t) acc[q][t] = _mm256_fmadd_ps(w, xv[t], acc[q][t]);
     }
   }
-  for (int64_t j = r4; j < r; ++j) {
-    const W* __restrict b0 = bt + j * pt.bt_stride;
-    for (int64_t t = 0; t < count; ++t) {
-      const float c0 = lows[t * r + j];
-      float* __restrict d = delta + (first + t) * out + column;
-      for (int64_t c = 0; c < pt.out; ++c) d[c] += c0 * lora_weight(b0[c]);
+  for (int q = 0; q < J; ++q) {
+    for (int t = 0; t < T; ++t) {
+      float s = lora_hsum(acc[q][t]);
+      for (int64_t i = in8; i < in; ++i) s += lora_weight(a[(j0 + q) * a_stride + i]) * xs[t0 + t][i];
+      low[(t0 + t) * r + j0 + q] = scale * s;
     }
   }
 }
 
-// Asks for a part's weights ahead of their use: each part is a few small matrices of its
-// own, and the hardware prefetchers start over at each one.
-inline void lora_prefetch(const LoraPart& pt, int64_t in) {
-  const int64_t elem = pt.bf16 ? 2 : 4;
-  const char* a = static_cast<const char*>(pt.a);
-  const char* bt = static_cast<const char*>(pt.bt);
-  for (int64_t j = 0; j < pt.rank; ++j) {
-    for (int64_t off = 0; off < in * elem; off += 64) __builtin_prefetch(a + j * pt.a_stride * elem + off, 0, 1);
-    for (int64_t off = 0; off < pt.out * elem; off += 64)
-      __builtin_prefetch(bt + j * pt.bt_stride * elem + off, 0, 1);
+template <typename W, int J>
+inline void lora_shrink_rows(const W* a, int64_t a_stride, const float* const* xs, int64_t in, int64_t j0,
+                             int64_t count, int64_t r, float scale, float* low, LoraPrefetch* pf, int64_t pf_step) {
+  int64_t t0 = 0;
+  for (; t0 + 2 <= count; t0 += 2) lora_shrink_block<W, J, 2>(a, a_stride, xs, in, j0, t0, r, scale, low, pf, pf_step);
+  if (t0 < count) lora_shrink_block<W, J, 1>(a, a_stride, xs, in, j0, t0, r, scale, low, pf, pf_step);
+}
+
+// ys[t][c] += sum_j low[t * r + j] B^T[j][c] over `C` 8-column chunks from c, rows [t0, t0 + T):
+// even and odd j summed apart (independent chains), then joined, then added to y once.
+template <typename W, int C, int T>
+inline void lora_expand_block(const W* bt, int64_t bt_stride, const float* low, int64_t r, int64_t c, int64_t t0,
+                              float* const* ys) {
+  __m256 acc[T][C][2];
+  for (int t = 0; t < T; ++t)
+    for (int k = 0; k < C; ++k) acc[t][k][0] = acc[t][k][1] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= r; j += 2) {
+    __m256 w0[C], w1[C];
+    for (int k = 0; k < C; ++k) {
+      w0[k] = lora_load8(bt + j * bt_stride + c + 8 * k);
+      w1[k] = lora_load8(bt + (j + 1) * bt_stride + c + 8 * k);
+    }
+    for (int t = 0; t < T; ++t) {
+      const __m256 l0 = _mm256_broadcast_ss(low + (t0 + t) * r + j);
+      const __m256 l1 = _mm256_broadcast_ss(low + (t0 + t) * r + j + 1);
+      for (int k = 0; k < C; ++k) {
+        acc[t][k][0] = _mm256_fmadd_ps(l0, w0[k], acc[t][k][0]);
+        acc[t][k][1] = _mm256_fmadd_ps(l1, w1[k], acc[t][k][1]);
+      }
+    }
+  }
+  if (j < r) {
+    for (int k = 0; k < C; ++k) {
+      const __m256 w = lora_load8(bt + j * bt_stride + c + 8 * k);
+      for (int t = 0; t < T; ++t)
+        acc[t][k][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(low + (t0 + t) * r + j), w, acc[t][k][0]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    for (int k = 0; k < C; ++k) {
+      float* y = ys[t0 + t] + c + 8 * k;
+      _mm256_storeu_ps(y, _mm256_add_ps(_mm256_loadu_ps(y), _mm256_add_ps(acc[t][k][0], acc[t][k][1])));
+    }
+  }
+}
+
+template <typename W, int C>
+inline void lora_expand_rows(const W* bt, int64_t bt_stride, const float* low, int64_t r, int64_t c,
+                             int64_t count, float* const* ys) {
+  int64_t t0 = 0;
+  for (; t0 + 2 <= count; t0 += 2) lora_expand_block<W, C, 2>(bt, bt_stride, low, r, c, t0, ys);
+  if (t0 < count) lora_expand_block<W, C, 1>(bt, bt_stride, low, r, c, t0, ys);
+}
+#endif
+
+// One (group, part): low[t, j] = scale * x_t . A[j], A read once for all the group's rows
+// (`xs` their float32 rows); then y_t[column + c] += sum_j low[t, j] B^T[j][c] (`ys` their
+// float32 rows, at column 0 of y), B^T read once for all of them.
+template <typename W>
+void lora_part(const LoraPart& pt, const float* const* xs, float* const* ys, int64_t in, int64_t count,
+               float scale, float* low, const LoraPart* next) {
+  const W* a = static_cast<const W*>(pt.a);
+  const W* bt = static_cast<const W*>(pt.bt);
+  const int64_t r = pt.rank, out = pt.out;
+  int64_t c0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  constexpr int64_t kElem = sizeof(W);
+  // B^T's lines over the shrink's column steps, the next part's A's over the expand's chunks.
+  LoraPrefetch pf_bt(bt, pt.bt_stride * kElem, out * kElem, r);
+  const int64_t shrink_steps = std::max<int64_t>(1, (r / 4 + r % 4) * count * (in / 8));
+  const int64_t bt_step = (pf_bt.lines() + shrink_steps - 1) / shrink_steps;
+  int64_t j = 0;
+  for (; j + 4 <= r; j += 4) lora_shrink_rows<W, 4>(a, pt.a_stride, xs, in, j, count, r, scale, low, &pf_bt, bt_step);
+  for (; j < r; ++j) lora_shrink_rows<W, 1>(a, pt.a_stride, xs, in, j, count, r, scale, low, &pf_bt, bt_step);
+  LoraPrefetch pf_a;
+  if (next != nullptr) {
+    const int64_t elem = next->bf16 ? 2 : 4;
+    pf_a = LoraPrefetch(next->a, next->a_stride * elem, in * elem, next->rank);
+  }
+  const int64_t expand_steps = std::max<int64_t>(1, (out / 8) * ((count + 1) / 2));
+  const int64_t a_step = (pf_a.lines() + expand_steps - 1) / expand_steps;
+  float* cols[64];
+  for (int64_t t0 = 0; t0 < count; t0 += 64) {  // y pointers at this part's first column
+    const int64_t n = std::min<int64_t>(64, count - t0);
+    for (int64_t t = 0; t < n; ++t) cols[t] = ys[t0 + t] + pt.column;
+    const float* lw = low + t0 * r;
+    int64_t c = 0;
+    for (; c + 16 <= out; c += 16) {
+      pf_a.issue(2 * a_step);
+      lora_expand_rows<W, 2>(bt, pt.bt_stride, lw, r, c, n, cols);
+    }
+    for (; c + 8 <= out; c += 8) {
+      pf_a.issue(a_step);
+      lora_expand_rows<W, 1>(bt, pt.bt_stride, lw, r, c, n, cols);
+    }
+    c0 = c;
+  }
+#else
+  (void)next;
+  for (int64_t t = 0; t < count; ++t) {
+    for (int64_t j = 0; j < r; ++j) {
+      const W* aj = a + j * pt.a_stride;
+      float s = 0.f;
+      for (int64_t i = 0; i < in; ++i) s += lora_weight(aj[i]) * xs[t][i];
+      low[t * r + j] = scale * s;
+    }
+  }
+#endif
+  // The columns past the last 8-column chunk (all of them without AVX2): row by row.
+  if (c0 < out) {
+    for (int64_t t = 0; t < count; ++t) {
+      float* y = ys[t] + pt.column;
+      for (int64_t c = c0; c < out; ++c) {
+        float s = 0.f;
+        for (int64_t j = 0; j < r; ++j) s += low[t * r + j] * lora_weight(bt[j * pt.bt_stride + c]);
+        y[c] += s;
+      }
+    }
   }
 }
 
 std::vector<LoraPart> lora_parts(at::IntArrayRef starts, const std::vector<at::Tensor>& a,
                                  const std::vector<at::Tensor>& bt, at::IntArrayRef offsets,
-                                 int64_t in, int64_t out, int64_t* low_size) {
+                                 int64_t in, int64_t out) {
   const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
   const int64_t parts = static_cast<int64_t>(offsets.size());
   TORCH_CHECK(static_cast<int64_t>(a.size()) == groups * parts && a.size() == bt.size(),
               "lora_products_: a and bt need one tensor per (group, part)");
   std::vector<LoraPart> found;
-  *low_size = 0;
   for (int64_t g = 0; g < groups; ++g) {
     TORCH_CHECK(starts[g] <= starts[g + 1], "lora_products_: starts must not decrease");
     for (int64_t p = 0; p < parts; ++p) {
@@ -130,9 +242,8 @@ std::vector<LoraPart> lora_parts(at::IntArrayRef starts, const std::vector<at::T
       TORCH_CHECK(ap.size(1) == in && bp.size(0) == ap.size(0) && offsets[p] >= 0 &&
                       offsets[p] + bp.size(1) <= out,
                   "lora_products_: part ", p, " of group ", g, " does not fit x and y");
-      found.push_back({g, p, ap.size(0), bp.size(1), *low_size, ap.data_ptr(), bp.data_ptr(),
+      found.push_back({g, p, ap.size(0), bp.size(1), offsets[p], ap.data_ptr(), bp.data_ptr(),
                        ap.stride(0), bp.stride(0), bf16});
-      *low_size += (starts[g + 1] - starts[g]) * ap.size(0);
     }
   }
   return found;
@@ -154,49 +265,81 @@ void lora_products_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
   const int64_t* row_ids = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < x.size(0), "lora_products_: row ", row_ids[i], " is not in x");
-  int64_t low_size = 0;
-  const std::vector<LoraPart> parts = lora_parts(starts, a, bt, offsets, in, out, &low_size);
+  const std::vector<LoraPart> parts = lora_parts(starts, a, bt, offsets, in, out);
   if (parts.empty()) return;
 
-  // The rows' x in float32, in group order.
-  std::vector<float> xs(n * in);
-  CADENCE_DISPATCH(x.scalar_type(), "lora_products_", [&] {
-    const scalar_t* src = x.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < n; ++i) load_row(src + row_ids[i] * x.stride(0), xs.data() + i * in, in);
-  });
+  // The rows in group order, as float32 rows: x's and y's own where they are float32 (y then
+  // takes the products in place), else copies (y's written back, rounded once, at the end).
+  std::vector<float> x_copy, y_copy;
+  std::vector<const float*> xs(n);
+  std::vector<float*> ys(n);
+  if (x.scalar_type() == at::kFloat) {
+    for (int64_t i = 0; i < n; ++i) xs[i] = x.data_ptr<float>() + row_ids[i] * x.stride(0);
+  } else {
+    x_copy.resize(n * in);
+    CADENCE_DISPATCH(x.scalar_type(), "lora_products_", [&] {
+      const scalar_t* src = x.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < n; ++i) load_row(src + row_ids[i] * x.stride(0), x_copy.data() + i * in, in);
+    });
+    for (int64_t i = 0; i < n; ++i) xs[i] = x_copy.data() + i * in;
+  }
+  const bool y_float = y.scalar_type() == at::kFloat;
+  if (y_float) {
+    for (int64_t i = 0; i < n; ++i) ys[i] = y.data_ptr<float>() + row_ids[i] * y.stride(0);
+  } else {
+    y_copy.resize(n * out);
+    CADENCE_DISPATCH(y.scalar_type(), "lora_products_", [&] {
+      const scalar_t* src = y.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < n; ++i) load_row(src + row_ids[i] * y.stride(0), y_copy.data() + i * out, out);
+    });
+    for (int64_t i = 0; i < n; ++i) ys[i] = y_copy.data() + i * out;
+  }
 
-  // One task per (group, part); tasks write disjoint (row, column) blocks of delta.
-  std::vector<float> low(low_size);
-  std::vector<float> delta(n * out, 0.f);
-  int64_t work = 0;
-  for (const LoraPart& pt : parts) work += (starts[pt.group + 1] - starts[pt.group]) * pt.rank * (in + pt.out);
-  auto body = [&](int64_t begin, int64_t end) {
+  // Tasks (group, part) write disjoint (row, column) blocks of y. Each thread takes one
+  // contiguous run of them holding about its share of the multiply-adds.
+  const int64_t num_parts = static_cast<int64_t>(parts.size());
+  std::vector<int64_t> work_before(num_parts + 1, 0);
+  int64_t max_low = 0;
+  for (int64_t k = 0; k < num_parts; ++k) {
+    const LoraPart& pt = parts[k];
+    const int64_t count = starts[pt.group + 1] - starts[pt.group];
+    work_before[k + 1] = work_before[k] + std::max<int64_t>(count, 1) * pt.rank * (in + pt.out);
+    max_low = std::max(max_low, count * pt.rank);
+  }
+  auto run = [&](int64_t begin, int64_t end) {
+    std::vector<float> low(max_low);
     for (int64_t k = begin; k < end; ++k) {
-      if (k + 1 < end) lora_prefetch(parts[k + 1], in);  // the next weights, while these run
       const LoraPart& pt = parts[k];
       const int64_t first = starts[pt.group], count = starts[pt.group + 1] - first;
+      if (count == 0) continue;
       const float scale = static_cast<float>(scales[pt.group]);
-      float* lows = low.data() + pt.low_offset;
+      const LoraPart* next = k + 1 < end ? &parts[k + 1] : nullptr;
       if (pt.bf16)
-        lora_part<c10::BFloat16>(pt, xs.data(), in, first, count, scale, lows, delta.data(), out, offsets[pt.part]);
+        lora_part<c10::BFloat16>(pt, xs.data() + first, ys.data() + first, in, count, scale, low.data(), next);
       else
-        lora_part<float>(pt, xs.data(), in, first, count, scale, lows, delta.data(), out, offsets[pt.part]);
+        lora_part<float>(pt, xs.data() + first, ys.data() + first, in, count, scale, low.data(), next);
     }
   };
-  const int64_t num_parts = static_cast<int64_t>(parts.size());
-  if (work < kLoraSerialWork) body(0, num_parts);
-  else at::parallel_for(0, num_parts, 1, body);
-
-  // y[row] += delta[t], rounded once to y's dtype.
-  CADENCE_DISPATCH(y.scalar_type(), "lora_products_", [&] {
-    scalar_t* dst = y.data_ptr<scalar_t>();
-    std::vector<float> row(out);
-    for (int64_t t = 0; t < n; ++t) {
-      scalar_t* yrow = dst + row_ids[t] * y.stride(0);
-      load_row(yrow, row.data(), out);
-      const float* d = delta.data() + t * out;
-      for (int64_t c = 0; c < out; ++c) row[c] += d[c];
-      store_row(row.data(), yrow, out);
+  const int64_t work = work_before[num_parts];
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_parts);
+  if (work < kLoraSerialWork || threads <= 1) {
+    run(0, num_parts);
+  } else {
+    std::vector<int64_t> bounds(threads + 1, num_parts);
+    bounds[0] = 0;
+    for (int64_t th = 1; th < threads; ++th) {  // the first task past th / threads of the work
+      const int64_t target = work * th / threads;
+      bounds[th] = std::lower_bound(work_before.begin(), work_before.end(), target) - work_before.begin();
     }
-  });
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t th = begin; th < end; ++th) run(bounds[th], bounds[th + 1]);
+    });
+  }
+
+  if (!y_float) {
+    CADENCE_DISPATCH(y.scalar_type(), "lora_products_", [&] {
+      scalar_t* dst = y.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < n; ++i) store_row(y_copy.data() + i * out, dst + row_ids[i] * y.stride(0), out);
+    });
+  }
 }

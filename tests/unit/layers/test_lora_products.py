@@ -180,6 +180,47 @@ def test_wide_products_over_many_rows_and_adapters(ops, rows):
     )
 
 
+@pytest.mark.skipif(not cpu_kernels_available(), reason="Cadence's CPU kernels are not built here")
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank", [5, 16])
+def test_a_row_gets_the_same_sums_in_any_batch(weights, rank):
+    """The kernel's product of a row does not depend on the rows that share its adapter:
+    alone, or at any place in a group of 70 (past the kernel's blocks of rows), it comes out
+    bit for bit the same, so a request's output does not depend on the batch it is served
+    in. (torch's matmuls make no such promise.)"""
+    ops = CpuFusedOps()
+    a = adapter(40 + rank, rank=rank, projs=("down",), dtype=weights)
+    x = tokens(70, WIDE)
+    y = base(x, "down")
+    alone = [
+        LoraBatch.build([a], [1], "cpu").apply(1, "down", x[i : i + 1], y[i : i + 1].clone(), ops)
+        for i in (0, 33, 69)
+    ]
+    together = LoraBatch.build([a], [70], "cpu").apply(1, "down", x, y.clone(), ops)
+    for row, want in zip((0, 33, 69), alone):
+        torch.testing.assert_close(together[row : row + 1], want, rtol=0, atol=0)
+    torch.testing.assert_close(together, reference([a], [70], x, 1, "down"), rtol=1e-4, atol=1e-4)
+
+
+def test_a_batch_of_the_same_adapters_reuses_the_gathered_arguments(ops):
+    """`build` with a cache: one gathering of each projection's arguments per group
+    composition, whatever the rows; another composition gathers its own."""
+    a, b = adapter(50), adapter(51, rank=5)
+    cache: dict = {}
+    x = tokens(3)
+    first = LoraBatch.build([a, b, None], [1, 1, 1], "cpu", cache)
+    assert first is not None
+    want = first.apply(0, "qkv", x, base(x), ops)
+    again = LoraBatch.build([a, None, b], [1, 1, 1], "cpu", cache)  # other rows, same groups
+    assert again is not None and again.args is first.args and (0, "qkv") in again.args
+    x2 = x[[0, 2, 1]]
+    torch.testing.assert_close(again.apply(0, "qkv", x2, base(x2), ops), want[[0, 2, 1]])
+    other = LoraBatch.build([b, a], [1, 1], "cpu", cache)  # b's group first: another key
+    assert other is not None and other.args is not first.args and len(cache) == 2
+    assert first.apply(1, "o", x, base(x, "o"), ops).equal(base(x, "o"))  # not targeted
+    assert first.args[(1, "o")] is None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_activations_take_float32_products(ops, dtype):
     a = adapter(6)

@@ -152,6 +152,23 @@ def test_unload_idle_frees_at_once(adapters):
     assert a.weights.layers == [] and lm.adapters == {} and lm.num_in_use == 0
 
 
+def test_freeing_an_adapter_empties_the_batches_arguments(adapters):
+    """LoraBatch's cache of gathered arguments is keyed by adapters' ids: it is emptied when
+    an adapter's weights are freed, so neither a freed tensor nor a reused id outlives it."""
+    lm = manager()
+    lm.load("a", adapters["a"])
+    b = lm.load("b", adapters["b"])
+    lm.batch_args[(1, 2)] = {}
+    lm.unload("a")
+    assert lm.batch_args == {}
+    held = lm.acquire("b")
+    lm.batch_args[(2,)] = {}
+    lm.unload("b")
+    assert lm.batch_args == {(2,): {}}  # b still serves a request
+    lm.release(held)
+    assert lm.batch_args == {} and b.weights.layers == []
+
+
 def test_every_load_gets_a_fresh_uid(adapters):
     lm = manager()
     first = lm.load("a", adapters["a"])
