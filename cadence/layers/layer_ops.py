@@ -58,6 +58,17 @@ class LayerOps:
             rotated = torch.view_as_complex(qk.float().view(t, *factors.shape[1:], 2)).mul_(factors)
             qk.copy_(torch.view_as_real(rotated).view(t, -1))
 
+    def lora_arguments(
+        self,
+        scales: list[float],
+        a: list[torch.Tensor],
+        bt: list[torch.Tensor],
+        offsets: tuple[int, ...],
+    ) -> tuple:
+        """A projection's adapter arguments as `lora_products_` takes them after (y, x, rows,
+        starts): prepared once per batch of adapters (`LoraBatch` keeps them)."""
+        return scales, a, bt, offsets
+
     def lora_products_(
         self,
         y: torch.Tensor,
@@ -117,5 +128,11 @@ class CpuFusedOps(LayerOps):
     def rotary_(self, qk, factors):
         self._ops.rotary_(qk, factors)
 
-    def lora_products_(self, y, x, rows, starts, scales, a, bt, offsets):
-        self._ops.lora_products_.default(y, x, rows, starts, scales, a, bt, offsets)
+    def lora_arguments(self, scales, a, bt, offsets):
+        # One checked table of the parts (their addresses, shapes and strides): the kernel
+        # then reads one small tensor per call, not two per adapter and part. The table
+        # holds addresses, so the tensors it was made from travel with it.
+        return scales, self._ops.lora_table.default(a, bt, list(offsets)), (a, bt)
+
+    def lora_products_(self, y, x, rows, starts, scales, table, held=None):
+        self._ops.lora_products_table_.default(y, x, rows, starts, scales, table)

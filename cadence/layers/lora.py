@@ -62,8 +62,10 @@ class LoraWeights:
 
 
 # The products' arguments of one projection: (scales, A parts, B^T parts, offsets); None
-# where no adapter of the batch targets it.
-ProductArgs = tuple[list[float], list[torch.Tensor], list[torch.Tensor], tuple[int, ...]] | None
+# where no adapter of the batch targets it. `LayerOps.lora_arguments` prepares them for its
+# `lora_products_` (the CPU kernel's: one table of the parts).
+Gathered = tuple[list[float], list[torch.Tensor], list[torch.Tensor], tuple[int, ...]]
+ProductArgs = tuple | None
 # The largest number of group compositions a `LoraBatch.build` cache keeps (then it starts over).
 MAX_CACHED_BATCHES = 32
 
@@ -129,12 +131,13 @@ class LoraBatch:
         if key in self.args:
             args = self.args[key]
         else:
-            args = self.args[key] = self._gather(layer_id, proj)
+            gathered = self._gather(layer_id, proj)
+            args = self.args[key] = None if gathered is None else ops.lora_arguments(*gathered)
         if args is not None:
             ops.lora_products_(y, x, self.rows, self.starts, *args)
         return y
 
-    def _gather(self, layer_id: int, proj: str) -> ProductArgs:
+    def _gather(self, layer_id: int, proj: str) -> Gathered | None:
         products = [adapter.layers[layer_id].get(proj) for adapter in self.adapters]
         present = next((p for p in products if p is not None), None)
         if present is None:

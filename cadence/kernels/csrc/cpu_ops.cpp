@@ -764,6 +764,9 @@ TORCH_LIBRARY(cadence, m) {
   m.def("copy_pages_(Tensor[] src_layers, Tensor src_pages, Tensor(a!)[] dst_layers, Tensor dst_pages) -> ()");
   m.def("lora_products_(Tensor(a!) y, Tensor x, Tensor rows, int[] starts, float[] scales, Tensor[] a, "
         "Tensor[] bt, int[] offsets) -> ()");
+  m.def("lora_table(Tensor[] a, Tensor[] bt, int[] offsets) -> Tensor");
+  m.def("lora_products_table_(Tensor(a!) y, Tensor x, Tensor rows, int[] starts, float[] scales, "
+        "Tensor table) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cadence, CPU, m) {
@@ -776,4 +779,6 @@ TORCH_LIBRARY_IMPL(cadence, CPU, m) {
   m.impl("move_pages_", &move_pages_);
   m.impl("copy_pages_", &copy_pages_);
   m.impl("lora_products_", &lora_products_);
+  m.impl("lora_table", &lora_table);
+  m.impl("lora_products_table_", &lora_products_table_);
 }

@@ -24,7 +24,7 @@
 constexpr int64_t kLoraSerialWork = 1 << 16;  // multiply-adds below which no thread is woken
 
 struct LoraPart {
-  int64_t group, part, rank, out, column;
+  int64_t group, rank, out, column;
   const void* a;
   const void* bt;
   int64_t a_stride, bt_stride;
@@ -217,16 +217,15 @@ void lora_part(const LoraPart& pt, const float* const* xs, float* const* ys, int
   }
 }
 
-std::vector<LoraPart> lora_parts(at::IntArrayRef starts, const std::vector<at::Tensor>& a,
-                                 const std::vector<at::Tensor>& bt, at::IntArrayRef offsets,
-                                 int64_t in, int64_t out) {
-  const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
+// The (group, part) tasks of `groups` groups' A and B^T, checked against x's width `in` and
+// y's `out` (out < 0: against each part's own end, checked per step by lora_step_parts).
+std::vector<LoraPart> lora_parts(int64_t groups, const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt,
+                                 at::IntArrayRef offsets, int64_t in, int64_t out) {
   const int64_t parts = static_cast<int64_t>(offsets.size());
-  TORCH_CHECK(static_cast<int64_t>(a.size()) == groups * parts && a.size() == bt.size(),
+  TORCH_CHECK(parts > 0 && static_cast<int64_t>(a.size()) == groups * parts && a.size() == bt.size(),
               "lora_products_: a and bt need one tensor per (group, part)");
   std::vector<LoraPart> found;
   for (int64_t g = 0; g < groups; ++g) {
-    TORCH_CHECK(starts[g] <= starts[g + 1], "lora_products_: starts must not decrease");
     for (int64_t p = 0; p < parts; ++p) {
       const at::Tensor& ap = a[g * parts + p];
       const at::Tensor& bp = bt[g * parts + p];
@@ -240,33 +239,39 @@ std::vector<LoraPart> lora_parts(at::IntArrayRef starts, const std::vector<at::T
                   "lora_products_: A and B^T must be float32 or bfloat16 CPU matrices of one "
                   "dtype with contiguous rows");
       TORCH_CHECK(ap.size(1) == in && bp.size(0) == ap.size(0) && offsets[p] >= 0 &&
-                      offsets[p] + bp.size(1) <= out,
+                      (out < 0 || offsets[p] + bp.size(1) <= out),
                   "lora_products_: part ", p, " of group ", g, " does not fit x and y");
-      found.push_back({g, p, ap.size(0), bp.size(1), offsets[p], ap.data_ptr(), bp.data_ptr(),
+      found.push_back({g, ap.size(0), bp.size(1), offsets[p], ap.data_ptr(), bp.data_ptr(),
                        ap.stride(0), bp.stride(0), bf16});
     }
   }
   return found;
 }
 
-void lora_products_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
-                    at::IntArrayRef starts, at::ArrayRef<double> scales,
-                    const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt,
-                    at::IntArrayRef offsets) {
+// The checks of a step's rows; returns row ids.
+const int64_t* lora_check_step(const at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
+                               at::IntArrayRef starts, at::ArrayRef<double> scales) {
   check_rows(x, "x");
   check_rows(y, "y");
   TORCH_CHECK(x.size(0) == y.size(0), "lora_products_: x and y have different row counts");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
               "lora_products_: rows must be a contiguous 1-D int64 tensor");
-  const int64_t in = x.size(1), out = y.size(1), n = rows.numel();
+  const int64_t n = rows.numel();
   TORCH_CHECK(!starts.empty() && starts.front() == 0 && starts.back() == n,
               "lora_products_: starts must run from 0 to the number of rows");
+  for (size_t g = 0; g + 1 < starts.size(); ++g)
+    TORCH_CHECK(starts[g] <= starts[g + 1], "lora_products_: starts must not decrease");
   TORCH_CHECK(scales.size() + 1 == starts.size(), "lora_products_: one scale per group");
   const int64_t* row_ids = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < x.size(0), "lora_products_: row ", row_ids[i], " is not in x");
-  const std::vector<LoraPart> parts = lora_parts(starts, a, bt, offsets, in, out);
+  return row_ids;
+}
+
+void lora_run(at::Tensor& y, const at::Tensor& x, const int64_t* row_ids, at::IntArrayRef starts,
+              at::ArrayRef<double> scales, const std::vector<LoraPart>& parts) {
   if (parts.empty()) return;
+  const int64_t in = x.size(1), out = y.size(1), n = starts.back();
 
   // The rows in group order, as float32 rows: x's and y's own where they are float32 (y then
   // takes the products in place), else copies (y's written back, rounded once, at the end).
@@ -342,4 +347,55 @@ void lora_products_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
       for (int64_t i = 0; i < n; ++i) store_row(y_copy.data() + i * out, dst + row_ids[i] * y.stride(0), out);
     });
   }
+}
+
+void lora_products_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, at::IntArrayRef starts,
+                    at::ArrayRef<double> scales, const std::vector<at::Tensor>& a,
+                    const std::vector<at::Tensor>& bt, at::IntArrayRef offsets) {
+  const int64_t* row_ids = lora_check_step(y, x, rows, starts, scales);
+  const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
+  lora_run(y, x, row_ids, starts, scales, lora_parts(groups, a, bt, offsets, x.size(1), y.size(1)));
+}
+
+// A projection's tasks for a batch of adapters, checked once and kept as a table of int64
+// rows (kTableColumns each: group, rank, in, out_p, column, A's and B^T's addresses and row
+// strides, bfloat16 or not): lora_products_table_ then reads one small tensor per call, not
+// two per adapter and part (a decode step makes ~120 such calls, and the tensors' own
+// records are out of the cache by then). The table holds addresses: whoever keeps it keeps
+// the tensors it was made from.
+constexpr int64_t kTableColumns = 10;
+
+at::Tensor lora_table(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt, at::IntArrayRef offsets) {
+  const int64_t parts = static_cast<int64_t>(offsets.size());
+  TORCH_CHECK(parts > 0 && !a.empty() && a[0].dim() == 2, "lora_table: a needs one [r, in] matrix per (group, part)");
+  const std::vector<LoraPart> found = lora_parts(static_cast<int64_t>(a.size()) / parts, a, bt, offsets, a[0].size(1), -1);
+  at::Tensor table = at::empty({static_cast<int64_t>(found.size()), kTableColumns}, at::kLong);
+  int64_t* t = table.data_ptr<int64_t>();
+  for (const LoraPart& pt : found) {
+    const int64_t row[kTableColumns] = {pt.group, pt.rank, a[0].size(1), pt.out, pt.column,
+                                        reinterpret_cast<int64_t>(pt.a), reinterpret_cast<int64_t>(pt.bt),
+                                        pt.a_stride, pt.bt_stride, pt.bf16 ? 1 : 0};
+    std::copy(row, row + kTableColumns, t);
+    t += kTableColumns;
+  }
+  return table;
+}
+
+void lora_products_table_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, at::IntArrayRef starts,
+                          at::ArrayRef<double> scales, const at::Tensor& table) {
+  const int64_t* row_ids = lora_check_step(y, x, rows, starts, scales);
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == kTableColumns &&
+                  table.is_contiguous() && table.is_cpu(),
+              "lora_products_table_: table must come from lora_table");
+  const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
+  std::vector<LoraPart> parts(table.size(0));
+  const int64_t* t = table.data_ptr<int64_t>();
+  for (LoraPart& pt : parts) {
+    TORCH_CHECK(t[0] >= 0 && t[0] < groups && t[2] == x.size(1) && t[4] + t[3] <= y.size(1),
+                "lora_products_table_: the table's part for group ", t[0], " does not fit x, y and the groups");
+    pt = {t[0], t[1], t[3], t[4], reinterpret_cast<const void*>(t[5]), reinterpret_cast<const void*>(t[6]),
+          t[7], t[8], t[9] != 0};
+    t += kTableColumns;
+  }
+  lora_run(y, x, row_ids, starts, scales, parts);
 }

@@ -278,3 +278,49 @@ def test_the_kernel_refuses_what_does_not_fit():
         op(y, x, rows, [0, 2], a, [bt[0].bfloat16()], [0])
     op(y, x, rows, [0, 2], a, bt, [0])
     torch.testing.assert_close(y, 2.0 * (x @ a[0].T) @ bt[0])
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="Cadence's CPU kernels are not built")
+def test_a_table_of_the_parts_gives_the_lists_products_and_is_checked():
+    """`lora_table` checks a projection's parts once (what `lora_products_` refuses, it
+    refuses); `lora_products_table_` then gives the same sums bit for bit, and still refuses
+    a step the table does not fit."""
+    ops = torch.ops.cadence
+    gen = torch.Generator().manual_seed(5)
+    widths, offsets = (IN, 3, 3), [0, IN, IN + 3]  # a fused projection of three parts
+
+    def part(width, dtype=torch.float32):
+        return torch.randn(4, IN, generator=gen).to(dtype), torch.randn(4, width, generator=gen).to(
+            dtype
+        )
+
+    first = [part(w) for w in widths]  # group 0: float32, every part
+    second = [
+        part(widths[0], torch.bfloat16),
+        (torch.zeros(0, IN), torch.zeros(0, 0)),
+        part(widths[2]),
+    ]
+    a = [pa for pa, _ in first + second]  # group 1: bfloat16 first part, the second not targeted
+    bt = [pb for _, pb in first + second]
+    x, rows = torch.randn(5, IN, generator=gen), torch.tensor([4, 0, 2, 1, 3])
+    starts, scales = [0, 3, 5], [1.5, 0.5]
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.lora_table(a[:2] + [a[2].bfloat16()] + a[3:], bt, offsets)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ops.lora_table(a[:1] + [torch.randn(4, IN + 1)] + a[2:], bt, offsets)
+    table = ops.lora_table(a, bt, offsets)
+    assert table.shape[0] == 5  # the empty part has no row
+    want, got = torch.zeros(5, IN + 6), torch.zeros(5, IN + 6)
+    ops.lora_products_(want, x, rows, starts, scales, a, bt, offsets)
+    ops.lora_products_table_(got, x, rows, starts, scales, table)
+    assert got.equal(want) and want.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ops.lora_products_table_(
+            torch.zeros(5, IN + 5), x, rows, starts, scales, table
+        )  # y too narrow
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ops.lora_products_table_(got, torch.randn(5, IN + 1), rows, starts, scales, table)
+    with pytest.raises(RuntimeError, match="does not fit"):  # one group: b's parts have none
+        ops.lora_products_table_(got, x, rows, [0, 5], [1.0], table)
+    with pytest.raises(RuntimeError, match="must come from lora_table"):
+        ops.lora_products_table_(got, x, rows, starts, scales, table.int())
