@@ -268,6 +268,24 @@ const int64_t* lora_check_step(const at::Tensor& y, const at::Tensor& x, const a
   return row_ids;
 }
 
+// Rows `row_ids` of t [*, width] as float32 rows: t's own where t is float32, else copies
+// made in `copy`.
+std::vector<float*> lora_float_rows(const at::Tensor& t, const int64_t* row_ids, int64_t n, std::vector<float>* copy) {
+  std::vector<float*> rows(n);
+  const int64_t width = t.size(1), stride = t.stride(0);
+  if (t.scalar_type() == at::kFloat) {
+    for (int64_t i = 0; i < n; ++i) rows[i] = t.data_ptr<float>() + row_ids[i] * stride;
+    return rows;
+  }
+  copy->resize(n * width);
+  CADENCE_DISPATCH(t.scalar_type(), "lora_products_", [&] {
+    const scalar_t* src = t.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < n; ++i) load_row(src + row_ids[i] * stride, copy->data() + i * width, width);
+  });
+  for (int64_t i = 0; i < n; ++i) rows[i] = copy->data() + i * width;
+  return rows;
+}
+
 void lora_run(at::Tensor& y, const at::Tensor& x, const int64_t* row_ids, at::IntArrayRef starts,
               at::ArrayRef<double> scales, const std::vector<LoraPart>& parts) {
   if (parts.empty()) return;
@@ -276,29 +294,9 @@ void lora_run(at::Tensor& y, const at::Tensor& x, const int64_t* row_ids, at::In
   // The rows in group order, as float32 rows: x's and y's own where they are float32 (y then
   // takes the products in place), else copies (y's written back, rounded once, at the end).
   std::vector<float> x_copy, y_copy;
-  std::vector<const float*> xs(n);
-  std::vector<float*> ys(n);
-  if (x.scalar_type() == at::kFloat) {
-    for (int64_t i = 0; i < n; ++i) xs[i] = x.data_ptr<float>() + row_ids[i] * x.stride(0);
-  } else {
-    x_copy.resize(n * in);
-    CADENCE_DISPATCH(x.scalar_type(), "lora_products_", [&] {
-      const scalar_t* src = x.data_ptr<scalar_t>();
-      for (int64_t i = 0; i < n; ++i) load_row(src + row_ids[i] * x.stride(0), x_copy.data() + i * in, in);
-    });
-    for (int64_t i = 0; i < n; ++i) xs[i] = x_copy.data() + i * in;
-  }
+  const std::vector<float*> xs = lora_float_rows(x, row_ids, n, &x_copy);
+  const std::vector<float*> ys = lora_float_rows(y, row_ids, n, &y_copy);
   const bool y_float = y.scalar_type() == at::kFloat;
-  if (y_float) {
-    for (int64_t i = 0; i < n; ++i) ys[i] = y.data_ptr<float>() + row_ids[i] * y.stride(0);
-  } else {
-    y_copy.resize(n * out);
-    CADENCE_DISPATCH(y.scalar_type(), "lora_products_", [&] {
-      const scalar_t* src = y.data_ptr<scalar_t>();
-      for (int64_t i = 0; i < n; ++i) load_row(src + row_ids[i] * y.stride(0), y_copy.data() + i * out, out);
-    });
-    for (int64_t i = 0; i < n; ++i) ys[i] = y_copy.data() + i * out;
-  }
 
   // Tasks (group, part) write disjoint (row, column) blocks of y. Each thread takes one
   // contiguous run of them holding about its share of the multiply-adds.
