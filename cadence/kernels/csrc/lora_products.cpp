@@ -165,7 +165,8 @@ void lora_part(const LoraPart& pt, const float* const* xs, float* const* ys, int
   constexpr int64_t kElem = sizeof(W);
   // B^T's lines over the shrink's column steps, the next part's A's over the expand's chunks.
   LoraPrefetch pf_bt(bt, pt.bt_stride * kElem, out * kElem, r);
-  const int64_t shrink_steps = std::max<int64_t>(1, (r / 4 + r % 4) * count * (in / 8));
+  // (lora_shrink_rows passes over the columns once per two token rows)
+  const int64_t shrink_steps = std::max<int64_t>(1, (r / 4 + r % 4) * ((count + 1) / 2) * (in / 8));
   const int64_t bt_step = (pf_bt.lines() + shrink_steps - 1) / shrink_steps;
   int64_t j = 0;
   for (; j + 4 <= r; j += 4) lora_shrink_rows<W, 4>(a, pt.a_stride, xs, in, j, count, r, scale, low, &pf_bt, bt_step);
@@ -218,7 +219,7 @@ void lora_part(const LoraPart& pt, const float* const* xs, float* const* ys, int
 }
 
 // The (group, part) tasks of `groups` groups' A and B^T, checked against x's width `in` and
-// y's `out` (out < 0: against each part's own end, checked per step by lora_step_parts).
+// y's `out` (out < 0: not yet; lora_products_table_ checks each part's end at every step).
 std::vector<LoraPart> lora_parts(int64_t groups, const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt,
                                  at::IntArrayRef offsets, int64_t in, int64_t out) {
   const int64_t parts = static_cast<int64_t>(offsets.size());
