@@ -43,6 +43,22 @@ class ModelRunner(Runner):
         self.args = args
         self.groups = groups  # cadence.distributed.group.RankGroups, with tp or pp > 1
         self.samples = groups is None or groups.is_leader
+        self._load(args, model_path)
+        num_pages = self._make_kv_memory(args)
+        self._set_up_model(args)
+        self._init_decode_state(args)
+        self.lora = self._init_lora(args)
+        self._weights_loaded()
+        if args.random_seed is not None:
+            self.platform.seed(args.random_seed)
+        committed = "committed" if self.is_kv_pool_committed else "lazy: committed as first written"
+        logger.info("KV pool: %d tokens in %d pages of %d, %.1f MiB (%s)",
+                    num_pages * self.page_size, num_pages, self.page_size,
+                    self.kv_pool_bytes / 2**20, committed)  # fmt: skip
+
+    def _load(self, args: ServerArgs, model_path: str) -> None:
+        """The platform's device and dtypes, the model's weights and what the config says of
+        serving it."""
         # Every device decision (device, dtypes, kernels, memory) is the platform's.
         self.platform = get_current_platform()
         self.platform.init_backend()
@@ -55,10 +71,9 @@ class ModelRunner(Runner):
             self.device,
             quantization=args.quantization,
             dequantize=args.dequantize,
-            shard=None if groups is None else groups.shard,
+            shard=None if self.groups is None else self.groups.shard,
         )
         cfg = self.config
-        dims = self.model.dims  # this rank's heads (all of them on one rank)
         # --is-embedding: served as an embedding model (`embed`); generation is refused.
         self.is_generation = not args.is_embedding
         self.embed_needs_kv = True
@@ -71,6 +86,11 @@ class ModelRunner(Runner):
                 self.context_len,
                 cfg.max_position_embeddings,
             )
+
+    def _make_kv_memory(self, args: ServerArgs) -> int:
+        """The KV pool (committed unless --lazy-kv-pool), the page allocator the scheduler
+        borrows, and the attention backend over the pool; returns the number of pages."""
+        cfg, dims = self.config, self.model.dims  # this rank's heads (all of them on one rank)
         self.page_size = args.page_size
         self.max_total_tokens = self._kv_budget_tokens()
         num_pages = self.max_total_tokens // self.page_size
@@ -91,6 +111,12 @@ class ModelRunner(Runner):
         self.attn = self.platform.make_attention_backend(
             self.kv_pool, dims.num_heads, dims.num_kv_heads, cfg.head_dim
         )
+        return num_pages
+
+    def _set_up_model(self, args: ServerArgs) -> None:
+        """The model's layers over the attention backend, the platform's linear layers and
+        ops, and (with ranks) the shared memory of their collectives."""
+        groups, cfg = self.groups, self.config
         if groups is not None:  # decode steps' all-reduces and logits through shared memory
             vocab_share = self.model.shard.vocab_rows(cfg.vocab_size)  # a gather's slot
             rows = min(args.max_running_requests, 64)
@@ -102,10 +128,12 @@ class ModelRunner(Runner):
             self.platform.make_layer_ops(),
             comm=groups,
         )
-        self._last_decode: tuple[list[int], list[int]] = (
-            [],
-            [],
-        )  # uids and lengths of the last decode step
+
+    def _init_decode_state(self, args: ServerArgs) -> None:
+        """What decode steps keep between launches: the last step's rows, the sampled ids on
+        the device, overlap scheduling, captured graphs."""
+        # uids and lengths of the last decode step
+        self._last_decode: tuple[list[int], list[int]] = ([], [])
         # Overlap scheduling: the ids each launched decode sampled stay on the device here,
         # where the next launch reads its items' input tokens (BatchItem.future_row); the host
         # gets them through one of two pinned buffers (one per step in flight).
@@ -116,21 +144,13 @@ class ModelRunner(Runner):
         self._flip = 0
         # Ranks follow the leader step by step: no step is launched ahead of its results.
         self._overlaps = (
-            not args.disable_overlap_schedule and groups is None and _has_events(self.device)
+            not args.disable_overlap_schedule and self.groups is None and _has_events(self.device)
         )
         # Decode replayed from captured graphs where the platform has them (captured, and
         # recaptured after a weight update, in _weights_loaded).
         self.graphs = None
-        if self.is_generation and groups is None and self.platform.support_cuda_graph():
+        if self.is_generation and self.groups is None and self.platform.support_cuda_graph():
             self.graphs = None if args.disable_cuda_graph else self.platform.make_graph_runner(self)
-        self.lora = self._init_lora(args)
-        self._weights_loaded()
-        if args.random_seed is not None:
-            self.platform.seed(args.random_seed)
-        committed = "committed" if self.is_kv_pool_committed else "lazy: committed as first written"
-        logger.info("KV pool: %d tokens in %d pages of %d, %.1f MiB (%s)",
-                    num_pages * self.page_size, num_pages, self.page_size,
-                    self.kv_pool_bytes / 2**20, committed)  # fmt: skip
 
     def _init_lora(self, args: ServerArgs) -> LoraManager | None:
         if not args.enable_lora:
