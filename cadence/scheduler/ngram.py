@@ -1,6 +1,6 @@
 """Draft tokens without a draft model (`--speculative-algorithm NGRAM`): n-gram matches.
 
-Two sources, the request's own first:
+Two sources; the one whose match is longer drafts (the request's own on a tie):
 - prompt lookup: the longest suffix of the request's tokens (prompt and output, between the
   min and max match windows long) that occurred earlier in them; the tokens that followed
   that occurrence are the draft. Answers that quote, reformat or lightly edit their prompt
@@ -10,6 +10,11 @@ Two sources, the request's own first:
   --speculative-ngram-max-bfs-breadth continuations are kept per n-gram: BFS drafts the most
   recent, PROB the most frequent. The store holds at most --speculative-ngram-capacity
   n-grams and forgets the least recently used first.
+
+A match's length is the evidence behind its draft: a request's own one- or two-token match
+is often chance, while four tokens that the store has seen followed by something are
+usually followed by it again (docs/speculative.md has what letting the longer one draft
+measured against the request's own drafting whenever it had a match).
 
 Drafts are chains (one token per position). The verifier accepts a draft token exactly when
 the token the request samples there equals it, so what a request outputs never depends on
@@ -83,10 +88,11 @@ class NgramDrafter:
         limit = min(limit, self.config.max_draft)
         if limit <= 0 or len(tokens) < self.config.min_match_window + 1:
             return []
-        own = self._lookup_own(tokens, limit)
-        if own:
-            return own
-        return self._lookup_store(tokens, limit)
+        own, own_match = self._lookup_own(tokens, limit)
+        if own_match >= min(self.config.max_match_window, STORE_MAX_KEY):
+            return own  # no key of the store is longer
+        stored, stored_match = self._lookup_store(tokens, limit)
+        return stored if stored_match > own_match else own
 
     def remember(self, tokens: list[int], start: int) -> None:
         """Adds what followed each n-gram of `tokens[start:]` (a finished request's output,
@@ -117,8 +123,9 @@ class NgramDrafter:
 
     # ---- lookups ------------------------------------------------------------------------
 
-    def _lookup_own(self, tokens: list[int], limit: int) -> list[int]:
-        """The continuation of the longest earlier occurrence of a suffix of `tokens`."""
+    def _lookup_own(self, tokens: list[int], limit: int) -> tuple[list[int], int]:
+        """The continuation of the longest earlier occurrence of a suffix of `tokens`, and
+        that suffix's length (0: none)."""
         cfg = self.config
         arr = np.asarray(tokens, dtype=np.int64)
         n = len(arr)
@@ -129,7 +136,7 @@ class NgramDrafter:
             hit &= arr[j : n - m + j] == arr[n - m + j]
         starts = np.flatnonzero(hit)
         if starts.size == 0:
-            return []
+            return [], 0
         best_len, best_start = 0, -1
         for p in starts[::-1][:CANDIDATES].tolist():  # the most recent first: it wins ties
             length = m
@@ -144,9 +151,11 @@ class NgramDrafter:
                 if length >= cfg.max_match_window:
                     break
         follow = best_start + m
-        return tokens[follow : follow + limit]
+        return tokens[follow : follow + limit], best_len
 
-    def _lookup_store(self, tokens: list[int], limit: int) -> list[int]:
+    def _lookup_store(self, tokens: list[int], limit: int) -> tuple[list[int], int]:
+        """The stored continuation of the longest suffix of `tokens` the store keys, and
+        that suffix's length (0: none)."""
         cfg = self.config
         hi = min(cfg.max_match_window, STORE_MAX_KEY, len(tokens))
         for n in range(hi, max(cfg.min_match_window, 1) - 1, -1):
@@ -154,8 +163,8 @@ class NgramDrafter:
             entry = self._store.get(key)
             if entry is not None:
                 self._store.move_to_end(key)
-                return list(entry.best(cfg.match_type == "PROB")[:limit])
-        return []
+                return list(entry.best(cfg.match_type == "PROB")[:limit]), n
+        return [], 0
 
 
 @dataclass

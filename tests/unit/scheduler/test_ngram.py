@@ -54,6 +54,17 @@ def test_the_store_drafts_by_recency_or_frequency(match_type, want):
     assert d.draft([55, 7, 8], 2) == want
 
 
+def test_the_longer_match_drafts_whichever_source_it_comes_from():
+    d = NgramDrafter(config(min_match_window=1, max_match_window=6))
+    d.remember([100, 4, 5, 6, 70, 71], start=1)  # the store saw "4 5 6" followed by 70 71
+    # The request's own match is "6" alone (followed by 9 9); the store's is "4 5 6".
+    assert d.draft([6, 9, 9, 4, 5, 6], 2) == [70, 71]
+    # A tie in length goes to the request's own tokens: "5 6" at 0 is followed by 8 8.
+    assert d.draft([5, 6, 8, 8, 3, 5, 6], 2) == [8, 8]
+    # An own match as long as the store's longest key needs no store lookup, and wins.
+    assert d.draft([1, 4, 5, 6, 60, 61, 2, 1, 4, 5, 6], 2) == [60, 61]
+
+
 def test_the_store_forgets_the_least_recently_used_beyond_its_capacity():
     d = NgramDrafter(config(capacity=10, min_match_window=2, max_match_window=2))
     for i in range(50):
