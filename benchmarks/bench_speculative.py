@@ -8,9 +8,10 @@ Workloads (greedy, fixed output lengths: EOS ignored), through each server's cha
 No request repeats another of the run (each one's content is drawn with its own seed): an
 answer remembered from an identical request would be drafted whole from the n-gram store.
 Concurrency 1 for both, and 8 for repeat: output tokens/s over each level's wall time, the
-median of --repeats passes. TTFT: one stream of short chat prompts, the p50. Servers run
-one at a time on the whole machine (--smoke starts the two Cadence servers at once, so that
-their loading overlaps, and measures them in turn).
+median of --repeats passes. TTFT: one stream of short chat prompts, the p50. The two Cadence
+servers (speculation off and on) are up together and take turns, pass by pass (TTFT: prompt
+by prompt), so that the machine's speed of the moment weighs on both alike; each ratio is
+the median of the ratios of passes run back to back. llama-server runs alone afterwards.
 
 Peers: llama-server only when LLAMA_SERVER names its binary (build it as
 docs/quantization.md says: `benchmarks/bench_quantized.py` builds it from the
@@ -343,62 +344,96 @@ async def level(url: str, prompts: list[str], concurrency: int, new_tokens: int)
     return total / (time.perf_counter() - start)
 
 
-async def measure(server: Server, args, with_c8: bool) -> dict:
+REPEAT_CASES = [("repeat", 1), ("repeat", 8)]
+CASES = [*REPEAT_CASES, ("chat", 1)]
+
+
+async def warm_up(server: Server) -> None:
+    await server.wait_ready()
+    async with httpx.AsyncClient(timeout=600, limits=FRESH_CONNECTIONS) as client:
+        await one(client, server.url, "Say hello.", 8)
+
+
+async def passes(servers: list[Server], args, cases) -> dict[str, dict[str, list[float]]]:
+    """tok/s of every pass of every case, by server name then case. The servers take turns
+    pass by pass (the order alternating), so that the machine's speed of the moment, which
+    drifts on a shared machine, weighs on each of them alike."""
+    runs: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
+    prompts = Prompts()
+    for workload, c in cases:
+        key, count = f"{workload}_c{c}", 1 if args.smoke else REQUESTS_PER_CLIENT * c * args.passes
+        for r in range(args.repeats):
+            batch = prompts.take(workload, f"c{c}-{r}", count)  # the same for every server
+            for server in servers[r % len(servers) :] + servers[: r % len(servers)]:
+                tok_s = await level(server.url, batch, c, args.new_tokens)
+                runs[server.name].setdefault(key, []).append(tok_s)
+        for server in servers:
+            got = runs[server.name][key]
+            log(f"{server.name}: {workload} c={c} {statistics.median(got):.1f} tok/s "
+                f"(passes {', '.join(f'{r:.1f}' for r in got)})")  # fmt: skip
+    return runs
+
+
+async def ttfts(servers: list[Server], args) -> dict[str, float]:
+    """p50 time to first token (ms) of short chats, one stream, the servers taking turns
+    prompt by prompt."""
+    got: dict[str, list[float]] = {s.name: [] for s in servers}
+    prompts = Prompts().take("chat", "ttft", len(CHAT_TTFT) * args.ttft_rounds)
+    async with httpx.AsyncClient(timeout=600, limits=FRESH_CONNECTIONS) as client:
+        for i, prompt in enumerate(prompts):
+            for server in servers[i % len(servers) :] + servers[: i % len(servers)]:
+                got[server.name].append((await one(client, server.url, prompt, 4))[1])
+    return {name: statistics.median(t) * 1000 for name, t in got.items()}
+
+
+async def measure(server: Server, args) -> dict:
+    """A peer alone (llama-server): repeat c=1 and TTFT."""
     try:
-        await server.wait_ready()
-        async with httpx.AsyncClient(timeout=600, limits=FRESH_CONNECTIONS) as client:
-            await one(client, server.url, "Say hello.", 8)  # warm-up
-        out: dict = {}
-        cases = [("repeat", 1), ("chat", 1)] + ([("repeat", 8)] if with_c8 else [])
-        prompts = Prompts()
-        for workload, c in cases:
-            count = 1 if args.smoke else REQUESTS_PER_CLIENT * c * args.passes
-            runs = [
-                await level(
-                    server.url, prompts.take(workload, f"c{c}-{r}", count), c, args.new_tokens
-                )
-                for r in range(args.repeats)
-            ]
-            out[f"{workload}_c{c}"] = statistics.median(runs)
-            log(f"{server.name}: {workload} c={c} {out[f'{workload}_c{c}']:.1f} tok/s "
-                f"(passes {', '.join(f'{r:.1f}' for r in runs)})")  # fmt: skip
-        ttft_prompts = prompts.take("chat", "ttft", len(CHAT_TTFT) * args.ttft_rounds)
-        async with httpx.AsyncClient(timeout=600, limits=FRESH_CONNECTIONS) as client:
-            ttfts = [(await one(client, server.url, p, 4))[1] for p in ttft_prompts]
-        out["ttft_ms"] = statistics.median(ttfts) * 1000
-        if server.name == "cadence-spec":
-            async with httpx.AsyncClient() as client:
-                info = (await client.get(server.url + "/server_info")).json()
-            out["accept_len"] = info["internal_states"][0].get("avg_spec_accept_length", 0.0)
+        await warm_up(server)
+        runs = (await passes([server], args, [("repeat", 1)]))[server.name]
+        out = {key: statistics.median(v) for key, v in runs.items()}
+        out["ttft_ms"] = (await ttfts([server], args))[server.name]
         return out
     finally:
         server.stop()
 
 
 async def bench(args) -> dict:
+    """Cadence without and with speculation: both servers up at once, measured in turns."""
     res: dict = {}
-    early = cadence_server(True, 8, args.server_args) if args.smoke else None
+    base = cadence_server(False, 8, args.server_args)
+    spec = cadence_server(True, 8, args.server_args)
     try:
-        base = await measure(cadence_server(False, 8, args.server_args), args, True)
-        spec = await measure(early or cadence_server(True, 8, args.server_args), args, True)
+        for server in (base, spec):
+            await warm_up(server)
+        runs = await passes([base, spec], args, REPEAT_CASES)
+        async with httpx.AsyncClient() as client:  # the accept length of the repeat cases
+            info = (await client.get(spec.url + "/server_info")).json()
+        chat = await passes([base, spec], args, [("chat", 1)])
+        for name in runs:
+            runs[name].update(chat[name])
+        ttft = await ttfts([base, spec], args)
     finally:
-        if early is not None and early.proc.poll() is None:  # the base run failed
-            early.stop()
-    for key in ("repeat_c1", "chat_c1", "repeat_c8"):
-        res[f"spec_tok_s_{key}"] = spec[key]
-        res[f"base_tok_s_{key}"] = base[key]
-        res[f"spec_vs_base_{key}"] = spec[key] / base[key]
-    res["accept_len_repeat"] = spec["accept_len"]
-    res["ttft_ms_c1"] = spec["ttft_ms"]
-    res["base_ttft_ms_c1"] = base["ttft_ms"]
+        base.stop()
+        spec.stop()
+    for workload, c in CASES:
+        key = f"{workload}_c{c}"
+        off, on = runs[base.name][key], runs[spec.name][key]
+        res[f"spec_tok_s_{key}"] = statistics.median(on)
+        res[f"base_tok_s_{key}"] = statistics.median(off)
+        # The ratio of each pair of passes run back to back, then their median.
+        res[f"spec_vs_base_{key}"] = statistics.median(a / b for a, b in zip(on, off))
+    res["accept_len_repeat"] = info["internal_states"][0].get("avg_spec_accept_length", 0.0)
+    res["ttft_ms_c1"] = ttft[spec.name]
+    res["base_ttft_ms_c1"] = ttft[base.name]
     binary = os.environ.get("LLAMA_SERVER")
     if binary:
-        llama_base = await measure(llama_server(binary, None, 1), args, False)
+        llama_base = await measure(llama_server(binary, None, 1), args)
         res["llamacpp_base_tok_s_repeat_c1"] = llama_base["repeat_c1"]
         res["llamacpp_ttft_ms_c1"] = llama_base["ttft_ms"]
         best = 0.0
         for spec_type in args.llama_spec_types:
-            got = await measure(llama_server(binary, spec_type, 1), args, False)
+            got = await measure(llama_server(binary, spec_type, 1), args)
             if got["repeat_c1"] > best:
                 best, res["llamacpp_spec_type"] = got["repeat_c1"], spec_type
         res["llamacpp_spec_tok_s_repeat_c1"] = best
@@ -458,8 +493,8 @@ def main() -> int:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="16 new tokens, one request per client, one pass, both Cadence servers started at "
-        "once (--lazy-kv-pool --skip-warmup): the whole path, for CI",
+        help="16 new tokens, one request per client, one pass, small lazy KV pools and no "
+        "warm-up at start (--lazy-kv-pool --skip-warmup): the whole path, for CI",
     )
     args = parser.parse_args()
     if args.smoke:
