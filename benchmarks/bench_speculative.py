@@ -11,7 +11,8 @@ Concurrency 1 for both, and 8 for repeat: output tokens/s over each level's wall
 median of --repeats passes. TTFT: one stream of short chat prompts, the p50. The two Cadence
 servers (speculation off and on) are up together and take turns, pass by pass (TTFT: prompt
 by prompt), so that the machine's speed of the moment weighs on both alike; each ratio is
-the median of the ratios of passes run back to back. llama-server runs alone afterwards.
+the median of the ratios of passes run back to back. llama-server (without speculation and
+in each n-gram mode) is up at the same time and takes its turns on repeat c=1 and TTFT.
 
 Peers: llama-server only when LLAMA_SERVER names its binary (build it as
 docs/quantization.md says: `benchmarks/bench_quantized.py` builds it from the
@@ -386,36 +387,34 @@ async def ttfts(servers: list[Server], args) -> dict[str, float]:
     return {name: statistics.median(t) * 1000 for name, t in got.items()}
 
 
-async def measure(server: Server, args) -> dict:
-    """A peer alone (llama-server): repeat c=1 and TTFT."""
-    try:
-        await warm_up(server)
-        runs = (await passes([server], args, [("repeat", 1)]))[server.name]
-        out = {key: statistics.median(v) for key, v in runs.items()}
-        out["ttft_ms"] = (await ttfts([server], args))[server.name]
-        return out
-    finally:
-        server.stop()
-
-
 async def bench(args) -> dict:
-    """Cadence without and with speculation: both servers up at once, measured in turns."""
+    """Cadence without and with speculation, and llama-server (without speculation and in
+    each n-gram mode) when LLAMA_SERVER names it: every server up at once, measured in turns
+    (the peers on repeat c=1 and TTFT, the cases their targets name)."""
     res: dict = {}
     base = cadence_server(False, 8, args.server_args)
     spec = cadence_server(True, 8, args.server_args)
+    binary = os.environ.get("LLAMA_SERVER")
+    peers: list[Server] = []
+    if binary:
+        peers = [llama_server(binary, t, 1) for t in [None, *args.llama_spec_types]]
+    else:
+        log("LLAMA_SERVER is not set: llama-server's figures are left out")
     try:
-        for server in (base, spec):
+        for server in (base, spec, *peers):
             await warm_up(server)
-        runs = await passes([base, spec], args, REPEAT_CASES)
+        runs = await passes([base, spec, *peers], args, REPEAT_CASES[:1])
+        more = await passes([base, spec], args, REPEAT_CASES[1:])
         async with httpx.AsyncClient() as client:  # the accept length of the repeat cases
             info = (await client.get(spec.url + "/server_info")).json()
-        chat = await passes([base, spec], args, [("chat", 1)])
-        for name in runs:
-            runs[name].update(chat[name])
-        ttft = await ttfts([base, spec], args)
+        more_chat = await passes([base, spec], args, [("chat", 1)])
+        for name in more:
+            runs[name].update(more[name])
+            runs[name].update(more_chat[name])
+        ttft = await ttfts([base, spec, *peers[:1]], args)
     finally:
-        base.stop()
-        spec.stop()
+        for server in (base, spec, *peers):
+            server.stop()
     for workload, c in CASES:
         key = f"{workload}_c{c}"
         off, on = runs[base.name][key], runs[spec.name][key]
@@ -426,19 +425,13 @@ async def bench(args) -> dict:
     res["accept_len_repeat"] = info["internal_states"][0].get("avg_spec_accept_length", 0.0)
     res["ttft_ms_c1"] = ttft[spec.name]
     res["base_ttft_ms_c1"] = ttft[base.name]
-    binary = os.environ.get("LLAMA_SERVER")
-    if binary:
-        llama_base = await measure(llama_server(binary, None, 1), args)
-        res["llamacpp_base_tok_s_repeat_c1"] = llama_base["repeat_c1"]
-        res["llamacpp_ttft_ms_c1"] = llama_base["ttft_ms"]
-        best = 0.0
-        for spec_type in args.llama_spec_types:
-            got = await measure(llama_server(binary, spec_type, 1), args)
-            if got["repeat_c1"] > best:
-                best, res["llamacpp_spec_type"] = got["repeat_c1"], spec_type
-        res["llamacpp_spec_tok_s_repeat_c1"] = best
-    else:
-        log("LLAMA_SERVER is not set: llama-server's figures are left out")
+    if peers:
+        llama_base, modes = peers[0], dict(zip(args.llama_spec_types, peers[1:]))
+        res["llamacpp_base_tok_s_repeat_c1"] = statistics.median(runs[llama_base.name]["repeat_c1"])
+        res["llamacpp_ttft_ms_c1"] = ttft[llama_base.name]
+        got = {t: statistics.median(runs[s.name]["repeat_c1"]) for t, s in modes.items()}
+        res["llamacpp_spec_type"] = max(got, key=got.__getitem__)
+        res["llamacpp_spec_tok_s_repeat_c1"] = got[res["llamacpp_spec_type"]]
     return res
 
 
