@@ -355,11 +355,13 @@ async def warm_up(server: Server) -> None:
         await one(client, server.url, "Say hello.", 8)
 
 
-async def passes(servers: list[Server], args, cases) -> dict[str, dict[str, list[float]]]:
-    """tok/s of every pass of every case, by server name then case. The servers take turns
-    pass by pass (the order alternating), so that the machine's speed of the moment, which
-    drifts on a shared machine, weighs on each of them alike."""
-    runs: dict[str, dict[str, list[float]]] = {s.name: {} for s in servers}
+Runs = dict[str, dict[str, list[float]]]  # server name -> case -> tok/s of each pass
+
+
+async def passes(servers: list[Server], args, cases, runs: Runs) -> None:
+    """Adds to `runs` the tok/s of every pass of every case. The servers take turns pass by
+    pass (the order alternating), so that the machine's speed of the moment, which drifts on
+    a shared machine, weighs on each of them alike."""
     prompts = Prompts()
     for workload, c in cases:
         key, count = f"{workload}_c{c}", 1 if args.smoke else REQUESTS_PER_CLIENT * c * args.passes
@@ -367,12 +369,11 @@ async def passes(servers: list[Server], args, cases) -> dict[str, dict[str, list
             batch = prompts.take(workload, f"c{c}-{r}", count)  # the same for every server
             for server in servers[r % len(servers) :] + servers[: r % len(servers)]:
                 tok_s = await level(server.url, batch, c, args.new_tokens)
-                runs[server.name].setdefault(key, []).append(tok_s)
+                runs.setdefault(server.name, {}).setdefault(key, []).append(tok_s)
         for server in servers:
             got = runs[server.name][key]
             log(f"{server.name}: {workload} c={c} {statistics.median(got):.1f} tok/s "
                 f"(passes {', '.join(f'{r:.1f}' for r in got)})")  # fmt: skip
-    return runs
 
 
 async def ttfts(servers: list[Server], args) -> dict[str, float]:
@@ -403,14 +404,12 @@ async def bench(args) -> dict:
     try:
         for server in (base, spec, *peers):
             await warm_up(server)
-        runs = await passes([base, spec, *peers], args, REPEAT_CASES[:1])
-        more = await passes([base, spec], args, REPEAT_CASES[1:])
+        runs: Runs = {}
+        await passes([base, spec, *peers], args, REPEAT_CASES[:1], runs)
+        await passes([base, spec], args, REPEAT_CASES[1:], runs)
         async with httpx.AsyncClient() as client:  # the accept length of the repeat cases
             info = (await client.get(spec.url + "/server_info")).json()
-        more_chat = await passes([base, spec], args, [("chat", 1)])
-        for name in more:
-            runs[name].update(more[name])
-            runs[name].update(more_chat[name])
+        await passes([base, spec], args, [("chat", 1)], runs)
         ttft = await ttfts([base, spec, *peers[:1]], args)
     finally:
         for server in (base, spec, *peers):
