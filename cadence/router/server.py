@@ -319,9 +319,18 @@ def _too_large(limit: int, rid: str) -> web.Response:
     )
 
 
+# How long an idle pooled connection to a worker may be reused. Below the workers' own
+# keep-alive (uvicorn's 5 s, which Cadence and SGLang servers keep): a connection the worker
+# may be closing at that moment is never picked, so a request is never written into it and
+# lost as a 502 ("Can not write request body"), which no retry saves with one worker a role.
+UPSTREAM_KEEPALIVE_S = 3.0
+
+
 def make_client_session() -> aiohttp.ClientSession:
     """One pooled session for every upstream call, set up for faithful relaying."""
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+    connector = aiohttp.TCPConnector(
+        limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_KEEPALIVE_S
+    )
     return aiohttp.ClientSession(
         connector=connector,
         auto_decompress=False,  # relay compressed bytes as they are

@@ -56,15 +56,19 @@ class LoadingProbe:
         channel = grpc.insecure_channel(target(self.server))
         rpc, health = stub_on(channel), health_pb2_grpc.HealthStub(channel)
         while not self.server.ready.is_set() and self.server.proc.poll() is None:
+            # Deadlines leave room for a machine busy starting several servers at once.
             try:
-                rpc.Tokenize(pb.TokenizeRequest(text="too early"), timeout=1)
+                rpc.Tokenize(pb.TokenizeRequest(text="too early"), timeout=5)
             except grpc.RpcError as e:
                 if "starting" in (e.details() or "") and not self.server.ready.is_set():
                     self.tokenize = e
-                    self.health = health.Check(
-                        health_pb2.HealthCheckRequest(service=SERVICE), timeout=1
-                    ).status
-                    return
+                    try:
+                        request = health_pb2.HealthCheckRequest(service=SERVICE)
+                        self.health = health.Check(request, timeout=5).status
+                        return
+                    except grpc.RpcError as late:
+                        if late.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                            raise
             time.sleep(0.05)
 
 
@@ -105,7 +109,7 @@ def servers(certs):
     try:
         for srv in launched.values():
             srv.wait_ready()
-        probe.thread.join(5)
+        probe.thread.join(15)
         launched["probe"] = probe
         yield launched
     finally:
