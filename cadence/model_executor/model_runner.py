@@ -347,12 +347,11 @@ class ModelRunner(Runner):
         return page_t[pos // self.page_size] * self.page_size + pos % self.page_size
 
     def _replays(self, items: list[BatchItem], news: list[int]) -> bool:
-        """Whether a captured graph runs this decode: one plain token per item, no hidden
-        states reported, no adapter."""
+        """Whether a captured graph runs this decode or verify step: its rows (a token each,
+        drafts included) fit the largest graph, no hidden states reported, no adapter."""
         return (
             self.graphs is not None
-            and self.graphs.can_run(len(items))
-            and all(n == 1 for n in news)
+            and self.graphs.can_run(sum(news))
             and not any(item.return_hidden_states or item.lora for item in items)
         )
 
@@ -666,6 +665,9 @@ class ModelRunner(Runner):
                     if item.num_draft:
                         drafted.append((i, offset))
                 offset += 1 + item.num_draft
+        if drafted and all(_stands_alone(items[i].sampling) for i, _ in drafted):
+            _sample_with_drafts(results, items, sampled, rows, logits)
+            return results
         if sampled:
             _sample_into(
                 results,
@@ -711,6 +713,58 @@ def _sample_into(
                 r.logprob = out.logprobs[j]
                 r.top_logprobs = out.top_logprobs[j]
                 r.token_ids_logprobs = out.token_ids_logprobs[j]
+
+
+def _stands_alone(row: SamplingInput) -> bool:
+    """Whether a row samples the same whatever tokens the step accepted before it: no
+    penalty (they count the output), no mask of this step (it ends at a count), no grammar
+    or processor (they follow the output), no seed (its stream is drawn token by token)."""
+    p = row.params
+    return not (
+        p.frequency_penalty
+        or p.presence_penalty
+        or p.repetition_penalty != 1.0
+        or row.suppress_ids
+        or row.logit_processor
+        or row.grammar is not None
+        or row.generator is not None
+    )
+
+
+def _sample_with_drafts(
+    results: list[ItemResult],
+    items: list[BatchItem],
+    sampled: list[int],
+    rows: list[int],
+    logits: torch.Tensor,
+) -> None:
+    """`_verify_drafts` in one sampling call, for drafts whose rows stand alone: every row
+    of every item is sampled at once (one read back from the device, not one per depth),
+    then each item keeps its sampled tokens while the one before equals its draft token:
+    what sampling depth by depth would keep, and what a step without drafts would sample."""
+    indices, inputs, picked, extra = [], [], [], []
+    for i, row in zip(sampled, rows):
+        item = items[i]
+        indices.append(i)
+        picked.append(row)
+        for d in range(item.num_draft):
+            indices.append(len(results) + len(extra))
+            extra.append(ItemResult())
+            picked.append(row + 1 + d)
+        inputs.extend([item.sampling] * (1 + item.num_draft))
+    targets = results + extra
+    _sample_into(
+        targets, indices, inputs, logits if picked == list(range(len(logits))) else logits[picked]
+    )
+    more = iter(extra)
+    for i in sampled:
+        item, result = items[i], results[i]
+        going = result.error is None
+        for d in range(item.num_draft):
+            row = next(more)
+            going = going and row.error is None and _last(result).next_id == item.token_ids[1 + d]
+            if going:
+                result.more.append(row)
 
 
 def _verify_drafts(

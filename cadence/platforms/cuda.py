@@ -111,13 +111,11 @@ class CudaPlatform(TorchNativeFactories, SRTPlatform):
     def make_graph_runner(self, model_runner):
         from cadence.platforms.cuda_graph import DecodeGraphs
 
-        args = model_runner.args
-        max_bs = min(args.cuda_graph_max_bs or MAX_GRAPH_BATCH, args.max_running_requests)
         return DecodeGraphs(
             model_runner.model,
             model_runner.kv_pool,
             model_runner.context_len,
-            max_bs,
+            graph_rows(model_runner.args),
             self.device,
             model_runner.future_ids,
         )
@@ -126,7 +124,15 @@ class CudaPlatform(TorchNativeFactories, SRTPlatform):
         torch.cuda.set_device(self._index)
 
 
-MAX_GRAPH_BATCH = 256  # --cuda-graph-max-bs unset: graphs up to this (or --max-running-requests)
+MAX_GRAPH_BATCH = 256  # --cuda-graph-max-bs unset: graphs up to this many rows
+
+
+def graph_rows(args) -> int:
+    """The most rows (a token each) a captured decode graph takes: --cuda-graph-max-bs, or
+    MAX_GRAPH_BATCH, and no more than a step can have: a row per running request, or with
+    speculative decoding a verify step's rows (each request's last token and its drafts)."""
+    per_request = args.speculative_num_draft_tokens if args.speculative_algorithm else 1
+    return min(args.cuda_graph_max_bs or MAX_GRAPH_BATCH, args.max_running_requests * per_request)
 
 
 @functools.lru_cache(maxsize=1)

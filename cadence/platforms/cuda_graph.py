@@ -41,9 +41,9 @@ class DecodeGraphs:
     """One CUDA graph per batch-size bucket, of the model's decode forward and its logits.
 
     Invariants: the graphs read only the static buffers below and the model's and pool's
-    tensors, which stay where they are (a weight update recaptures: `capture`). A batch
-    runs from a graph when it is a plain decode (one token per request) of at most
-    `max_batch_size` requests; anything else runs eagerly."""
+    tensors, which stay where they are (a weight update recaptures: `capture`). A decode
+    or verify step runs from a graph when its rows (a token each) number at most
+    `max_batch_size`; anything else runs eagerly."""
 
     WARMUPS = 2  # eager forwards of each bucket before its capture
 
@@ -165,22 +165,29 @@ class DecodeGraphs:
         return 0 < num_rows <= self.max_batch_size and bool(self._graphs)
 
     def run(self, items) -> torch.Tensor:
-        """Logits [len(items), vocab] float32 (on the device) of one decode step of `items`
-        (BatchItems with one token each)."""
-        n = len(items)
+        """Logits [rows, vocab] float32 (on the device) of one decode step of `items`, item by
+        item: one row per token. An item of a verify step (its last token and its drafted
+        ones) takes a row per token, each with the item's pages up to its own position: the
+        graph's attention bounds every row by its position, and the rotary kernel stores
+        the K/V of every row before any row attends, so a draft token sees the ones before
+        it as the eager verify step does."""
+        n = sum(len(item.token_ids) for item in items)
         bs = next(b for b in self.buckets if b >= n)
         host_t, table_t = self._hosts[self._flip]
         self._flip ^= 1
         ps, host, table = self.page_size, host_t.numpy(), table_t.numpy()
-        for row, item in enumerate(items):
-            pos = item.start
-            pages = item.pages
-            used = pos // ps + 1
-            host[0, row] = item.token_ids[0]
-            host[1, row] = pos
-            host[2, row] = pages[pos // ps] * ps + pos % ps
-            host[3, row] = -1 if item.future_row is None else item.future_row
-            table[row, :used] = pages[:used]
+        row = 0
+        for item in items:
+            pages, source = item.pages, -1 if item.future_row is None else item.future_row
+            for k, token in enumerate(item.token_ids):
+                pos = item.start + k
+                used = pos // ps + 1
+                host[0, row] = token
+                host[1, row] = pos
+                host[2, row] = pages[pos // ps] * ps + pos % ps
+                host[3, row] = source if k == 0 else -1  # overlap: one token items
+                table[row, :used] = pages[:used]
+                row += 1
         if n < bs:
             self._fill_padding(host, table, n, bs)
         # Whole rows (contiguous, so truly asynchronous); columns past a row's pages are

@@ -229,6 +229,42 @@ def test_decode_graphs_pad_batches_into_the_scratch_page(runners):
             starts[r] += 1
 
 
+def test_verify_steps_replay_the_decode_graphs_a_row_per_token(runners):
+    """A verify step's rows (each item's last token and its drafts) run through the graph of
+    the bucket that holds them all, each row attending up to its own position, and give
+    the logits of the portable layers' verify step; one over the largest bucket runs
+    eagerly, and gives them too."""
+    ours, ref = runners(GraphsOnCpu), runners(PlainCpu)
+    graphs = ours.graphs
+    prompts = {"a": [3, 1, 4, 1, 5, 9, 2], "b": [6, 5, 3], "c": [5, 8, 9, 7, 9, 3, 2, 3, 8]}
+    pages = {"a": [60, 61, 62, 63], "b": [64, 65, 66], "c": [67, 68, 69, 70]}
+    for runner in (ours, ref):
+        items = [BatchItem(r, i, ids, 0, pages[r]) for i, (r, ids) in enumerate(prompts.items())]
+        _logits(runner, False, items)
+    starts = {r: len(ids) for r, ids in prompts.items()}
+    steps = [  # (the drafts of each live request, the bucket its rows replay; None: eager)
+        ({"a": [11, 12], "b": []}, 4),  # 3 + 1 rows
+        ({"a": [13], "c": [14]}, 4),  # 2 + 2 rows
+        ({"b": [15, 16]}, 4),  # 3 rows, padded
+        ({"a": [17], "b": [18], "c": [19, 20]}, None),  # 7 rows: over the largest bucket
+    ]
+    for drafts, bucket in steps:
+        graphs.replays.clear()
+        logits = []
+        for runner in (ours, ref):
+            items = [
+                BatchItem(r, ord(r), [40 + starts[r], *d], starts[r], pages[r], num_draft=len(d))
+                for r, d in drafts.items()
+            ]
+            logits.append(runner._forward_decode(items, {}))
+        assert graphs.replays == ([] if bucket is None else [bucket])
+        rows = sum(1 + len(d) for d in drafts.values())
+        assert logits[0].shape[0] == rows
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+        for r, d in drafts.items():
+            starts[r] += 1 + len(d)  # every token verified is kept: positions move on
+
+
 @pytest.mark.parametrize("platform", [TritonOnCpu, GraphsOnCpu], ids=["eager", "graphs"])
 def test_future_rows_read_the_previous_launchs_tokens(runners, platform):
     """Overlap scheduling's input tokens: an item naming row r of the previous launch gets

@@ -274,3 +274,16 @@ def test_cpu_backend_serves_step_sized_tensors_from_the_heap_not_fresh_mmaps():
         for mode in ("tuned", "default")
     }
     assert where == {"tuned": "heap", "default": "mmap"}
+
+
+def test_cuda_graphs_are_sized_in_rows_so_verify_steps_replay_them():
+    from cadence.platforms.cuda import MAX_GRAPH_BATCH, graph_rows
+    from cadence.server_args import ServerArgs
+
+    assert graph_rows(ServerArgs(max_running_requests=8)) == 8
+    assert graph_rows(ServerArgs(max_running_requests=1024)) == MAX_GRAPH_BATCH
+    spec = ServerArgs(
+        max_running_requests=8, speculative_algorithm="NGRAM", speculative_num_draft_tokens=8
+    )
+    assert graph_rows(spec) == 64  # each request's last token and up to 7 drafts
+    assert graph_rows(ServerArgs(max_running_requests=8, cuda_graph_max_bs=4)) == 4

@@ -1,0 +1,84 @@
+"""A verify step's rows sampled at once (drafts whose rows stand alone) keep exactly what
+sampling depth by depth keeps: the same tokens, logprobs and errors; rows that depend on the
+tokens accepted before them (penalties, seeds) are still sampled depth by depth."""
+
+from __future__ import annotations
+
+import torch
+
+from cadence.front.sampling_checks import check_sampling_params
+from cadence.io_struct import SamplingParams
+from cadence.layers.sampler import SamplingInput
+from cadence.model_executor import model_runner as mr
+from cadence.model_executor.runner import BatchItem, ItemResult
+
+VOCAB = 16
+
+
+def sampling(seed=None, **params) -> SamplingInput:
+    p = SamplingParams(**{"temperature": 0, **params})
+    check_sampling_params(p, VOCAB)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SamplingInput(p, [1, 2], [3], gen, None, 2, None, True)
+
+
+def logits_choosing(tokens: list[int], seed: int) -> torch.Tensor:
+    """Random logits whose row j has its maximum at tokens[j]."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.randn(len(tokens), VOCAB, generator=g)
+    for j, t in enumerate(tokens):
+        out[j, t] = out[j].max() + 1.0 + j / 10
+    return out
+
+
+def step() -> tuple[list[BatchItem], torch.Tensor, list[list[int]]]:
+    """Three items: one whose first two drafts are accepted, one without drafts, one whose
+    first draft is refused; the tokens each should give."""
+    a = BatchItem("a", 1, [9, 5, 2, 7], 10, [0, 1, 2], sampling=sampling(), num_draft=3)
+    b = BatchItem("b", 2, [4], 6, [3, 4], sampling=sampling())
+    c = BatchItem("c", 3, [8, 6, 6], 3, [5], sampling=sampling(), num_draft=2)
+    rows = [5, 2, 3, 11] + [12] + [1, 6, 6]
+    return [a, b, c], logits_choosing(rows, 0), [[5, 2, 3], [12], [1]]
+
+
+def depth_by_depth(items, logits) -> list[ItemResult]:
+    results = [ItemResult() for _ in items]
+    starts, offset = [], 0
+    for item in items:
+        starts.append(offset)
+        offset += 1 + item.num_draft
+    mr._sample_into(results, list(range(len(items))), [i.sampling for i in items], logits[starts])
+    drafted = [(i, r) for i, (item, r) in enumerate(zip(items, starts)) if item.num_draft]
+    mr._verify_drafts(results, items, drafted, logits)
+    return results
+
+
+def tokens(results: list[ItemResult]) -> list[list[int]]:
+    return [[r.next_id, *(m.next_id for m in r.more)] for r in results]
+
+
+def test_rows_sampled_at_once_keep_what_depth_by_depth_keeps():
+    items, logits, want = step()
+    assert all(mr._stands_alone(item.sampling) for item in items)
+    once = mr.ModelRunner._postprocess(None, items, logits)
+    slow = depth_by_depth(items, logits)
+    assert tokens(once) == tokens(slow) == want
+    for fast, ref in zip(once, slow):
+        for x, y in zip([fast, *fast.more], [ref, *ref.more]):
+            assert x.logprob == y.logprob and x.top_logprobs == y.top_logprobs
+            assert x.error is None and y.error is None
+
+
+def test_rows_that_follow_the_accepted_tokens_are_sampled_depth_by_depth():
+    """A repetition penalty counts the draft token accepted at depth 1: row 1's best token is
+    that same token, so depth by depth it is penalised away; all at once it would not be."""
+    item = BatchItem(
+        "p", 1, [9, 5, 4], 10, [0, 1, 2], sampling=sampling(repetition_penalty=2.0), num_draft=2
+    )
+    logits = torch.full((3, VOCAB), -1.0)
+    logits[0, 5] = 4.0  # accepted: the draft's 5
+    logits[1, 5], logits[1, 7] = 4.0, 3.0  # 5 again, unless penalised (4 / 2 < 3)
+    assert not mr._stands_alone(item.sampling)
+    assert not mr._stands_alone(sampling(seed=3, temperature=0.7))
+    got = mr.ModelRunner._postprocess(None, [item], logits)
+    assert tokens(got) == tokens(depth_by_depth([item], logits)) == [[5, 7]]
