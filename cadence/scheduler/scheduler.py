@@ -428,12 +428,12 @@ class Scheduler:
                 self.grammars.wait(GRAMMAR_POLL_S)  # nothing runs: wait for a compile, briefly
             return
         started = time.perf_counter()
-        # Speculative decoding drafts from each step's tokens on the host: no step ahead.
-        launched = (
-            self.runner.launch(batch)
-            if self.spec is None
-            else Launched(batch, self.runner.run(batch))
-        )
+        # Speculative decoding drafts from each step's tokens on the host: a step with drafts
+        # runs now; one without may fly, and steps go ahead of it for a while (`_step_ahead`).
+        drafted = self.spec is not None and any(item.num_draft for item in batch.items)
+        if self.spec is not None:
+            self.spec.steps_ahead = 0
+        launched = Launched(batch, self.runner.run(batch)) if drafted else self.runner.launch(batch)
         if launched.results is None:  # in flight: its tokens come in a later step
             self.inflight.append((launched, reqs))
             return
@@ -452,7 +452,13 @@ class Scheduler:
         N's tokens, so the host's work on N and on N+1 runs while the device computes."""
         _, reqs = self.inflight[0]
         ahead = None
-        if not (self.is_paused or self.waiting or self.chunked or self.embeds.num_waiting):
+        if not (
+            self.is_paused
+            or self.waiting
+            or self.chunked
+            or self.embeds.num_waiting
+            or (self.spec is not None and not self.spec.may_step_ahead())
+        ):
             ahead = ahead_batch(self.kv, reqs, self.context_len)
         if ahead is None:
             return self.drain()

@@ -2,9 +2,11 @@
 requests draft this step and how much, and what a verify step did for each.
 
 A decode step gives each request with a draft its last token and the drafted ones (one
-forward over all of them, KV written for each); the runner samples row by row and accepts
-draft tokens while they are what the request samples (model_runner `_verify_drafts`), so the
-output is exactly the one without speculation. The KV of the rejected tokens stays in pages
+forward over all of them, KV written for each); the runner samples the rows and accepts
+draft tokens while they are what the request samples, so the output is exactly the one
+without speculation. Rows whose sampling does not follow the tokens accepted before them
+(no penalty, seed, grammar or processor) are sampled all at once, one read back from the
+device (`_sample_with_drafts`); the others depth by depth (`_verify_drafts`). The KV of the rejected tokens stays in pages
 the request already had reserved (a draft never goes past what admission promised it) and is
 overwritten as the request goes on; `num_computed` counts only verified tokens, so neither
 the prefix cache nor a later step ever reads a rejected token's KV.
@@ -18,6 +20,10 @@ cannot roll back, a logit processor, hidden states or a min_new_tokens still to 
 drafts have been failing (`DraftPace` backs off). A step
 verifies at most `budget` drafted tokens in all, so long drafts never make one step much
 larger than a prefill chunk.
+
+With overlap scheduling (a GPU), a step the drafter left without drafts may fly, and up to
+`STEPS_AHEAD` undrafted steps go ahead of it before the drafter looks again: stretches where
+nothing is worth verifying (ordinary chat, a busy batch) keep the overlap's speed.
 """
 
 from __future__ import annotations
@@ -25,8 +31,6 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from cadence.model_executor.runner import ItemResult
 from cadence.scheduler.ngram import DraftPace, NgramConfig, NgramDrafter
@@ -36,6 +40,9 @@ from cadence.server_args import ServerArgs
 RECENT_VERIFIES = 1024  # request-steps the load report's gauges are over
 EXPLORE_STEPS = 8  # verify steps timed before a plain step may be preferred to verifying
 EXPLORE_EVERY = 32  # plain steps in a row (with drafts found) before one verifies anyway
+# Overlap scheduling: decode steps that go ahead (undrafted: the tokens before are not on
+# the host yet) after a step without drafts, before the drafter looks again.
+STEPS_AHEAD = 8
 COST_SAMPLES = 128  # recent steps of each kind the step-cost lines are fit over
 YIELD_WEIGHT = 0.1  # weight of the latest step in the running tokens/s of its kind and size
 # Until steps of different sizes are timed: an extra token costs this share of a step.
@@ -46,11 +53,15 @@ def _line(samples: deque[tuple[int, float]]) -> tuple[float, float] | None:
     """(a, m) of seconds = a + m * tokens over `samples`; None until two sizes were seen."""
     if len({n for n, _ in samples}) < 2:
         return None
-    n = np.array([s[0] for s in samples], dtype=np.float64)
-    t = np.array([s[1] for s in samples], dtype=np.float64)
-    m, a = np.polyfit(n, t, 1)
-    m = max(float(m), 1e-6)
-    return max(float(a), m), m
+    k = len(samples)  # least squares in closed form (a few times faster than np.polyfit here)
+    n_mean = sum(n for n, _ in samples) / k
+    t_mean = sum(t for _, t in samples) / k
+    snn = sum((n - n_mean) ** 2 for n, _ in samples)
+    snt = sum((n - n_mean) * (t - t_mean) for n, t in samples)
+    m = snt / snn
+    a = t_mean - m * n_mean
+    m = max(m, 1e-6)
+    return max(a, m), m
 
 
 class StepCost:
@@ -62,6 +73,7 @@ class StepCost:
     def __init__(self) -> None:
         self.plain: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES)
         self.verify: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES)
+        self._lines: dict[str, tuple[float, float] | None] = {}  # fits since the last step
         self.plain_streak = 0  # plain steps since the last verify step
         self._last_verify: tuple[int, float] | None = None  # not recorded yet (see observe)
         # Tokens per second the steps of each kind gave, by batch size (running averages).
@@ -74,6 +86,7 @@ class StepCost:
         gave). A plain step right after a verify step pays for it (a backend that restarts
         its decode state): what it takes beyond a plain step is counted to the verify step,
         and it is not a plain sample itself."""
+        self._lines.clear()
         if batch and emitted and seconds > 0:
             rates = self.yields[verified]
             rate, old = emitted / seconds, rates.get(batch)
@@ -105,8 +118,14 @@ class StepCost:
         verify, plain = self.yields[True].get(batch), self.yields[False].get(batch)
         return verify is None or plain is None or verify > plain
 
+    def _fit(self, kind: str) -> tuple[float, float] | None:
+        """`_line` of the plain or verify samples, fit once per step."""
+        if kind not in self._lines:
+            self._lines[kind] = _line(self.plain if kind == "plain" else self.verify)
+        return self._lines[kind]
+
     def plain_seconds(self, tokens: int) -> float:
-        line = _line(self.plain)
+        line = self._fit("plain")
         if line is not None:
             return line[0] + line[1] * tokens
         if self.plain:
@@ -116,7 +135,7 @@ class StepCost:
     def verify_line(self, batch: int) -> tuple[float, float]:
         """(a, m) of a verify step; until measured, a plain step's with the default cost of
         an extra token."""
-        line = _line(self.verify)
+        line = self._fit("verify")
         if line is not None:
             return line
         base = self.plain_seconds(batch)
@@ -185,6 +204,13 @@ class Speculation:
         self.budget = max(args.chunked_prefill_size, self.config.max_draft)
         self.stats = SpecStats()
         self.cost = StepCost()
+        self.steps_ahead = 0  # since the drafter last looked (the scheduler resets it then)
+
+    def may_step_ahead(self) -> bool:
+        """Whether one more decode step may go ahead of the one in flight: a few, while the
+        drafter found nothing worth verifying, then a step that drafts again."""
+        self.steps_ahead += 1
+        return self.steps_ahead <= STEPS_AHEAD
 
     def drafts(self, reqs: list[Req], suppressed) -> list[list[int]]:
         """This step's draft of each request (mostly []): each drafts what matches, then

@@ -159,3 +159,58 @@ def test_requests_that_need_the_host_are_not_scheduled_ahead():
     ahead = [b for b in runner.launches if any(i.future_row is not None for i in b.items)]
     # While b's min_new_tokens is in force, and whenever c (a penalty) runs, nothing goes ahead.
     assert not any(i.rid == "c" for b in ahead for i in b.items)
+
+
+class SpeculatingRunner(AsyncRunner):
+    """An AsyncRunner whose tokens repeat with a period of 5 from position REPEATS_FROM (so
+    n-gram drafts match there, and nowhere before), and which verifies drafts in `run`:
+    each row samples what its input token gives, and draft tokens are kept while they are
+    what the row before sampled."""
+
+    REPEATS_FROM = 24
+
+    @classmethod
+    def token(cls, input_token: int, position: int) -> int:
+        if position >= cls.REPEATS_FROM:
+            return 60 + position % 5
+        return next_token(input_token, position)
+
+    def _results(self, batch):
+        results = []
+        for item in batch.items:
+            if item.sampling is None:
+                results.append(ItemResult())
+                continue
+            first = item.token_ids[0]
+            if item.future_row is not None:
+                first = self.last_ids[item.future_row]
+            result = ItemResult(next_id=self.token(first, item.start + 1))
+            for d in range(1, 1 + item.num_draft):
+                last = (result.more or [result])[-1].next_id
+                if last != item.token_ids[d]:
+                    break
+                result.more.append(ItemResult(next_id=self.token(last, item.start + d + 1)))
+            results.append(result)
+        return results
+
+
+def test_speculation_verifies_now_and_lets_undrafted_steps_go_ahead():
+    """With speculation on, a step with drafts runs at once (the next drafts need its tokens);
+    a step without may fly, and at most STEPS_AHEAD steps go ahead of it before the drafter
+    looks again. Outputs are those of the plain synchronous schedule."""
+    from cadence.scheduler.speculative import STEPS_AHEAD
+
+    def reqs():
+        return [request("a", prompt_len=4, max_new=60), request("b", prompt_len=5, max_new=45)]
+
+    ours = SpeculatingRunner()
+    got = _serve(ours, reqs(), speculative_algorithm="NGRAM")
+    want = _serve(SpeculatingRunner(overlap=False), reqs())
+    assert {k: v.new_ids for k, v in got.items()} == {k: v.new_ids for k, v in want.items()}
+    verified = [b for b in ours.batches if any(i.num_draft for i in b.items)]
+    assert verified and not any(b in ours.launches for b in verified)
+    runs, run = [], 0  # launches in a row that went ahead of the one before
+    for batch in ours.launches:
+        run = run + 1 if any(i.future_row is not None for i in batch.items) else 0
+        runs.append(run)
+    assert max(runs) == STEPS_AHEAD
