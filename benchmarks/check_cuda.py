@@ -11,6 +11,9 @@ For the model given (the default SmolLM2-135M GGUF, dequantized to bfloat16), in
     overlap scheduling: the default);
   - host launches per decode step at one stream (torch profiler: kernel launches and graph
     launches the host issued, and the kernels the GPU ran);
+  - NGRAM speculation against none on bench_speculative's workloads (repeat at 1 and 8
+    streams, chat at 1), verify steps replaying the graphs: tok/s, greedy outputs equal,
+    tokens per verify step (the `speculative` step);
   - served tokens/s over HTTP at 32 streams (`cadence serve`, streamed /generate), and its
     ratio to the in-process figure;
   - with --cpu-check, float32 greedy continuations against the CPU platform's.
@@ -188,6 +191,74 @@ def other_paths(args, res: dict) -> None:
         (o["meta_info"].get("spec_accepted_tokens") or 0) for o in got
     )
     log(f"sampling and speculative decoding: {res}")
+
+
+SPEC_CASES = (("repeat", 1), ("repeat", 8), ("chat", 1))
+SPEC_ROUNDS = 3  # per case: each round new prompts, the engines in turns
+
+
+def speculative(args, res: dict) -> None:
+    """NGRAM speculation on the default configuration against none, as bench_speculative's
+    workloads ask it (its prompts, chat-templated, 128 tokens each, greedy): decode tok/s
+    of each case, the engines taking turns round by round, and the greedy outputs of every
+    prompt equal or not. Verify steps replay the decode graphs, a row per token; the eager
+    verify (graphs off) is timed on repeat c=1 for comparison."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_speculative import Prompts
+
+    params = {"temperature": 0, "max_new_tokens": 128, "ignore_eos": True}
+    engines = {
+        "off": engine(args, "bfloat16", max_running_requests=8),
+        "on": engine(args, "bfloat16", max_running_requests=8, speculative_algorithm="NGRAM"),
+        "on_eager": engine(
+            args,
+            "bfloat16",
+            max_running_requests=8,
+            speculative_algorithm="NGRAM",
+            disable_cuda_graph=True,
+        ),
+    }
+    prompts, equal, total, verify_ct, accepted = Prompts(), 0, 0, 0, 0
+    try:
+        tmpl = engines["off"].tokenizer
+        for workload, c in SPEC_CASES:
+            rates: dict[str, list[float]] = {}
+            for r in range(SPEC_ROUNDS):
+                batch = [
+                    tmpl.apply_chat_template(
+                        [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                    )
+                    for p in prompts.take(workload, f"c{c}-{r}", 2 * c)
+                ]
+                names = [n for n in engines if n != "on_eager" or (workload, c) == ("repeat", 1)]
+                outs = {}
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    e, t, got = engines[name], time.perf_counter(), []
+                    for k in range(0, len(batch), c):  # c at once
+                        got += e.generate(batch[k : k + c], [params] * c)
+                    dt = time.perf_counter() - t
+                    rates.setdefault(name, []).append(sum(len(o["output_ids"]) for o in got) / dt)
+                    outs[name] = got
+                for a, b in zip(outs["off"], outs["on"]):
+                    equal += a["output_ids"] == b["output_ids"]
+                    total += 1
+                    verify_ct += b["meta_info"].get("spec_verify_ct") or 0
+                    accepted += b["meta_info"].get("spec_accepted_tokens") or 0
+            key = f"{workload}_c{c}"
+            for name, got in rates.items():
+                res[f"spec_{name}_tok_s_{key}"] = round(statistics.median(got))
+            res[f"spec_vs_base_{key}"] = round(
+                statistics.median(a / b for a, b in zip(rates["on"], rates["off"])), 2
+            )
+            log(
+                f"speculative {key}: { {n: round(statistics.median(g)) for n, g in rates.items()} }"
+            )
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    res["spec_greedy_equal"] = f"{equal}/{total}"
+    res["spec_accept_len"] = round((accepted + verify_ct) / verify_ct, 2) if verify_ct else 0.0
+    log(f"speculative: greedy equal {res['spec_greedy_equal']}, accept {res['spec_accept_len']}")
 
 
 FEATURES = {
@@ -368,7 +439,7 @@ def main() -> int:
     parser.add_argument("--modes", default="eager,graphs,overlap")
     parser.add_argument(
         "--steps",
-        default="in_process,other_paths,features,served,cpu_agreement",
+        default="in_process,other_paths,speculative,features,served,cpu_agreement",
         help="which parts run (served unless --skip-served, cpu_agreement with --cpu-check)",
     )
     parser.add_argument("--no-dequantize", action="store_true")
@@ -405,7 +476,8 @@ def main() -> int:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=2)
 
-    steps = [in_process, other_paths, features] + ([] if args.skip_served else [served])
+    steps = [in_process, other_paths, speculative, features]
+    steps += [] if args.skip_served else [served]
     steps += [cpu_agreement] if args.cpu_check else []
     steps = [step for step in steps if step.__name__ in args.steps.split(",")]
     for step in steps:
