@@ -431,8 +431,8 @@ class Scheduler:
         # Speculative decoding drafts from each step's tokens on the host: a step with drafts
         # runs now; one without may fly, and steps go ahead of it for a while (`_step_ahead`).
         drafted = self.spec is not None and any(item.num_draft for item in batch.items)
-        if self.spec is not None:
-            self.spec.steps_ahead = 0
+        if self.spec is not None and batch.is_decode:
+            self.spec.looked(drafted)
         launched = Launched(batch, self.runner.run(batch)) if drafted else self.runner.launch(batch)
         if launched.results is None:  # in flight: its tokens come in a later step
             self.inflight.append((launched, reqs))

@@ -22,9 +22,11 @@ drafts have been failing (`DraftPace` backs off). A step
 verifies at most `budget` drafted tokens in all, so long drafts never make one step much
 larger than a prefill chunk.
 
-With overlap scheduling (a GPU), a step the drafter left without drafts may fly, and up to
-`STEPS_AHEAD` undrafted steps go ahead of it before the drafter looks again: stretches where
-nothing is worth verifying (ordinary chat, a busy batch) keep the overlap's speed.
+With overlap scheduling (a GPU), a step the drafter left without drafts may fly, and
+undrafted steps go ahead of it before the drafter looks again: 2, doubling each time it
+finds nothing again, up to `STEPS_AHEAD`; a step with drafts starts the count over.
+Stretches where nothing is worth verifying (ordinary chat, a busy batch) keep most of the
+overlap's speed, and a request that starts copying is drafted for within a few steps.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from cadence.server_args import ServerArgs
 RECENT_VERIFIES = 1024  # request-steps the load report's gauges are over
 EXPLORE_STEPS = 8  # verify steps timed before a plain step may be preferred to verifying
 EXPLORE_EVERY = 32  # plain steps in a row (with drafts found) before one verifies anyway
-# Overlap scheduling: decode steps that go ahead (undrafted: the tokens before are not on
-# the host yet) after a step without drafts, before the drafter looks again.
+# Overlap scheduling: the most decode steps that go ahead (undrafted: the tokens before are
+# not on the host yet) after a step without drafts, before the drafter looks again. The run
+# starts at one and doubles each time the drafter finds nothing again.
 STEPS_AHEAD = 8
 COST_SAMPLES = 128  # recent steps of each kind the step-cost lines are fit over
 YIELD_WEIGHT = 0.1  # weight of the latest step in the running tokens/s of its kind and size
@@ -205,13 +208,20 @@ class Speculation:
         self.budget = max(args.chunked_prefill_size, self.config.max_draft)
         self.stats = SpecStats()
         self.cost = StepCost()
-        self.steps_ahead = 0  # since the drafter last looked (the scheduler resets it then)
+        self.steps_ahead = 0  # since the drafter last looked
+        self.ahead_limit = 1  # steps that may go ahead before it looks again
+
+    def looked(self, drafted: bool) -> None:
+        """The drafter looked at a step: found drafts worth verifying (the step runs now), or
+        none (the step may fly, and the run of steps ahead of it doubles, up to STEPS_AHEAD)."""
+        self.steps_ahead = 0
+        self.ahead_limit = 1 if drafted else min(STEPS_AHEAD, 2 * self.ahead_limit)
 
     def may_step_ahead(self) -> bool:
         """Whether one more decode step may go ahead of the one in flight: a few, while the
-        drafter found nothing worth verifying, then a step that drafts again."""
+        drafter finds nothing worth verifying, then a step that drafts again."""
         self.steps_ahead += 1
-        return self.steps_ahead <= STEPS_AHEAD
+        return self.steps_ahead <= self.ahead_limit
 
     def drafts(self, reqs: list[Req], suppressed) -> list[list[int]]:
         """This step's draft of each request (mostly []): each drafts what matches, then

@@ -196,8 +196,9 @@ class SpeculatingRunner(AsyncRunner):
 
 def test_speculation_verifies_now_and_lets_undrafted_steps_go_ahead():
     """With speculation on, a step with drafts runs at once (the next drafts need its tokens);
-    a step without may fly, and at most STEPS_AHEAD steps go ahead of it before the drafter
-    looks again. Outputs are those of the plain synchronous schedule."""
+    a step without may fly, and steps go ahead of it before the drafter looks again: 2,
+    then doubling while it finds nothing, up to STEPS_AHEAD. Outputs are those of the plain
+    synchronous schedule."""
     from cadence.scheduler.speculative import STEPS_AHEAD
 
     def reqs():
@@ -213,4 +214,5 @@ def test_speculation_verifies_now_and_lets_undrafted_steps_go_ahead():
     for batch in ours.launches:
         run = run + 1 if any(i.future_row is not None for i in batch.items) else 0
         runs.append(run)
-    assert max(runs) == STEPS_AHEAD
+    chains = [r for r, after in zip(runs, [*runs[1:], 0]) if r and not after]  # each run's end
+    assert chains[:3] == [2, 4, 8] and max(chains) == STEPS_AHEAD
