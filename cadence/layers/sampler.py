@@ -125,17 +125,23 @@ def _apply_bias_and_masks(logits: torch.Tensor, rows: list[SamplingInput]) -> No
             logits[i, r.suppress_ids] = float("-inf")
 
 
-def _needs_adjusting(r: SamplingInput) -> bool:
+def follows_output(r: SamplingInput) -> bool:
+    """Whether the row's logits are adjusted by what the request has output so far:
+    penalties (they count it), a mask of this step (it ends at a count), a logit processor
+    or a grammar (they follow it)."""
     p = r.params
     return bool(
         p.frequency_penalty
         or p.presence_penalty
         or p.repetition_penalty != 1.0
-        or p.logit_bias
         or r.suppress_ids
         or r.logit_processor
         or r.grammar is not None
     )
+
+
+def _needs_adjusting(r: SamplingInput) -> bool:
+    return bool(r.params.logit_bias) or follows_output(r)
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[SamplingInput]) -> torch.Tensor:

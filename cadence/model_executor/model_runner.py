@@ -13,7 +13,13 @@ import torch
 from cadence.layers.forward_batch import ForwardBatch
 from cadence.layers.lora import LoraBatch
 from cadence.layers.pooler import PoolingConfig, pool
-from cadence.layers.sampler import SamplingInput, sample, sample_on_device, samples_on_device
+from cadence.layers.sampler import (
+    SamplingInput,
+    follows_output,
+    sample,
+    sample_on_device,
+    samples_on_device,
+)
 from cadence.mem_cache.allocator import KVAllocator
 from cadence.mem_cache.kv_pool import KVPool
 from cadence.model_executor.lora_manager import LoraManager
@@ -716,19 +722,10 @@ def _sample_into(
 
 
 def _stands_alone(row: SamplingInput) -> bool:
-    """Whether a row samples the same whatever tokens the step accepted before it: no
-    penalty (they count the output), no mask of this step (it ends at a count), no grammar
-    or processor (they follow the output), no seed (its stream is drawn token by token)."""
-    p = row.params
-    return not (
-        p.frequency_penalty
-        or p.presence_penalty
-        or p.repetition_penalty != 1.0
-        or row.suppress_ids
-        or row.logit_processor
-        or row.grammar is not None
-        or row.generator is not None
-    )
+    """Whether a row samples the same whatever tokens the step accepted before it: nothing
+    adjusts its logits by the output (`follows_output`), and no seed (its stream is drawn
+    token by token)."""
+    return not follows_output(row) and row.generator is None
 
 
 def _sample_with_drafts(
