@@ -65,7 +65,7 @@ class ModelArgs:
     disable_cuda_graph: bool = False
     """Run every decode step eagerly instead of replaying CUDA graphs captured at start (platforms with graph capture only: CUDA)."""
     cuda_graph_max_bs: int | None = None
-    """Largest decode batch captured in a CUDA graph; larger batches run eagerly. Default: --max-running-requests, at most 256."""
+    """Most rows (a token each) of a decode step captured in a CUDA graph; larger steps run eagerly. Default: --max-running-requests (times --speculative-num-draft-tokens with speculative decoding, whose verify steps replay the graphs a row per token), at most 256."""
     is_embedding: bool = False
     """Serve a decoder (the Llama family) as an embedding model: the last token's final hidden state, normalized (or the pooling its modules.json declares). Encoders (BERT) are detected from their config.json and served as embedding models without this flag."""
 
