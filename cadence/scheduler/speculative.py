@@ -6,7 +6,7 @@ forward over all of them, KV written for each); the runner samples the rows and 
 draft tokens while they are what the request samples, so the output is exactly the one
 without speculation. Rows whose sampling does not follow the tokens accepted before them
 (no penalty, seed, grammar or processor) are sampled all at once, one read back from the
-device (model_runner `_sample_with_drafts`); the others depth by depth (`_verify_drafts`).
+device (step_results `_sample_with_drafts`); the others depth by depth (`_verify_drafts`).
 The KV of the rejected tokens stays in pages the request already had reserved (a draft
 never goes past what admission promised it) and is overwritten as the request goes on;
 `num_computed` counts only verified tokens, so neither the prefix cache nor a later step

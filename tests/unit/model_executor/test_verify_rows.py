@@ -9,7 +9,7 @@ import torch
 from cadence.front.sampling_checks import check_sampling_params
 from cadence.io_struct import SamplingParams
 from cadence.layers.sampler import SamplingInput
-from cadence.model_executor import model_runner as mr
+from cadence.model_executor import step_results as sr
 from cadence.model_executor.runner import BatchItem, ItemResult
 
 VOCAB = 16
@@ -47,9 +47,9 @@ def depth_by_depth(items, logits) -> list[ItemResult]:
     for item in items:
         starts.append(offset)
         offset += 1 + item.num_draft
-    mr._sample_into(results, list(range(len(items))), [i.sampling for i in items], logits[starts])
+    sr._sample_into(results, list(range(len(items))), [i.sampling for i in items], logits[starts])
     drafted = [(i, r) for i, (item, r) in enumerate(zip(items, starts)) if item.num_draft]
-    mr._verify_drafts(results, items, drafted, logits)
+    sr._verify_drafts(results, items, drafted, logits)
     return results
 
 
@@ -59,8 +59,8 @@ def tokens(results: list[ItemResult]) -> list[list[int]]:
 
 def test_rows_sampled_at_once_keep_what_depth_by_depth_keeps():
     items, logits, want = step()
-    assert all(mr._stands_alone(item.sampling) for item in items)
-    once = mr.ModelRunner._postprocess(None, items, logits)
+    assert all(sr._stands_alone(item.sampling) for item in items)
+    once = sr.results_of(items, logits)
     slow = depth_by_depth(items, logits)
     assert tokens(once) == tokens(slow) == want
     for fast, ref in zip(once, slow):
@@ -78,7 +78,7 @@ def test_rows_that_follow_the_accepted_tokens_are_sampled_depth_by_depth():
     logits = torch.full((3, VOCAB), -1.0)
     logits[0, 5] = 4.0  # accepted: the draft's 5
     logits[1, 5], logits[1, 7] = 4.0, 3.0  # 5 again, unless penalised (4 / 2 < 3)
-    assert not mr._stands_alone(item.sampling)
-    assert not mr._stands_alone(sampling(seed=3, temperature=0.7))
-    got = mr.ModelRunner._postprocess(None, [item], logits)
+    assert not sr._stands_alone(item.sampling)
+    assert not sr._stands_alone(sampling(seed=3, temperature=0.7))
+    got = sr.results_of([item], logits)
     assert tokens(got) == tokens(depth_by_depth([item], logits)) == [[5, 7]]
