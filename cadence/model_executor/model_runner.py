@@ -266,7 +266,7 @@ class ModelRunner(Runner):
             logits = self._forward_extend(batch.items, hidden)
         if not self.samples:
             return []  # a follower rank: the leader samples
-        results = self._postprocess(batch.items, logits)
+        results = results_of(batch.items, logits)
         for i, states in hidden.items():
             results[i].hidden_states = states
         return results
@@ -342,7 +342,7 @@ class ModelRunner(Runner):
         if rows is None:
             return []
         logits = self.model.compute_logits(rows)  # the first stage's ranks gather the vocabulary
-        return self._postprocess(batch.items, logits) if self.samples else []
+        return results_of(batch.items, logits) if self.samples else []
 
     def _slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -645,11 +645,6 @@ class ModelRunner(Runner):
         return torch.tensor(
             [p + [p[0]] * (width - len(p)) for p in table], dtype=torch.int64, device=self.device
         )
-
-    # ---- logits -> tokens and logprobs ----------------------------------------------------
-
-    def _postprocess(self, items: list[BatchItem], logits: torch.Tensor | None) -> list[ItemResult]:
-        return results_of(items, logits)
 
 
 def _has_events(device: torch.device) -> bool:
