@@ -128,10 +128,10 @@ class Clock:
 
     def __init__(self):
         from cadence.constrained.xgrammar_backend import XGrammarGrammar
-        from cadence.model_executor import model_runner
+        from cadence.model_executor import step_results
 
         self.seconds = {"sample": 0.0, "accept": 0.0}
-        self._wrap(model_runner, "sample", "sample")
+        self._wrap(step_results, "sample", "sample")
         self._wrap(XGrammarGrammar, "accept", "accept")
 
     def _wrap(self, owner, name: str, key: str) -> None:
