@@ -83,6 +83,11 @@ def launch(procs: g.Processes, name: str, workers: int, zero_cost: bool, args):
     return proc, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None (null in the JSON) when a phase measured nothing to divide by."""
+    return a / b if a is not None and b else None
+
+
 def measure(target: str, concurrency: int, args) -> float:
     """Streamed tokens/s of `concurrency` clients, split over --load-procs load processes
     running at once (one Python process caps what it can read on a machine with many cores)."""
@@ -145,15 +150,15 @@ def run(args) -> dict:
     finally:
         procs.stop()
         shutil.rmtree(procs.tmp, ignore_errors=True)
-    res = {name: statistics.median(v) for name, v in rounds.items()}
+    res: dict[str, float | None] = {name: statistics.median(v) for name, v in rounds.items()}
     for w in (1, 2):
-        res[f"grpc_vs_http_w{w}"] = res[f"grpc_tok_s_w{w}"] / res[f"http_tok_s_w{w}"]
-    res["http_w2_vs_w1"] = res["http_tok_s_w2"] / res["http_tok_s_w1"]
-    res["grpc_w2_vs_w1"] = res["grpc_tok_s_w2"] / res["grpc_tok_s_w1"]
-    res["http_w1_vs_limit"] = res["http_tok_s_w1"] / res["http_limit_tok_s"]
-    res["grpc_w1_vs_limit"] = res["grpc_tok_s_w1"] / res["grpc_limit_tok_s"]
+        res[f"grpc_vs_http_w{w}"] = ratio(res[f"grpc_tok_s_w{w}"], res[f"http_tok_s_w{w}"])
+    res["http_w2_vs_w1"] = ratio(res["http_tok_s_w2"], res["http_tok_s_w1"])
+    res["grpc_w2_vs_w1"] = ratio(res["grpc_tok_s_w2"], res["grpc_tok_s_w1"])
+    res["http_w1_vs_limit"] = ratio(res["http_tok_s_w1"], res["http_limit_tok_s"])
+    res["grpc_w1_vs_limit"] = ratio(res["grpc_tok_s_w1"], res["grpc_limit_tok_s"])
     if not args.skip_real_model:
-        res["real_w2_vs_w1"] = res["real_http_tok_s_w2"] / res["real_http_tok_s_w1"]
+        res["real_w2_vs_w1"] = ratio(res["real_http_tok_s_w2"], res["real_http_tok_s_w1"])
     return res
 
 

@@ -162,6 +162,7 @@ def serve_http_echo(port: int) -> None:
 # ---- load generators (`--role load`: one JSON line) -----------
 
 WARMUP_S = 1.0  # load before each measured window opens (connections up, the server busy)
+FIRST_UNIT_TIMEOUT_S = 120.0  # the window waits this long at most for the first unit
 
 
 async def _closed_loop(concurrency: int, duration: float, one, warmup: float = WARMUP_S) -> dict:
@@ -169,10 +170,11 @@ async def _closed_loop(concurrency: int, duration: float, one, warmup: float = W
     [start + `warmup` s, + duration]. `one` returns the number of units (requests or
     tokens) it completed, or takes a `count` callback for units inside a call (streams)."""
     counted = 0
-    window = {"open": False, "stop": False}
+    window = {"open": False, "stop": False, "started": False}
 
     def count(n: int) -> None:
         nonlocal counted
+        window["started"] = window["started"] or n > 0
         if window["open"]:
             counted += n
 
@@ -182,6 +184,11 @@ async def _closed_loop(concurrency: int, duration: float, one, warmup: float = W
 
     tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
     await asyncio.sleep(warmup)
+    # The window opens once the load is flowing: on a busy machine the first units may take
+    # longer than the warm-up, and a window before them measures the start, not the rate.
+    deadline = time.perf_counter() + FIRST_UNIT_TIMEOUT_S
+    while not window["started"] and time.perf_counter() < deadline:
+        await asyncio.sleep(0.02)
     print("window-open", flush=True)  # the parent samples the front's CPU time on these lines
     window["open"] = True
     start = time.perf_counter()
