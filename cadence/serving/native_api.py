@@ -115,6 +115,14 @@ async def server_info(state) -> dict[str, Any]:
     data-parallel rank) and `version`."""
     body = state.args.to_dict()
     body.pop("api_key", None)  # never echo a secret
+    info = state.client.info if state.client is not None else None
+    if info is not None:  # the default model, or names left to the loader: what was loaded
+        loaded = {
+            "model_path": info.model_path,
+            "tokenizer_path": info.tokenizer_path or info.model_path,
+            "served_model_name": info.served_model_name,
+        }
+        body.update({k: v for k, v in loaded.items() if body.get(k) is None})
     runtime = dict(state.runtime)
     body.update(version=__version__, is_ready=state.is_ready, uptime_s=time.time() - state.started)
     body.update(runtime)

@@ -54,6 +54,12 @@ def test_server_info_and_its_alias(server, client):
     assert body["chunked_prefill_size"] == 512
     assert body["dtype"] == "float32"
     assert "api_key" not in body
+    # Served without --model-path (the default model): the paths and name of what was loaded,
+    # as SGLang's server_info always has them, and the same as /model_info's.
+    model = client.get("/model_info").json()
+    assert body["model_path"] == model["model_path"] and body["model_path"].endswith(".gguf")
+    assert body["tokenizer_path"] == model["tokenizer_path"]
+    assert body["served_model_name"] == model["served_model_name"]
     alias = client.get("/get_server_info").json()
     assert alias["port"] == server.port and alias.keys() == body.keys()
 
