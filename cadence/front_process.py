@@ -45,6 +45,7 @@ class FrontPlan:
     index: int = 0  # which front (its own output address)
     sock: Any = None  # the launcher's listening HTTP socket (--api-workers); None: bind here
     shared_pause: Any = None  # a shared flag: a pause through one front holds them all
+    shared_log: Any = None  # --log-requests as every front reads it (/configure_logging)
 
 
 # The model's facts, once the scheduler reports them (None: stopping first). Blocking: it
@@ -223,6 +224,8 @@ class FrontProcess:
             options=RequestOptions.of(args),
         )
         self.client.shared_pause = plan.shared_pause
+        if plan.shared_log is not None:
+            self.client.tm.log.shared = plan.shared_log
         self.client.start()
         self.state.client = self.client
 
@@ -447,12 +450,17 @@ def _start_front_workers(plan: FrontPlan, supervisor, sock) -> list:
     model facts go through."""
     import dataclasses
 
+    from cadence.front.request_log import RequestLog
     from cadence.supervisor import ProcessSpec
 
     pause, pipes = supervisor.ctx.RawValue("b", 0), []
+    args = plan.args
+    log = supervisor.ctx.RawValue(
+        "b", RequestLog.encode(args.log_requests, args.log_requests_level)
+    )
     for i in range(plan.args.api_workers):
         reader, writer = supervisor.ctx.Pipe(duplex=False)
-        worker = dataclasses.replace(plan, index=i, sock=sock, shared_pause=pause)
+        worker = dataclasses.replace(plan, index=i, sock=sock, shared_pause=pause, shared_log=log)
         target = "cadence.front_process:front_worker_main"
         spec = ProcessSpec(f"front {i}", target, (worker, reader), stop_rank=0, stop_grace_s=20)
         supervisor.start(spec)

@@ -195,10 +195,18 @@ class HttpArgs:
     """Most inputs one embedding, classification, score or rerank request may carry; more get a 400."""
     max_speech_chars: int = 4096
     """Longest `input` /v1/audio/speech (and the SynthesizeSpeech RPC) accepts, in characters; a longer one gets a 400 naming the field (docs/speech.md)."""
+    log_requests: bool = False
+    """Log every generation request when it arrives and when it ends (rid, lengths, finish reason, latency; more with --log-requests-level), at INFO on the `cadence.requests` logger."""
+    log_requests_level: int = 2
+    """Detail of --log-requests, SGLang's levels: 0 metadata, 1 and sampling parameters, 2 and the prompt and output cut to 2048 characters, 3 and the prompt and output whole."""
 
     def __post_init__(self) -> None:
         _at_least_one(self, "port", "api_workers", "max_tokenize_chars", "max_detokenize_tokens")
         _at_least_one(self, "max_embedding_batch", "max_speech_chars")
+        if self.log_requests_level not in (0, 1, 2, 3):
+            raise ValueError(
+                f"log_requests_level must be 0, 1, 2 or 3, got {self.log_requests_level}"
+            )
         if not 0 < self.max_request_body_mb <= 4096:
             raise ValueError(
                 f"max_request_body_mb must be in (0, 4096], got {self.max_request_body_mb}"

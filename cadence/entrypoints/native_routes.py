@@ -175,6 +175,13 @@ def _control_routes(app: FastAPI, client) -> None:
         await client().continue_generation()
         return json_response({"success": True})
 
+    @app.get("/configure_logging")
+    @app.post("/configure_logging")
+    async def configure_logging(request: Request):
+        body = control.parse(control.ConfigureLoggingBody, await read_json(request))
+        client().configure_logging(body.log_requests, body.log_requests_level)
+        return Response(status_code=200)
+
     _profile_routes(app, client)
     _lora_routes(app, client)
 

@@ -197,6 +197,11 @@ class FrontClient(EngineClient):
                 is_request_fault=True,
             ) from e
 
+    def configure_logging(
+        self, log_requests: bool | None = None, log_requests_level: int | None = None
+    ) -> None:
+        self.tm.log.configure(log_requests, log_requests_level)
+
     @property
     def is_paused(self) -> bool:
         if self.shared_pause is not None:

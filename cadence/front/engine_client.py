@@ -343,6 +343,13 @@ class EngineClient(ABC):
         """Counters for /metrics (requests that ended in an internal error of their own, ...)."""
 
     @abstractmethod
+    def configure_logging(
+        self, log_requests: bool | None = None, log_requests_level: int | None = None
+    ) -> None:
+        """SGLang's /configure_logging: turns --log-requests on or off and sets its level, for
+        every front process; None leaves a setting as it is. ValueError for a bad level."""
+
+    @abstractmethod
     def end_all(self, message: str, status: int = 503) -> None:
         """Ends every live request at once with an error of `status` (stopping, or the engine
         will never answer)."""

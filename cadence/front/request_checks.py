@@ -54,6 +54,8 @@ class RequestOptions:
     disaggregation_mode: str = "null"  # null, prefill or decode (--disaggregation-mode)
     disaggregation_bootstrap_port: int = 8998  # a decode request's default bootstrap_port
     decode_local_prefill: bool = False  # a decode server prefills roomless requests itself
+    log_requests: bool = False  # log each generation request (--log-requests)
+    log_requests_level: int = 2  # at this level of detail (--log-requests-level)
 
     @classmethod
     def of(cls, args) -> RequestOptions:
@@ -68,6 +70,8 @@ class RequestOptions:
             disaggregation_mode=args.disaggregation_mode,
             disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
             decode_local_prefill=args.disaggregation_decode_local_prefill,
+            log_requests=args.log_requests,
+            log_requests_level=args.log_requests_level,
         )
 
 

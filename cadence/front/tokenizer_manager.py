@@ -25,6 +25,7 @@ from cadence.front.metrics import RequestTimer
 from cadence.front.normalize import items as normalized_items
 from cadence.front.request_book import LiveRequest, RequestBook, RequestKind, until_finished
 from cadence.front.request_checks import RequestChecker, RequestOptions
+from cadence.front.request_log import RequestLog
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.io_struct import (
     BatchStrOutput,
@@ -74,6 +75,8 @@ class TokenizerManager(RequestKind[_ReqState]):
         self.book = book
         self.max_pending = max_pending
         self.checker = RequestChecker(tokenizer, info, max_pending, options, lora)
+        opts = options or RequestOptions()
+        self.log = RequestLog(opts.log_requests, opts.log_requests_level)
 
     @property
     def states(self) -> dict[str, LiveRequest]:
@@ -104,6 +107,7 @@ class TokenizerManager(RequestKind[_ReqState]):
         ]
         with self.book.hold(states):
             for tok in tokenized:
+                self.log.received(tok)
                 self.book.send(tok)
             if obj.stream:
                 async for chunk in self._stream(states, obj.is_single):
@@ -254,14 +258,18 @@ class TokenizerManager(RequestKind[_ReqState]):
         return reason is not None
 
     def on_finish(self, st: _ReqState) -> None:
+        now = time.monotonic()
         if st.timer is not None:
-            st.timer.on_finish(st.meta, time.monotonic())
+            st.timer.on_finish(st.meta, now)
+        self.log.finished(st.rid, st.meta, st.text, st.output_ids, now - st.created)
         hooks.notify(hooks.request_finished, st.rid, dict(st.meta))
 
     def on_leave(self, st: _ReqState, message: str) -> None:
         meta = {**st.meta, "finish_reason": {"type": "abort", "message": message}}
+        now = time.monotonic()
         if st.timer is not None:
-            st.timer.on_finish(meta, time.monotonic())
+            st.timer.on_finish(meta, now)
+        self.log.finished(st.rid, meta, st.text, st.output_ids, now - st.created)
         hooks.notify(hooks.request_finished, st.rid, meta)
 
     @staticmethod

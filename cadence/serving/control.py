@@ -68,6 +68,15 @@ class UnloadLoRABody(_Body, kw_only=True):
     lora_name: str
 
 
+class ConfigureLoggingBody(_Body, kw_only=True):
+    log_requests: bool | None = None  # turn request logging on or off
+    log_requests_level: int | None = None  # 0, 1, 2 or 3 (see --log-requests-level)
+    # SGLang's request and crash dumps: not kept by this server, so refused when asked for.
+    dump_requests_folder: str | None = None
+    dump_requests_threshold: int | None = None
+    crash_dump_folder: str | None = None
+
+
 # Fields a body must carry, and the error when one is missing (before any type check).
 _REQUIRED: dict[type, dict[str, str]] = {
     CloseSessionBody: {"session_id": "session_id (a string) is required"},
@@ -95,6 +104,15 @@ def parse(cls: type, body: Any):
                 "mode", f"mode must be one of {', '.join(PAUSE_MODES)}, got {fields['mode']!r}"
             ) from None
         raise
+    if isinstance(obj, ConfigureLoggingBody):
+        for name in ("dump_requests_folder", "dump_requests_threshold", "crash_dump_folder"):
+            if getattr(obj, name) not in (None, ""):
+                raise InvalidParameter(name, f"{name}: request dumps are not supported here")
+        if obj.log_requests_level is not None and obj.log_requests_level not in (0, 1, 2, 3):
+            raise InvalidParameter(
+                "log_requests_level",
+                f"log_requests_level must be 0, 1, 2 or 3, got {obj.log_requests_level}",
+            )
     if isinstance(obj, AbortBody) and (obj.rid is None) == (not obj.abort_all):
         raise InvalidParameter("rid", "give either a rid (string) or abort_all: true")
     if isinstance(obj, AbortBody) and obj.rid is not None and not obj.rid:

@@ -76,8 +76,12 @@ SERVER_SPECS: dict[str, list[str]] = {
     "spec_server": ["--speculative-algorithm", "NGRAM", *_SMALL],
     # A short watchdog: SIGSTOP of a child must bring the server down within seconds.
     "stall_server": ["--watchdog-timeout", "3", *_SMALL],
-    # Two front processes over one scheduler (test_api_workers.py).
-    "workers_server": ["--api-workers", "2", "--max-total-tokens", "4096", "--skip-warmup"],
+    # Two front processes over one scheduler (test_api_workers.py), each logging the requests
+    # it serves in full.
+    "workers_server": [
+        *("--api-workers", "2", "--max-total-tokens", "4096", "--skip-warmup"),
+        *("--log-requests", "--log-requests-level", "3"),
+    ],
     # The zero-cost model runner (a plugin): tokens as fast as the server moves them, for the
     # stream-coalescing and stream-interval tests. It never writes its KV pool: no need to
     # commit it.

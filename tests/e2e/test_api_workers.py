@@ -109,6 +109,85 @@ def test_a_stream_is_aborted_through_the_other_front(workers_server):
     assert is_idle(srv.wait_idle())
 
 
+def test_each_front_logs_the_requests_it_serves(workers_server):
+    """--log-requests --log-requests-level 3: a request's arrival and end are logged in full
+    by whichever front serves it, the rid, its sampling parameters, the prompt and the output
+    text included; one a client leaves is logged as aborted."""
+    srv = workers_server
+    tag = uuid.uuid4().hex[:8]
+    sent = {}
+    with srv.client() as a:
+        b = client_on_other_front(srv, front_pid(srv, a))
+        try:
+            for i, c in enumerate((a, b)):
+                rid, prompt = f"log-{tag}-{i}", f"Count to five, attempt {tag} {i}:"
+                body = {"text": prompt, "rid": rid, "sampling_params": {"max_new_tokens": 5}}
+                sent[rid] = (prompt, c.post("/generate", json=body).json()["text"])
+        finally:
+            b.close()
+    left = f"log-{tag}-left"
+    body = {
+        "text": "Tell me a long story.",
+        "rid": left,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+    }
+    with srv.client() as c, c.stream("POST", "/generate", json=body) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: {"))  # then leave
+
+    def logged() -> bool:
+        return f"Finish: rid={left} " in srv.log_text()
+
+    assert wait_until(logged, timeout=10), srv.log_tail()
+    lines = srv.log_text().splitlines()
+    for rid, (prompt, text) in sent.items():
+        (received,) = [x for x in lines if f"Receive: rid={rid} " in x]
+        (finished,) = [x for x in lines if f"Finish: rid={rid} " in x]
+        assert "'max_new_tokens': 5" in received
+        assert f"text={prompt!r}" in received and "prompt_tokens=" in received
+        assert f"text={text!r}" in finished and "completion_tokens=5" in finished
+        assert "'type': 'length'" in finished and "e2e_latency=" in finished
+    (finished,) = [x for x in lines if f"Finish: rid={left} " in x]
+    assert "'type': 'abort'" in finished
+    assert is_idle(srv.wait_idle())
+
+
+def test_configure_logging_through_one_front_sets_both(workers_server):
+    """/configure_logging (SGLang's route): a change through one front holds on the other;
+    a bad level or a request dump is a 400 naming the field, and changes nothing."""
+    srv = workers_server
+    tag = uuid.uuid4().hex[:8]
+
+    def lines_of(rid: str) -> list[str]:
+        return [x for x in srv.log_text().splitlines() if f": rid={rid} " in x]
+
+    with srv.client() as a:
+        b = client_on_other_front(srv, front_pid(srv, a))
+        try:
+            for body, param in [
+                ({"log_requests_level": 7}, "log_requests_level"),
+                ({"dump_requests_folder": "/tmp/dumps"}, "dump_requests_folder"),
+            ]:
+                r = a.post("/configure_logging", json=body)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            a.post("/configure_logging", json={"log_requests_level": 0}).raise_for_status()
+            meta_only = f"cfg-{tag}-0"
+            body = {"text": "Hi", "rid": meta_only, "sampling_params": {"max_new_tokens": 2}}
+            b.post("/generate", json=body).raise_for_status()
+            a.post("/configure_logging", json={"log_requests": False}).raise_for_status()
+            unlogged = f"cfg-{tag}-1"
+            b.post("/generate", json={**body, "rid": unlogged}).raise_for_status()
+        finally:
+            a.post("/configure_logging", json={"log_requests": True, "log_requests_level": 3})
+            b.close()
+    assert wait_until(lambda: len(lines_of(meta_only)) == 2, timeout=10), srv.log_tail()
+    received, finished = lines_of(meta_only)
+    assert f"Receive: rid={meta_only} prompt_tokens=" in received
+    assert "sampling_params" not in received and "text=" not in received  # level 0
+    assert f"Finish: rid={meta_only} " in finished and "text=" not in finished
+    assert lines_of(unlogged) == []
+
+
 def test_a_pause_through_one_front_holds_generation_on_both(workers_server):
     srv = workers_server
     with srv.client() as c:

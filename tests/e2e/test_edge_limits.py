@@ -61,6 +61,9 @@ CONTROL_CASES = [
     ("/pause_generation", {"mode": "sideways"}, "mode"),
     ("/pause_generation", {"mode": 3}, "mode"),
     ("/pause_generation", ["abort"], None),
+    ("/configure_logging", {"log_requests_level": 9}, "log_requests_level"),
+    ("/configure_logging", {"log_requests": "on"}, "log_requests"),
+    ("/configure_logging", [], None),
     ("/start_profile", {"output_dir": "/etc"}, "output_dir"),
     ("/start_profile", {"output_dir": "../../x"}, "output_dir"),
     ("/start_profile", {"output_dir": 5}, "output_dir"),
@@ -142,6 +145,7 @@ POST_ROUTES = [
     "/flush_cache",
     "/continue_generation",
     "/stop_profile",
+    "/configure_logging",
 ]
 
 

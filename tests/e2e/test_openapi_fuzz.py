@@ -52,6 +52,8 @@ LABELS = [
     "POST /start_profile",
     "POST /stop_profile",
     "POST /update_weights_from_disk",
+    "GET /configure_logging",
+    "POST /configure_logging",
     "POST /load_lora_adapter",
     "POST /unload_lora_adapter",
     "POST /v1/chat/completions",

@@ -251,6 +251,7 @@ GUARDED = [
     ("POST", "/start_profile"),
     ("POST", "/stop_profile"),
     ("POST", "/update_weights_from_disk"),
+    ("POST", "/configure_logging"),
     ("GET", "/metrics"),
     ("GET", "/v1/models"),
     ("POST", "/v1/chat/completions"),

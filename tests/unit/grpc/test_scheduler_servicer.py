@@ -123,6 +123,9 @@ class ScriptedClient(EngineClient):
     def stats(self):
         return {"num_live_requests": 3}
 
+    def configure_logging(self, log_requests=None, log_requests_level=None):
+        raise AssertionError("no gRPC call configures logging")
+
     def end_all(self, message, status=503):
         pass
 

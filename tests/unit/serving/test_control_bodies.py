@@ -33,6 +33,13 @@ from cadence.serving import control
         (control.UpdateWeightsBody, {}, "model_path"),
         (control.UpdateWeightsBody, {"model_path": 3}, "model_path"),
         (control.UpdateWeightsBody, {"model_path": "m", "load_format": []}, "load_format"),
+        (control.ConfigureLoggingBody, {"log_requests": "yes"}, "log_requests"),
+        (control.ConfigureLoggingBody, {"log_requests_level": 4}, "log_requests_level"),
+        (control.ConfigureLoggingBody, {"log_requests_level": -1}, "log_requests_level"),
+        (control.ConfigureLoggingBody, {"log_requests_level": "2"}, "log_requests_level"),
+        (control.ConfigureLoggingBody, {"dump_requests_folder": "/tmp/d"}, "dump_requests_folder"),
+        (control.ConfigureLoggingBody, {"crash_dump_folder": "/tmp/c"}, "crash_dump_folder"),
+        (control.ConfigureLoggingBody, {"dump_requests_threshold": 5}, "dump_requests_threshold"),
     ],
 )
 def test_bad_bodies_name_the_field(cls, body, param):
@@ -65,3 +72,10 @@ def test_an_out_of_range_integer_is_named_not_printed_whole():
         control.parse(control.OpenSessionBody, {"capacity_of_str_len": 10**5000})
     assert "capacity_of_str_len must be an integer in [0, 2^63-1]" in str(e.value)
     assert "about 5001 digits" in str(e.value) and len(str(e.value)) < 200
+
+
+def test_a_logging_body_changes_only_what_it_gives():
+    body = control.parse(control.ConfigureLoggingBody, {"log_requests": True})
+    assert (body.log_requests, body.log_requests_level) == (True, None)
+    body = control.parse(control.ConfigureLoggingBody, {"log_requests_level": 0, "x": 1})
+    assert (body.log_requests, body.log_requests_level) == (None, 0)
