@@ -66,6 +66,8 @@ class ModelArgs:
     """Run every decode step eagerly instead of replaying CUDA graphs captured at start (platforms with graph capture only: CUDA)."""
     cuda_graph_max_bs: int | None = None
     """Most rows (a token each) of a decode step captured in a CUDA graph; larger steps run eagerly. Default: --max-running-requests (times --speculative-num-draft-tokens with speculative decoding, whose verify steps replay the graphs a row per token), at most 256."""
+    trust_remote_code: bool = False
+    """Accepted for SGLang compatibility: no model's own code is ever run; architectures are Cadence's (config.json names them)."""
     is_embedding: bool = False
     """Serve a decoder (the Llama family) as an embedding model: the last token's final hidden state, normalized (or the pooling its modules.json declares). Encoders (BERT) are detected from their config.json and served as embedding models without this flag."""
 
@@ -181,6 +183,8 @@ class HttpArgs:
     """Require `Authorization: Bearer <key>` on every route but the health checks."""
     enable_metrics: bool = False
     """Accepted for SGLang compatibility: GET /metrics (Prometheus text format) is always served."""
+    enable_cache_report: bool = False
+    """Accepted for SGLang compatibility: chat and completion responses always report their prompt's cached tokens (usage.prompt_tokens_details.cached_tokens)."""
     incremental_streaming_output: bool = False
     """Stream /generate as deltas (each event only the new text and ids) instead of SGLang's default, where every event carries the text and output ids so far."""
     max_request_body_mb: float = 32.0

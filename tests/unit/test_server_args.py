@@ -90,3 +90,15 @@ def test_disaggregation_timeouts_default_to_sglangs_variables(monkeypatch):
     assert args.effective_bootstrap_timeout == 12.0
     assert args.effective_waiting_timeout == 300.0
     assert ServerArgs(disaggregation_waiting_timeout=5).effective_waiting_timeout == 5
+
+
+def test_sglang_flags_that_change_nothing_here_are_accepted_and_say_why():
+    """An SGLang launch line's --trust-remote-code, --enable-metrics and --enable-cache-report
+    start a server: no model code runs, /metrics and cached-token counts are always on."""
+    args = parse("--trust-remote-code", "--enable-metrics", "--enable-cache-report")
+    assert args.trust_remote_code and args.enable_metrics and args.enable_cache_report
+    help_text = argparse.ArgumentParser()
+    add_cli_args(help_text)
+    text = " ".join(help_text.format_help().split())
+    assert "no model's own code is ever run" in text
+    assert "always report their prompt's cached tokens" in text
