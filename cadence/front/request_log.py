@@ -42,7 +42,7 @@ def _cut(value: Any, limit: int | None) -> str:
 @dataclass
 class RequestLog:
     """Writes generation requests to the log when `on`, at `level`. With several front
-    processes a shared value holds both (`share`), so /configure_logging through one front
+    processes a shared value holds both (`shared`), so /configure_logging through one front
     sets them for all."""
 
     on: bool = False
