@@ -18,6 +18,7 @@ import msgspec
 
 from cadence.errors import InvalidParameter
 from cadence.front.control_checks import check_int_range, check_model_path
+from cadence.front.request_log import check_level
 from cadence.io_struct import PAUSE_MODES, LoRAUpdateOutput, PauseMode
 from cadence.serving.body import json_object, parse_struct
 
@@ -107,12 +108,14 @@ def parse(cls: type, body: Any):
     if isinstance(obj, ConfigureLoggingBody):
         for name in ("dump_requests_folder", "dump_requests_threshold", "crash_dump_folder"):
             if getattr(obj, name) not in (None, ""):
-                raise InvalidParameter(name, f"{name}: request dumps are not supported here")
-        if obj.log_requests_level is not None and obj.log_requests_level not in (0, 1, 2, 3):
-            raise InvalidParameter(
-                "log_requests_level",
-                f"log_requests_level must be 0, 1, 2 or 3, got {obj.log_requests_level}",
-            )
+                raise InvalidParameter(
+                    name, f"{name}: this server keeps no request or crash dumps; remove it"
+                )
+        if obj.log_requests_level is not None:
+            try:
+                check_level(obj.log_requests_level)
+            except ValueError as e:
+                raise InvalidParameter("log_requests_level", str(e)) from None
     if isinstance(obj, AbortBody) and (obj.rid is None) == (not obj.abort_all):
         raise InvalidParameter("rid", "give either a rid (string) or abort_all: true")
     if isinstance(obj, AbortBody) and obj.rid is not None and not obj.rid:
