@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         args = from_cli_args(ns)
+        from cadence.front.sampling_checks import preferred_sampling_params
+
+        preferred_sampling_params(args.preferred_sampling_params)  # checked before any start
     except ValueError as e:
         parser.error(str(e))
     from cadence.hooks import finalize_server_args

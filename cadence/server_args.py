@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -115,12 +116,16 @@ class SchedulerArgs:
     """KV pool size in tokens; default: derived from --kv-cache-memory-fraction."""
     kv_cache_memory_fraction: float = 0.2
     """Share of the device's available memory given to the KV pool when --max-total-tokens is unset."""
+    mem_fraction_static: float | None = None
+    """SGLang's sizing instead of --kv-cache-memory-fraction: the weights and the KV pool together take this share of the device memory available when the server starts (the pool gets what the weights leave of it). --max-total-tokens still caps the pool."""
     lazy_kv_pool: bool = False
     """Leave the KV pool's memory to the OS to commit page by page as requests first write it. By default `cadence serve` writes every page at start and runs two throwaway prefill steps of --chunked-prefill-size tokens, so that resident memory at idle is what the server holds under full load (the in-process Engine is lazy unless given lazy_kv_pool=False). /server_info reports the pool's size (kv_pool_bytes)."""
     page_size: int = 16
     """Tokens per KV page."""
     chunked_prefill_size: int = 2048
-    """Most prompt tokens prefilled in one step; longer prompts are split over steps."""
+    """Most prompt tokens prefilled in one step; longer prompts are split over steps. -1: no chunking (each prompt is prefilled whole, in a step of up to --max-prefill-tokens or the context length, whichever is larger)."""
+    max_prefill_tokens: int = 16384
+    """Most prompt tokens one prefill step takes, all its requests together; with chunked prefill the step takes the smaller of this and --chunked-prefill-size."""
     disable_radix_cache: bool = False
     """Keep no prefix cache: every request prefills its whole prompt (sessions then pin nothing)."""
     schedule_policy: str | None = None
@@ -144,11 +149,16 @@ class SchedulerArgs:
         _at_least_one(
             self, "max_running_requests", "max_queued_requests", "stream_interval", "page_size"
         )
-        _at_least_one(self, "chunked_prefill_size")
-        if not 0 < self.kv_cache_memory_fraction < 1:
+        _at_least_one(self, "max_prefill_tokens")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             raise ValueError(
-                f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}"
+                f"chunked_prefill_size must be ≥ 1, or -1 for no chunking, "
+                f"got {self.chunked_prefill_size}"
             )
+        for name in ("kv_cache_memory_fraction", "mem_fraction_static"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < 1:
+                raise ValueError(f"{name} must be in (0, 1), got {value}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(
                 f"max_total_tokens must be ≥ page_size ({self.page_size}), got {self.max_total_tokens}"
@@ -167,6 +177,15 @@ class SchedulerArgs:
     @property
     def effective_session_timeout_s(self) -> float | None:
         return self.session_timeout_s or None
+
+    def prefill_token_budget(self, context_len: int) -> int:
+        """Prompt tokens one prefill step computes at most, all its requests together: the
+        smaller of --chunked-prefill-size and --max-prefill-tokens; without chunking, enough
+        for any prompt the context holds (SGLang's max of --max-prefill-tokens and the
+        context length)."""
+        if self.chunked_prefill_size == -1:
+            return max(self.max_prefill_tokens, context_len)
+        return min(self.chunked_prefill_size, self.max_prefill_tokens)
 
 
 @dataclass(frozen=True)
@@ -203,10 +222,16 @@ class HttpArgs:
     """Log every generation request when it arrives and when it ends (rid, lengths, finish reason, latency; more with --log-requests-level), at INFO on the `cadence.requests` logger."""
     log_requests_level: int = 2
     """Detail of --log-requests, SGLang's levels: 0 metadata, 1 and sampling parameters, 2 and the prompt and output cut to 2048 characters, 3 and the prompt and output whole."""
+    allow_auto_truncate: bool = False
+    """Cut a prompt too long for the context (or the KV pool) to its first tokens instead of refusing it with a 400: a generation keeps room for one new token and its max_new_tokens is lowered to what the context leaves; an embedding input keeps what the model takes. Each cut is logged."""
+    preferred_sampling_params: str | None = None
+    """Default sampling parameters, as a JSON object (e.g. '{"temperature": 0.6, "top_p": 0.9}'), for every generation request that leaves them out; what a request gives wins. /model_info and GetModelInfo report it."""
 
     def __post_init__(self) -> None:
         _at_least_one(self, "port", "api_workers", "max_tokenize_chars", "max_detokenize_tokens")
         _at_least_one(self, "max_embedding_batch", "max_speech_chars")
+        if self.preferred_sampling_params is not None:
+            _check_json_object("preferred_sampling_params", self.preferred_sampling_params)
         if self.log_requests_level not in (0, 1, 2, 3):
             raise ValueError(
                 f"log_requests_level must be 0, 1, 2 or 3, got {self.log_requests_level}"
@@ -231,6 +256,15 @@ class HttpArgs:
     @property
     def max_request_body_bytes(self) -> int:
         return int(self.max_request_body_mb * 1024 * 1024)
+
+
+def _check_json_object(name: str, text: str) -> None:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{name} must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
 
 
 @dataclass(frozen=True)
@@ -396,12 +430,14 @@ GROUPS: dict[str, type] = {
     "disaggregation": DisaggregationArgs,
     "parallel": ParallelArgs,
 }
+# Methods of a group that ServerArgs reads flat, as it reads fields and properties.
+_FLAT_METHODS = ("served_model_names", "prefill_token_budget")
 # flat field (and property) name -> the group that holds it
 _GROUP_OF: dict[str, str] = {
     name: group
     for group, cls in GROUPS.items()
     for name in [f.name for f in fields(cls)]
-    + [n for n, v in vars(cls).items() if isinstance(v, property) or n == "served_model_names"]
+    + [n for n, v in vars(cls).items() if isinstance(v, property) or n in _FLAT_METHODS]
 }
 
 

@@ -65,7 +65,7 @@ def _info_routes(app: FastAPI, state: ServerState, client) -> None:
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info():
-        return json_response(native_api.model_info(client().info))
+        return json_response(native_api.model_info(client().info, state.args))
 
     @app.get("/server_info")
     @app.get("/get_server_info")

@@ -70,7 +70,12 @@ class FrontClient(EngineClient):
             tokenizer, info, self.book, max_pending, self.options, lora=self.lora
         )
         self.embeds = EmbeddingManager(
-            tokenizer, info, self.book, max_pending, self.options.max_embedding_batch
+            tokenizer,
+            info,
+            self.book,
+            max_pending,
+            self.options.max_embedding_batch,
+            self.options.allow_auto_truncate,
         )
         # The callers waiting for a control answer, by the id (`cid`) their request carried:
         # an answer finds its own caller whatever the order answers come in, and a request

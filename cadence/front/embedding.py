@@ -12,6 +12,7 @@ abort serve every kind); it turns each item's vector into its result: {"embeddin
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -29,12 +30,21 @@ from cadence.io_struct import (
     TokenizedEmbeddingReqInput,
 )
 
+logger = logging.getLogger(__name__)
+
 
 class EmbeddingChecker:
-    def __init__(self, tokenizer: FrontTokenizer, info: ModelInfo, max_items: int):
+    def __init__(
+        self,
+        tokenizer: FrontTokenizer,
+        info: ModelInfo,
+        max_items: int,
+        allow_auto_truncate: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.info = info
         self.max_items = max_items  # --max-embedding-batch
+        self.allow_auto_truncate = allow_auto_truncate  # cut an input too long to embed
 
     async def check(
         self, obj: EmbeddingReqInput, worker_ipc: str | None
@@ -53,7 +63,7 @@ class EmbeddingChecker:
                 ids, types = list(one(item.input_ids, list)), one_or_none(item.token_type_ids, list)
                 field_name = "input_ids"
                 self._check_ids(ids, types)
-            self._check_length(field_name, len(ids))
+            ids, types = self._fit(field_name, ids, types)
             out.append(
                 TokenizedEmbeddingReqInput(
                     rid=one(item.rid, str),
@@ -141,18 +151,30 @@ class EmbeddingChecker:
                 f"(it has {num_types})",
             )
 
-    def _check_length(self, field_name: str, num: int) -> None:
+    def _fit(
+        self, field_name: str, ids: list[int], types: list[int] | None
+    ) -> tuple[list[int], list[int] | None]:
+        """The input's ids and token types if the model takes that many; otherwise a 400, or
+        with --allow-auto-truncate their head that it takes."""
         limit = min(self.info.context_len, self.info.max_total_tokens)
+        num = len(ids)
         if num == 0:
             raise InvalidParameter(
                 field_name, f"{field_name}: the input is empty after tokenization"
             )
+        if num > limit and self.allow_auto_truncate:
+            logger.warning(
+                "%s: the input has %d tokens, more than the model takes (%d); cut to its "
+                "first %d (--allow-auto-truncate)", field_name, num, limit, limit,
+            )  # fmt: skip
+            return ids[:limit], None if types is None else types[:limit]
         if num > limit:
             raise InvalidParameter(
                 field_name,
                 f"{field_name}: the input has {num} tokens, more than the model takes "
                 f"({limit}, its context length); shorten it",
             )
+        return ids, types
 
 
 def _text_of(item: EmbeddingReqInput) -> str | tuple[str, str]:
@@ -182,10 +204,11 @@ class EmbeddingManager(RequestKind[_EmbedState]):
         book: RequestBook,
         max_pending: int,
         max_items: int,
+        allow_auto_truncate: bool = False,
     ):
         self.info = info
         self.book = book
-        self.checker = EmbeddingChecker(tokenizer, info, max_items)
+        self.checker = EmbeddingChecker(tokenizer, info, max_items, allow_auto_truncate)
         # A request of the largest allowed batch always fits when nothing else is in flight.
         self.max_pending = max(max_pending, max_items)
 

@@ -9,6 +9,7 @@ naming the field; the scheduler trusts what passes.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,12 @@ from cadence.errors import InvalidParameter
 from cadence.front.engine_client import ModelInfo
 from cadence.front.lora import LoRARegistry
 from cadence.front.normalize import items, normalize_batch_and_arguments, one, one_or_none
-from cadence.front.sampling_checks import check_sampling_params, parse_sampling_params
+from cadence.front.sampling_checks import (
+    check_sampling_params,
+    parse_sampling_params,
+    preferred_sampling_params,
+    with_preferred,
+)
 from cadence.front.tokenizer import FrontTokenizer
 from cadence.io_struct import (
     FAKE_BOOTSTRAP_HOST,
@@ -29,6 +35,8 @@ from cadence.io_struct import (
     TokenizedGenerateReqInput,
 )
 from cadence.plugins import logit_processors
+
+logger = logging.getLogger(__name__)
 
 # Response size: a request may ask for at most this many logprob entries in all (top-k
 # alternatives and given ids, per prompt and output position); each costs front CPU.
@@ -56,6 +64,9 @@ class RequestOptions:
     decode_local_prefill: bool = False  # a decode server prefills roomless requests itself
     log_requests: bool = False  # log each generation request (--log-requests)
     log_requests_level: int = 2  # at this level of detail (--log-requests-level)
+    allow_auto_truncate: bool = False  # cut an over-long prompt instead of refusing it
+    # Sampling parameters a request leaves out take these (--preferred-sampling-params).
+    preferred_sampling_params: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, args) -> RequestOptions:
@@ -72,6 +83,8 @@ class RequestOptions:
             decode_local_prefill=args.disaggregation_decode_local_prefill,
             log_requests=args.log_requests,
             log_requests_level=args.log_requests_level,
+            allow_auto_truncate=args.allow_auto_truncate,
+            preferred_sampling_params=preferred_sampling_params(args.preferred_sampling_params),
         )
 
 
@@ -203,11 +216,12 @@ class RequestChecker:
         ids = obj.input_ids
         if isinstance(ids, list) and ids:
             if not isinstance(ids[0], list):
-                self._check_prompt_length("input_ids", len(ids))
+                obj.input_ids = self._fit_prompt("input_ids", ids)
             elif len(ids) <= self.max_items:  # a longer batch is refused by its size
-                for one in ids:
-                    if isinstance(one, list):
-                        self._check_prompt_length("input_ids", len(one))
+                obj.input_ids = [
+                    self._fit_prompt("input_ids", one) if isinstance(one, list) else one
+                    for one in ids
+                ]
 
     def check_text_length(self, param: str, text: str) -> None:
         """Refuses, before tokenizing it, a text too long to fit the context in any case."""
@@ -232,13 +246,15 @@ class RequestChecker:
             if getattr(item, name) is not None:
                 kind = name.split("_")[0]
                 raise InvalidParameter(name, f"{name}: this model does not accept {kind} input")
-        params = parse_sampling_params(item.sampling_params)
+        params = parse_sampling_params(
+            with_preferred(item.sampling_params, self.options.preferred_sampling_params)
+        )
         check_sampling_params(params, self.info.vocab_size)
         self._check_logprobs(item, params)
         await self._check_grammar(params)
         self._check_extras(item, params)
         input_ids = await self._input_ids(item)
-        self._check_length(item, input_ids, params)
+        input_ids = self._check_length(item, input_ids, params)
         start_len = one(item.logprob_start_len, int)
         if item.return_logprob and start_len >= 0:
             if start_len >= len(input_ids):
@@ -353,18 +369,23 @@ class RequestChecker:
             self.check_text_length("text", text)
             input_ids = await self.tokenizer.encode_async(text)
         else:
-            input_ids = list(one(item.input_ids, list))
-            self._check_prompt_length("input_ids", len(input_ids))  # before scanning the ids
-            self.check_token_ids("input_ids", input_ids)
+            input_ids = self._fit_prompt("input_ids", list(one(item.input_ids, list)))
+            self.check_token_ids("input_ids", input_ids)  # after the cut: fewer to scan
         if not input_ids:
             raise InvalidParameter("text", "text: the prompt is empty after tokenization")
         return input_ids
 
     def _check_length(
         self, item: GenerateReqInput, input_ids: list[int], params: SamplingParams
-    ) -> None:
+    ) -> list[int]:
+        """The prompt's ids, cut to fit with --allow-auto-truncate (its max_new_tokens then
+        lowered to what is left); otherwise a prompt or a request that does not fit the
+        context or the KV pool is refused."""
+        input_ids = self._fit_prompt("text" if item.text is not None else "input_ids", input_ids)
+        if self.options.allow_auto_truncate:
+            self._fit_new_tokens(item, len(input_ids), params)
+            return input_ids
         ctx, num = self.info.context_len, len(input_ids)
-        self._check_prompt_length("text" if item.text is not None else "input_ids", num)
         if num + params.max_new_tokens > ctx:
             raise InvalidParameter(
                 "max_new_tokens",
@@ -379,15 +400,43 @@ class RequestChecker:
                 f"({params.max_new_tokens}) needs more KV memory than the whole pool holds "
                 f"({self.info.max_total_tokens} tokens); lower max_new_tokens",
             )
+        return input_ids
 
-    def _check_prompt_length(self, param: str, num: int) -> None:
-        ctx = self.info.context_len
+    def _fit_prompt(self, param: str, input_ids: list[Any]) -> list[Any]:
+        """`input_ids` if the prompt leaves the context room for a new token; otherwise a 400,
+        or with --allow-auto-truncate its head that does (and fits the KV pool)."""
+        ctx, num = self.info.context_len, len(input_ids)
+        if self.options.allow_auto_truncate:
+            keep = min(ctx, self.info.max_total_tokens) - 1
+            if num > keep:
+                logger.warning(
+                    "%s: the prompt has %d tokens, more than the context (%d) or the KV pool "
+                    "(%d) leaves room for; cut to its first %d (--allow-auto-truncate)",
+                    param, num, ctx, self.info.max_total_tokens, keep,
+                )  # fmt: skip
+                return input_ids[:keep]
+            return input_ids
         if num >= ctx:
             raise InvalidParameter(
                 param,
                 f"the prompt has {num} tokens, which is at least the context length ({ctx}); "
                 "shorten it",
             )
+        return input_ids
+
+    def _fit_new_tokens(self, item: GenerateReqInput, num: int, params: SamplingParams) -> None:
+        """--allow-auto-truncate: max_new_tokens (and min_new_tokens) lowered to what the
+        context and the KV pool leave after a prompt of `num` tokens."""
+        room = min(self.info.context_len, self.info.max_total_tokens) - num
+        if params.max_new_tokens > room:
+            logger.warning(
+                "rid %s: max_new_tokens %d lowered to %d, what the context (%d) or the KV pool "
+                "(%d) leaves after the prompt's %d tokens (--allow-auto-truncate)",
+                item.rid, params.max_new_tokens, room, self.info.context_len,
+                self.info.max_total_tokens, num,
+            )  # fmt: skip
+            params.max_new_tokens = room
+            params.min_new_tokens = min(params.min_new_tokens, room)
 
     @staticmethod
     def _top_logprobs_num(item: GenerateReqInput) -> int:

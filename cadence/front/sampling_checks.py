@@ -67,6 +67,34 @@ def parse_sampling_params(d: object) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
+def preferred_sampling_params(text: str | None) -> dict[str, Any] | None:
+    """--preferred-sampling-params: the JSON object of sampling parameters that fill what a
+    request leaves out (None without the flag). Its names, types and ranges pass the same
+    checks as a request's; a fault is a ValueError naming the flag."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"preferred_sampling_params must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"preferred_sampling_params must be a JSON object, got {_describe(value)}")
+    try:
+        check_sampling_params(parse_sampling_params(value))
+    except (ValueError, InvalidParameter) as e:
+        raise ValueError(f"preferred_sampling_params: {e}") from None
+    return {name: v for name, v in value.items() if v is not None}
+
+
+def with_preferred(given: object, preferred: dict[str, Any] | None) -> object:
+    """A request's sampling parameters over the server's preferred ones: a name the request
+    leaves out, or gives as null, takes the preferred value. Anything but an object is
+    returned as it came, for `parse_sampling_params` to refuse."""
+    if not preferred or not (given is None or isinstance(given, dict)):
+        return given
+    return {**preferred, **{k: v for k, v in (given or {}).items() if v is not None}}
+
+
 def check_sampling_params(p: SamplingParams, vocab_size: int | None = None) -> None:
     """Check every range of the spec table; raise `InvalidParameter` on the first fault.
 

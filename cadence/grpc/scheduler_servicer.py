@@ -240,7 +240,7 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
             model_path=info.model_path,
             tokenizer_path=info.tokenizer_dir or "",
             is_generation=info.is_generation,
-            preferred_sampling_params="",
+            preferred_sampling_params=self.state.args.preferred_sampling_params or "",
             default_sampling_params_json="",  # no defaults beyond the native API's
             served_model_name=info.served_model_name,
             max_context_length=info.context_len,

@@ -240,7 +240,8 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     async def GetModelInfo(self, request, context):
         info = self._client().info
         return pb.GetModelInfoResponse(
-            model_path=info.model_path, json_info=_json(native_api.model_info(info))
+            model_path=info.model_path,
+            json_info=_json(native_api.model_info(info, self.state.args)),
         )
 
     @rpc

@@ -46,6 +46,12 @@ class ModelRunner(Runner):
         self.args = args
         self.groups = groups  # cadence.distributed.group.RankGroups, with tp or pp > 1
         self.samples = groups is None or groups.is_leader
+        # --mem-fraction-static shares out the memory available before the weights load.
+        self._available_at_start = (
+            None
+            if args.mem_fraction_static is None
+            else get_current_platform().available_memory_bytes()
+        )
         self._load(args, model_path)
         num_pages = self._make_kv_memory(args)
         self._set_up_model(args)
@@ -236,21 +242,41 @@ class ModelRunner(Runner):
         return self.platform.profiler_activities()
 
     def _kv_budget_tokens(self) -> int:
-        if self.args.max_total_tokens is not None:
-            return self.args.max_total_tokens // self.page_size * self.page_size
+        cap = self.args.max_total_tokens
+        if cap is not None and self.args.mem_fraction_static is None:
+            return cap // self.page_size * self.page_size
         per_token = KVPool.bytes_per_token(
             len(self.model.layers),
             self.model.dims.num_kv_heads,
             self.config.head_dim,
             self.kv_dtype,
         )
-        tokens = (
-            int(self.platform.available_memory_bytes() * self.args.kv_cache_memory_fraction)
-            // per_token
-        )
+        tokens = self._kv_budget_bytes() // per_token
+        if cap is not None:
+            tokens = min(tokens, cap)
         if self.groups is not None:  # one page numbering for all: what every rank can hold
             tokens = self.groups.min_over_ranks(tokens)
         return max(tokens // self.page_size, 1) * self.page_size
+
+    def _kv_budget_bytes(self) -> int:
+        """The KV pool's share of the device's memory. --mem-fraction-static (SGLang's rule):
+        the weights and the pool together take that share of what was available before the
+        weights loaded, so the pool gets what is available now less the rest of it."""
+        available = self.platform.available_memory_bytes()
+        fraction = self.args.mem_fraction_static
+        if fraction is None:
+            return int(available * self.args.kv_cache_memory_fraction)
+        at_start = self._available_at_start
+        assert at_start is not None  # measured in __init__ whenever the fraction is set
+        budget = available - int(at_start * (1 - fraction))
+        if budget <= 0:
+            raise ValueError(
+                f"--mem-fraction-static {fraction:g} leaves no memory for the KV cache: "
+                f"{at_start / 2**30:.2f} GiB were available at start and the weights left "
+                f"{available / 2**30:.2f} GiB, while {(1 - fraction) * at_start / 2**30:.2f} "
+                "GiB must stay free; raise it, or size the pool with --max-total-tokens"
+            )
+        return budget
 
     # ---- a step -----------------------------------------------------------------------
 

@@ -33,7 +33,8 @@ def commit_step_memory(runner) -> None:
     noise of the full model's (38-66 MiB). Every rank cuts the same way, so the ranks'
     collectives still pair up."""
     page = runner.page_size
-    num_tokens = min(runner.args.chunked_prefill_size, runner.max_total_tokens // 2) // page * page
+    budget = runner.args.prefill_token_budget(runner.context_len)
+    num_tokens = min(budget, runner.max_total_tokens // 2) // page * page
     per_item = min(ITEM_TOKENS, runner.context_len // 2) // page * page
     if num_tokens < page or per_item < page:
         return  # a pool or a context too small to matter

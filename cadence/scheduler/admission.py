@@ -40,7 +40,9 @@ class Admission:
         self.kv = kv
         self.context_len = context_len
         self.max_running = args.max_running_requests
-        self.chunk_size = args.chunked_prefill_size  # tokens a round prefills at most
+        self.chunk_size = args.prefill_token_budget(context_len)  # tokens a round prefills at most
+        # --chunked-prefill-size -1: a prompt is prefilled whole, never split over rounds.
+        self.splits_prompts = args.chunked_prefill_size != -1
         self.lpm = args.effective_schedule_policy == "lpm"
         self.by_priority = args.enable_priority_scheduling
         # Distinct adapters (the base model counted as one) one step may mix.
@@ -103,6 +105,8 @@ class Admission:
         for req in self._order():
             if budget <= 0 or num_running + len(chosen) >= self.max_running:
                 break
+            if not self.splits_prompts and chosen and len(req.fill_ids) > budget:
+                break  # runs whole in a round of its own, next
             if claimed and self._shares_claimed(req, claimed):
                 continue  # takes the pages another request computes now from the cache next round
             if not self.kv.fetch_from_disk(req.fill_ids[: self._match_limit(req)], req.lora_uid):

@@ -122,7 +122,7 @@ class Scheduler:
         )
         self.admission = Admission(self.kv, args, self.context_len, self._relieve_memory)
         # Embedding requests: one forward pass per input, in steps of at most the prefill budget.
-        self.embeds = EmbeddingQueue(runner, self.kv, args.chunked_prefill_size)
+        self.embeds = EmbeddingQueue(runner, self.kv, args.prefill_token_budget(self.context_len))
         self.profiler = Profiler(args.effective_profile_dir, runner.profiler_activities)
         self.spec = (
             Speculation(args, self.context_len) if args.speculative_algorithm is not None else None
@@ -332,7 +332,7 @@ class Scheduler:
     def step_tokens_bound(self) -> int:
         """At most how many tokens the next step computes (for the watchdog's patience)."""
         if self.waiting or self.chunked is not None:
-            return self.args.chunked_prefill_size + len(self.running)
+            return self.admission.chunk_size + len(self.running)
         return len(self.running)
 
     @property

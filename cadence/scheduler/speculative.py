@@ -205,7 +205,7 @@ class Speculation:
         self.config = ngram_config(args)
         self.drafter = NgramDrafter(self.config)
         self.context_len = context_len
-        self.budget = max(args.chunked_prefill_size, self.config.max_draft)
+        self.budget = max(args.prefill_token_budget(context_len), self.config.max_draft)
         self.stats = SpecStats()
         self.cost = StepCost()
         self.steps_ahead = 0  # since the drafter last looked

@@ -22,6 +22,7 @@ from cadence.front.request_checks import (
     check_tokenize_chars,
 )
 from cadence.io_struct import GenerateReqInput
+from cadence.server_args import ServerArgs
 from cadence.serving.body import json_object, parse_struct
 from cadence.version import __version__
 
@@ -94,8 +95,9 @@ async def cumulative(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
         await chunks.aclose()
 
 
-def model_info(info: ModelInfo) -> dict[str, Any]:
-    """GET /model_info; GetModelInfo's json_info."""
+def model_info(info: ModelInfo, args: ServerArgs | None = None) -> dict[str, Any]:
+    """GET /model_info; GetModelInfo's json_info. `args` (the ServerArgs) adds what the
+    launch line set: --preferred-sampling-params, as given (SGLang's field)."""
     return {
         "model_path": info.model_path,
         "tokenizer_path": info.tokenizer_path,
@@ -105,6 +107,7 @@ def model_info(info: ModelInfo) -> dict[str, Any]:
         "vocab_size": info.vocab_size,
         # What each tensor type of the file is served as (a GGUF's Q4_1 kept as Q4_1, ...).
         "weight_types": info.weight_types,
+        "preferred_sampling_params": getattr(args, "preferred_sampling_params", None),
     }
 
 

@@ -102,3 +102,22 @@ def test_sglang_flags_that_change_nothing_here_are_accepted_and_say_why():
     text = " ".join(help_text.format_help().split())
     assert "no model's own code is ever run" in text
     assert "always report their prompt's cached tokens" in text
+
+
+def test_sglang_sizing_and_truncation_flags_parse_as_sglang_spells_them():
+    args = parse(
+        *("--mem-fraction-static", "0.85", "--max-prefill-tokens", "8192"),
+        *("--chunked-prefill-size", "-1", "--allow-auto-truncate"),
+        *("--preferred-sampling-params", '{"temperature": 0.7}'),
+    )
+    assert (args.mem_fraction_static, args.max_prefill_tokens) == (0.85, 8192)
+    assert args.allow_auto_truncate and args.preferred_sampling_params == '{"temperature": 0.7}'
+    assert args.prefill_token_budget(4096) == 8192  # no chunking: whatever holds a prompt
+    assert args.prefill_token_budget(32768) == 32768
+    assert parse("--max-prefill-tokens", "512").prefill_token_budget(4096) == 512
+    assert ServerArgs().prefill_token_budget(4096) == 2048  # the chunk size
+    for bad in (("--chunked-prefill-size", "0"), ("--max-prefill-tokens", "0")):
+        with pytest.raises(ValueError):
+            parse(*bad)
+    with pytest.raises(ValueError, match="JSON object"):
+        parse("--preferred-sampling-params", "[1, 2]")

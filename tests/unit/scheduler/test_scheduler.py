@@ -201,6 +201,32 @@ def test_chunked_prefill_splits_a_long_prompt_over_steps():
     assert_pool_full(s, alloc)
 
 
+def test_max_prefill_tokens_bounds_a_prefill_step_of_several_requests():
+    """--max-prefill-tokens (SGLang's): the prompt tokens of one prefill step, all requests
+    together; with chunking on, the step takes the smaller of it and the chunk size."""
+    s, runner, alloc = make(num_pages=16, chunk=64, max_prefill_tokens=6)
+    for rid in "abc":
+        s.handle(request(rid, prompt_len=4, max_new=1))
+    run_until_idle(s)
+    extends = [[len(i.token_ids) for i in b.items] for b in runner.batches if not b.is_decode]
+    assert extends == [[4, 2], [2, 4]]
+    assert all(sum(step) <= 6 for step in extends)
+    assert_pool_full(s, alloc)
+
+
+def test_without_chunking_a_whole_prompt_runs_in_one_step():
+    """--chunked-prefill-size -1: no prompt is split; a step takes up to the larger of
+    --max-prefill-tokens and the context length (SGLang's rule), so any prompt fits."""
+    s, runner, alloc = make(num_pages=32, chunk=-1, max_prefill_tokens=8, disable_radix_cache=True)
+    for rid, n in (("a", 40), ("b", 30), ("c", 20)):
+        s.handle(request(rid, prompt_len=n, max_new=2))
+    run_until_idle(s)
+    extends = [[len(i.token_ids) for i in b.items] for b in runner.batches if not b.is_decode]
+    # The budget is the context (64): b does not fit beside a whole, so it waits a round.
+    assert extends == [[40], [30, 20]]
+    assert_pool_full(s, alloc)
+
+
 def test_prompt_logprobs_are_asked_for_the_right_rows_across_chunks():
     s, runner, alloc = make(chunk=4)
     msg = request("a", prompt_len=7, max_new=1)

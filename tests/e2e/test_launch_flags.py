@@ -1,0 +1,129 @@
+"""A server launched with SGLang's --allow-auto-truncate, --preferred-sampling-params and
+--max-prefill-tokens, driven by the openai SDK, httpx and the generated gRPC stubs: a prompt
+longer than the context is cut to its head (room for one new token) instead of refused, a
+request's max_new_tokens is lowered to what the context leaves, the preferred parameters fill
+what a request leaves out (and are reported where SGLang reports them), and a prompt longer
+than the prefill budget is prefilled over several steps with the same answer."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import openai
+import pytest
+from e2e_server import Server, is_idle
+from grpc_support import target
+
+from cadence.grpc import sglang_scheduler_pb2 as pb
+from cadence.grpc import sglang_scheduler_pb2_grpc
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+CONTEXT = 256
+PREFERRED = {"max_new_tokens": 6, "temperature": 0}
+PREFILL_BUDGET = 64
+LONG = "The quick brown fox jumps over the lazy dog. " * 80  # far past 256 tokens
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server(
+        "launch_flags",
+        [
+            *("--context-length", str(CONTEXT), "--max-total-tokens", "2048"),
+            "--allow-auto-truncate",
+            *("--preferred-sampling-params", json.dumps(PREFERRED)),
+            *("--max-prefill-tokens", str(PREFILL_BUDGET), "--skip-warmup"),
+        ],
+    ).start()
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.destroy()
+
+
+@pytest.fixture
+def http(server):
+    with server.client() as c:
+        yield c
+    assert is_idle(server.wait_idle()), "a request outlived its test"
+
+
+@pytest.fixture
+def oai(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as c:
+        yield c
+
+
+def generate(http, **body) -> dict:
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_prompt_past_the_context_is_cut_to_its_head_not_refused(http, oai):
+    ids = http.post("/tokenize", json={"prompt": LONG}).json()["tokens"]
+    assert len(ids) > CONTEXT
+    out = generate(http, text=LONG, sampling_params={"max_new_tokens": 50})
+    assert out["meta_info"]["prompt_tokens"] == CONTEXT - 1
+    assert out["meta_info"]["completion_tokens"] == 1  # what the context leaves
+    # The head was kept: the same answer as for the first 255 ids sent as they are.
+    head = generate(http, input_ids=ids[: CONTEXT - 1], sampling_params={"max_new_tokens": 1})
+    assert head["output_ids"] == out["output_ids"]
+    done = oai.completions.create(model="m", prompt=LONG, max_tokens=20, temperature=0)
+    assert done.usage.prompt_tokens == CONTEXT - 1 and done.usage.completion_tokens == 1
+    chat = oai.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": LONG}], temperature=0
+    )
+    assert chat.usage.prompt_tokens == CONTEXT - 1 and chat.usage.completion_tokens == 1
+
+
+def test_max_new_tokens_past_the_context_is_lowered_to_what_it_leaves(http):
+    ids = http.post("/tokenize", json={"prompt": LONG}).json()["tokens"][:200]
+    out = generate(http, input_ids=ids, sampling_params={"max_new_tokens": 500, "ignore_eos": True})
+    assert out["meta_info"]["prompt_tokens"] == 200
+    assert out["meta_info"]["completion_tokens"] == CONTEXT - 200
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_preferred_parameters_fill_what_a_request_leaves_out(http, oai):
+    a = generate(http, text="The capital of France is")
+    b = generate(http, text="The capital of France is", sampling_params={"ignore_eos": True})
+    assert b["meta_info"]["completion_tokens"] == PREFERRED["max_new_tokens"]
+    assert a["meta_info"]["completion_tokens"] <= PREFERRED["max_new_tokens"]
+    assert b["text"].startswith(a["text"])  # temperature 0 from the flag: both greedy
+    mine = generate(
+        http,
+        text="The capital of France is",
+        sampling_params={"max_new_tokens": 2, "ignore_eos": True},
+    )
+    assert mine["meta_info"]["completion_tokens"] == 2  # the request's own value wins
+    chat = oai.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Say hi"}], max_tokens=5
+    )
+    again = oai.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Say hi"}], max_tokens=5
+    )
+    assert chat.choices[0].message.content == again.choices[0].message.content  # greedy
+
+
+def test_the_preferred_parameters_are_reported_as_given(server, http):
+    info = http.get("/model_info").json()
+    assert json.loads(info["preferred_sampling_params"]) == PREFERRED
+    assert http.get("/server_info").json()["max_prefill_tokens"] == PREFILL_BUDGET
+    with grpc.insecure_channel(target(server)) as channel:
+        stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
+        reply = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert json.loads(reply.preferred_sampling_params) == PREFERRED
+
+
+def test_a_prompt_longer_than_the_prefill_budget_answers_as_in_one_step(http):
+    """200 prompt tokens at most 64 per step: four prefill steps. The greedy answer equals
+    the one for the same prompt whose first 192 tokens are already cached (one step)."""
+    ids = http.post("/tokenize", json={"prompt": LONG}).json()["tokens"][:200]
+    params = {"max_new_tokens": 8, "ignore_eos": True}
+    cold = generate(http, input_ids=ids, sampling_params=params)
+    warm = generate(http, input_ids=ids, sampling_params=params)
+    assert warm["meta_info"]["cached_tokens"] > 0
+    assert cold["output_ids"] == warm["output_ids"]
