@@ -136,6 +136,11 @@ class Engine:
         # what memory it may hold.
         kwargs = {"lazy_kv_pool": True, **kwargs}
         self.args = finalize_server_args(ServerArgs.from_kwargs(model_path=model_path, **kwargs))
+        if self.args.dp_size > 1:
+            raise ValueError(
+                "dp_size: the in-process Engine is one replica; serve several with "
+                "`cadence serve --dp-size N` (or `cadence launch`) and send to its port"
+            )
         path = resolve_model_path(self.args.model_path)
         self.tokenizer = load_tokenizer(path, self.args.tokenizer_path)
         self._ranks = None  # the follower ranks' supervisor, with tp_size × pp_size > 1

@@ -346,9 +346,11 @@ class ParallelArgs:
     """host:port of node 0, where every rank meets (torch.distributed's TCP store). Required with --nnodes > 1; on one machine a free local port is taken."""
     dist_timeout: float = 60.0
     """Seconds any collective may wait for the other ranks before the server stops with an error (a rank that died ends the server sooner: its sockets close)."""
+    dp_size: int = 1
+    """Data-parallel replicas (SGLang's flag): more than 1 serves the command line as `cadence launch` does, that many replicas of this server (each its own scheduler and KV pool) behind the router on --host/--port (docs/launch.md)."""
 
     def __post_init__(self) -> None:
-        _at_least_one(self, "tp_size", "pp_size", "nnodes")
+        _at_least_one(self, "tp_size", "pp_size", "nnodes", "dp_size")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(
                 f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}"

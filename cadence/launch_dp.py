@@ -2,7 +2,7 @@
 front of them, from one command. The command line and the process plan; `--help` imports
 nothing heavy.
 
-The flags are `cadence serve`'s (one parser: `launch_server.build_parser`), `--dp-size` and
+The flags are `cadence serve`'s (one parser: `server_args.build_parser`), `--dp-size` and
 `--router-dp-worker-base-port`, and every `cadence router` flag spelled `--router-<flag>` (the
 router's own parser, its flags copied under the prefix). As in SGLang's launcher, the router
 listens on `--host`/`--port`, where a client of `cadence serve` already points; replica i
@@ -87,8 +87,8 @@ class _Refused(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cadence.launch_server import build_parser as serve_parser
     from cadence.router.cli import build_parser as router_parser
+    from cadence.server_args import build_parser as serve_parser
 
     parser = serve_parser()
     parser.prog = "cadence launch"
@@ -100,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     docs = field_docs(LaunchArgs)
     group = parser.add_argument_group("data parallelism (cadence launch)")
     for f in fields(LaunchArgs):
-        group.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
+        flag = "--" + f.name.replace("_", "-")
+        if flag in parser._option_string_actions:
+            continue  # `cadence serve`'s own flag too (--dp-size): read from there
+        group.add_argument(flag, type=int, default=f.default,
                            help=f"{docs[f.name]} (default: {f.default})")  # fmt: skip
     group = parser.add_argument_group("router (cadence router's flags, prefixed --router-)")
     for action in router_parser()._actions:
@@ -185,7 +188,8 @@ def parse(argv: list[str]) -> LaunchPlan:
     except ValueError as e:
         parser.error(f"router: {e} (given as {_PREFIX}{str(e).split(':')[0].replace('_', '-')})")
     # Each replica's argv gets its own --port; the launcher's flags are none of its business.
-    drop = {"--port"} | {"--" + f.name.replace("_", "-") for f in fields(LaunchArgs)}
+    drop = {"--port", "--data-parallel-size"}
+    drop |= {"--" + f.name.replace("_", "-") for f in fields(LaunchArgs)}
     return LaunchPlan(args, launch, host, port, _drop_options(server_argv, drop), router_argv)
 
 

@@ -10,25 +10,17 @@ Children die with this process (PR_SET_PDEATHSIG), so nothing is orphaned.
 
 from __future__ import annotations
 
-import argparse
 import logging
+import os
 import sys
 import threading
 from typing import NoReturn
 
-from cadence.server_args import ServerArgs, add_cli_args, from_cli_args
+from cadence.server_args import ServerArgs, build_parser, from_cli_args
 
 logger = logging.getLogger("cadence.server")
 
 SCHEDULER, DETOKENIZER = "scheduler", "detokenizer"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="cadence serve", description="Serve a model over HTTP and gRPC."
-    )
-    add_cli_args(parser)
-    return parser
 
 
 def engine_processes(args: ServerArgs, paths, model_path: str) -> list:
@@ -164,10 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     except PluginError as e:
         print(f"cadence serve: error: {e}", file=sys.stderr)
         return 1
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+    parser, argv = build_parser(), sys.argv[1:] if argv is None else argv
+    if parser.parse_known_args(argv)[0].dp_size > 1:  # SGLang's data parallelism: the
+        os.execv(sys.executable, [sys.executable, "-m", "cadence.launch_dp", *argv])  # launcher
     try:
-        args = from_cli_args(ns)
+        args = from_cli_args(parser.parse_args(argv))
         from cadence.front.sampling_checks import preferred_sampling_params
 
         preferred_sampling_params(args.preferred_sampling_params)  # checked before any start
@@ -185,9 +178,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_now(code: int) -> NoReturn:
-    """Ends the server's process once `launch` has stopped and removed everything: the
-    interpreter's own teardown (collecting torch's and every module's objects) would add
-    seconds to a stop that is otherwise done."""
+    """Ends the process once `launch` has stopped and removed everything: the interpreter's
+    own teardown (collecting torch's and every module's objects) would add seconds."""
     from cadence.supervisor import exit_fast
 
     exit_fast(code)

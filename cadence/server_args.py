@@ -593,6 +593,14 @@ def _from_groups(*groups: Any) -> ServerArgs:
 _DEFAULTS: dict[str, Any] = {f.name: f.default for group in GROUPS.values() for f in fields(group)}
 
 
+# SGLang's long spellings of a few flags, accepted beside ours.
+SGLANG_ALIASES = {
+    "tp_size": ("--tensor-parallel-size",),
+    "pp_size": ("--pipeline-parallel-size",),
+    "dp_size": ("--data-parallel-size",),
+}
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """One flat flag per argument, every group's, with its docstring as help."""
     for group in GROUPS.values():
@@ -621,7 +629,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                 kwargs = {"choices": DISAGGREGATION_BACKENDS}
             elif f.name == "hicache_write_policy":
                 kwargs = {"choices": ("write_through", "write_back", "write_through_selective")}
-            section.add_argument(flag, type=conv, default=f.default, help=help_text, **kwargs)
+            flags = [flag, *SGLANG_ALIASES.get(f.name, ())]
+            section.add_argument(*flags, type=conv, default=f.default, help=help_text, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`cadence serve`'s command line (`cadence launch` builds on it)."""
+    parser = argparse.ArgumentParser(
+        prog="cadence serve", description="Serve a model over HTTP and gRPC."
+    )
+    add_cli_args(parser)
+    return parser
 
 
 def from_cli_args(ns: argparse.Namespace) -> ServerArgs:

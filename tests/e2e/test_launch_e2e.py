@@ -1,4 +1,5 @@
-"""`cadence launch --dp-size 2`: two replicas of the default model and the router in front,
+"""`python -m cadence.launch_server --dp-size 2` (SGLang's launch line, which `cadence serve`
+hands to `cadence launch`): two replicas of the default model and the router in front,
 started by one command as a real process.
 
 Through the router's port, with the openai client: chat answers, from both replicas in turn
@@ -44,7 +45,7 @@ class Launcher:
         self.log_path = os.path.join(self.tmpdir, "launch.log")
         cmd = [
             *(sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid())),
-            *(sys.executable, "-m", "cadence.cli", "launch", "--dp-size", "2"),
+            *(sys.executable, "-m", "cadence.launch_server", "--dp-size", "2"),
             *("--port", str(self.port), "--dtype", "float32", "--max-total-tokens", "2048"),
             *("--skip-warmup", "--lazy-kv-pool"),
             *("--router-policy", "round_robin", "--router-enable-admin-api"),

@@ -178,3 +178,40 @@ def test_the_launcher_and_its_router_child_start_without_torch():
     done = subprocess.run([sys.executable, "-m", "cadence.cli", "launch", "--help"],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0 and "--router-policy" in done.stdout
+
+
+def test_sglangs_data_parallel_size_spelling_never_reaches_a_replica():
+    """A replica that got --data-parallel-size 2 would start replicas of its own."""
+    plan = parse(["--data-parallel-size", "2", "--tensor-parallel-size", "1", "--skip-warmup"])
+    assert plan.launch.dp_size == 2 and plan.server.dp_size == 2
+    assert plan.server_argv == ["--tensor-parallel-size", "1", "--skip-warmup"]
+
+
+def test_cadence_serve_with_dp_size_hands_its_whole_line_to_the_launcher(monkeypatch):
+    """`cadence serve --dp-size 2` (SGLang's launch line) is served as `cadence launch`;
+    --dp-size 1 is an ordinary server."""
+    import cadence.launch_server
+
+    handed: list[list[str]] = []
+
+    def execv(path, argv):  # the launcher takes the process over: nothing after it runs
+        handed.append(argv)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(os, "execv", execv)
+    launched: list = []
+    monkeypatch.setattr(cadence.launch_server, "launch", lambda args: launched.append(args) or 0)
+    monkeypatch.setattr(cadence.launch_server, "exit_now", lambda code: code)
+    argv = ["--dp-size", "2", "--skip-warmup", "--port", "30500", "--router-policy", "random"]
+    with pytest.raises(SystemExit):
+        cadence.launch_server.main(argv)
+    assert handed == [[sys.executable, "-m", "cadence.launch_dp", *argv]] and not launched
+    cadence.launch_server.main(["--dp-size", "1", "--skip-warmup"])  # ends in exit_now(launch())
+    assert len(handed) == 1 and launched[0].dp_size == 1
+
+
+def test_the_in_process_engine_refuses_data_parallelism():
+    from cadence.engine import Engine
+
+    with pytest.raises(ValueError, match="dp_size: the in-process Engine is one replica"):
+        Engine(dp_size=2)
