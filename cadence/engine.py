@@ -119,7 +119,8 @@ class _SchedulerThread:
             self._emit(outputs)
 
     def _emit(self, outputs) -> None:
-        for msg in to_messages(outputs):  # embeddings need no detokenizer
+        # Embeddings need no detokenizer.
+        for msg in to_messages(outputs, self.scheduler.weight_version):
             self.deliver(
                 self.detokenizer.process(msg) if isinstance(msg, BatchTokenIDOutput) else msg
             )
@@ -376,8 +377,19 @@ class Engine:
     def stop_profile(self):
         return self._call(self.client.stop_profile())
 
-    def update_weights_from_disk(self, model_path: str, load_format: str | None = None):
-        return self._call(self.client.update_weights_from_disk(model_path, load_format))
+    def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None, weight_version: str | None = None
+    ):
+        return self._call(
+            self.client.update_weights_from_disk(model_path, load_format, weight_version)
+        )
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True):
+        """SGLang's Engine.update_weight_version: the served weights' new version label."""
+        return self._call(self.client.update_weight_version(new_version, abort_all_requests))
+
+    def get_weight_version(self) -> str:
+        return self._call(self.client.get_weight_version())
 
     def open_session(
         self,

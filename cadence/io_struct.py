@@ -360,6 +360,7 @@ class BatchTokenIDOutput(_Message, kw_only=True):
     spec_accepted_tokens: list[int] | None = None
     spec_proposed_tokens: list[int] | None = None  # draft tokens verified, accepted or not
     spec_acceptance_histogram: list[list[int]] | None = None
+    weight_version: str = "default"  # of the weights that made these tokens (meta_info's)
 
 
 class BatchStrOutput(_Message, kw_only=True):
@@ -379,6 +380,7 @@ class BatchStrOutput(_Message, kw_only=True):
     spec_accepted_tokens: list[int] | None = None
     spec_proposed_tokens: list[int] | None = None
     spec_acceptance_histogram: list[list[int]] | None = None
+    weight_version: str = "default"  # passed through as well
 
 
 class BatchEmbeddingOutput(_Message, kw_only=True):
@@ -539,11 +541,37 @@ class UpdateWeightFromDiskReqInput(_ControlMessage, kw_only=True):
 
     model_path: str  # a GGUF file or a Hugging Face directory
     load_format: str | None = None  # None: guess from the path
+    weight_version: str | None = None  # the new weights' version (None: the version stays)
 
 
 class UpdateWeightFromDiskReqOutput(_ControlMessage, kw_only=True):
     success: bool
     message: str = ""  # why it failed
+
+
+class UpdateWeightVersionReqInput(_ControlMessage, kw_only=True):
+    """Relabel the weights being served (SGLang's /update_weight_version), after an update
+    the trainer made some other way; by default every live request is aborted first, so
+    that none ends under a version it did not start with."""
+
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class UpdateWeightVersionReqOutput(_ControlMessage, kw_only=True):
+    success: bool
+    message: str = ""
+    new_version: str = ""
+
+
+class GetWeightVersionReqInput(_ControlMessage, kw_only=True):
+    """Ask the scheduler which version of the weights it serves."""
+
+
+class GetWeightVersionReqOutput(_ControlMessage, kw_only=True):
+    weight_version: str = ""
+    success: bool = True
+    message: str = ""
 
 
 class LoadLoRAAdapterReqInput(_ControlMessage, kw_only=True):
@@ -603,6 +631,10 @@ Message = (
     | ProfileReqOutput
     | UpdateWeightFromDiskReqInput
     | UpdateWeightFromDiskReqOutput
+    | UpdateWeightVersionReqInput
+    | UpdateWeightVersionReqOutput
+    | GetWeightVersionReqInput
+    | GetWeightVersionReqOutput
     | OpenSessionReqInput
     | OpenSessionReqOutput
     | CloseSessionReqInput
@@ -620,6 +652,8 @@ REPLY_TYPES: dict[type, type] = {
     GetLoadReqInput: GetLoadReqOutput,
     ProfileReq: ProfileReqOutput,
     UpdateWeightFromDiskReqInput: UpdateWeightFromDiskReqOutput,
+    UpdateWeightVersionReqInput: UpdateWeightVersionReqOutput,
+    GetWeightVersionReqInput: GetWeightVersionReqOutput,
     OpenSessionReqInput: OpenSessionReqOutput,
     CloseSessionReqInput: CloseSessionReqOutput,
     LoadLoRAAdapterReqInput: LoRAUpdateOutput,

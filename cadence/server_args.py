@@ -69,6 +69,8 @@ class ModelArgs:
     """Most rows (a token each) of a decode step captured in a CUDA graph; larger steps run eagerly. Default: --max-running-requests (times --speculative-num-draft-tokens with speculative decoding, whose verify steps replay the graphs a row per token), at most 256."""
     trust_remote_code: bool = False
     """Accepted for SGLang compatibility: no model's own code is ever run; architectures are Cadence's (config.json names them)."""
+    weight_version: str = "default"
+    """The served weights' version (SGLang's label, for reinforcement-learning loops): in every generation response's meta_info, /get_weight_version and /model_info; changed by /update_weight_version or by an /update_weights_from_disk that names one."""
     is_embedding: bool = False
     """Serve a decoder (the Llama family) as an embedding model: the last token's final hidden state, normalized (or the pooling its modules.json declares). Encoders (BERT) are detected from their config.json and served as embedding models without this flag."""
 

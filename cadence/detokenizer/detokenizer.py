@@ -110,6 +110,7 @@ class Detokenizer:
             spec_accepted_tokens=batch.spec_accepted_tokens,
             spec_proposed_tokens=batch.spec_proposed_tokens,
             spec_acceptance_histogram=batch.spec_acceptance_histogram,
+            weight_version=batch.weight_version,
         )
 
     def _process_one(self, batch: BatchTokenIDOutput, i: int, rid: str) -> str:

@@ -42,6 +42,7 @@ def _split_by_front(out: BatchStrOutput) -> dict[str | None, BatchStrOutput]:
             spec_accepted_tokens=_pick(out.spec_accepted_tokens, idx),
             spec_proposed_tokens=_pick(out.spec_proposed_tokens, idx),
             spec_acceptance_histogram=_pick(out.spec_acceptance_histogram, idx),
+            weight_version=out.weight_version,
         )
     return parts
 

@@ -65,7 +65,9 @@ def _info_routes(app: FastAPI, state: ServerState, client) -> None:
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info():
-        return json_response(native_api.model_info(client().info, state.args))
+        engine = client()
+        version = await engine.get_weight_version()
+        return json_response(native_api.model_info(engine.info, state.args, version))
 
     @app.get("/server_info")
     @app.get("/get_server_info")
@@ -215,8 +217,22 @@ def _profile_routes(app: FastAPI, client) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights(request: Request):
         body = control.parse(control.UpdateWeightsBody, await read_json(request))
-        out = await client().update_weights_from_disk(body.model_path, body.load_format)
+        out = await client().update_weights_from_disk(
+            body.model_path, body.load_format, body.weight_version
+        )
         return _outcome(out)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        body = control.parse(control.UpdateWeightVersionBody, await read_json(request))
+        out = await client().update_weight_version(body.new_version, body.abort_all_requests)
+        return json_response(
+            {"success": out.success, "message": out.message, "new_version": out.new_version}
+        )
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return json_response({"weight_version": await client().get_weight_version()})
 
 
 def _outcome(out) -> Response:

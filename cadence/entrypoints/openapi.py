@@ -100,6 +100,7 @@ BODIES: dict[str, tuple[Any, bool]] = {
     "/start_profile": (control.ProfileBody, False),
     "/stop_profile": (_ANY_OBJECT, False),
     "/update_weights_from_disk": (control.UpdateWeightsBody, True),
+    "/update_weight_version": (control.UpdateWeightVersionBody, True),
     "/configure_logging": (control.ConfigureLoggingBody, False),
     "/open_session": (control.OpenSessionBody, False),
     "/close_session": (control.CloseSessionBody, True),

@@ -23,6 +23,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "start_step": (0, INT64_MAX),
 }
 MAX_SESSION_ID_CHARS = 256
+MAX_WEIGHT_VERSION_CHARS = 256  # every generation output carries it
 MAX_SESSION_TIMEOUT_S = 7 * 86400
 
 
@@ -82,4 +83,17 @@ def check_model_path(model_path: Any) -> None:
     if not isinstance(model_path, str) or not model_path:
         raise InvalidParameter(
             "model_path", "model_path (a .gguf file or model directory) is required"
+        )
+
+
+def check_weight_version(name: str, version: Any) -> None:
+    """A weights' version label: 1 to MAX_WEIGHT_VERSION_CHARS printable characters."""
+    if (
+        not isinstance(version, str)
+        or not 0 < len(version) <= MAX_WEIGHT_VERSION_CHARS
+        or not version.isprintable()
+    ):
+        raise InvalidParameter(
+            name,
+            f"{name} must be a string of 1 to {MAX_WEIGHT_VERSION_CHARS} printable characters",
         )

@@ -27,6 +27,7 @@ from cadence.front.control_checks import (
     check_model_path,
     check_profile_name,
     check_session,
+    check_weight_version,
 )
 from cadence.front.lora import LORA_NOT_ENABLED, LoRARegistry, check_load_args
 from cadence.io_struct import (
@@ -39,6 +40,7 @@ from cadence.io_struct import (
     GetLoadReqInput,
     GetLoadReqOutput,
     GetLoRAAdaptersReqInput,
+    GetWeightVersionReqInput,
     LoadLoRAAdapterReqInput,
     LoRAAdapterInfo,
     LoRAUpdateOutput,
@@ -49,6 +51,8 @@ from cadence.io_struct import (
     UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightVersionReqInput,
+    UpdateWeightVersionReqOutput,
     pause_mode,
 )
 
@@ -260,14 +264,36 @@ class EngineClient(ABC):
         return await self.control(ProfileReq(action="stop"))
 
     async def update_weights_from_disk(
-        self, model_path: str, load_format: str | None = None
+        self, model_path: str, load_format: str | None = None, weight_version: str | None = None
     ) -> UpdateWeightFromDiskReqOutput:
-        """Reloads the weights in place from a checkpoint of the same architecture."""
+        """Reloads the weights in place from a checkpoint of the same architecture; with
+        `weight_version`, the new weights are served under that version."""
         check_model_path(model_path)
+        if weight_version is not None:
+            check_weight_version("weight_version", weight_version)
         return await self.control(
-            UpdateWeightFromDiskReqInput(model_path=model_path, load_format=load_format),
+            UpdateWeightFromDiskReqInput(
+                model_path=model_path, load_format=load_format, weight_version=weight_version
+            ),
             timeout=UPDATE_WEIGHTS_TIMEOUT_S,
         )
+
+    async def update_weight_version(
+        self, new_version: str, abort_all_requests: bool = True
+    ) -> UpdateWeightVersionReqOutput:
+        """SGLang's /update_weight_version: the weights are served under `new_version` from
+        now on (every live request aborted first, unless `abort_all_requests` is False)."""
+        check_weight_version("new_version", new_version)
+        return await self.control(
+            UpdateWeightVersionReqInput(
+                new_version=new_version, abort_all_requests=abort_all_requests
+            )
+        )
+
+    async def get_weight_version(self) -> str:
+        """The version of the weights served (--weight-version, or the last update's)."""
+        reply = await self.control(GetWeightVersionReqInput())
+        return reply.weight_version
 
     async def open_session(
         self,

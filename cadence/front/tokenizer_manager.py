@@ -244,6 +244,7 @@ class TokenizerManager(RequestKind[_ReqState]):
             completion_tokens=out.completion_tokens[i],
             cached_tokens=out.cached_tokens[i],
             finish_reason=reason,
+            weight_version=out.weight_version,
         )
         if out.spec_verify_ct and out.spec_verify_ct[i]:  # once it drafted
             st.meta.update(spec_meta(out, i))

@@ -231,7 +231,8 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
 
     @rpc
     async def GetModelInfo(self, request, context):
-        info = self._client().info
+        client = self._client()
+        info = client.info
         config = self._model_config(info)
         architectures = config.get("architectures") or (
             [_HF_ARCHITECTURES[info.architecture]] if info.architecture in _HF_ARCHITECTURES else []
@@ -241,6 +242,7 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
             tokenizer_path=info.tokenizer_dir or "",
             is_generation=info.is_generation,
             preferred_sampling_params=self.state.args.preferred_sampling_params or "",
+            weight_version=await client.get_weight_version(),
             default_sampling_params_json="",  # no defaults beyond the native API's
             served_model_name=info.served_model_name,
             max_context_length=info.context_len,

@@ -238,10 +238,11 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     @rpc
     async def GetModelInfo(self, request, context):
-        info = self._client().info
+        client = self._client()
+        version = await client.get_weight_version()
         return pb.GetModelInfoResponse(
-            model_path=info.model_path,
-            json_info=_json(native_api.model_info(info, self.state.args)),
+            model_path=client.info.model_path,
+            json_info=_json(native_api.model_info(client.info, self.state.args, version)),
         )
 
     @rpc

@@ -23,6 +23,8 @@ from cadence.io_struct import (
     GetLoadReqInput,
     GetLoadReqOutput,
     GetLoRAAdaptersReqInput,
+    GetWeightVersionReqInput,
+    GetWeightVersionReqOutput,
     LoadLoRAAdapterReqInput,
     LoRAUpdateOutput,
     OpenSessionReqInput,
@@ -33,6 +35,8 @@ from cadence.io_struct import (
     UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightVersionReqInput,
+    UpdateWeightVersionReqOutput,
 )
 from cadence.mem_cache.kv_manager import KVManager
 from cadence.model_executor.lora_manager import NOT_ENABLED as LORA_NOT_ENABLED
@@ -61,6 +65,7 @@ class Controlled(Protocol):
     sessions: SessionController
     profiler: Profiler
     is_paused: bool
+    weight_version: str
 
     @property
     def waiting(self) -> deque[Req]: ...
@@ -88,6 +93,8 @@ class ControlDesk:
             GetLoadReqInput: self.load,
             ProfileReq: self.profile,
             UpdateWeightFromDiskReqInput: self.update_weights,
+            UpdateWeightVersionReqInput: self.update_weight_version,
+            GetWeightVersionReqInput: self.weight_version,
             OpenSessionReqInput: self.open_session,
             CloseSessionReqInput: self.close_session,
             LoadLoRAAdapterReqInput: self.load_lora,
@@ -170,7 +177,26 @@ class ControlDesk:
         # Cached KV was computed by the old weights: none of it may be matched again.
         s.sessions.unpin_all()
         s.kv.flush()
+        if msg.weight_version is not None:
+            s.weight_version = msg.weight_version
         return UpdateWeightFromDiskReqOutput(success=True, message=f"loaded weights from {path}")
+
+    def update_weight_version(
+        self, msg: UpdateWeightVersionReqInput
+    ) -> UpdateWeightVersionReqOutput:
+        """Relabels the served weights; every live request is aborted first unless asked not."""
+        s = self.scheduler
+        if msg.abort_all_requests:
+            s.abort(abort_all=True, message=f"weight version changed to {msg.new_version!r}")
+        s.weight_version = msg.new_version
+        return UpdateWeightVersionReqOutput(
+            success=True,
+            message=f"weight version updated to {msg.new_version}",
+            new_version=msg.new_version,
+        )
+
+    def weight_version(self, msg: GetWeightVersionReqInput) -> GetWeightVersionReqOutput:
+        return GetWeightVersionReqOutput(weight_version=self.scheduler.weight_version)
 
     def open_session(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
         return self.scheduler.sessions.open(msg)

@@ -96,14 +96,16 @@ class SchedulerProcess:
         if not outputs:
             return
         try:
-            data = [io_struct.encode(msg) for msg in to_messages(outputs)]
+            data = [
+                io_struct.encode(msg) for msg in to_messages(outputs, self.scheduler.weight_version)
+            ]
         except Exception as e:
             # One request's output cannot be encoded: find it, fail it, send the others.
             logger.exception("encoding a step's outputs failed; checking them one by one")
             good = []
             for out in outputs:
                 try:
-                    for msg in to_messages([out]):
+                    for msg in to_messages([out], self.scheduler.weight_version):
                         io_struct.encode(msg)
                     good.append(out)
                 except Exception:
@@ -113,7 +115,9 @@ class SchedulerProcess:
                         self.scheduler.fail_rid(out.rid, e, "encoding its output")
             good += self.scheduler.outputs
             self.scheduler.outputs = []
-            data = [io_struct.encode(msg) for msg in to_messages(good)]
+            data = [
+                io_struct.encode(msg) for msg in to_messages(good, self.scheduler.weight_version)
+            ]
         for part in data:  # embeddings pass through the detokenizer untouched
             self.to_detokenizer.send(part, copy=False)
 

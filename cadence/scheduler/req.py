@@ -298,7 +298,7 @@ def _logprobs(out: ReqOutput) -> Logprobs | None:
     return lp
 
 
-def to_batch_output(outs: list[ReqOutput]) -> BatchTokenIDOutput:
+def to_batch_output(outs: list[ReqOutput], weight_version: str = "default") -> BatchTokenIDOutput:
     """Packs one step's per-request outputs into the message for the detokenizer."""
     logprobs = [_logprobs(o) for o in outs]
     return BatchTokenIDOutput(
@@ -318,6 +318,7 @@ def to_batch_output(outs: list[ReqOutput]) -> BatchTokenIDOutput:
             [o.hidden_states for o in outs] if any(o.hidden_states for o in outs) else None
         ),
         **_spec_fields(outs),
+        weight_version=weight_version,
     )
 
 
@@ -335,13 +336,14 @@ def _spec_fields(outs: list[ReqOutput]) -> dict[str, Any]:
 
 
 def to_messages(
-    outs: list[ReqOutput | EmbedOutput],
+    outs: list[ReqOutput | EmbedOutput], weight_version: str = "default"
 ) -> list[BatchTokenIDOutput | BatchEmbeddingOutput]:
     """One step's outputs as the messages that carry them: one BatchTokenIDOutput for the
-    generation requests (the detokenizer's work), one BatchEmbeddingOutput per front process
-    for the embedding requests (passed through the detokenizer untouched)."""
+    generation requests (the detokenizer's work; stamped with the served `weight_version`),
+    one BatchEmbeddingOutput per front process for the embedding requests (passed through
+    the detokenizer untouched)."""
     tokens = [o for o in outs if not isinstance(o, EmbedOutput)]
-    messages: list = [to_batch_output(tokens)] if tokens else []
+    messages: list = [to_batch_output(tokens, weight_version)] if tokens else []
     by_front: dict[str | None, list[EmbedOutput]] = {}
     for o in outs:
         if isinstance(o, EmbedOutput):

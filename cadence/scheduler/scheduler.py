@@ -40,6 +40,7 @@ from cadence.io_struct import (
     AbortReq,
     BatchTokenizedEmbeddingReqInput,
     GetLoadReqInput,
+    GetWeightVersionReqInput,
     LoRAUpdateOutput,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
@@ -71,6 +72,7 @@ NO_DRAIN_TYPES = (
     BatchTokenizedEmbeddingReqInput,
     AbortReq,
     GetLoadReqInput,
+    GetWeightVersionReqInput,
 )
 
 
@@ -105,6 +107,7 @@ class Scheduler:
         self._queue_changes = 0
         self._stuck_at = -1
         self.is_paused = False
+        self.weight_version = args.weight_version  # of the weights served (outputs carry it)
         self.outputs: list[ReqOutput | EmbedOutput] = []  # since the last step (`to_messages`)
         self.num_generated_tokens = 0
         self.num_failed_requests = 0  # requests ended by an error of their own (see `fail`)

@@ -46,6 +46,12 @@ class ProfileBody(_Body, kw_only=True):
 class UpdateWeightsBody(_Body, kw_only=True):
     model_path: str  # a .gguf file or a Hugging Face directory on the server's disk
     load_format: str | None = None
+    weight_version: str | None = None  # the new weights' version (None: unchanged)
+
+
+class UpdateWeightVersionBody(_Body, kw_only=True):
+    new_version: str  # the version the served weights carry from now on
+    abort_all_requests: bool = True  # abort every live request first (SGLang's default)
 
 
 class OpenSessionBody(_Body, kw_only=True):
@@ -86,6 +92,7 @@ _REQUIRED: dict[type, dict[str, str]] = {
         "lora_path": "lora_path (the adapter's directory) is required",
     },
     UnloadLoRABody: {"lora_name": "lora_name (a string) is required"},
+    UpdateWeightVersionBody: {"new_version": "new_version (a string) is required"},
 }
 
 

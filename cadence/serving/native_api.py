@@ -95,9 +95,12 @@ async def cumulative(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
         await chunks.aclose()
 
 
-def model_info(info: ModelInfo, args: ServerArgs | None = None) -> dict[str, Any]:
+def model_info(
+    info: ModelInfo, args: ServerArgs | None = None, weight_version: str | None = None
+) -> dict[str, Any]:
     """GET /model_info; GetModelInfo's json_info. `args` (the ServerArgs) adds what the
-    launch line set: --preferred-sampling-params, as given (SGLang's field)."""
+    launch line set: --preferred-sampling-params, as given (SGLang's field); and the served
+    `weight_version`, the scheduler's."""
     return {
         "model_path": info.model_path,
         "tokenizer_path": info.tokenizer_path,
@@ -108,6 +111,7 @@ def model_info(info: ModelInfo, args: ServerArgs | None = None) -> dict[str, Any
         # What each tensor type of the file is served as (a GGUF's Q4_1 kept as Q4_1, ...).
         "weight_types": info.weight_types,
         "preferred_sampling_params": getattr(args, "preferred_sampling_params", None),
+        "weight_version": weight_version,
     }
 
 

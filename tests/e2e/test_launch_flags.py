@@ -1,13 +1,16 @@
-"""A server launched with SGLang's --allow-auto-truncate, --preferred-sampling-params and
---max-prefill-tokens, driven by the openai SDK, httpx and the generated gRPC stubs: a prompt
-longer than the context is cut to its head (room for one new token) instead of refused, a
-request's max_new_tokens is lowered to what the context leaves, the preferred parameters fill
-what a request leaves out (and are reported where SGLang reports them), and a prompt longer
-than the prefill budget is prefilled over several steps with the same answer."""
+"""A server launched with SGLang's --allow-auto-truncate, --preferred-sampling-params,
+--max-prefill-tokens and --weight-version, driven by the openai SDK, httpx and the generated
+gRPC stubs: a prompt longer than the context is cut to its head (room for one new token)
+instead of refused, a request's max_new_tokens is lowered to what the context leaves, the
+preferred parameters fill what a request leaves out (and are reported where SGLang reports
+them), a prompt longer than the prefill budget is prefilled over several steps with the same
+answer, and the weights' version labels every answer until /update_weight_version or a
+weight update changes it (the tests run in file order: the version ones last)."""
 
 from __future__ import annotations
 
 import json
+import threading
 
 import grpc
 import openai
@@ -35,6 +38,7 @@ def server():
             "--allow-auto-truncate",
             *("--preferred-sampling-params", json.dumps(PREFERRED)),
             *("--max-prefill-tokens", str(PREFILL_BUDGET), "--skip-warmup"),
+            *("--weight-version", "base-v0"),
         ],
     ).start()
     try:
@@ -127,3 +131,83 @@ def test_a_prompt_longer_than_the_prefill_budget_answers_as_in_one_step(http):
     warm = generate(http, input_ids=ids, sampling_params=params)
     assert warm["meta_info"]["cached_tokens"] > 0
     assert cold["output_ids"] == warm["output_ids"]
+
+
+# ---- --weight-version (these change the server's version: they run last) -----------------
+
+
+def versions(server, http) -> tuple[str, str, str, str]:
+    """The version as each place reports it: /generate's meta_info, /get_weight_version,
+    /model_info and gRPC GetModelInfo."""
+    meta = generate(http, text="Hi", sampling_params={"max_new_tokens": 1})["meta_info"]
+    with grpc.insecure_channel(target(server)) as channel:
+        stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
+        rpc = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).weight_version
+    return (
+        meta["weight_version"],
+        http.get("/get_weight_version").json()["weight_version"],
+        http.get("/model_info").json()["weight_version"],
+        rpc,
+    )
+
+
+def stream_until_first_chunk(server, ended: list) -> threading.Thread:
+    """A long streamed /generate on a thread; `ended` gets its last event's finish reason."""
+    started = threading.Event()
+
+    def run():
+        body = {"text": "Count:", "stream": True,
+                "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}  # fmt: skip
+        last = None
+        with server.client() as c, c.stream("POST", "/generate", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    last = json.loads(line[5:])
+                    started.set()
+        ended.append(last["meta_info"]["finish_reason"])
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(60), "the stream sent nothing"
+    return thread
+
+
+def test_every_answer_carries_the_version_it_was_launched_with(server, http):
+    assert versions(server, http) == ("base-v0",) * 4
+
+
+def test_a_new_version_aborts_what_runs_unless_asked_not_to(server, http):
+    ended: list = []
+    thread = stream_until_first_chunk(server, ended)
+    r = http.post("/update_weight_version", json={"new_version": "step-1"})
+    assert r.json() == {
+        "success": True,
+        "message": "weight version updated to step-1",
+        "new_version": "step-1",
+    }
+    thread.join(60)
+    assert ended[0]["type"] == "abort" and "step-1" in ended[0]["message"]
+    assert versions(server, http) == ("step-1",) * 4
+    ended.clear()
+    thread = stream_until_first_chunk(server, ended)
+    body = {"new_version": "step-2", "abort_all_requests": False}
+    assert http.post("/update_weight_version", json=body).json()["success"]
+    thread.join(120)
+    assert ended[0]["type"] == "length"  # it ran to its end
+    assert versions(server, http) == ("step-2",) * 4
+
+
+def test_a_weight_update_that_names_a_version_serves_under_it(http):
+    path = http.get("/model_info").json()["model_path"]
+    before = generate(http, text="The sky is", sampling_params={"max_new_tokens": 6})
+    bad = http.post("/update_weights_from_disk", json={"model_path": "/no/such.gguf",
+                                                       "weight_version": "step-3"})  # fmt: skip
+    assert bad.status_code == 400 and not bad.json()["success"]
+    assert http.get("/get_weight_version").json()["weight_version"] == "step-2"
+    r = http.post(
+        "/update_weights_from_disk", json={"model_path": path, "weight_version": "step-3"}
+    )
+    assert r.status_code == 200 and r.json()["success"], r.text
+    after = generate(http, text="The sky is", sampling_params={"max_new_tokens": 6})
+    assert after["meta_info"]["weight_version"] == "step-3"
+    assert after["output_ids"] == before["output_ids"]  # the same file: the same greedy answer

@@ -52,6 +52,8 @@ LABELS = [
     "POST /start_profile",
     "POST /stop_profile",
     "POST /update_weights_from_disk",
+    "POST /update_weight_version",
+    "GET /get_weight_version",
     "GET /configure_logging",
     "POST /configure_logging",
     "POST /load_lora_adapter",

@@ -251,6 +251,8 @@ GUARDED = [
     ("POST", "/start_profile"),
     ("POST", "/stop_profile"),
     ("POST", "/update_weights_from_disk"),
+    ("POST", "/update_weight_version"),
+    ("GET", "/get_weight_version"),
     ("POST", "/configure_logging"),
     ("GET", "/metrics"),
     ("GET", "/v1/models"),

@@ -97,13 +97,16 @@ def test_the_core_calls_every_active_method_and_no_planned_one(recording_platfor
         assert started.success, started.message
         stopped = engine.stop_profile()
         assert stopped.success and os.path.isfile(stopped.message), stopped.message
-        updated = engine.update_weights_from_disk(default_model_path())
+        assert out["meta_info"]["weight_version"] == engine.get_weight_version() == "default"
+        updated = engine.update_weights_from_disk(default_model_path(), weight_version="w2")
         assert updated.success, updated.message
         again = engine.generate(
             "The capital of France is",
             {"max_new_tokens": 4, "temperature": 1.0, "seed": 7, "ignore_eos": True},
         )
         assert again["output_ids"] == out["output_ids"]  # same weights, same seed
+        assert again["meta_info"]["weight_version"] == "w2"
+        assert engine.update_weight_version("w3").new_version == engine.get_weight_version()
 
     called = platform.called
     expected = set(ACTIVE_METHODS) - set(GUARDED_BY_FLAG)

@@ -28,6 +28,8 @@ from cadence.io_struct import (
     GetLoadReqInput,
     GetLoadReqOutput,
     GetLoRAAdaptersReqInput,
+    GetWeightVersionReqInput,
+    GetWeightVersionReqOutput,
     LoadLoRAAdapterReqInput,
     Logprobs,
     LoRAAdapterInfo,
@@ -44,6 +46,8 @@ from cadence.io_struct import (
     UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightVersionReqInput,
+    UpdateWeightVersionReqOutput,
     decode,
     encode,
 )
@@ -633,8 +637,14 @@ def _examples():
         ),
         ProfileReq(action="start", output_dir="/tmp/trace", num_steps=5),
         ProfileReqOutput(success=True, message="/tmp/trace"),
-        UpdateWeightFromDiskReqInput(model_path="/models/m.gguf", load_format="gguf"),
+        UpdateWeightFromDiskReqInput(
+            model_path="/models/m.gguf", load_format="gguf", weight_version="v2"
+        ),
         UpdateWeightFromDiskReqOutput(success=True),
+        UpdateWeightVersionReqInput(new_version="v3", abort_all_requests=False),
+        UpdateWeightVersionReqOutput(success=True, new_version="v3"),
+        GetWeightVersionReqInput(),
+        GetWeightVersionReqOutput(weight_version="v3"),
         OpenSessionReqInput(capacity_of_str_len=1000, streaming=True, timeout=30.0),
         OpenSessionReqOutput(session_id="s1", success=True),
         CloseSessionReqInput(session_id="s1"),

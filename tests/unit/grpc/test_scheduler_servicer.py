@@ -22,7 +22,12 @@ from cadence.front.engine_client import EngineClient, ModelInfo
 from cadence.grpc import sglang_scheduler_pb2 as pb
 from cadence.grpc import smg_common_pb2 as common
 from cadence.grpc.scheduler_servicer import SglangSchedulerServicer
-from cadence.io_struct import FlushCacheReqOutput, GetLoadReqOutput, ProfileReqOutput
+from cadence.io_struct import (
+    FlushCacheReqOutput,
+    GetLoadReqOutput,
+    GetWeightVersionReqOutput,
+    ProfileReqOutput,
+)
 from cadence.server_args import ServerArgs
 from cadence.serving.state import ServerState
 
@@ -111,6 +116,8 @@ class ScriptedClient(EngineClient):
             return FlushCacheReqOutput(success=ok, message="" if ok else "requests are running")
         if name == "ProfileReq":
             return ProfileReqOutput(success=True, message=f"profile {msg.action}")
+        if name == "GetWeightVersionReqInput":
+            return GetWeightVersionReqOutput(weight_version="step-7")
         raise AssertionError(name)
 
     @property
@@ -237,6 +244,7 @@ async def test_model_info_tells_the_gateway_it_generates():
     assert (info.max_context_length, info.vocab_size, list(info.eos_token_ids)) == (2048, 1000, [2])
     assert (info.bos_token_id, info.max_req_input_len) == (1, 1023)
     assert list(info.architectures) == ["LlamaForCausalLM"] and info.model_type == "llama"
+    assert info.weight_version == "step-7"  # the scheduler's, asked for each time
 
 
 async def test_server_info_carries_what_the_gateway_reads():

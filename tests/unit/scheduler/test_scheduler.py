@@ -14,6 +14,7 @@ from cadence.io_struct import (
     FlushCacheReqOutput,
     GetLoadReqInput,
     GetLoadReqOutput,
+    GetWeightVersionReqInput,
     PauseGenerationReqInput,
     ProfileReq,
     ProfileReqOutput,
@@ -21,10 +22,12 @@ from cadence.io_struct import (
     TokenizedGenerateReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightVersionReqInput,
 )
 from cadence.mem_cache.allocator import PageAllocator
 from cadence.mem_cache.kv_manager import KVManager
 from cadence.model_executor.runner import ItemResult, Runner, ScheduleBatch
+from cadence.scheduler.req import to_messages
 from cadence.scheduler.scheduler import Scheduler
 from cadence.scheduler.stop_checker import StopChecker
 from cadence.server_args import ServerArgs
@@ -224,6 +227,35 @@ def test_without_chunking_a_whole_prompt_runs_in_one_step():
     extends = [[len(i.token_ids) for i in b.items] for b in runner.batches if not b.is_decode]
     # The budget is the context (64): b does not fit beside a whole, so it waits a round.
     assert extends == [[40], [30, 20]]
+    assert_pool_full(s, alloc)
+
+
+def test_the_weight_version_labels_every_output_and_changes_by_control():
+    """SGLang's weight version: the scheduler's own (outputs carry it); relabelling aborts
+    what runs unless asked not to; a weight update that names a version takes it, one that
+    fails leaves it."""
+    s, runner, alloc = make(weight_version="base")
+    streamed = request("a", max_new=8)
+    streamed.stream = True
+    s.handle(streamed)
+    outputs = s.step() or s.step()  # the first token
+    [msg] = to_messages(outputs, s.weight_version)
+    assert msg.weight_version == "base" and msg.rids == ["a"]
+    reply = s.handle(UpdateWeightVersionReqInput(new_version="v2"))
+    assert reply.success and reply.new_version == "v2"
+    assert final(s.step(), "a").finished_reason["type"] == "abort"
+    assert s.handle(GetWeightVersionReqInput()).weight_version == "v2"
+    s.handle(request("b", max_new=4))
+    s.step()
+    s.handle(UpdateWeightVersionReqInput(new_version="v3", abort_all_requests=False))
+    outputs = run_until_idle(s)
+    assert final(outputs, "b").finished_reason["type"] == "length"  # ran on
+    assert to_messages(outputs, s.weight_version)[0].weight_version == "v3"
+    failed = s.handle(UpdateWeightFromDiskReqInput(model_path="/nowhere", weight_version="v4"))
+    assert not failed.success and s.weight_version == "v3"
+    runner.load_weights = lambda path, load_format: path
+    done = s.handle(UpdateWeightFromDiskReqInput(model_path="/new", weight_version="v4"))
+    assert done.success and s.handle(GetWeightVersionReqInput()).weight_version == "v4"
     assert_pool_full(s, alloc)
 
 
