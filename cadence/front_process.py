@@ -137,14 +137,15 @@ class FrontProcess:
             def capture_signals(self):  # the front's own handlers serve
                 return contextlib.nullcontext()
 
+        level = self.args.log_level_http or "warning"  # --log-level-http
         config = uvicorn.Config(
             build_app(self.state),
             host=self.args.host,
             port=self.args.port,
-            log_level="warning",
+            log_level=level,
             lifespan="off",
             timeout_graceful_shutdown=1,
-            access_log=False,
+            access_log=level in ("debug", "info"),
         )
         self.http = Server(config)
         sockets = [self.plan.sock] if self.plan.sock is not None else None

@@ -226,6 +226,8 @@ class HttpArgs:
     """Detail of --log-requests, SGLang's levels: 0 metadata, 1 and sampling parameters, 2 and the prompt and output cut to 2048 characters, 3 and the prompt and output whole."""
     allow_auto_truncate: bool = False
     """Cut a prompt too long for the context (or the KV pool) to its first tokens instead of refusing it with a 400: a generation keeps room for one new token and its max_new_tokens is lowered to what the context leaves; an embedding input keeps what the model takes. Each cut is logged."""
+    log_level_http: str | None = None
+    """Logging level of the HTTP server, uvicorn (SGLang's flag): debug, info, warning or error; at info or debug every HTTP request also gets an access-log line. Default: warning, without access lines."""
     preferred_sampling_params: str | None = None
     """Default sampling parameters, as a JSON object (e.g. '{"temperature": 0.6, "top_p": 0.9}'), for every generation request that leaves them out; what a request gives wins. /model_info and GetModelInfo report it."""
 
@@ -234,6 +236,10 @@ class HttpArgs:
         _at_least_one(self, "max_embedding_batch", "max_speech_chars")
         if self.preferred_sampling_params is not None:
             _check_json_object("preferred_sampling_params", self.preferred_sampling_params)
+        if self.log_level_http not in (None, "debug", "info", "warning", "error", "critical"):
+            raise ValueError(
+                f"log_level_http must be debug, info, warning or error, got {self.log_level_http!r}"
+            )
         if self.log_requests_level not in (0, 1, 2, 3):
             raise ValueError(
                 f"log_requests_level must be 0, 1, 2 or 3, got {self.log_requests_level}"

@@ -68,7 +68,11 @@ CONTROL_CASES = [
     ("/update_weight_version", {"new_version": ""}, "new_version"),
     ("/update_weight_version", {"new_version": 7}, "new_version"),
     ("/update_weight_version", {"new_version": "v" * 300}, "new_version"),
-    ("/update_weight_version", {"new_version": "v", "abort_all_requests": "no"}, "abort_all_requests"),
+    (
+        "/update_weight_version",
+        {"new_version": "v", "abort_all_requests": "no"},
+        "abort_all_requests",
+    ),
     ("/update_weights_from_disk", {"model_path": "/m", "weight_version": 3}, "weight_version"),
     ("/start_profile", {"output_dir": "/etc"}, "output_dir"),
     ("/start_profile", {"output_dir": "../../x"}, "output_dir"),

@@ -15,7 +15,7 @@ import threading
 import grpc
 import openai
 import pytest
-from e2e_server import Server, is_idle
+from e2e_server import Server, is_idle, wait_until
 from grpc_support import target
 
 from cadence.grpc import sglang_scheduler_pb2 as pb
@@ -38,7 +38,7 @@ def server():
             "--allow-auto-truncate",
             *("--preferred-sampling-params", json.dumps(PREFERRED)),
             *("--max-prefill-tokens", str(PREFILL_BUDGET), "--skip-warmup"),
-            *("--weight-version", "base-v0"),
+            *("--weight-version", "base-v0", "--log-level-http", "info"),
         ],
     ).start()
     try:
@@ -120,6 +120,12 @@ def test_the_preferred_parameters_are_reported_as_given(server, http):
         stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
         reply = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert json.loads(reply.preferred_sampling_params) == PREFERRED
+
+
+def test_log_level_http_info_writes_an_access_line_per_request(server, http):
+    http.get("/health_generate?probe=access-log")
+    line = '"GET /health_generate?probe=access-log HTTP/1.1" 200'
+    assert wait_until(lambda: line in server.log_text(), timeout=10), server.log_tail()
 
 
 def test_a_prompt_longer_than_the_prefill_budget_answers_as_in_one_step(http):

@@ -121,3 +121,11 @@ def test_sglang_sizing_and_truncation_flags_parse_as_sglang_spells_them():
             parse(*bad)
     with pytest.raises(ValueError, match="JSON object"):
         parse("--preferred-sampling-params", "[1, 2]")
+
+
+def test_sglang_logging_and_version_flags():
+    args = parse("--log-level-http", "info", "--weight-version", "step-0", "--dp-size", "1")
+    assert (args.log_level_http, args.weight_version, args.dp_size) == ("info", "step-0", 1)
+    assert ServerArgs().log_level_http is None and ServerArgs().weight_version == "default"
+    with pytest.raises(ValueError, match="log_level_http"):
+        parse("--log-level-http", "loud")
