@@ -21,9 +21,12 @@ def state_dir() -> str:
     return os.path.expanduser(_get("CADENCE_STATE_DIR", "~/.local/state/cadence"))
 
 
+PLATFORM_ENV = "CADENCE_PLATFORM"
+
+
 def platform_name() -> str | None:
     """CADENCE_PLATFORM: the platform plugin to activate; unset picks one automatically."""
-    return _get("CADENCE_PLATFORM")
+    return _get(PLATFORM_ENV)
 
 
 def plugin_whitelist() -> list[str] | None:

@@ -81,9 +81,11 @@ def notify(point: Callable[..., Any], *args: Any) -> None:
 
 def finalize_server_args(args: ServerArgs) -> ServerArgs:
     """The platform's defaults, then `server_args_finalized`: the arguments to serve with."""
-    from cadence.platforms import current_platform
+    from cadence.platforms import current_platform, select_platform
     from cadence.server_args import ServerArgs
 
+    if args.device is not None:  # before anything resolves the platform
+        select_platform(args.device)
     args = current_platform.apply_server_args_defaults(args)
     args = server_args_finalized(args)
     if not isinstance(args, ServerArgs):

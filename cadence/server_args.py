@@ -366,6 +366,8 @@ class RuntimeArgs:
 
     log_level: str = "info"
     """Logging level: debug, info, warning, error."""
+    device: str | None = None
+    """The platform to serve on (SGLang's flag): cpu, cuda, or an installed platform plugin's name; the same as CADENCE_PLATFORM, which it sets for the server's processes. Default: the one found (docs/plugins.md)."""
     skip_warmup: bool = False
     """Report healthy without running the warm-up generation first, nor the throwaway full-size prefill steps that take a step's working memory at start (the KV pool is still committed)."""
     watchdog_timeout: float = 30.0

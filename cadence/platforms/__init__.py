@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 import traceback
 from importlib.metadata import EntryPoint, entry_points
@@ -175,6 +176,36 @@ def get_current_platform() -> Platform:
                     " [out of tree]" if platform.is_out_of_tree() else "",
                 )
     return _current
+
+
+def select_platform(name: str) -> None:
+    """--device: `name` becomes this process's platform (and, through CADENCE_PLATFORM, that
+    of every process it starts). PlatformError when it names no installed platform, when its
+    hardware is absent, when CADENCE_PLATFORM names another, or when this process already
+    runs on another (an in-process Engine after the first)."""
+    if _current is not None:
+        if _current.name != name:
+            raise PlatformError(
+                f"device {name!r}: this process already runs on the {_current.name!r} "
+                "platform; an in-process Engine cannot change it"
+            )
+        return
+    chosen = envs.platform_name()
+    if chosen is not None and chosen != name:
+        raise PlatformError(
+            f"device {name!r} contradicts CADENCE_PLATFORM={chosen!r}: give one of them"
+        )
+    eps = _by_name(_entry_points())
+    if name not in eps:
+        raise PlatformError(
+            f"device {name!r} names no installed platform (installed: "
+            f"{', '.join(sorted(eps)) or 'none'})"
+        )
+    if _activate(eps[name]) is None:
+        raise PlatformError(
+            f"device {name!r} is not available here (is its hardware or driver missing?)"
+        )
+    os.environ[envs.PLATFORM_ENV] = name
 
 
 def resolved_at() -> str | None:

@@ -38,7 +38,7 @@ def server():
             "--allow-auto-truncate",
             *("--preferred-sampling-params", json.dumps(PREFERRED)),
             *("--max-prefill-tokens", str(PREFILL_BUDGET), "--skip-warmup"),
-            *("--weight-version", "base-v0", "--log-level-http", "info"),
+            *("--weight-version", "base-v0", "--log-level-http", "info", "--device", "cpu"),
         ],
     ).start()
     try:
@@ -120,6 +120,11 @@ def test_the_preferred_parameters_are_reported_as_given(server, http):
         stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
         reply = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert json.loads(reply.preferred_sampling_params) == PREFERRED
+
+
+def test_device_cpu_serves_on_the_cpu_platform(http):
+    info = http.get("/server_info").json()
+    assert info["device"] == "cpu" and info["platform"] == "cpu"
 
 
 def test_log_level_http_info_writes_an_access_line_per_request(server, http):

@@ -287,3 +287,34 @@ def test_cuda_graphs_are_sized_in_rows_so_verify_steps_replay_them():
     )
     assert graph_rows(spec) == 64  # each request's last token and up to 7 drafts
     assert graph_rows(ServerArgs(max_running_requests=8, cuda_graph_max_bs=4)) == 4
+
+
+def test_device_picks_the_platform_for_this_process_and_those_it_starts(installed, monkeypatch):
+    """--device (SGLang's flag): the same choice as CADENCE_PLATFORM, which it sets so that
+    the scheduler and detokenizer processes resolve the same platform."""
+    import os
+
+    from cadence.hooks import finalize_server_args
+    from cadence.server_args import ServerArgs
+
+    installed("alt", "other")  # two active plugins: without a choice, an error
+    monkeypatch.setenv("CADENCE_PLATFORM", "")
+    finalize_server_args(ServerArgs(device="other"))
+    assert platforms.get_current_platform().name == "other"
+    assert os.environ["CADENCE_PLATFORM"] == "other"
+    platforms.select_platform("other")  # the same again (a second Engine): fine
+    with pytest.raises(PlatformError, match="already runs on the 'other' platform"):
+        platforms.select_platform("alt")
+
+
+def test_a_device_that_is_absent_unknown_or_contradicted_is_an_error(installed, monkeypatch):
+    installed("absent")
+    for name, words in (
+        ("absent", "not available here"),
+        ("npu", r"names no installed platform \(installed: absent, cpu, cuda\)"),
+    ):
+        with pytest.raises(PlatformError, match=words):
+            platforms.select_platform(name)
+    monkeypatch.setenv("CADENCE_PLATFORM", "cpu")
+    with pytest.raises(PlatformError, match="contradicts CADENCE_PLATFORM='cpu'"):
+        platforms.select_platform("absent")
