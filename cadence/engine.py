@@ -31,7 +31,7 @@ from cadence.front.tokenizer import FrontTokenizer
 from cadence.hooks import finalize_server_args
 from cadence.io_struct import BatchTokenIDOutput, EmbeddingReqInput, GenerateReqInput
 from cadence.model_executor.parallel import RanksLost
-from cadence.model_loader.locate import resolve_model_path
+from cadence.model_loader.locate import check_load_format, resolve_model_path
 from cadence.model_loader.tokenizer_files import load_tokenizer, tokenizer_dir
 from cadence.plugins import load_plugins
 from cadence.scheduler.process import build_scheduler, runtime_facts
@@ -143,6 +143,7 @@ class Engine:
                 "`cadence serve --dp-size N` (or `cadence launch`) and send to its port"
             )
         path = resolve_model_path(self.args.model_path)
+        check_load_format(path, self.args.load_format)
         self.tokenizer = load_tokenizer(path, self.args.tokenizer_path)
         self._ranks = None  # the follower ranks' supervisor, with tp_size × pp_size > 1
         if self.args.is_parallel:

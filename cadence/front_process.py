@@ -68,6 +68,21 @@ def run_front_process(
     return uvloop.run(front.run())
 
 
+class _PathFilter(logging.Filter):
+    """Drops uvicorn's access lines of the paths under these prefixes
+    (--uvicorn-access-log-exclude-prefixes); its record's args are (client, method, path,
+    http version, status)."""
+
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        path = args[2] if isinstance(args, tuple) and len(args) > 2 else ""
+        return not (isinstance(path, str) and path.startswith(self.prefixes))
+
+
 class FrontProcess:
     def __init__(
         self, plan: FrontPlan, model_facts: ModelFacts, watch: Watch | None, stopping
@@ -147,6 +162,10 @@ class FrontProcess:
             timeout_graceful_shutdown=1,
             access_log=level in ("debug", "info"),
         )
+        if self.args.uvicorn_access_log_exclude_prefixes:
+            logging.getLogger("uvicorn.access").addFilter(
+                _PathFilter(self.args.uvicorn_access_log_exclude_prefixes)
+            )
         self.http = Server(config)
         sockets = [self.plan.sock] if self.plan.sock is not None else None
         self.serve_task = asyncio.create_task(self.http.serve(sockets=sockets))

@@ -115,10 +115,11 @@ def _stop_on_signals() -> threading.Event:
 def _model_path(args: ServerArgs) -> str | None:
     """The model file or directory to serve; None (logged) when it or --pipeline's
     declaration is wrong: nothing has started yet."""
-    from cadence.model_loader.locate import resolve_model_path
+    from cadence.model_loader.locate import check_load_format, resolve_model_path
 
     try:
         model_path = resolve_model_path(args.model_path)
+        check_load_format(model_path, args.load_format)
         if args.pipeline is not None:
             from cadence.pipeline import load_pipeline_config
 

@@ -71,6 +71,10 @@ class ModelArgs:
     """Accepted for SGLang compatibility: no model's own code is ever run; architectures are Cadence's (config.json names them)."""
     weight_version: str = "default"
     """The served weights' version (SGLang's label, for reinforcement-learning loops): in every generation response's meta_info, /get_weight_version and /model_info; changed by /update_weight_version or by an /update_weights_from_disk that names one."""
+    tokenizer_mode: str = "auto"
+    """SGLang's flag: auto, the model's fast tokenizer (the only one served here; slow is refused at start-up)."""
+    load_format: str = "auto"
+    """How the weights are read (SGLang's flag): auto (by the model path), gguf (a .gguf file) or safetensors (a Hugging Face directory); one that does not match the path stops start-up, as one not served here does."""
     is_embedding: bool = False
     """Serve a decoder (the Llama family) as an embedding model: the last token's final hidden state, normalized (or the pooling its modules.json declares). Encoders (BERT) are detected from their config.json and served as embedding models without this flag."""
 
@@ -80,6 +84,11 @@ class ModelArgs:
                 raise ValueError(
                     f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}"
                 )
+        if self.tokenizer_mode != "auto":
+            raise ValueError(
+                f"tokenizer_mode {self.tokenizer_mode!r} is not served: every model's fast "
+                "tokenizer is used (tokenizer_mode auto)"
+            )
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}")
         if self.quantization is not None and self.dequantize:
@@ -228,6 +237,8 @@ class HttpArgs:
     """Cut a prompt too long for the context (or the KV pool) to its first tokens instead of refusing it with a 400: a generation keeps room for one new token and its max_new_tokens is lowered to what the context leaves; an embedding input keeps what the model takes. Each cut is logged."""
     log_level_http: str | None = None
     """Logging level of the HTTP server, uvicorn (SGLang's flag): debug, info, warning or error; at info or debug every HTTP request also gets an access-log line. Default: warning, without access lines."""
+    uvicorn_access_log_exclude_prefixes: tuple[str, ...] = ()
+    """Paths whose requests get no access-log line (SGLang's flag), e.g. /health /metrics: a probe every second would fill the log."""
     preferred_sampling_params: str | None = None
     """Default sampling parameters, as a JSON object (e.g. '{"temperature": 0.6, "top_p": 0.9}'), for every generation request that leaves them out; what a request gives wins. /model_info and GetModelInfo report it."""
 
@@ -236,6 +247,11 @@ class HttpArgs:
         _at_least_one(self, "max_embedding_batch", "max_speech_chars")
         if self.preferred_sampling_params is not None:
             _check_json_object("preferred_sampling_params", self.preferred_sampling_params)
+        object.__setattr__(  # a list from the command line or a caller: kept as a tuple
+            self,
+            "uvicorn_access_log_exclude_prefixes",
+            tuple(self.uvicorn_access_log_exclude_prefixes),
+        )
         if self.log_level_http not in (None, "debug", "info", "warning", "error", "critical"):
             raise ValueError(
                 f"log_level_http must be debug, info, warning or error, got {self.log_level_http!r}"
@@ -631,6 +647,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                 kwargs = {"choices": ("lpm", "fcfs")}
             elif f.name in ("lora_paths", "lora_target_modules"):
                 kwargs = {"nargs": "*"}
+            elif f.name == "uvicorn_access_log_exclude_prefixes":
+                kwargs = {"nargs": "*", "metavar": "PREFIX"}
             elif f.name == "lora_eviction_policy":
                 kwargs = {"choices": ("lru", "fifo")}
             elif f.name == "disaggregation_mode":

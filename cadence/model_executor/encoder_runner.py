@@ -98,9 +98,10 @@ class EncoderRunner(Runner):
         }
 
     def load_weights(self, model_path: str, load_format: str | None) -> str:
-        from cadence.model_loader.locate import resolve_model_path
+        from cadence.model_loader.locate import check_load_format, resolve_model_path
 
         path = resolve_model_path(model_path)
+        check_load_format(path, load_format)
         config, model = load_encoder(path, self.dtype, self.device)
         if config != self.config:
             raise ValueError("the new weights have a different architecture; restart the server")

@@ -185,9 +185,10 @@ class ModelRunner(Runner):
     )
 
     def load_weights(self, model_path: str, load_format: str | None) -> str:
-        from cadence.model_loader.locate import resolve_model_path
+        from cadence.model_loader.locate import check_load_format, resolve_model_path
 
         path = resolve_model_path(model_path)
+        check_load_format(path, load_format)
         config, model = load_model(
             path,
             self.dtype,

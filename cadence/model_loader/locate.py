@@ -70,6 +70,25 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
 
 
+# --load-format (SGLang's names) -> what the resolved model path must be.
+LOAD_FORMATS = ("auto", "gguf", "safetensors")
+
+
+def check_load_format(path: str, load_format: str | None) -> None:
+    """A ValueError when `load_format` is not one this server reads, or names another format
+    than the resolved model `path` holds (auto, or None, takes the path's)."""
+    if load_format in (None, "auto"):
+        return
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format {load_format!r} is not served: this server reads GGUF files and "
+            f"Hugging Face safetensors directories ({', '.join(LOAD_FORMATS)})"
+        )
+    holds = "gguf" if is_gguf(path) else "safetensors"
+    if load_format != holds:
+        raise ValueError(f"load_format {load_format!r}, but {path!r} holds {holds} weights")
+
+
 def model_name(path: str) -> str:
     """A readable model id derived from the path (used as the default served model name)."""
     base = os.path.basename(os.path.normpath(path))

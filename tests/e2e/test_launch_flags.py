@@ -39,6 +39,7 @@ def server():
             *("--preferred-sampling-params", json.dumps(PREFERRED)),
             *("--max-prefill-tokens", str(PREFILL_BUDGET), "--skip-warmup"),
             *("--weight-version", "base-v0", "--log-level-http", "info", "--device", "cpu"),
+            *("--uvicorn-access-log-exclude-prefixes", "/health", "/metrics"),
         ],
     ).start()
     try:
@@ -127,10 +128,16 @@ def test_device_cpu_serves_on_the_cpu_platform(http):
     assert info["device"] == "cpu" and info["platform"] == "cpu"
 
 
-def test_log_level_http_info_writes_an_access_line_per_request(server, http):
-    http.get("/health_generate?probe=access-log")
-    line = '"GET /health_generate?probe=access-log HTTP/1.1" 200'
+def test_log_level_http_info_writes_an_access_line_per_request_but_excluded_paths(server, http):
+    """--log-level-http info: an access line per request; none for the paths under
+    --uvicorn-access-log-exclude-prefixes (/health, probed every 0.1 s while it started)."""
+    http.get("/metrics")
+    http.get("/model_info?probe=access-log")
+    line = '"GET /model_info?probe=access-log HTTP/1.1" 200'
     assert wait_until(lambda: line in server.log_text(), timeout=10), server.log_tail()
+    log = server.log_text()
+    assert '"GET /health' not in log and '"GET /metrics' not in log
+    assert server.health_history  # it was probed
 
 
 def test_a_prompt_longer_than_the_prefill_budget_answers_as_in_one_step(http):
@@ -214,6 +221,9 @@ def test_a_weight_update_that_names_a_version_serves_under_it(http):
     bad = http.post("/update_weights_from_disk", json={"model_path": "/no/such.gguf",
                                                        "weight_version": "step-3"})  # fmt: skip
     assert bad.status_code == 400 and not bad.json()["success"]
+    wrong = {"model_path": path, "load_format": "safetensors", "weight_version": "step-3"}
+    r = http.post("/update_weights_from_disk", json=wrong)
+    assert r.status_code == 400 and "holds gguf weights" in r.json()["message"], r.text
     assert http.get("/get_weight_version").json()["weight_version"] == "step-2"
     r = http.post(
         "/update_weights_from_disk", json={"model_path": path, "weight_version": "step-3"}

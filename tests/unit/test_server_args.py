@@ -129,3 +129,27 @@ def test_sglang_logging_and_version_flags():
     assert ServerArgs().log_level_http is None and ServerArgs().weight_version == "default"
     with pytest.raises(ValueError, match="log_level_http"):
         parse("--log-level-http", "loud")
+
+
+def test_load_format_must_name_what_the_model_path_holds(tmp_path):
+    from cadence.model_loader.locate import check_load_format, default_model_path
+
+    gguf = default_model_path()
+    for fmt in (None, "auto", "gguf"):
+        check_load_format(gguf, fmt)
+    check_load_format(str(tmp_path), "safetensors")  # a directory: a Hugging Face model
+    with pytest.raises(ValueError, match="holds gguf weights"):
+        check_load_format(gguf, "safetensors")
+    with pytest.raises(ValueError, match="holds safetensors weights"):
+        check_load_format(str(tmp_path), "gguf")
+    with pytest.raises(ValueError, match="'dummy' is not served"):
+        check_load_format(gguf, "dummy")
+    assert parse("--load-format", "gguf").load_format == "gguf"
+
+
+def test_tokenizer_mode_auto_is_served_and_slow_refused():
+    assert parse("--tokenizer-mode", "auto").tokenizer_mode == "auto"
+    with pytest.raises(ValueError, match="tokenizer_mode 'slow' is not served"):
+        parse("--tokenizer-mode", "slow")
+    prefixes = parse("--uvicorn-access-log-exclude-prefixes", "/health", "/metrics")
+    assert prefixes.uvicorn_access_log_exclude_prefixes == ("/health", "/metrics")
