@@ -246,7 +246,7 @@ class HttpArgs:
         _at_least_one(self, "port", "api_workers", "max_tokenize_chars", "max_detokenize_tokens")
         _at_least_one(self, "max_embedding_batch", "max_speech_chars")
         if self.preferred_sampling_params is not None:
-            _check_json_object("preferred_sampling_params", self.preferred_sampling_params)
+            json_object_arg("preferred_sampling_params", self.preferred_sampling_params)
         object.__setattr__(  # a list from the command line or a caller: kept as a tuple
             self,
             "uvicorn_access_log_exclude_prefixes",
@@ -282,13 +282,15 @@ class HttpArgs:
         return int(self.max_request_body_mb * 1024 * 1024)
 
 
-def _check_json_object(name: str, text: str) -> None:
+def json_object_arg(name: str, text: str) -> dict[str, Any]:
+    """The JSON object an argument `name` holds; a ValueError naming it when it is not one."""
     try:
         value = json.loads(text)
     except ValueError as e:
         raise ValueError(f"{name} must be a JSON object: {e}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True)

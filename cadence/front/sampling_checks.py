@@ -26,6 +26,7 @@ import regex
 from cadence.errors import InvalidParameter
 from cadence.io_struct import SamplingParams
 from cadence.json_limits import TooDeep, check_depth
+from cadence.server_args import json_object_arg
 
 # Stop conditions are checked on every step of a request (the detokenizer compares each
 # stop string's prefixes with the text's tail), so their number and size are bounded.
@@ -73,12 +74,7 @@ def preferred_sampling_params(text: str | None) -> dict[str, Any] | None:
     checks as a request's; a fault is a ValueError naming the flag."""
     if text is None:
         return None
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"preferred_sampling_params must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"preferred_sampling_params must be a JSON object, got {_describe(value)}")
+    value = json_object_arg("preferred_sampling_params", text)
     try:
         check_sampling_params(parse_sampling_params(value))
     except (ValueError, InvalidParameter) as e:
