@@ -388,6 +388,8 @@ class RuntimeArgs:
     """The platform to serve on (SGLang's flag): cpu, cuda, or an installed platform plugin's name; the same as CADENCE_PLATFORM, which it sets for the server's processes. Default: the one found (docs/plugins.md)."""
     skip_warmup: bool = False
     """Report healthy without running the warm-up generation first, nor the throwaway full-size prefill steps that take a step's working memory at start (the KV pool is still committed)."""
+    decode_log_interval: int = 40
+    """Log the decode batch every this many decode steps, at INFO, as SGLang does: running requests, KV tokens held and the pool's usage, generation throughput, waiting requests. 0: never."""
     watchdog_timeout: float = 30.0
     """Seconds the scheduler or detokenizer may go without making progress before the server reports itself unhealthy, fails waiting requests with 503 and exits non-zero (so an orchestrator restarts it)."""
     kv_events_config: str | None = None
@@ -399,6 +401,10 @@ class RuntimeArgs:
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(
                 f"log_level must be debug, info, warning or error, got {self.log_level!r}"
+            )
+        if self.decode_log_interval < 0:
+            raise ValueError(
+                f"decode_log_interval must be ≥ 0 (0: no log), got {self.decode_log_interval}"
             )
         if self.watchdog_timeout <= 0:
             raise ValueError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")

@@ -112,6 +112,7 @@ class Scheduler:
         self.num_generated_tokens = 0
         self.num_failed_requests = 0  # requests ended by an error of their own (see `fail`)
         self._throughput_window: deque[tuple[float, int]] = deque(maxlen=64)
+        self._num_decode_steps = 0  # for --decode-log-interval
         self._init_collaborators()
         self._handlers = self._dispatch_table()
 
@@ -589,6 +590,22 @@ class Scheduler:
             except Exception as e:
                 self.fail(req, e, "checking its stop conditions")
         self.profiler.on_step()
+        if batch.is_decode:
+            self._num_decode_steps += 1
+            interval = self.args.decode_log_interval
+            if interval and self._num_decode_steps % interval == 0:
+                self._log_decode()
+
+    def _log_decode(self) -> None:
+        """--decode-log-interval's line (SGLang's "Decode batch" log)."""
+        usage = self.kv.usage()
+        used = usage.num_used_tokens
+        logger.info(
+            "Decode batch: #running-req %d, #token %d, token usage %.2f, "
+            "gen throughput (token/s) %.2f, #queue-req %d",
+            len(self.running), used, used / usage.num_tokens if usage.num_tokens else 0.0,
+            self.throughput(), len(self.waiting),
+        )  # fmt: skip
 
     def _apply(self, batch: ScheduleBatch, item: BatchItem, req: Req, result: ItemResult) -> None:
         if result.error is not None:

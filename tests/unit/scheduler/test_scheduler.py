@@ -488,3 +488,25 @@ def test_an_abort_by_rid_reaches_the_samples_of_an_n_request_only():
     s.handle(AbortReq(abort_all=True))
     run_until_idle(s)
     assert_pool_full(s, alloc)
+
+
+def test_decode_log_interval_logs_the_decode_batch_every_n_steps(caplog):
+    """SGLang's --decode-log-interval: a "Decode batch" line at INFO every n decode steps
+    (running requests, KV tokens held, usage, throughput, queue); 0 logs none."""
+    s, runner, alloc = make(decode_log_interval=2)
+    with caplog.at_level("INFO", logger="cadence.scheduler.scheduler"):
+        s.handle(request("a", max_new=7))
+        run_until_idle(s)
+    lines = [r.getMessage() for r in caplog.records if "Decode batch" in r.getMessage()]
+    decodes = sum(b.is_decode for b in runner.batches)
+    assert len(lines) == decodes // 2 >= 2
+    assert lines[0].startswith("Decode batch: #running-req 1, #token ")
+    assert "token usage 0." in lines[0] and lines[0].endswith("#queue-req 0")
+    caplog.clear()
+    quiet, _, _ = make(decode_log_interval=0)
+    with caplog.at_level("INFO", logger="cadence.scheduler.scheduler"):
+        quiet.handle(request("b", max_new=7))
+        run_until_idle(quiet)
+    assert not [r for r in caplog.records if "Decode batch" in r.getMessage()]
+    with pytest.raises(ValueError, match="decode_log_interval"):
+        ServerArgs(decode_log_interval=-1)
