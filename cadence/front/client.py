@@ -69,14 +69,9 @@ class FrontClient(EngineClient):
         self.tm = TokenizerManager(
             tokenizer, info, self.book, max_pending, self.options, lora=self.lora
         )
-        self.embeds = EmbeddingManager(
-            tokenizer,
-            info,
-            self.book,
-            max_pending,
-            self.options.max_embedding_batch,
-            self.options.allow_auto_truncate,
-        )
+        options = self.options
+        self.embeds = EmbeddingManager(tokenizer, info, self.book, max_pending,
+                                       options.max_embedding_batch, options.allow_auto_truncate)  # fmt: skip
         # The callers waiting for a control answer, by the id (`cid`) their request carried:
         # an answer finds its own caller whatever the order answers come in, and a request
         # that never left takes no one's answer.
