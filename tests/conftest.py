@@ -22,7 +22,7 @@ import traceback
 
 import pytest
 
-# The full suite takes ~11 minutes on two cores; CI allows 90 for install and tests together.
+# The full suite takes ~32 minutes on two cores; CI allows 90 for install and tests together.
 SUITE_LIMIT_S = 45 * 60
 
 _WATCHDOG = """
