@@ -84,6 +84,25 @@ def test_a_prompt_past_the_context_is_cut_to_its_head_not_refused(http, oai):
     assert chat.usage.prompt_tokens == CONTEXT - 1 and chat.usage.completion_tokens == 1
 
 
+def test_the_gateways_grpc_generate_is_cut_the_same_way(server, http):
+    """sglang.grpc.scheduler Generate (what SMG sends: ids, every sampling field set)."""
+    ids = http.post("/tokenize", json={"prompt": LONG}).json()["tokens"]
+    params = pb.SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0,
+                               n=1, max_new_tokens=20, skip_special_tokens=True)  # fmt: skip
+    request = pb.GenerateRequest(
+        request_id="cut-1",
+        tokenized=pb.TokenizedInput(original_text=LONG, input_ids=ids),
+        sampling_params=params,
+        logprob_start_len=-1,
+    )
+    with grpc.insecure_channel(target(server)) as channel:
+        stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
+        (reply,) = stub.Generate(request, timeout=60)
+    done = reply.complete
+    assert (done.prompt_tokens, done.completion_tokens) == (CONTEXT - 1, 1)
+    assert done.finish_reason == "length"
+
+
 def test_max_new_tokens_past_the_context_is_lowered_to_what_it_leaves(http):
     ids = http.post("/tokenize", json={"prompt": LONG}).json()["tokens"][:200]
     out = generate(http, input_ids=ids, sampling_params={"max_new_tokens": 500, "ignore_eos": True})
