@@ -214,7 +214,20 @@ class Server:
                 raise RuntimeError(
                     f"server {self.name} not ready within {timeout:.0f}s:\n{self.log_tail()}"
                 )
+        # With --api-workers N each front answers /health for itself, so the first 200 says
+        # one is ready: a test's connection may still land on one loading (503). Every front
+        # logs when it is ready.
+        fronts = self.num_fronts()
+        ready = lambda: self.log_text().count("Cadence is ready") >= fronts  # noqa: E731
+        if fronts > 1 and not wait_until(ready, max(deadline - time.monotonic(), 1)):
+            raise RuntimeError(f"server {self.name}: not all {fronts} fronts became ready")
         return self
+
+    def num_fronts(self) -> int:
+        """Front processes of this server (--api-workers; 1 by default)."""
+        if "--api-workers" not in self.args:
+            return 1
+        return int(self.args[self.args.index("--api-workers") + 1])
 
     def send_signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
