@@ -298,7 +298,7 @@ def _logprobs(out: ReqOutput) -> Logprobs | None:
     return lp
 
 
-def to_batch_output(outs: list[ReqOutput], weight_version: str = "default") -> BatchTokenIDOutput:
+def to_batch_output(outs: list[ReqOutput], weight_version: str) -> BatchTokenIDOutput:
     """Packs one step's per-request outputs into the message for the detokenizer."""
     logprobs = [_logprobs(o) for o in outs]
     return BatchTokenIDOutput(
@@ -336,7 +336,7 @@ def _spec_fields(outs: list[ReqOutput]) -> dict[str, Any]:
 
 
 def to_messages(
-    outs: list[ReqOutput | EmbedOutput], weight_version: str = "default"
+    outs: list[ReqOutput | EmbedOutput], weight_version: str
 ) -> list[BatchTokenIDOutput | BatchEmbeddingOutput]:
     """One step's outputs as the messages that carry them: one BatchTokenIDOutput for the
     generation requests (the detokenizer's work; stamped with the served `weight_version`),

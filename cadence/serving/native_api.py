@@ -95,12 +95,10 @@ async def cumulative(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
         await chunks.aclose()
 
 
-def model_info(
-    info: ModelInfo, args: ServerArgs | None = None, weight_version: str | None = None
-) -> dict[str, Any]:
-    """GET /model_info; GetModelInfo's json_info. `args` (the ServerArgs) adds what the
-    launch line set: --preferred-sampling-params, as given (SGLang's field); and the served
-    `weight_version`, the scheduler's."""
+def model_info(info: ModelInfo, args: ServerArgs, weight_version: str) -> dict[str, Any]:
+    """GET /model_info; GetModelInfo's json_info, with SGLang's fields from the launch line
+    (--preferred-sampling-params, as given) and the served `weight_version` (the
+    scheduler's)."""
     return {
         "model_path": info.model_path,
         "tokenizer_path": info.tokenizer_path,
@@ -110,7 +108,7 @@ def model_info(
         "vocab_size": info.vocab_size,
         # What each tensor type of the file is served as (a GGUF's Q4_1 kept as Q4_1, ...).
         "weight_types": info.weight_types,
-        "preferred_sampling_params": getattr(args, "preferred_sampling_params", None),
+        "preferred_sampling_params": args.preferred_sampling_params,
         "weight_version": weight_version,
     }
 

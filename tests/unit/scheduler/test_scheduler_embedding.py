@@ -182,7 +182,7 @@ def test_outputs_leave_as_one_message_per_front_beside_the_token_outputs():
     s.handle(embed_request("b", front="ipc://f1"))
     s.handle(embed_request("c", front="ipc://f0"))
     s.handle(request("gen", prompt_len=4, max_new=1))
-    messages = to_messages(s.step())
+    messages = to_messages(s.step(), s.weight_version)
     tokens = [m for m in messages if isinstance(m, BatchTokenIDOutput)]
     embeds = {m.http_worker_ipcs[0]: m for m in messages if isinstance(m, BatchEmbeddingOutput)}
     assert [t.rids for t in tokens] == [["gen"]]
