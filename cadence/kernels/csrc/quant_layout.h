@@ -9,11 +9,12 @@
 // gives gguf's own values bit for bit.
 //
 // `quant_linear` computes y = x W^T with activations in float32 (bfloat16/float16 rows are
-// widened first; the result takes x's dtype). Up to 4 rows, each column's codes become
-// float32 lanes that multiply the broadcast activation, summed per group and scaled once
-// (tile_block: one tile, 8 lanes; AVX-512 builds take two tiles at once, tile_pair_512);
-// from 5 rows on (a decode batch), each group of a run of adjacent tiles is dequantized once
-// and multiplies the rows in register blocks (tile_gemm: runs of 4 tiles in 512-bit
+// widened first; the result takes x's dtype). Up to 4 rows (AVX-512: 8), each column's codes
+// become float32 lanes that multiply the broadcast activation, summed per group and scaled
+// once (tile_block: one tile, 8 lanes; AVX-512 builds take two tiles at once, tile_pair_512,
+// in register blocks of up to 8 rows, so a verify step's few rows widen the codes once);
+// from 5 rows on (AVX-512: 9; a decode batch), each group of a run of adjacent tiles is
+// dequantized once and multiplies the rows in register blocks (tile_gemm: runs of 4 tiles in 512-bit
 // registers with AVX-512, of 2 in 256-bit ones with AVX2); an AVX2 build takes 128
 // rows and more (a prefill chunk) as strips of 256 weight rows dequantized into float32 and
 // multiplied by torch's float32 GEMM (linear_dense). Every loop prefetches the weight bytes

@@ -70,8 +70,9 @@ def reference(x: torch.Tensor, w: np.ndarray, bias=None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+# 5 and 8 rows: AVX-512 builds' 8-row register blocks of tile pairs (AVX2: the batched path);
 # 130 rows: an AVX2 build's float32 strips; 401: three passes of the batched path
-@pytest.mark.parametrize("batch", [1, 3, 17, 64, 130, 401])
+@pytest.mark.parametrize("batch", [1, 3, 5, 8, 17, 64, 130, 401])
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 def test_quant_linear_matches_float64_on_the_dequantized_weight(qtype, batch, portable):
     # 51 rows: 7 tiles, the last one partial; the batched path takes runs of 4, 2 and 1 tiles
@@ -102,7 +103,7 @@ def test_one_row_through_tile_pairs_whose_second_tile_is_partial(qtype, threads)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for batch in (1, 2, 4):
+        for batch in (1, 2, 4, 6, 8):
             x = torch.randn(batch, k, generator=torch.Generator().manual_seed(batch))
             got = ops.quant_linear(x, packed, QTYPES[qtype], rows, k, bias)
             scale = (x.double().abs() @ torch.from_numpy(np.abs(w)).double().T).max()
