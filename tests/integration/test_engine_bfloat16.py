@@ -58,11 +58,13 @@ def test_a_large_bfloat16_batch_decodes_like_requests_one_at_a_time(
         bf16_engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts
     ]
     assert all(len(b) == NEW for b in batched)
-    # Both paths round differently in bfloat16 (other matmul shapes), so a near-tie may
-    # flip a late token; a broken batched path would disagree almost everywhere.
+    # The quantized projections give a row the same bits in any batch; attention over a
+    # prefix-cache hit and prefill chunks of other shapes may still round apart in bfloat16,
+    # so a near-tie may flip a late token; a broken batched path would disagree almost
+    # everywhere.
     same = sum(b == a for b, a in zip(batched, alone))
     first = sum(b[:4] == a[:4] for b, a in zip(batched, alone))
-    assert same >= 32 and first >= 36, (same, first)  # measured here: 37 and 39 of 40
+    assert same >= 32 and first >= 36, (same, first)  # measured here: 39 and 40 of 40
     assert_engine_idle(bf16_engine)
 
 

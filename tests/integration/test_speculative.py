@@ -112,6 +112,40 @@ def test_seeded_sampling_with_penalties_is_identical(engine, spec_engine):
     assert texts(spec_engine.generate(batch, params)) == texts(engine.generate(batch, params))
 
 
+@pytest.fixture(scope="module")
+def bfloat16_engines():
+    """Without and with speculation in bfloat16, the CPU default where the CPU has
+    AVX512_BF16 (the engines above run float32): every projection's result is rounded to
+    bfloat16, so a row whose float32 sums came out one ulp apart in a verify step would round
+    apart now and then, and the greedy outputs would part ways a few dozen tokens in."""
+    from cadence import Engine
+
+    engines = [
+        Engine(model_path=None, dtype="bfloat16", max_total_tokens=8192, **extra)
+        for extra in ({}, SPEC)
+    ]
+    yield engines
+    for e in engines:
+        e.shutdown()
+
+
+def test_long_greedy_outputs_are_identical_in_bfloat16(bfloat16_engines):
+    off, on = bfloat16_engines
+    params = dict(GREEDY, max_new_tokens=128, ignore_eos=True)
+    batch = prompts(10, seed=91)
+    got, want = [], []
+    for prompt in batch:  # one stream: verify steps of one request's token and its drafts
+        got.append(on.generate(prompt, params))
+        want.append(off.generate(prompt, params))
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
+    assert sum(r["meta_info"].get("spec_accepted_tokens", 0) for r in got) > 0
+    params = [dict(params) for _ in batch]  # and all at once
+    assert [r["output_ids"] for r in on.generate(batch, params)] == [
+        r["output_ids"] for r in off.generate(batch, params)
+    ]
+    assert_clean(on)
+
+
 def test_logprobs_of_every_accepted_token_match(engine, spec_engine):
     params = dict(GREEDY, max_new_tokens=48)
     kwargs = {"return_logprob": True, "top_logprobs_num": 2}

@@ -12,14 +12,17 @@
 // widened first; the result takes x's dtype). Up to 4 rows (AVX-512: 8), each column's codes
 // become float32 lanes that multiply the broadcast activation, summed per group and scaled
 // once (tile_block: one tile, 8 lanes; AVX-512 builds take two tiles at once, tile_pair_512,
-// in register blocks of up to 8 rows, so a verify step's few rows widen the codes once);
-// from 5 rows on (AVX-512: 9; a decode batch), each group of a run of adjacent tiles is
-// dequantized once and multiplies the rows in register blocks (tile_gemm: runs of 4 tiles in 512-bit
-// registers with AVX-512, of 2 in 256-bit ones with AVX2); an AVX2 build takes 128
-// rows and more (a prefill chunk) as strips of 256 weight rows dequantized into float32 and
-// multiplied by torch's float32 GEMM (linear_dense). Every loop prefetches the weight bytes
-// ahead of the group it reads. All need AVX2 + FMA + F16C; without them a portable loop
-// computes the same sums.
+// in register blocks of up to 8 rows, so a verify step's few rows widen the codes once).
+// From 5 rows on (AVX-512: 9; a decode batch, a prefill chunk), each group of a run of
+// adjacent tiles is widened once. For bfloat16/float16 activations, into float32 codes that
+// every row block multiplies in the same order as the few-row loops (tile_codes_gemm), so
+// that a row's result is the same bits in a call of any size (quant_products.cpp,
+// finish_group). For float32 ones, dequantized, multiplying the rows in register blocks
+// (tile_gemm: runs of 4 tiles in 512-bit registers with AVX-512, of 2 in 256-bit ones with
+// AVX2); an AVX2 build takes 128 float32 rows and more as strips of 256 weight rows
+// dequantized into float32 and multiplied by torch's float32 GEMM (linear_dense). Every loop prefetches
+// the weight bytes ahead of the group it reads. All need AVX2 + FMA + F16C; without them a
+// portable loop computes the same sums.
 
 //
 // This header holds what every source of the quantized kernels shares: the GGUF types, the
@@ -41,6 +44,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CADENCE_QUANT_AVX2 1

@@ -140,62 +140,103 @@ inline void group_factors(const Packed& pk, const uint8_t* tile, int64_t g, __m2
   }
 }
 
-// Rows [m0, m0 + MB) against one tile: acc[m] += the tile's 8 dot products.
-template <int64_t QT, int MB>
-inline void tile_block(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m0, __m256* acc) {
-  constexpr bool kHalves = QT == kQ6_K;
+// Float32 vectors of 8 lanes (one tile's rows) and, on AVX-512, of 16 (two tiles' rows), for
+// the loops written once for both widths.
+struct F8 {
+  using T = __m256;
+  static constexpr int kLanes = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T set1(float v) { return _mm256_set1_ps(v); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T fnmadd(T a, T b, T c) { return _mm256_fnmadd_ps(a, b, c); }
+};
+#if defined(__AVX512F__)
+struct F16 {
+  using T = __m512;
+  static constexpr int kLanes = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T set1(float v) { return _mm512_set1_ps(v); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T fnmadd(T a, T b, T c) { return _mm512_fnmadd_ps(a, b, c); }
+};
+#endif
+
+// ---- one order of operations for every row ------------------------------------------------
+//
+// With 16-bit activations every path computes a row's outputs with the same operations in
+// the same order, whatever the number of rows and whichever loop takes them: per group, the
+// sum over columns 0-15 (`lo`) and the sum over columns 16-31 (`hi`), each a chain of
+// multiply-adds in column order from zero, then `finish_group`. So a row's result does not
+// depend on the other rows of the call: a decode step of one row, a verify step of one
+// request's last token and its drafts, a batch of any size and a prefill chunk give each row
+// the same bits. Where the result is rounded to bfloat16, a one-ulp float32 difference would
+// move a rounded value now and then, and a greedy output would follow the batch's size
+// (speculative decoding's outputs must equal the ones without it, and a request must not
+// answer differently beside others). The 1-4 row loops (AVX-512: 1-8) keep this order for
+// float32 activations too; larger float32 calls take faster orders of their own.
+
+// acc += the group's contribution, from its two column sums.
+template <int64_t QT, typename V>
+inline typename V::T finish_group(typename V::T acc, typename V::T lo, typename V::T hi, typename V::T scale,
+                                  typename V::T scale_hi, typename V::T minv, const float* xs) {
   constexpr bool kHasMin = QT == kQ4_1 || QT == kQ4_K || QT == kQ5_K;
   constexpr float kOffset = QT == kQ4_0 ? 8.f : QT == kQ6_K ? 32.f : 0.f;
+  if constexpr (QT == kQ6_K) {  // a scale per half
+    acc = V::fmadd(scale, V::sub(lo, V::set1(kOffset * xs[0])), acc);
+    return V::fmadd(scale_hi, V::sub(hi, V::set1(kOffset * xs[1])), acc);
+  } else {
+    typename V::T d = V::add(lo, hi);
+    if constexpr (kOffset != 0.f) d = V::sub(d, V::set1(kOffset * (xs[0] + xs[1])));
+    acc = V::fmadd(scale, d, acc);
+    if constexpr (QT == kQ4_1) {
+      acc = V::fmadd(minv, V::set1(xs[0] + xs[1]), acc);
+    } else if constexpr (kHasMin) {
+      acc = V::fnmadd(minv, V::set1(xs[0] + xs[1]), acc);
+    }
+    return acc;
+  }
+}
+
+// Rows [m0, m0 + MB) against NTB adjacent tiles: acc[n * MB + m] += tile n's 8 dot products.
+// Two tiles for one or two rows give the multiply-adds enough independent sums (each lane's
+// lo and hi chains) to hide their latency; the order of each lane's sums is the same.
+template <int64_t QT, int MB, int NTB = 1>
+inline void tile_block(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m0, __m256* acc) {
   const int64_t G = pk.groups;
-  const int64_t pf_step = (pk.tile_bytes + G - 1) / G;
+  const int64_t pf_step = (NTB * pk.tile_bytes + G - 1) / G;
   for (int64_t g = 0; g < G; ++g) {
-    prefetch_group(tile, g, pf_step, kPrefetchAhead);
-    const uint8_t* codes = tile + pk.codes_at(g);
-    __m256 scale, scale_hi, minv;
-    group_factors<QT>(pk, tile, g, &scale, &scale_hi, &minv);
-    // Independent sums (columns 0-15 and 16-31; with few rows, also even and odd columns) keep
-    // enough multiply-adds in flight to hide their latency.
-    constexpr int kSplit = MB <= 2 ? 2 : 1;
-    __m256 dot[MB][2][kSplit];
-    for (int m = 0; m < MB; ++m) {
-      for (int j = 0; j < kSplit; ++j) dot[m][0][j] = dot[m][1][j] = _mm256_setzero_ps();
+    prefetch_group(tile, g, pf_step, std::max<int64_t>(kPrefetchAhead, NTB * pk.tile_bytes));
+    __m256 scale[NTB], scale_hi[NTB], minv[NTB];
+    for (int n = 0; n < NTB; ++n) group_factors<QT>(pk, tile + n * pk.tile_bytes, g, &scale[n], &scale_hi[n], &minv[n]);
+    __m256 lo[NTB][MB], hi[NTB][MB];
+    for (int n = 0; n < NTB; ++n) {
+      for (int m = 0; m < MB; ++m) lo[n][m] = hi[n][m] = _mm256_setzero_ps();
     }
     const float* x = a.x + m0 * a.k + g * kGroup;
 #pragma GCC unroll 16  // constant k: the sums stay in registers, the shifts take immediates
     for (int k = 0; k < 16; ++k) {
-      __m256i qlo, qhi;
-      column_pair<bits_of(QT)>(codes, k, &qlo, &qhi);
-      const __m256 wlo = _mm256_cvtepi32_ps(qlo), whi = _mm256_cvtepi32_ps(qhi);
-      for (int m = 0; m < MB; ++m) {
-        __m256* d = dot[m][0] + k % kSplit;
-        *d = _mm256_fmadd_ps(wlo, _mm256_broadcast_ss(x + m * a.k + k), *d);
-        __m256* e = dot[m][1] + k % kSplit;
-        *e = _mm256_fmadd_ps(whi, _mm256_broadcast_ss(x + m * a.k + k + 16), *e);
-      }
-    }
-    for (int m = 0; m < MB; ++m) {
-      for (int j = 1; j < kSplit; ++j) {
-        dot[m][0][0] = _mm256_add_ps(dot[m][0][0], dot[m][0][j]);
-        dot[m][1][0] = _mm256_add_ps(dot[m][1][0], dot[m][1][j]);
-      }
-      if constexpr (!kHalves) dot[m][0][0] = _mm256_add_ps(dot[m][0][0], dot[m][1][0]);
-    }
-    for (int m = 0; m < MB; ++m) {
-      const float* xs = a.sums.data() + ((m0 + m) * G + g) * 2;
-      if constexpr (kHalves) {
-        const __m256 lo = _mm256_sub_ps(dot[m][0][0], _mm256_set1_ps(kOffset * xs[0]));
-        const __m256 hi = _mm256_sub_ps(dot[m][1][0], _mm256_set1_ps(kOffset * xs[1]));
-        acc[m] = _mm256_fmadd_ps(scale, lo, acc[m]);
-        acc[m] = _mm256_fmadd_ps(scale_hi, hi, acc[m]);
-      } else {
-        __m256 d = dot[m][0][0];
-        if constexpr (kOffset != 0.f) d = _mm256_sub_ps(d, _mm256_set1_ps(kOffset * (xs[0] + xs[1])));
-        acc[m] = _mm256_fmadd_ps(scale, d, acc[m]);
-        if constexpr (QT == kQ4_1) {
-          acc[m] = _mm256_fmadd_ps(minv, _mm256_set1_ps(xs[0] + xs[1]), acc[m]);
-        } else if constexpr (kHasMin) {
-          acc[m] = _mm256_fnmadd_ps(minv, _mm256_set1_ps(xs[0] + xs[1]), acc[m]);
+      for (int n = 0; n < NTB; ++n) {
+        __m256i qlo, qhi;
+        column_pair<bits_of(QT)>(tile + n * pk.tile_bytes + pk.codes_at(g), k, &qlo, &qhi);
+        const __m256 wlo = _mm256_cvtepi32_ps(qlo), whi = _mm256_cvtepi32_ps(qhi);
+        for (int m = 0; m < MB; ++m) {
+          lo[n][m] = _mm256_fmadd_ps(wlo, _mm256_broadcast_ss(x + m * a.k + k), lo[n][m]);
+          hi[n][m] = _mm256_fmadd_ps(whi, _mm256_broadcast_ss(x + m * a.k + k + 16), hi[n][m]);
         }
+      }
+    }
+    for (int n = 0; n < NTB; ++n) {
+      for (int m = 0; m < MB; ++m) {
+        const float* xs = a.sums.data() + ((m0 + m) * G + g) * 2;
+        acc[n * MB + m] = finish_group<QT, F8>(acc[n * MB + m], lo[n][m], hi[n][m], scale[n], scale_hi[n], minv[n], xs);
       }
     }
   }
@@ -369,18 +410,21 @@ inline void for_row_blocks(int64_t m_total, Run&& run) {
   rest_block<kMax>(m_total - m0, m0, run);
 }
 
-template <int64_t QT, typename T>
+template <int64_t QT, typename T, int NTB = 1>
 void tile_avx2(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total, const float* bias, T* out,
-               int64_t out_stride, int64_t valid) {
+               int64_t out_stride, int64_t left) {
   for_row_blocks(m_total, [&](auto mb, int64_t m0) {
     constexpr int MB = decltype(mb)::value;
-    __m256 acc[MB];
-    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-    tile_block<QT, MB>(pk, tile, a, m0, acc);
-    for (int m = 0; m < MB; ++m) {
-      alignas(32) float v[kRows];
-      _mm256_store_ps(v, acc[m]);
-      store_tile(v, bias, out + (m0 + m) * out_stride, valid);
+    __m256 acc[NTB * MB];
+    for (int i = 0; i < NTB * MB; ++i) acc[i] = _mm256_setzero_ps();
+    tile_block<QT, MB, NTB>(pk, tile, a, m0, acc);
+    for (int n = 0; n < NTB; ++n) {
+      for (int m = 0; m < MB; ++m) {
+        alignas(32) float v[kRows];
+        _mm256_store_ps(v, acc[n * MB + m]);
+        store_tile(v, bias ? bias + n * kRows : nullptr, out + (m0 + m) * out_stride + n * kRows,
+                   std::min<int64_t>(kRows, left - n * kRows));
+      }
     }
   });
 }
@@ -426,9 +470,6 @@ inline __m512 join_512(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_ca
 
 template <int64_t QT, int MB>
 inline void tile_pair_block(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m0, __m512* acc) {
-  constexpr bool kHalves = QT == kQ6_K;
-  constexpr bool kHasMin = QT == kQ4_1 || QT == kQ4_K || QT == kQ5_K;
-  constexpr float kOffset = QT == kQ4_0 ? 8.f : QT == kQ6_K ? 32.f : 0.f;
   const uint8_t* next = tile + pk.tile_bytes;
   const int64_t G = pk.groups;
   const int64_t pf_step = (2 * pk.tile_bytes + G - 1) / G;
@@ -439,12 +480,8 @@ inline void tile_pair_block(const Packed& pk, const uint8_t* tile, const Acts& a
     __m256 s0, s0_hi, m0v, s1, s1_hi, m1v;
     group_factors<QT>(pk, tile, g, &s0, &s0_hi, &m0v);
     group_factors<QT>(pk, next, g, &s1, &s1_hi, &m1v);
-    const __m512 scale = join_512(s0, s1);
-    constexpr int kSplit = MB <= 2 ? 2 : 1;
-    __m512 dot[MB][2][kSplit];
-    for (int m = 0; m < MB; ++m) {
-      for (int j = 0; j < kSplit; ++j) dot[m][0][j] = dot[m][1][j] = _mm512_setzero_ps();
-    }
+    __m512 lo[MB], hi[MB];
+    for (int m = 0; m < MB; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
     const float* x = a.x + m0 * a.k + g * kGroup;
 #pragma GCC unroll 16
     for (int k = 0; k < 16; ++k) {
@@ -452,33 +489,14 @@ inline void tile_pair_block(const Packed& pk, const uint8_t* tile, const Acts& a
       column_pair_512<bits_of(QT)>(c0, c1, k, &qlo, &qhi);
       const __m512 wlo = _mm512_cvtepi32_ps(qlo), whi = _mm512_cvtepi32_ps(qhi);
       for (int m = 0; m < MB; ++m) {
-        __m512* d = dot[m][0] + k % kSplit;
-        *d = _mm512_fmadd_ps(wlo, _mm512_set1_ps(x[m * a.k + k]), *d);
-        __m512* e = dot[m][1] + k % kSplit;
-        *e = _mm512_fmadd_ps(whi, _mm512_set1_ps(x[m * a.k + k + 16]), *e);
+        lo[m] = _mm512_fmadd_ps(wlo, _mm512_set1_ps(x[m * a.k + k]), lo[m]);
+        hi[m] = _mm512_fmadd_ps(whi, _mm512_set1_ps(x[m * a.k + k + 16]), hi[m]);
       }
     }
+    const __m512 scale = join_512(s0, s1), scale_hi = join_512(s0_hi, s1_hi), minv = join_512(m0v, m1v);
     for (int m = 0; m < MB; ++m) {
-      for (int j = 1; j < kSplit; ++j) {
-        dot[m][0][0] = _mm512_add_ps(dot[m][0][0], dot[m][0][j]);
-        dot[m][1][0] = _mm512_add_ps(dot[m][1][0], dot[m][1][j]);
-      }
       const float* xs = a.sums.data() + ((m0 + m) * G + g) * 2;
-      if constexpr (kHalves) {
-        const __m512 lo = _mm512_sub_ps(dot[m][0][0], _mm512_set1_ps(kOffset * xs[0]));
-        const __m512 hi = _mm512_sub_ps(dot[m][1][0], _mm512_set1_ps(kOffset * xs[1]));
-        acc[m] = _mm512_fmadd_ps(scale, lo, acc[m]);
-        acc[m] = _mm512_fmadd_ps(join_512(s0_hi, s1_hi), hi, acc[m]);
-      } else {
-        __m512 d = _mm512_add_ps(dot[m][0][0], dot[m][1][0]);
-        if constexpr (kOffset != 0.f) d = _mm512_sub_ps(d, _mm512_set1_ps(kOffset * (xs[0] + xs[1])));
-        acc[m] = _mm512_fmadd_ps(scale, d, acc[m]);
-        if constexpr (QT == kQ4_1) {
-          acc[m] = _mm512_fmadd_ps(join_512(m0v, m1v), _mm512_set1_ps(xs[0] + xs[1]), acc[m]);
-        } else if constexpr (kHasMin) {
-          acc[m] = _mm512_fnmadd_ps(join_512(m0v, m1v), _mm512_set1_ps(xs[0] + xs[1]), acc[m]);
-        }
-      }
+      acc[m] = finish_group<QT, F16>(acc[m], lo[m], hi[m], scale, scale_hi, minv, xs);
     }
   }
 }
@@ -501,6 +519,133 @@ void tile_pair_512(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t
   });
 }
 #endif
+
+// ---- the row-invariant batched path ----------------------------------------------------
+//
+// From a few rows on, summing the codes against each row block (tile_block, tile_pair_block)
+// re-reads and re-widens the weight once per block. Here each group of a run of NT adjacent
+// tiles is widened once into float32 codes (exact: small integers) and its factors, a few KiB
+// that stay near the core while every row block multiplies them in the same order as the
+// blocks above (lo and hi chains per group, then finish_group, the row's sums kept in memory
+// between groups): the same bits per row, with the widening spread over all the rows. It is
+// the path of 16-bit activations from 5 rows on (AVX-512: 9); measured on two Zen 5 cores
+// (SmolLM2's 210 projections of a step, Q4_1, bfloat16 rows), 96 rows took 55-58 ms against
+// 48-49 in tile_gemm, and 512 rows about 295 against 277: what one order costs.
+
+// Group g of the run's nt tiles: codes[k * W + n * 8 + r] for tile n, row r, column k
+// (W = nt * 8), and factors[i * W + n * 8 + r]: i = 0 the scale, 1 the second half's scale
+// (Q6_K), 2 the min.
+template <int64_t QT>
+inline void widen_group(const Packed& pk, const uint8_t* tile, int nt, int64_t g, float* codes, float* factors) {
+  const int64_t w = nt * kRows;
+  for (int n = 0; n < nt; ++n) {
+    const uint8_t* t = tile + n * pk.tile_bytes;
+    const uint8_t* c = t + pk.codes_at(g);
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; ++k) {
+      __m256i qlo, qhi;
+      column_pair<bits_of(QT)>(c, k, &qlo, &qhi);
+      _mm256_storeu_ps(codes + k * w + n * kRows, _mm256_cvtepi32_ps(qlo));
+      _mm256_storeu_ps(codes + (k + 16) * w + n * kRows, _mm256_cvtepi32_ps(qhi));
+    }
+    __m256 scale, scale_hi, minv;
+    group_factors<QT>(pk, t, g, &scale, &scale_hi, &minv);
+    _mm256_storeu_ps(factors + n * kRows, scale);
+    _mm256_storeu_ps(factors + w + n * kRows, scale_hi);
+    _mm256_storeu_ps(factors + 2 * w + n * kRows, minv);
+  }
+}
+
+// Rows [m0, m0 + MB) against a widened group of NV vectors of V (W = NV * V::kLanes
+// outputs): acc[m * W + j] += the group's contribution.
+template <int64_t QT, typename V, int NV, int MB>
+inline void codes_block(const float* codes, const float* factors, int64_t g, const Acts& a, int64_t G, int64_t m0,
+                        float* acc) {
+  using T = typename V::T;
+  constexpr int L = V::kLanes, W = NV * L;
+  T lo[MB][NV], hi[MB][NV];
+  for (int m = 0; m < MB; ++m) {
+    for (int v = 0; v < NV; ++v) lo[m][v] = hi[m][v] = V::zero();
+  }
+  const float* x = a.x + m0 * a.k + g * kGroup;
+  for (int k = 0; k < 16; ++k) {
+    T wl[NV], wh[NV];
+    for (int v = 0; v < NV; ++v) {
+      wl[v] = V::load(codes + k * W + v * L);
+      wh[v] = V::load(codes + (k + 16) * W + v * L);
+      // In registers, not re-read by every multiply-add: folded into each one as a memory
+      // operand (what the compiler chose), the loads bound the loop at 40% of its speed.
+      asm("" : "+v"(wl[v]), "+v"(wh[v]));
+    }
+    for (int m = 0; m < MB; ++m) {
+      const T xl = V::set1(x[m * a.k + k]), xh = V::set1(x[m * a.k + k + 16]);
+      for (int v = 0; v < NV; ++v) {
+        lo[m][v] = V::fmadd(wl[v], xl, lo[m][v]);
+        hi[m][v] = V::fmadd(wh[v], xh, hi[m][v]);
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const T scale = V::load(factors + v * L), scale_hi = V::load(factors + W + v * L);
+    const T minv = V::load(factors + 2 * W + v * L);
+    for (int m = 0; m < MB; ++m) {
+      const float* xs = a.sums.data() + ((m0 + m) * G + g) * 2;
+      float* p = acc + (m0 + m) * W + v * L;
+      V::store(p, finish_group<QT, V>(V::load(p), lo[m][v], hi[m][v], scale, scale_hi, minv, xs));
+    }
+  }
+}
+
+// Rows per block of codes_block: the sums (2 * MB * NV vectors) and a column's weights fit.
+template <int NV>
+constexpr int codes_rows() {
+#if defined(__AVX512F__)
+  return NV == 1 ? 12 : 6;  // 24 sums of 32 registers (4 rows per block ran 10% slower)
+#else
+  return NV == 1 ? 5 : 2;  // 10 or 8 of 16
+#endif
+}
+
+template <int64_t QT, typename V, int NV, int MB = codes_rows<NV>() - 1>
+inline void codes_rest(int64_t rest, const float* codes, const float* factors, int64_t g, const Acts& a, int64_t G,
+                       int64_t m0, float* acc) {
+  if constexpr (MB > 0) {
+    if (rest == MB) {
+      codes_block<QT, V, NV, MB>(codes, factors, g, a, G, m0, acc);
+    } else {
+      codes_rest<QT, V, NV, MB - 1>(rest, codes, factors, g, a, G, m0, acc);
+    }
+  }
+}
+
+// The rows of x against the run of NT tiles at `tile` (NT * 8 = NV * V::kLanes outputs);
+// scratch: this thread's buffer.
+template <int64_t QT, typename V, int NV, typename T>
+void tile_codes_gemm(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total, const float* bias, T* out,
+                     int64_t out_stride, int64_t rows_left, std::vector<float>* scratch) {
+  constexpr int W = NV * V::kLanes, NT = W / kRows, MB = codes_rows<NV>();
+  const int64_t G = pk.groups;
+  scratch->resize(kGroup * W + 3 * W + m_total * W);
+  float* codes = scratch->data();
+  float* factors = codes + kGroup * W;
+  float* acc = factors + 3 * W;
+  std::fill(acc, acc + m_total * W, 0.f);
+  const int64_t pf_step = (NT * pk.tile_bytes + G - 1) / G;
+  for (int64_t g = 0; g < G; ++g) {
+    prefetch_group(tile, g, pf_step, std::max<int64_t>(kPrefetchAhead, NT * pk.tile_bytes));
+    widen_group<QT>(pk, tile, NT, g, codes, factors);
+    int64_t m0 = 0;
+    for (; m0 + MB <= m_total; m0 += MB) codes_block<QT, V, NV, MB>(codes, factors, g, a, G, m0, acc);
+    codes_rest<QT, V, NV>(m_total - m0, codes, factors, g, a, G, m0, acc);
+  }
+  for (int64_t m = 0; m < m_total; ++m) {
+    for (int n = 0; n < NT; ++n) {
+      const int64_t valid = std::min<int64_t>(kRows, rows_left - n * kRows);
+      if (valid <= 0) break;
+      store_tile(acc + m * W + n * kRows, bias ? bias + n * kRows : nullptr, out + m * out_stride + n * kRows, valid);
+    }
+  }
+}
 
 // Tiles [t0, t0 + tiles) dequantized side by side into w [K, ldw] (float32): the right-hand
 // side of a float32 GEMM for the strip of weight rows they hold.
@@ -531,14 +676,16 @@ constexpr int64_t kDenseRows = std::numeric_limits<int64_t>::max();
 constexpr int64_t kDenseRows = 128;
 #endif
 
+
 // Most rows per pass of the batched path (each pass dequantizes every group again; its x
 // block, rows x K float32, should stay near the core while the weight goes by). A step's
 // rows are split into equal passes of at most this many. Measured on two Zen 5 cores
 // (SmolLM2's projections, Q4_1): 96-512 rows ran 2-13% faster with at most 192 rows per
 // pass than with 64.
 constexpr int64_t kRowsPerPass = 192;
-// From this many rows on, dequantizing each group once and multiplying every row (tile_gemm)
-// beats summing the codes against each row (tile_avx2, tile_pair_512). AVX-512 builds keep
+// From this many rows on, widening or dequantizing each group once and multiplying every row
+// (tile_codes_gemm, tile_gemm) beats summing the codes against each row block (tile_avx2,
+// tile_pair_512). AVX-512 builds keep
 // up to 8 rows in tile pairs: SmolLM2's 210 projections of a step (Q4_1, two Zen 5 cores)
 // took 8.6 ms for 8 rows against 10.1 ms in tile_gemm, and 6.2 against 7.2 ms for 5 rows.
 #if defined(__AVX512F__)
@@ -558,17 +705,48 @@ template <int64_t QT, typename T>
 void tile_pair_512(const Packed&, const uint8_t*, const Acts&, int64_t, const float*, T*, int64_t, int64_t, int64_t) {}
 #endif
 
+#if defined(CADENCE_QUANT_AVX2)
+// tile_codes_gemm over the run at `tile` (`run` tiles left in this thread's range): 4 tiles at
+// once with AVX-512, 2 or 1 at its end; 1 with AVX2. Returns the tiles it took.
+template <int64_t QT, typename T>
+int64_t codes_run(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m, const float* bias, T* out,
+                  int64_t out_stride, int64_t run, int64_t left, std::vector<float>* scratch) {
+#if defined(__AVX512F__)
+  if (run >= 4) {
+    tile_codes_gemm<QT, F16, 2>(pk, tile, a, m, bias, out, out_stride, left, scratch);
+    return 4;
+  }
+  if (run >= 2) {
+    tile_codes_gemm<QT, F16, 1>(pk, tile, a, m, bias, out, out_stride, left, scratch);
+    return 2;
+  }
+#else
+  if (run >= 2) {
+    tile_codes_gemm<QT, F8, 2>(pk, tile, a, m, bias, out, out_stride, left, scratch);
+    return 2;
+  }
+#endif
+  tile_codes_gemm<QT, F8, 1>(pk, tile, a, m, bias, out, out_stride, left, scratch);
+  return 1;
+}
+#endif
+
 template <typename T>
 void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_t rows, const Acts& a,
                   int64_t m_total, const float* bias, T* out, bool portable) {
   const int64_t tiles = (rows + kRows - 1) / kRows;
   const int64_t passes = (m_total + kRowsPerPass - 1) / kRowsPerPass;
   const int64_t per_pass = (m_total + passes - 1) / passes;
+  // 16-bit activations: every loop keeps one order of operations per row (see finish_group).
+  // Float32 ones take the fastest loop for their number of rows: there a different order
+  // moves a result by float32 rounding only, far below what decides a token.
+  constexpr bool invariant = !std::is_same_v<T, float>;
   for (int64_t m0 = 0; m0 < m_total; m0 += per_pass) {
     const int64_t mc = std::min(per_pass, m_total - m0);
     const Acts part{a.x + m0 * a.k, std::vector<float>(a.sums.begin() + m0 * pk.groups * 2, a.sums.begin() + (m0 + mc) * pk.groups * 2), a.k};
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(kGemmTiles * mc * kRows);
+      std::vector<float> acc(invariant ? 0 : kGemmTiles * mc * kRows);
+      static thread_local std::vector<float> scratch;  // tile_codes_gemm's widened run
       for (int64_t t = begin; t < end; ++t) {
         const uint8_t* tile = packed + t * pk.tile_bytes;
         const int64_t valid = std::min<int64_t>(kRows, rows - t * kRows);
@@ -576,14 +754,19 @@ void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_
         T* o = out + m0 * rows + t * kRows;
 #if defined(CADENCE_QUANT_AVX2)
         if (!portable) {
-          const bool gemm = mc >= kGemmRows;
+          const bool blocks = mc < kGemmRows;
           const int64_t run = end - t, left = rows - t * kRows;
 #define CADENCE_QUANT_TILE(QT)                                                                   \
-  if (!gemm && kPairs1Row && run >= 2) {                                                        \
+  if (blocks && kPairs1Row && run >= 2) {                                                       \
     tile_pair_512<QT>(pk, tile, part, mc, b, o, rows, valid, std::min<int64_t>(kRows, left - kRows)); \
     ++t;                                                                                         \
-  } else if (!gemm) {                                                                            \
-    tile_avx2<QT>(pk, tile, part, mc, b, o, rows, valid);                                        \
+  } else if (blocks && mc <= 2 && run >= 2) { /* AVX2: one or two rows, two tiles at once */   \
+    tile_avx2<QT, T, 2>(pk, tile, part, mc, b, o, rows, left);                                   \
+    ++t;                                                                                         \
+  } else if (blocks) {                                                                           \
+    tile_avx2<QT>(pk, tile, part, mc, b, o, rows, left);                                         \
+  } else if (invariant) {                                                                        \
+    t += codes_run<QT>(pk, tile, part, mc, b, o, rows, run, left, &scratch) - 1;                 \
   } else if (kGemmTiles == 4 && run >= 4) {                                                      \
     tile_gemm<QT, kGemmTiles>(pk, tile, part, mc, b, o, rows, left, acc.data());                 \
     t += kGemmTiles - 1; /* the next tiles are done too */                                       \
@@ -676,7 +859,7 @@ at::Tensor quant_linear_impl(const at::Tensor& x, const at::Tensor& packed, int6
   const at::Tensor xf = float_rows(x, k);
   const uint8_t* w = packed.data_ptr<uint8_t>();
 #if defined(CADENCE_QUANT_AVX2)
-  if (!portable && m >= kDenseRows) {
+  if (!portable && m >= kDenseRows && x.scalar_type() == at::kFloat) {  // see linear_tiles
     linear_dense(qtype, pk, w, rows, xf, b, out);
     return out;
   }

@@ -91,6 +91,31 @@ def test_quant_linear_matches_float64_on_the_dequantized_weight(qtype, batch, po
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * scale.item())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+def test_a_rows_result_does_not_depend_on_the_other_rows_of_the_call(qtype, dtype):
+    """With 16-bit activations every loop sums a row in one order: a decode step of one row,
+    a verify step of a request's token and its drafts, a batch and a prefill chunk give it the
+    same bits, so neither speculative decoding nor a request's neighbours can move a greedy
+    output where the result is rounded to bfloat16. Float32 activations keep that order in
+    the 1-4 row loops only."""
+    # 67 rows: 9 tiles, the last one partial (runs of 4, 2 and 1 tiles)
+    rows, k = 67, 96 if qtype in QUANTIZABLE else 512
+    blocks = random_blocks(qtype, rows, k, seed=5)
+    packed = ops.quant_repack(torch.from_numpy(blocks), QTYPES[qtype], k)
+    bias = torch.randn(rows)
+    total = 401  # past an AVX2 build's float32 strips (128) and three passes (192 rows each)
+    x = torch.randn(total, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    alone = torch.cat(
+        [ops.quant_linear(x[i : i + 1], packed, QTYPES[qtype], rows, k, bias) for i in range(total)]
+    )
+    sizes = (2, 3, 4) if dtype == torch.float32 else (2, 3, 4, 5, 7, 8, 9, 13, 31, 127, 130, 401)
+    for batch in sizes:
+        for start in (0, total - batch):
+            got = ops.quant_linear(x[start : start + batch], packed, QTYPES[qtype], rows, k, bias)
+            assert torch.equal(got, alone[start : start + batch]), (batch, start)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 def test_one_row_through_tile_pairs_whose_second_tile_is_partial(qtype, threads):
