@@ -307,7 +307,9 @@ def test_a_server_killed_mid_transfer_leaves_its_survivor_clean(victim):
     try:
         for srv in servers.values():
             srv.wait_ready()
-        body = {"text": LONG_PROMPT, "sampling_params": GREEDY, **pd_fields(port)}
+        # ~2,400 tokens: seconds of prefill on any machine here (600 took 0.6 s on a fast one,
+        # so the kill below came after the answer), while the timeouts stay well ahead.
+        body = {"text": LONG_PROMPT * 4, "sampling_params": GREEDY, **pd_fields(port)}
         survivor = servers["decode" if victim == "prefill" else "prefill"]
         with ThreadPoolExecutor(2) as pool:
             futures = {

@@ -101,7 +101,8 @@ class Gateway:
 
     def wait_ready(self, model: str) -> None:
         """Until the gateway lists the model and answers a one-token chat: it lists a worker's
-        model before its tokenizer is registered, and answers 503 meanwhile."""
+        model before its tokenizer (in PD mode, before the pair's other leg) is registered, and
+        answers 503 meanwhile."""
         deadline = time.monotonic() + SMG_READY_S
         while model not in self.model_ids() or self._tokenizer_pending(model):
             if self.proc.poll() is not None:
@@ -118,7 +119,9 @@ class Gateway:
             r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=60)
         except httpx.HTTPError:
             return True
-        return r.status_code == 503 and "not registered" in r.text
+        # 503 while starting: a model listed before its tokenizer is registered ("not
+        # registered"), or in PD mode a pair with one leg registered ("the pair is incomplete").
+        return r.status_code == 503
 
     def log_tail(self, n: int = 3000) -> str:
         try:
