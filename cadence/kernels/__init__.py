@@ -3,7 +3,7 @@ quantized projections (`csrc/quant_layout.h` the tile layout, `quant_repack.cpp`
 `quant_products.cpp`, `quant_registration.cpp`, compiled as one unit by `quant_unit.cpp`:
 the torch headers are most of a build's time).
 
-They are compiled on this machine the first time they are needed (under a minute on 2 cores with the
+They are compiled on this machine the first time they are needed (about a minute on 2 cores with the
 system C++ compiler and ninja) and kept in the cache directory, keyed by the sources (headers included), the
 torch version and the CPU's instruction set; later processes only load the library.
 `python -m cadence.kernels` builds them ahead of time (the install script does).
@@ -76,7 +76,7 @@ def _load(verbose: bool = False) -> None:
     from torch.utils.cpp_extension import load
 
     os.makedirs(build_dir, exist_ok=True)
-    logger.info("building Cadence's CPU kernels in %s (once, under a minute)", build_dir)
+    logger.info("building Cadence's CPU kernels in %s (once, about a minute)", build_dir)
     # load() takes a file lock on build_dir, so processes starting together build once.
     load(
         name=NAME,
