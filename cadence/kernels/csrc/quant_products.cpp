@@ -606,20 +606,8 @@ constexpr int codes_rows() {
 #endif
 }
 
-template <int64_t QT, typename V, int NV, int MB = codes_rows<NV>() - 1>
-inline void codes_rest(int64_t rest, const float* codes, const float* factors, int64_t g, const Acts& a, int64_t G,
-                       int64_t m0, float* acc) {
-  if constexpr (MB > 0) {
-    if (rest == MB) {
-      codes_block<QT, V, NV, MB>(codes, factors, g, a, G, m0, acc);
-    } else {
-      codes_rest<QT, V, NV, MB - 1>(rest, codes, factors, g, a, G, m0, acc);
-    }
-  }
-}
-
 // The rows of x against the run of NT tiles at `tile` (NT * 8 = NV * V::kLanes outputs);
-// scratch: this thread's buffer.
+// scratch: this thread's buffer (a widened group, its factors and the rows' sums).
 template <int64_t QT, typename V, int NV, typename T>
 void tile_codes_gemm(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total, const float* bias, T* out,
                      int64_t out_stride, int64_t rows_left, std::vector<float>* scratch) {
@@ -634,9 +622,9 @@ void tile_codes_gemm(const Packed& pk, const uint8_t* tile, const Acts& a, int64
   for (int64_t g = 0; g < G; ++g) {
     prefetch_group(tile, g, pf_step, std::max<int64_t>(kPrefetchAhead, NT * pk.tile_bytes));
     widen_group<QT>(pk, tile, NT, g, codes, factors);
-    int64_t m0 = 0;
-    for (; m0 + MB <= m_total; m0 += MB) codes_block<QT, V, NV, MB>(codes, factors, g, a, G, m0, acc);
-    codes_rest<QT, V, NV>(m_total - m0, codes, factors, g, a, G, m0, acc);
+    for_row_blocks<MB>(m_total, [&](auto mb, int64_t m0) {
+      codes_block<QT, V, NV, decltype(mb)::value>(codes, factors, g, a, G, m0, acc);
+    });
   }
   for (int64_t m = 0; m < m_total; ++m) {
     for (int n = 0; n < NT; ++n) {
@@ -676,7 +664,6 @@ constexpr int64_t kDenseRows = std::numeric_limits<int64_t>::max();
 constexpr int64_t kDenseRows = 128;
 #endif
 
-
 // Most rows per pass of the batched path (each pass dequantizes every group again; its x
 // block, rows x K float32, should stay near the core while the weight goes by). A step's
 // rows are split into equal passes of at most this many. Measured on two Zen 5 cores
@@ -685,9 +672,9 @@ constexpr int64_t kDenseRows = 128;
 constexpr int64_t kRowsPerPass = 192;
 // From this many rows on, widening or dequantizing each group once and multiplying every row
 // (tile_codes_gemm, tile_gemm) beats summing the codes against each row block (tile_avx2,
-// tile_pair_512). AVX-512 builds keep
-// up to 8 rows in tile pairs: SmolLM2's 210 projections of a step (Q4_1, bfloat16 rows, two
-// Zen 5 cores) took 6.0 ms for 8 rows against 7.5 ms in tile_gemm.
+// tile_pair_512). AVX-512 builds keep up to 8 rows in tile pairs: SmolLM2's 210 projections
+// of a step (Q4_1, bfloat16 rows, two Zen 5 cores) took 6.0 ms for 8 rows against 7.5 ms in
+// tile_gemm.
 #if defined(__AVX512F__)
 constexpr int64_t kGemmRows = 9;
 #else
@@ -707,7 +694,7 @@ void tile_pair_512(const Packed&, const uint8_t*, const Acts&, int64_t, const fl
 
 #if defined(CADENCE_QUANT_AVX2)
 // tile_codes_gemm over the run at `tile` (`run` tiles left in this thread's range): 4 tiles at
-// once with AVX-512, 2 or 1 at its end; 1 with AVX2. Returns the tiles it took.
+// once with AVX-512, 2 with AVX2, fewer at the range's end. Returns the tiles it took.
 template <int64_t QT, typename T>
 int64_t codes_run(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m, const float* bias, T* out,
                   int64_t out_stride, int64_t run, int64_t left, std::vector<float>* scratch) {
@@ -746,7 +733,7 @@ void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_
     const Acts part{a.x + m0 * a.k, std::vector<float>(a.sums.begin() + m0 * pk.groups * 2, a.sums.begin() + (m0 + mc) * pk.groups * 2), a.k};
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(invariant ? 0 : kGemmTiles * mc * kRows);
-      static thread_local std::vector<float> scratch;  // tile_codes_gemm's widened run
+      static thread_local std::vector<float> scratch;  // tile_codes_gemm's buffer
       for (int64_t t = begin; t < end; ++t) {
         const uint8_t* tile = packed + t * pk.tile_bytes;
         const int64_t valid = std::min<int64_t>(kRows, rows - t * kRows);
