@@ -24,6 +24,11 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def float_out(self, x: torch.Tensor) -> torch.Tensor:
+        """y in float32, from rows of any float dtype (a model's logits). Here x is widened
+        first; a projection that reads 16-bit rows as they are overrides this."""
+        return self(x.float())
+
 
 class MkldnnPackedLinear(Linear):
     """A CPU projection whose weight is reordered once, at load, into oneDNN's blocked layout.

@@ -212,9 +212,10 @@ class QuantLinear(Linear):
 
     The weight is repacked once into the kernel's tiles (an exact copy, see csrc/quant_layout.h);
     the blocks it came from are no longer read. Activations keep their dtype (float32,
-    bfloat16 or float16) in and out; inside, the kernel reads them as float32 and sums in
-    float32 (activations are not quantized), so the result is the dequantized weight's up to
-    the order of the sums.
+    bfloat16 or float16) in and out; inside, the kernel sums exact products in float32
+    (activations are not quantized: it reads them as float32, or as bfloat16 pairs where the
+    CPU multiplies those), so the result is the dequantized weight's up to the order of the
+    sums.
     """
 
     holds_weight = False
@@ -256,6 +257,16 @@ class QuantLinear(Linear):
             if self.bias is not None:
                 y += self.bias.to(y.dtype)
         return y.view(*lead, self.out_features)
+
+    def float_out(self, x: torch.Tensor) -> torch.Tensor:
+        """y in float32 from rows of any float dtype (a model's logits). Bfloat16 rows go to
+        the kernel as they are: where the CPU has AVX512_BF16 it multiplies them in its pair
+        products (one order of sums for every row count, csrc/quant_products.cpp) instead of
+        float32 copies."""
+        one = self._one
+        if one is not None and x.dim() == 2 and x.stride(1) == 1:
+            return self._op(x, one[0], one[1], one[2], self.columns, self.bias, torch.float32)
+        return self(x.float())
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight, float32 [n, in_features]: gguf's values, from the tiles."""

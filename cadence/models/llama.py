@@ -362,10 +362,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> float32 logits [rows, vocab]. From a bfloat16/float16 model the
         logits near each row's maximum are recomputed in float32 (`refine_top_logits`). A
-        quantized LM head takes float32 rows and gives float32 sums. With a split vocabulary
-        each rank computes its share and the shares are gathered."""
+        quantized LM head gives float32 sums of the rows as they are (`float_out`). With a
+        split vocabulary each rank computes its share and the shares are gathered."""
         if isinstance(self.lm_head_weight, QuantizedWeight):
-            logits = self.lm_head_linear(hidden.float())
+            logits = self.lm_head_linear.float_out(hidden)
         else:
             logits = self.lm_head_linear(hidden)
             if hidden.dtype in (torch.bfloat16, torch.float16):

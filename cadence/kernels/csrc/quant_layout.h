@@ -23,6 +23,12 @@
 // dequantized into float32 and multiplied by torch's float32 GEMM (linear_dense). Every loop prefetches
 // the weight bytes ahead of the group it reads. All need AVX2 + FMA + F16C; without them a
 // portable loop computes the same sums.
+//
+// Where the CPU has AVX512_BF16, bfloat16 rows are not widened: a group's codes become
+// bfloat16 pairs (exact) that one vdpbf16ps multiplies by a pair of activations, two columns
+// per lane with float32 sums, at every number of rows in the tile-pair register blocks
+// (quant_products.cpp, bf16_pairs): twice the multiply-adds per instruction. The result is
+// x's dtype, or float32 on request (`out_dtype`, a bfloat16 model's logits).
 
 //
 // This header holds what every source of the quantized kernels shares: the GGUF types, the
@@ -158,9 +164,10 @@ at::Tensor quant_repack(const at::Tensor& raw, int64_t qtype, int64_t k);
 at::Tensor quant_dequantize(const at::Tensor& packed, int64_t qtype, int64_t rows, int64_t k,
                             const c10::optional<at::Tensor>& row_ids);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows, int64_t k,
-                        const c10::optional<at::Tensor>& bias);
+                        const c10::optional<at::Tensor>& bias, c10::optional<at::ScalarType> out_dtype);
 at::Tensor quant_linear_portable(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows,
-                                 int64_t k, const c10::optional<at::Tensor>& bias);
+                                 int64_t k, const c10::optional<at::Tensor>& bias,
+                                 c10::optional<at::ScalarType> out_dtype);
 std::string quant_isa();
 
 }  // namespace cadence_quant

@@ -6,6 +6,14 @@
 namespace cadence_quant {
 namespace {
 
+// Whether this build has the bfloat16 pair products (see bf16_pairs).
+#if defined(CADENCE_QUANT_AVX2) && defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define CADENCE_QUANT_BF16_DOT 1
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
 // ---- the product ---------------------------------------------------------------------------
 //
 // Activations stay float: each row is read as float32 (bfloat16/float16 widened), and per
@@ -19,6 +27,8 @@ struct Acts {
   const float* x;            // [m, k] float32 (zero-padded to the blocks' columns)
   std::vector<float> sums;   // [m, groups, 2]: sum of each half-group of a row
   int64_t k;                 // padded columns
+  const uint32_t* xp = nullptr;  // [m, k / 2] bfloat16 pairs (pair_rows), where the pair loops run
+  bool sixteen = false;          // x came as bfloat16/float16: one order of sums per row
 };
 
 at::Tensor float_rows(const at::Tensor& x, int64_t k_padded) {
@@ -38,6 +48,23 @@ void half_sums(Acts* a, int64_t m, int64_t groups) {
         float s = 0.f;
         for (int i = 0; i < 16; ++i) s += p[i];
         a->sums[(r * groups + g) * 2 + h] = s;
+      }
+    }
+  }
+}
+
+// The rows of x (float32 widened from bfloat16: the top halves are the bfloat16 values) as
+// bfloat16 pairs, out[r * k / 2 + g * 16 + j] = (column g * 32 + j, column g * 32 + j + 16).
+void pair_rows(const float* x, int64_t m, int64_t k, std::vector<uint32_t>* out) {
+  out->resize(m * k / 2);
+  uint32_t* p = out->data();
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t c = 0; c < k; c += kGroup) {
+      for (int j = 0; j < 16; ++j, ++p) {
+        uint32_t lo, hi;
+        std::memcpy(&lo, x + r * k + c + j, 4);
+        std::memcpy(&hi, x + r * k + c + j + 16, 4);
+        *p = (lo >> 16) | (hi & 0xFFFF0000u);
       }
     }
   }
@@ -169,12 +196,81 @@ struct F16 {
 };
 #endif
 
+// ---- bfloat16 pair products (AVX512_BF16) -----------------------------------------------
+//
+// With bfloat16 activations, a group's codes and activations are exact in bfloat16 (the
+// codes are integers below 256), and one vdpbf16ps multiplies two columns per lane with
+// float32 sums: the instruction runs as fast as a float32 multiply-add on Zen 5 (two a
+// cycle, measured) and does twice its work, so the few-row loops of a verify step and the
+// batched path take about half the arithmetic. Column j of a group pairs with column j + 16
+// (their codes share a byte in the 4-bit layout): a lane holds (j, j + 16), j in the low
+// half. The pair sums alternate between two chains, even j into `lo` and odd j into `hi`,
+// so one row still keeps two sums in flight; finish_group then adds them as it adds the
+// halves' sums of the float32 loops. Q6_K, whose halves have scales of their own, and
+// float16 and float32 activations keep the float32 loops.
+#if defined(CADENCE_QUANT_BF16_DOT)
+// The codes of columns j and j + 16 (int32 lanes) as bfloat16 pairs: a small integer's
+// bfloat16 is the top half of its float32.
+inline __m256i bf16_pairs(__m256i qlo, __m256i qhi) {
+  const __m256i lo = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(qlo)), 16);
+  return _mm256_mask_blend_epi16(0xAAAA, lo, _mm256_castps_si256(_mm256_cvtepi32_ps(qhi)));
+}
+inline __m512i bf16_pairs(__m512i qlo, __m512i qhi) {
+  const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(qlo)), 16);
+  return _mm512_mask_blend_epi16(0xAAAAAAAA, lo, _mm512_castps_si512(_mm512_cvtepi32_ps(qhi)));
+}
+
+// acc += the pairs of w times the activation pair at x, broadcast from memory inside the
+// instruction (the compiler would broadcast into a register first: one more operation per
+// product).
+inline __m256 dot_pairs(__m256 acc, __m256i w, const uint32_t* x) {
+  asm("vdpbf16ps %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+inline __m512 dot_pairs(__m512 acc, __m512i w, const uint32_t* x) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
+// The bfloat16 pairs of column k of a group (bf16_pairs), for one tile (8 lanes) or two (16).
+// A 4-bit code's byte holds both columns of a pair (k in the low nibble, k + 16 in the high
+// one): spread into the two halves of a lane, the nibbles index a table of the bfloat16
+// values of 0-15, three operations where converting through float32 takes five.
+// bfloat16 0-15 (the top halves of their float32 bits), then 16 unused words.
+alignas(64) constexpr uint16_t kNibbleValues[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                                                    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+template <typename I>
+inline I nibble_index(I v) {  // (v & 0xF) | ((v >> 4) << 16) for bytes v: 0xA8 is C & (A | B)
+  if constexpr (sizeof(I) == 64) {
+    return _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+  } else {
+    return _mm256_ternarylogic_epi32(v, _mm256_slli_epi32(v, 12), _mm256_set1_epi32(0x000F000F), 0xA8);
+  }
+}
+
+template <int kBits>
+inline __m256i code_pairs(const uint8_t* codes, int k) {
+  if constexpr (kBits == 4) {
+    const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(kNibbleValues));
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 32 * (k / 4) + 8 * (k % 4))));
+    return _mm256_permutexvar_epi16(nibble_index(v), table);
+  } else {
+    __m256i qlo, qhi;
+    column_pair<kBits>(codes, k, &qlo, &qhi);
+    return bf16_pairs(qlo, qhi);
+  }
+}
+
+#endif
+
 // ---- one order of operations for every row ------------------------------------------------
 //
 // With 16-bit activations every path computes a row's outputs with the same operations in
 // the same order, whatever the number of rows and whichever loop takes them: per group, the
 // sum over columns 0-15 (`lo`) and the sum over columns 16-31 (`hi`), each a chain of
-// multiply-adds in column order from zero, then `finish_group`. So a row's result does not
+// multiply-adds in column order from zero, then `finish_group` (the bfloat16 pair products
+// split a group's sums their own way, the same in every loop: bf16_pairs). So a row's result does not
 // depend on the other rows of the call: a decode step of one row, a verify step of one
 // request's last token and its drafts, a batch of any size and a prefill chunk give each row
 // the same bits. Where the result is rounded to bfloat16, a one-ulp float32 difference would
@@ -208,7 +304,7 @@ inline typename V::T finish_group(typename V::T acc, typename V::T lo, typename 
 // Rows [m0, m0 + MB) against NTB adjacent tiles: acc[n * MB + m] += tile n's 8 dot products.
 // Two tiles for one or two rows give the multiply-adds enough independent sums (each lane's
 // lo and hi chains) to hide their latency; the order of each lane's sums is the same.
-template <int64_t QT, int MB, int NTB = 1>
+template <int64_t QT, int MB, int NTB = 1, bool kDot = false>
 inline void tile_block(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m0, __m256* acc) {
   const int64_t G = pk.groups;
   const int64_t pf_step = (NTB * pk.tile_bytes + G - 1) / G;
@@ -224,6 +320,17 @@ inline void tile_block(const Packed& pk, const uint8_t* tile, const Acts& a, int
 #pragma GCC unroll 16  // constant k: the sums stay in registers, the shifts take immediates
     for (int k = 0; k < 16; ++k) {
       for (int n = 0; n < NTB; ++n) {
+#if defined(CADENCE_QUANT_BF16_DOT)
+        if constexpr (kDot) {
+          const __m256i w = code_pairs<bits_of(QT)>(tile + n * pk.tile_bytes + pk.codes_at(g), k);
+          const uint32_t* xp = a.xp + m0 * (a.k / 2) + g * 16 + k;
+          for (int m = 0; m < MB; ++m) {
+            __m256& sum = k % 2 ? hi[n][m] : lo[n][m];
+            sum = dot_pairs(sum, w, xp + m * (a.k / 2));
+          }
+          continue;
+        }
+#endif
         __m256i qlo, qhi;
         column_pair<bits_of(QT)>(tile + n * pk.tile_bytes + pk.codes_at(g), k, &qlo, &qhi);
         const __m256 wlo = _mm256_cvtepi32_ps(qlo), whi = _mm256_cvtepi32_ps(qhi);
@@ -410,14 +517,14 @@ inline void for_row_blocks(int64_t m_total, Run&& run) {
   rest_block<kMax>(m_total - m0, m0, run);
 }
 
-template <int64_t QT, typename T, int NTB = 1>
+template <int64_t QT, typename T, int NTB = 1, bool kDot = false>
 void tile_avx2(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total, const float* bias, T* out,
                int64_t out_stride, int64_t left) {
   for_row_blocks(m_total, [&](auto mb, int64_t m0) {
     constexpr int MB = decltype(mb)::value;
     __m256 acc[NTB * MB];
     for (int i = 0; i < NTB * MB; ++i) acc[i] = _mm256_setzero_ps();
-    tile_block<QT, MB, NTB>(pk, tile, a, m0, acc);
+    tile_block<QT, MB, NTB, kDot>(pk, tile, a, m0, acc);
     for (int n = 0; n < NTB; ++n) {
       for (int m = 0; m < MB; ++m) {
         alignas(32) float v[kRows];
@@ -436,13 +543,16 @@ constexpr int kPairRows = 8;
 // The 1-8 row loop for two adjacent tiles in 512-bit registers: lanes 0-7 are the first
 // tile's rows, 8-15 the second's, so each code widening, conversion and multiply-add covers
 // 16 weights (tile_block covers 8).
+// 8 bytes of each of two tiles at `off`, side by side.
+inline __m128i both_tiles(const uint8_t* c0, const uint8_t* c1, int off) {
+  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c0 + off)),
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c1 + off)));
+}
+
 template <int kBits>
 inline void column_pair_512(const uint8_t* c0, const uint8_t* c1, int k, __m512i* lo, __m512i* hi) {
   const int c = k / 4, kk = k % 4;
-  auto both = [&](int off) {  // 8 bytes of each tile at `off`, widened to 16 int32 lanes
-    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c0 + off)),
-                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c1 + off)));
-  };
+  auto both = [&](int off) { return both_tiles(c0, c1, off); };
   if constexpr (kBits == 8) {
     *lo = _mm512_cvtepi8_epi32(both(32 * c + 8 * kk));
     *hi = _mm512_cvtepi8_epi32(both(32 * (c + 4) + 8 * kk));
@@ -468,7 +578,22 @@ inline void column_pair_512(const uint8_t* c0, const uint8_t* c1, int k, __m512i
 
 inline __m512 join_512(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
 
-template <int64_t QT, int MB>
+#if defined(CADENCE_QUANT_BF16_DOT)
+template <int kBits>
+inline __m512i code_pairs_512(const uint8_t* c0, const uint8_t* c1, int k) {
+  if constexpr (kBits == 4) {
+    const __m512i table = _mm512_load_si512(kNibbleValues);
+    const __m512i v = _mm512_cvtepu8_epi32(both_tiles(c0, c1, 32 * (k / 4) + 8 * (k % 4)));
+    return _mm512_permutexvar_epi16(nibble_index(v), table);
+  } else {
+    __m512i qlo, qhi;
+    column_pair_512<kBits>(c0, c1, k, &qlo, &qhi);
+    return bf16_pairs(qlo, qhi);
+  }
+}
+#endif
+
+template <int64_t QT, int MB, bool kDot>
 inline void tile_pair_block(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m0, __m512* acc) {
   const uint8_t* next = tile + pk.tile_bytes;
   const int64_t G = pk.groups;
@@ -485,6 +610,17 @@ inline void tile_pair_block(const Packed& pk, const uint8_t* tile, const Acts& a
     const float* x = a.x + m0 * a.k + g * kGroup;
 #pragma GCC unroll 16
     for (int k = 0; k < 16; ++k) {
+#if defined(CADENCE_QUANT_BF16_DOT)
+      if constexpr (kDot) {  // see bf16_pairs
+        const __m512i w = code_pairs_512<bits_of(QT)>(c0, c1, k);
+        const uint32_t* xp = a.xp + m0 * (a.k / 2) + g * 16 + k;
+        for (int m = 0; m < MB; ++m) {
+          __m512& sum = k % 2 ? hi[m] : lo[m];
+          sum = dot_pairs(sum, w, xp + m * (a.k / 2));
+        }
+        continue;
+      }
+#endif
       __m512i qlo, qhi;
       column_pair_512<bits_of(QT)>(c0, c1, k, &qlo, &qhi);
       const __m512 wlo = _mm512_cvtepi32_ps(qlo), whi = _mm512_cvtepi32_ps(qhi);
@@ -502,14 +638,14 @@ inline void tile_pair_block(const Packed& pk, const uint8_t* tile, const Acts& a
 }
 
 // tile_avx2 for two adjacent tiles: the second has `valid_next` valid rows.
-template <int64_t QT, typename T>
+template <int64_t QT, typename T, bool kDot>
 void tile_pair_512(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t m_total, const float* bias, T* out,
                    int64_t out_stride, int64_t valid, int64_t valid_next) {
   for_row_blocks<kPairRows>(m_total, [&](auto mb, int64_t m0) {
     constexpr int MB = decltype(mb)::value;
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-    tile_pair_block<QT, MB>(pk, tile, a, m0, acc);
+    tile_pair_block<QT, MB, kDot>(pk, tile, a, m0, acc);
     for (int m = 0; m < MB; ++m) {
       alignas(64) float v[2 * kRows];
       _mm512_store_ps(v, acc[m]);
@@ -528,7 +664,8 @@ void tile_pair_512(const Packed& pk, const uint8_t* tile, const Acts& a, int64_t
 // that stay near the core while every row block multiplies them in the same order as the
 // blocks above (lo and hi chains per group, then finish_group, the row's sums kept in memory
 // between groups): the same bits per row, with the widening spread over all the rows. It is
-// the path of 16-bit activations from 5 rows on (AVX-512: 9); measured on two Zen 5 cores
+// the path of 16-bit activations from 5 rows on (AVX-512: 9), except bfloat16 rows where the
+// pair products run (they stay in tile pairs at every size: see kGemmRows); measured on two Zen 5 cores
 // (SmolLM2's 210 projections of a step, Q4_1, bfloat16 rows), 96 rows took 55-58 ms against
 // 48-49 in tile_gemm, and 512 rows about 295 against 277: what one order costs.
 
@@ -674,7 +811,10 @@ constexpr int64_t kRowsPerPass = 192;
 // (tile_codes_gemm, tile_gemm) beats summing the codes against each row block (tile_avx2,
 // tile_pair_512). AVX-512 builds keep up to 8 rows in tile pairs: SmolLM2's 210 projections
 // of a step (Q4_1, bfloat16 rows, two Zen 5 cores) took 6.0 ms for 8 rows against 7.5 ms in
-// tile_gemm.
+// tile_gemm. The bfloat16 pair products never leave the tile pairs: there re-widening the
+// codes per 8-row block costs less than tile_codes_gemm's trips through memory (the same
+// projections, pair products in both: 9 rows 5.5 against 6.1 ms, 32 rows 13.6 against 16.8,
+// 96 rows 38 against 45, 512 rows 202 against 228).
 #if defined(__AVX512F__)
 constexpr int64_t kGemmRows = 9;
 #else
@@ -688,7 +828,7 @@ constexpr bool kPairs1Row = true;  // 1-4 rows: two tiles at a time (tile_pair_5
 #else
 constexpr int kGemmTiles = 2;
 constexpr bool kPairs1Row = false;
-template <int64_t QT, typename T>
+template <int64_t QT, typename T, bool kDot>
 void tile_pair_512(const Packed&, const uint8_t*, const Acts&, int64_t, const float*, T*, int64_t, int64_t, int64_t) {}
 #endif
 
@@ -727,10 +867,11 @@ void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_
   // 16-bit activations: every loop keeps one order of operations per row (see finish_group).
   // Float32 ones take the fastest loop for their number of rows: there a different order
   // moves a result by float32 rounding only, far below what decides a token.
-  constexpr bool invariant = !std::is_same_v<T, float>;
+  const bool invariant = a.sixteen;
   for (int64_t m0 = 0; m0 < m_total; m0 += per_pass) {
     const int64_t mc = std::min(per_pass, m_total - m0);
-    const Acts part{a.x + m0 * a.k, std::vector<float>(a.sums.begin() + m0 * pk.groups * 2, a.sums.begin() + (m0 + mc) * pk.groups * 2), a.k};
+    const Acts part{a.x + m0 * a.k, std::vector<float>(a.sums.begin() + m0 * pk.groups * 2, a.sums.begin() + (m0 + mc) * pk.groups * 2), a.k,
+                    a.xp ? a.xp + m0 * (a.k / 2) : nullptr, a.sixteen};
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(invariant ? 0 : kGemmTiles * mc * kRows);
       static thread_local std::vector<float> scratch;  // tile_codes_gemm's buffer
@@ -743,36 +884,56 @@ void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_
         if (!portable) {
           const bool blocks = mc < kGemmRows;
           const int64_t run = end - t, left = rows - t * kRows;
-#define CADENCE_QUANT_TILE(QT)                                                                   \
-  if (blocks && kPairs1Row && run >= 2) {                                                       \
-    tile_pair_512<QT>(pk, tile, part, mc, b, o, rows, valid, std::min<int64_t>(kRows, left - kRows)); \
-    ++t;                                                                                         \
-  } else if (blocks && mc <= 2 && run >= 2) { /* AVX2: one or two rows, two tiles at once */   \
-    tile_avx2<QT, T, 2>(pk, tile, part, mc, b, o, rows, left);                                   \
-    ++t;                                                                                         \
-  } else if (blocks) {                                                                           \
-    tile_avx2<QT>(pk, tile, part, mc, b, o, rows, left);                                         \
-  } else if (invariant) {                                                                        \
-    t += codes_run<QT>(pk, tile, part, mc, b, o, rows, run, left, &scratch) - 1;                 \
-  } else if (kGemmTiles == 4 && run >= 4) {                                                      \
-    tile_gemm<QT, kGemmTiles>(pk, tile, part, mc, b, o, rows, left, acc.data());                 \
-    t += kGemmTiles - 1; /* the next tiles are done too */                                       \
-  } else if (run >= 2) {                                                                         \
-    tile_gemm<QT, 2>(pk, tile, part, mc, b, o, rows, left, acc.data());                          \
-    ++t;                                                                                         \
-  } else {                                                                                       \
-    tile_gemm<QT, 1>(pk, tile, part, mc, b, o, rows, left, acc.data());                          \
-  }                                                                                              \
-  continue;
+          // Multiplies the tiles from `tile` on by the loop for this call; returns how many it took.
+          auto step = [&](auto qt, auto pairs) -> int64_t {
+            constexpr int64_t QT = decltype(qt)::value;
+            // The pair products (bfloat16 rows, bf16_pairs) run in register blocks at every
+            // size: see kGemmRows.
+            constexpr bool kDot = decltype(pairs)::value && QT != kQ6_K;
+            const bool few = blocks || kDot;
+            if (few && kPairs1Row && run >= 2) {
+              tile_pair_512<QT, T, kDot>(pk, tile, part, mc, b, o, rows, valid, std::min<int64_t>(kRows, left - kRows));
+              return 2;
+            }
+            if (few && mc <= 2 && run >= 2) {  // AVX2: one or two rows, two tiles at once
+              tile_avx2<QT, T, 2, kDot>(pk, tile, part, mc, b, o, rows, left);
+              return 2;
+            }
+            if (few) {
+              tile_avx2<QT, T, 1, kDot>(pk, tile, part, mc, b, o, rows, left);
+              return 1;
+            }
+            if (invariant) return codes_run<QT>(pk, tile, part, mc, b, o, rows, run, left, &scratch);
+            if (kGemmTiles == 4 && run >= 4) {
+              tile_gemm<QT, kGemmTiles>(pk, tile, part, mc, b, o, rows, left, acc.data());
+              return kGemmTiles;
+            }
+            if (run >= 2) {
+              tile_gemm<QT, 2>(pk, tile, part, mc, b, o, rows, left, acc.data());
+              return 2;
+            }
+            tile_gemm<QT, 1>(pk, tile, part, mc, b, o, rows, left, acc.data());
+            return 1;
+          };
+          auto of_type = [&](auto qt) -> int64_t {
+            if constexpr (kBf16Dot && !std::is_same_v<T, c10::Half>) {  // bfloat16 rows, any output
+              if (part.xp) return step(qt, std::true_type());
+            }
+            return step(qt, std::false_type());
+          };
+          int64_t took = 0;
           switch (qtype) {
-            case kQ4_0: CADENCE_QUANT_TILE(kQ4_0)
-            case kQ4_1: CADENCE_QUANT_TILE(kQ4_1)
-            case kQ8_0: CADENCE_QUANT_TILE(kQ8_0)
-            case kQ4_K: CADENCE_QUANT_TILE(kQ4_K)
-            case kQ5_K: CADENCE_QUANT_TILE(kQ5_K)
-            case kQ6_K: CADENCE_QUANT_TILE(kQ6_K)
+            case kQ4_0: took = of_type(std::integral_constant<int64_t, kQ4_0>()); break;
+            case kQ4_1: took = of_type(std::integral_constant<int64_t, kQ4_1>()); break;
+            case kQ8_0: took = of_type(std::integral_constant<int64_t, kQ8_0>()); break;
+            case kQ4_K: took = of_type(std::integral_constant<int64_t, kQ4_K>()); break;
+            case kQ5_K: took = of_type(std::integral_constant<int64_t, kQ5_K>()); break;
+            case kQ6_K: took = of_type(std::integral_constant<int64_t, kQ6_K>()); break;
           }
-#undef CADENCE_QUANT_TILE
+          if (took > 0) {
+            t += took - 1;
+            continue;
+          }
         }
 #endif
         tile_portable(qtype, pk, tile, part, mc, b, o, rows, valid);
@@ -824,9 +985,11 @@ void linear_dense(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_
 #endif
 
 // y [m, rows] = x [m, k'] W^T (+ bias), W packed by quant_repack for K = k >= k' columns (the
-// columns past k' are zero padding). `portable` forces the loop without SIMD (for tests).
+// columns past k' are zero padding), in x's dtype or float32 (`out_dtype`: a bfloat16 model's
+// logits). `portable` forces the loop without SIMD (for tests).
 at::Tensor quant_linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows, int64_t k,
-                             const c10::optional<at::Tensor>& bias, bool portable) {
+                             const c10::optional<at::Tensor>& bias, c10::optional<at::ScalarType> out_dtype,
+                             bool portable) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(), "x must be 2-D [m, k] with contiguous rows");
   const Packed pk(qtype, k);
   TORCH_CHECK(x.size(1) <= k && x.size(1) > k - kGroup, "x has ", x.size(1), " columns; the weight has ", k);
@@ -840,8 +1003,11 @@ at::Tensor quant_linear_impl(const at::Tensor& x, const at::Tensor& packed, int6
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == rows, "bias must have ", rows, " values");
   }
+  const at::ScalarType out_type = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(out_type == x.scalar_type() || out_type == at::kFloat,
+              "quant_linear: out_dtype must be x's dtype or float32, not ", out_type);
   const int64_t m = x.size(0);
-  auto out = at::empty({m, rows}, x.options());
+  auto out = at::empty({m, rows}, x.options().dtype(out_type));
   if (m == 0) return out;
   const at::Tensor xf = float_rows(x, k);
   const uint8_t* w = packed.data_ptr<uint8_t>();
@@ -852,9 +1018,15 @@ at::Tensor quant_linear_impl(const at::Tensor& x, const at::Tensor& packed, int6
   }
 #endif
   Acts a{xf.data_ptr<float>(), {}, k};
+  a.sixteen = x.scalar_type() != at::kFloat;
   half_sums(&a, m, pk.groups);
+  std::vector<uint32_t> pairs;
+  if (kBf16Dot && x.scalar_type() == at::kBFloat16) {
+    pair_rows(a.x, m, k, &pairs);
+    a.xp = pairs.data();
+  }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  switch (x.scalar_type()) {
+  switch (out_type) {
     case at::kFloat: linear_tiles(qtype, pk, w, rows, a, m, bp, out.data_ptr<float>(), portable); break;
     case at::kBFloat16: linear_tiles(qtype, pk, w, rows, a, m, bp, out.data_ptr<c10::BFloat16>(), portable); break;
     default: linear_tiles(qtype, pk, w, rows, a, m, bp, out.data_ptr<c10::Half>(), portable); break;
@@ -865,19 +1037,23 @@ at::Tensor quant_linear_impl(const at::Tensor& x, const at::Tensor& packed, int6
 }  // namespace
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows, int64_t k,
-                        const c10::optional<at::Tensor>& bias) {
-  return quant_linear_impl(x, packed, qtype, rows, k, bias, false);
+                        const c10::optional<at::Tensor>& bias, c10::optional<at::ScalarType> out_dtype) {
+  return quant_linear_impl(x, packed, qtype, rows, k, bias, out_dtype, false);
 }
 
 at::Tensor quant_linear_portable(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows,
-                                 int64_t k, const c10::optional<at::Tensor>& bias) {
-  return quant_linear_impl(x, packed, qtype, rows, k, bias, true);
+                                 int64_t k, const c10::optional<at::Tensor>& bias,
+                                 c10::optional<at::ScalarType> out_dtype) {
+  return quant_linear_impl(x, packed, qtype, rows, k, bias, out_dtype, true);
 }
 
-// Which inner loop quant_linear runs on this build: "avx512" (the AVX2 loop compiled for
-// AVX-512's 32 registers), "avx2" or "portable".
+// Which inner loop quant_linear runs on this build: "avx512-bf16" (AVX-512 with the bfloat16
+// pair products), "avx512" (the AVX2 loops compiled for AVX-512's 32 registers and 512-bit
+// tile pairs), "avx2" or "portable".
 std::string quant_isa() {
-#if defined(__AVX512F__) && defined(CADENCE_QUANT_AVX2)
+#if defined(CADENCE_QUANT_BF16_DOT)
+  return "avx512-bf16";
+#elif defined(__AVX512F__) && defined(CADENCE_QUANT_AVX2)
   return "avx512";
 #elif defined(CADENCE_QUANT_AVX2)
   return "avx2";

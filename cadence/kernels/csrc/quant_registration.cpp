@@ -9,8 +9,8 @@ using namespace cadence_quant;
 TORCH_LIBRARY_FRAGMENT(cadence, m) {
   m.def("quant_repack(Tensor raw, int qtype, int k) -> Tensor");
   m.def("quant_dequantize(Tensor packed, int qtype, int rows, int k, Tensor? row_ids=None) -> Tensor");
-  m.def("quant_linear(Tensor x, Tensor packed, int qtype, int rows, int k, Tensor? bias=None) -> Tensor");
-  m.def("quant_linear_portable(Tensor x, Tensor packed, int qtype, int rows, int k, Tensor? bias=None) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor packed, int qtype, int rows, int k, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
+  m.def("quant_linear_portable(Tensor x, Tensor packed, int qtype, int rows, int k, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
   m.def("quant_isa() -> str", &quant_isa);
 }
 

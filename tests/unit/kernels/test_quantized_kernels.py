@@ -116,6 +116,59 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_of_the_call(qtype, dtyp
             assert torch.equal(got, alone[start : start + batch]), (batch, start)
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("batch", [1, 2, 5, 8, 9, 33, 200])
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+def test_bfloat16_rows_are_the_exact_product_rounded_once(qtype, batch, portable):
+    """Bfloat16 activations (through the bfloat16 pair products where the CPU has them, the
+    float32 loops elsewhere) sum exact products in float32 and round once to bfloat16: each
+    output is one of the two bfloat16 neighbours of the exact product of the same inputs."""
+    rows, k = 51, 96 if qtype in QUANTIZABLE else 512
+    blocks = random_blocks(qtype, rows, k, seed=17 + batch)
+    w = gguf_values(qtype, blocks, k)
+    packed = ops.quant_repack(torch.from_numpy(blocks), QTYPES[qtype], k)
+    x = torch.randn(batch, k, generator=torch.Generator().manual_seed(batch)).bfloat16()
+    fn = ops.quant_linear_portable if portable else ops.quant_linear
+    got = fn(x, packed, QTYPES[qtype], rows, k, None).double()
+    want = reference(x.float(), w)
+    # one bfloat16 step (8 significant bits) at the larger magnitude of the two, and a float32
+    # rounding of the terms' magnitude for sums that cancel to near zero
+    top = torch.maximum(got.abs(), want.abs()).clamp_min(1e-30)
+    step = torch.exp2(torch.floor(torch.log2(top)) - 7)
+    terms = x.double().abs() @ torch.from_numpy(np.abs(w)).double().T
+    assert ((got - want).abs() <= step + 1e-6 * terms).all()
+
+
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+def test_bfloat16_rows_give_float32_sums_on_request(qtype):
+    """out_dtype=float32 (a bfloat16 model's logits): the float32 sums of the bfloat16 rows as
+    they are, as exact as float32 rows would give, and the same bits for a row alone and in
+    calls of any size."""
+    rows, k = 67, 96 if qtype in QUANTIZABLE else 512
+    blocks = random_blocks(qtype, rows, k, seed=9)
+    w = gguf_values(qtype, blocks, k)
+    packed = ops.quant_repack(torch.from_numpy(blocks), QTYPES[qtype], k)
+    bias = torch.randn(rows)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    got = ops.quant_linear(x, packed, QTYPES[qtype], rows, k, bias, torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (40, rows)
+    scale = (x.double().abs() @ torch.from_numpy(np.abs(w)).double().T).max()
+    torch.testing.assert_close(
+        got.double(), reference(x.float(), w, bias), rtol=0, atol=2e-6 * scale.item()
+    )
+    alone = torch.cat(
+        [
+            ops.quant_linear(x[i : i + 1], packed, QTYPES[qtype], rows, k, bias, torch.float32)
+            for i in range(len(x))
+        ]
+    )
+    for batch in (2, 5, 8, 9, 17, 40):
+        part = ops.quant_linear(x[:batch], packed, QTYPES[qtype], rows, k, bias, torch.float32)
+        assert torch.equal(part, alone[:batch]), batch
+    with pytest.raises(RuntimeError, match="out_dtype"):
+        ops.quant_linear(x, packed, QTYPES[qtype], rows, k, bias, torch.float16)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 def test_one_row_through_tile_pairs_whose_second_tile_is_partial(qtype, threads):
