@@ -21,7 +21,8 @@ constexpr bool kBf16Dot = false;
 // activation of their column. The integer codes are summed against x first and scaled once
 // per group: sum_k (s q_k + m) x_k = s * sum_k q_k x_k + m * sum_k x_k (for an offset type,
 // s * (sum_k q_k x_k - off * sum_k x_k)), so the float32 result differs from x @ W^T of the
-// dequantized matrix only by the order of the float32 sums.
+// dequantized matrix only by the order of the float32 sums. (Where the CPU has AVX512_BF16,
+// bfloat16 rows are read as bfloat16 pairs instead: see bf16_pairs.)
 
 struct Acts {
   const float* x;            // [m, k] float32 (zero-padded to the blocks' columns)
@@ -230,10 +231,6 @@ inline __m512 dot_pairs(__m512 acc, __m512i w, const uint32_t* x) {
   return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(static_cast<int>(*x)));
 }
 
-// The bfloat16 pairs of column k of a group (bf16_pairs), for one tile (8 lanes) or two (16).
-// A 4-bit code's byte holds both columns of a pair (k in the low nibble, k + 16 in the high
-// one): spread into the two halves of a lane, the nibbles index a table of the bfloat16
-// values of 0-15, three operations where converting through float32 takes five.
 // bfloat16 0-15 (the top halves of their float32 bits), then 16 unused words.
 alignas(64) constexpr uint16_t kNibbleValues[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
                                                     0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
@@ -247,6 +244,10 @@ inline I nibble_index(I v) {  // (v & 0xF) | ((v >> 4) << 16) for bytes v: 0xA8 
   }
 }
 
+// The bfloat16 pairs of column k of a group (bf16_pairs), for one tile (8 lanes; for two,
+// code_pairs_512). A 4-bit code's byte holds both columns of a pair (k in the low nibble,
+// k + 16 in the high one): spread into the two halves of a lane, the nibbles index the table
+// above, three operations where converting through float32 takes five.
 template <int kBits>
 inline __m256i code_pairs(const uint8_t* codes, int k) {
   if constexpr (kBits == 4) {
@@ -577,6 +578,7 @@ inline void column_pair_512(const uint8_t* c0, const uint8_t* c1, int k, __m512i
 inline __m512 join_512(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
 
 #if defined(CADENCE_QUANT_BF16_DOT)
+// code_pairs for two adjacent tiles (16 lanes).
 template <int kBits>
 inline __m512i code_pairs_512(const uint8_t* c0, const uint8_t* c1, int k) {
   if constexpr (kBits == 4) {
