@@ -286,6 +286,24 @@ def test_a_fused_weight_of_several_types_and_float_rows():
     assert lin(x.view(3, 1, k)).shape == (3, 1, 40)
 
 
+def test_float_out_gives_float32_sums_of_bfloat16_rows_for_one_part_and_several():
+    """QuantLinear.float_out (a quantized LM head): float32 results from bfloat16 rows, the
+    kernel's own for one quantized part, through float32 rows for a weight of several."""
+    k = 256
+    one = QuantizedWeight.from_blocks("Q8_0", random_blocks("Q8_0", 40, k, 3))
+    several = QuantizedWeight.cat(
+        [one, QuantizedWeight.from_blocks("Q4_K", random_blocks("Q4_K", 16, k, 4))]
+    )
+    x = torch.randn(6, k).bfloat16()
+    for weight in (one, several):
+        lin = QuantLinear(weight)
+        got = lin.float_out(x)
+        assert got.dtype == torch.float32 and got.shape == (6, weight.shape[0])
+        want = x.double() @ weight.dequantize().double().T
+        scale = (x.double().abs() @ weight.dequantize().double().abs().T).max().item()
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * scale)
+
+
 def test_adjacent_parts_of_one_type_run_as_one_part():
     k = 128
     q, kk, v = (random_blocks("Q4_1", rows, k, seed) for rows, seed in ((24, 5), (13, 6), (13, 7)))
