@@ -37,6 +37,7 @@ class EncoderRunner(Runner):
             torch.float32 if args.dtype == "auto" else self.platform.resolve_dtype(args.dtype)
         )
         self.kv_dtype = self.dtype
+        self.platform.weights_loading()
         self.config, self.model = load_encoder(model_path, self.dtype, self.device)
         self.model.build_linears(self.platform.make_linear)
         self.platform.weights_loaded()
@@ -102,12 +103,17 @@ class EncoderRunner(Runner):
 
         path = resolve_model_path(model_path)
         check_load_format(path, load_format)
-        config, model = load_encoder(path, self.dtype, self.device)
-        if config != self.config:
-            raise ValueError("the new weights have a different architecture; restart the server")
-        model.build_linears(self.platform.make_linear)
-        self.model = model
-        self.platform.weights_loaded()
+        self.platform.weights_loading()
+        try:
+            config, model = load_encoder(path, self.dtype, self.device)
+            if config != self.config:
+                raise ValueError(
+                    "the new weights have a different architecture; restart the server"
+                )
+            model.build_linears(self.platform.make_linear)
+            self.model = model
+        finally:
+            self.platform.weights_loaded()  # the old weights serve on if the load failed
         return path
 
     def profiler_activities(self) -> list:

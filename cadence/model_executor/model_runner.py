@@ -74,6 +74,7 @@ class ModelRunner(Runner):
         self.device = self.platform.device
         self.dtype = self.platform.resolve_dtype(args.dtype)
         self.kv_dtype = self.platform.resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
+        self.platform.weights_loading()  # until _weights_loaded: the KV pool and packing too
         self.config, self.model = load_model(
             model_path,
             self.dtype,
@@ -189,15 +190,20 @@ class ModelRunner(Runner):
 
         path = resolve_model_path(model_path)
         check_load_format(path, load_format)
-        config, model = load_model(
-            path,
-            self.dtype,
-            self.device,
-            progress=False,
-            quantization=self.args.quantization,
-            dequantize=self.args.dequantize,
-        )
-        self.adopt_weights(config, model)
+        self.platform.weights_loading()
+        try:
+            config, model = load_model(
+                path,
+                self.dtype,
+                self.device,
+                progress=False,
+                quantization=self.args.quantization,
+                dequantize=self.args.dequantize,
+            )
+            self.adopt_weights(config, model)  # on success, ends in weights_loaded
+        except BaseException:
+            self.platform.weights_loaded()  # the old weights serve on, as before the load
+            raise
         del model  # its tensors now belong to this runner; anything left over goes back
         self.platform.empty_cache()
         return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import platform
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cadence import envs
@@ -43,28 +44,54 @@ def _meminfo_bytes(key: str) -> int | None:
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
 
+def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's mallopt, or None where the C library is not glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return mallopt
+
+
+def _load_outside_heap() -> bool:
+    """Serve every allocation of 128 KiB or more from its own mapping while weights load, so
+    that loading leaves no holes in the heap.
+
+    Loading interleaves what it keeps (weights, packed tiles, the KV pool) with temporaries
+    (dequantized tensors, packing buffers). In the heap, the freed temporaries leave a few
+    hundred MiB of holes between kept blocks: the serving loop's steps then wander among them,
+    each new shape of step faulting in holes no earlier step touched, so a server grew 4-11%
+    under load after taking a busy step's memory at start. In
+    mappings of their own, temporaries go back to the OS when freed and kept blocks stay out
+    of the heap: the heap the steps use holds only their own memory. A fixed threshold also
+    turns off glibc's dynamic one, which rises to the size of the largest mapping freed and
+    would send the next temporaries back to the heap. `_settle_heap` raises it again for
+    serving. Returns False where the C library is not glibc."""
+    mallopt = _mallopt()
+    return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, 128 << 10) == 1
+
+
 def _settle_heap() -> bool:
     """Give back what loading left in the heap, then keep the memory of freed tensors in the
     process for the next step.
 
-    Loading (GGUF dequantization, packing) frees a few hundred MiB of temporaries that the
-    heap would otherwise hold on to: `malloc_trim` returns them (~240 MiB for the default
-    model). Then, by default glibc serves every allocation above 128 KiB (a decode step's
-    logits, a batch's MLP activations) with a fresh mmap and unmaps it on free, and trims
-    the heap top back to the OS: each step faults its activations in again, page by page
-    (up to ~1,500 page faults a step at batch 32, 5-20% of the step). Raising the mmap
-    threshold to its 32 MiB maximum and the trim threshold to 128 MiB keeps that memory
-    mapped; what a step frees the next one reuses, and a process holds at most ~128 MiB per
-    allocation arena beyond what it uses. Returns False where the C library is not glibc.
+    Loading (GGUF dequantization, packing) may leave freed temporaries in the heap
+    (`_load_outside_heap` keeps the larger ones out of it): `malloc_trim` returns them. Then,
+    by default glibc serves every allocation above 128 KiB (a decode step's logits, a batch's
+    MLP activations) with a fresh mmap and unmaps it on free, and trims the heap top back to
+    the OS: each step faults its activations in again, page by page (up to ~1,500 page faults
+    a step at batch 32, 5-20% of the step). Raising the mmap threshold to its 32 MiB maximum
+    and the trim threshold to 128 MiB keeps that memory mapped; what a step frees the next one
+    reuses, and a process holds at most ~128 MiB per allocation arena beyond what it uses.
+    Returns False where the C library is not glibc.
     """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    malloc_trim = ctypes.CDLL(None).malloc_trim
     malloc_trim.argtypes = [ctypes.c_size_t]
     malloc_trim(0)
     ok = mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
@@ -168,6 +195,9 @@ class CpuPlatform(TorchNativeFactories, SRTPlatform):
         if not args.disable_overlap_schedule:
             args = args.replace(disable_overlap_schedule=True)
         return args
+
+    def weights_loading(self) -> None:
+        _load_outside_heap()
 
     def weights_loaded(self) -> None:
         _settle_heap()

@@ -80,6 +80,7 @@ ACTIVE_METHODS = (
     "is_pin_memory_available",  # model runner: the host buffers of overlap scheduling
     "apply_server_args_defaults",  # cadence.hooks.finalize_server_args: front, Engine
     "init_backend",  # model and encoder runners, before any tensor is placed
+    "weights_loading",  # model and encoder runners, before each load of the weights
     "weights_loaded",  # model and encoder runners, after each load of the weights
 )
 """The methods the core calls today (docs/plugins.md says where). Keep in step with the docs
@@ -102,7 +103,7 @@ class SRTPlatform(DeviceMixin):
     - `apply_server_args_defaults` runs in the front process (and the in-process Engine)
       before `cadence.hooks.server_args_finalized`. `init_backend` runs in every process
       that builds a model, before any tensor is placed on the device; it must be idempotent.
-      `weights_loaded` runs there after each load of the weights.
+      `weights_loading` runs there before each load of the weights, `weights_loaded` after.
     - Sampling runs where the logits are (the device); generators from `make_generator`
       are host generators, whose draws travel to the device (a seeded request's stream is
       the same on every platform).
@@ -211,6 +212,10 @@ class SRTPlatform(DeviceMixin):
 
     def init_backend(self) -> None:
         """Prepares the device for this process (threads, current device). Idempotent."""
+
+    def weights_loading(self) -> None:
+        """Runs in a model process before each load of the weights (at start, before a weight
+        update), after `init_backend`: the moment to set how loading's memory is allocated."""
 
     def weights_loaded(self) -> None:
         """Runs in a model process each time the weights are in place (after the load, after a

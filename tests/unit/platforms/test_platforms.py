@@ -276,6 +276,46 @@ def test_cpu_backend_serves_step_sized_tensors_from_the_heap_not_fresh_mmaps():
     assert where == {"tuned": "heap", "default": "mmap"}
 
 
+LOAD_PROBE = """
+import sys, torch
+if sys.argv[1] == "loading":
+    from cadence.platforms.cpu import CpuPlatform
+    CpuPlatform().weights_loading()
+freed = torch.empty(8 << 20, dtype=torch.uint8)  # a loading temporary, mapped and then freed
+del freed
+kept = [torch.empty(n << 10, dtype=torch.uint8) for n in (256, 1024, 4096)]
+for line in open("/proc/self/maps"):
+    if line.rstrip().endswith("[heap]"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        break
+else:
+    lo = hi = 0
+print(" ".join("heap" if lo <= t.data_ptr() < hi else "mmap" for t in kept))
+"""
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="glibc's malloc tuning is Linux-only"
+)
+def test_cpu_backend_loads_weights_outside_the_heap():
+    """While weights load, blocks of 256 KiB to 4 MiB get mappings of their own, even after
+    an 8 MiB one was freed; in a process without that tuning the freed block raises glibc's
+    dynamic threshold and they land in the heap, where loading's freed temporaries would
+    leave holes for the serving loop's steps to wander in."""
+    import platform
+    import subprocess
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("the C library is not glibc")
+    where = {
+        mode: subprocess.run(
+            [sys.executable, "-c", LOAD_PROBE, mode], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for mode in ("loading", "default")
+    }
+    assert where == {"loading": "mmap mmap mmap", "default": "heap heap heap"}
+
+
 def test_cuda_graphs_are_sized_in_rows_so_verify_steps_replay_them():
     from cadence.platforms.cuda import MAX_GRAPH_BATCH, graph_rows
     from cadence.server_args import ServerArgs
