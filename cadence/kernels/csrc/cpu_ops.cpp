@@ -191,12 +191,12 @@ void rotary_(at::Tensor& qk, const at::Tensor& factors) {
   });
 }
 
-// One (request, KV head) task of decode attention: rotate the new K of each of the request's
-// rows and store it with V in the pool, then, row by row, rotate its G query heads and attend
-// over the tokens up to and including that row (the last row: the request's `len` tokens;
-// the one before it: one fewer; so drafted tokens see only those before them). kD is the head
-// dimension when known at compile time (the loops then unroll into registers), 0 when it is
-// only known at run time (`d`).
+// Decode attention's two parts for a (request, KV head): `store` rotates the new K of each of
+// the request's rows and stores it with V in the pool; `attend`, for one row, rotates its G
+// query heads and attends over the tokens up to and including that row (the last row: the
+// request's `len` tokens; the one before it: one fewer; so drafted tokens see only those
+// before them). kD is the head dimension when known at compile time (the loops then unroll
+// into registers), 0 when it is only known at run time (`d`).
 template <typename T, int kD>
 struct DecodeTask {
   const T* qkv; int64_t qkv_stride;   // [R, (H + 2 KVH) * D] this step's projections
@@ -209,11 +209,11 @@ struct DecodeTask {
   T* out;                               // [R, H * D]
   int64_t heads, kv_heads, d;
 
-  void run(int64_t b, int64_t h, float* qf, float* row, float* acc, std::vector<float>& scores) const {
+  // The new K (rotated, rounded to the pool's dtype) and V of request b's rows for KV head
+  // h into their slots; `row` is scratch of D floats.
+  void store(int64_t b, int64_t h, float* row) const {
     const int64_t D = kD > 0 ? kD : d, half = D / 2, fq = heads + kv_heads;
     const int64_t r0 = starts ? starts[b] : b, r1 = starts ? starts[b + 1] : b + 1;
-    // The new K (rotated, rounded to the pool's dtype) and V of every row into their slots
-    // first: each later row attends to the earlier ones.
     for (int64_t r = r0; r < r1; ++r) {
       const T* src = qkv + r * qkv_stride;
       const int64_t slot = slots[r];
@@ -223,7 +223,6 @@ struct DecodeTask {
       std::copy(src + (heads + kv_heads + h) * D, src + (heads + kv_heads + h + 1) * D,
                 pool + (kv_heads + h) * plane + slot * D);
     }
-    for (int64_t r = r0; r < r1; ++r) attend(b, h, r, lens[b] - (r1 - 1 - r), qf, row, acc, scores);
   }
 
   // Row r of request b (KV head h) over the sequence's first `len` tokens.
@@ -450,13 +449,59 @@ struct DecodeTask {
   }
 };
 
+// Work of one (row, KV head) of decode attention, in tokens: its length, plus what setting up
+// a row costs (its queries loaded and rotated, the softmax's passes) in tokens' worth.
+constexpr int64_t kRowSetupTokens = 16;
+
+// Decode attention over the batch: every (request, KV head)'s stores first, then one task per
+// (request, KV head, row), split into one contiguous run per thread of about equal work. A
+// verify step's rows differ widely (a request with eight drafts has eight rows, one without
+// has one; each over the request's length), so even runs of tasks would leave one thread with
+// most of them: a batch with its drafting requests first took 1.6x as long. Each row's output
+// does not depend on the split.
 template <typename T, int kD>
 void decode_tasks(const DecodeTask<T, kD>& task, int64_t bs) {
-  const int64_t d = kD > 0 ? kD : task.d, groups = task.heads / task.kv_heads;
-  at::parallel_for(0, bs * task.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t d = kD > 0 ? kD : task.d, groups = task.heads / task.kv_heads, kvh = task.kv_heads;
+  // Stores are a few hundred bytes each: threads only pay for many.
+  at::parallel_for(0, bs * kvh, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(d);
+    for (int64_t i = begin; i < end; ++i) task.store(i / kvh, i % kvh, row.data());
+  });
+  // Tasks in (request, head, row) order, so a thread's run reads each request's K and V once
+  // for all its rows while they are in cache; `ends[t]` is the work up to task t's end.
+  struct Unit {
+    int64_t b, h, r, len;
+  };
+  std::vector<Unit> units;
+  std::vector<int64_t> ends;
+  int64_t work = 0;
+  for (int64_t b = 0; b < bs; ++b) {
+    const int64_t r0 = task.starts ? task.starts[b] : b, r1 = task.starts ? task.starts[b + 1] : b + 1;
+    for (int64_t h = 0; h < kvh; ++h) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t len = task.lens[b] - (r1 - 1 - r);
+        units.push_back({b, h, r, len});
+        work += len + kRowSetupTokens;
+        ends.push_back(work);
+      }
+    }
+  }
+  const int64_t n = static_cast<int64_t>(units.size());
+  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(n, at::get_num_threads()));
+  // Run k takes the tasks whose work ends past k / runs of the total and by (k + 1) / runs.
+  std::vector<int64_t> first(runs + 1, n);
+  first[0] = 0;
+  for (int64_t k = 1; k < runs; ++k) {
+    const int64_t target = work * k / runs;
+    first[k] = std::upper_bound(ends.begin(), ends.end(), target) - ends.begin();
+  }
+  at::parallel_for(0, runs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(groups * d), row(task.page_size * d), acc(groups * d), scores;
-    for (int64_t i = begin; i < end; ++i) {
-      task.run(i / task.kv_heads, i % task.kv_heads, qf.data(), row.data(), acc.data(), scores);
+    for (int64_t k = begin; k < end; ++k) {
+      for (int64_t i = first[k]; i < first[k + 1]; ++i) {
+        const Unit& u = units[i];
+        task.attend(u.b, u.h, u.r, u.len, qf.data(), row.data(), acc.data(), scores);
+      }
     }
   });
 }

@@ -208,6 +208,37 @@ def test_decode_attention_with_drafts_attends_causally_within_each_request(dtype
     assert torch.equal(once, again)
 
 
+def test_decode_attention_rows_do_not_depend_on_how_the_batch_is_split_among_threads():
+    # Drafting requests first, then plain ones: the threads' runs of (request, head, row)
+    # tasks are cut by work, so where they are cut moves with the batch and the thread count.
+    # Each row still gets the same bits: alone, in the batch, on one thread or on several.
+    dtype = torch.bfloat16
+    lens, new = [70, 90, 64, 33, 50, 20, 41, 3], [8, 8, 6, 1, 1, 1, 1, 1]
+    args, starts, _, _ = drafted_case(dtype, lens, new, seed=9)
+    batch = torch.ops.cadence.decode_attention(*[a.clone() for a in args], 9, starts)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        serial = torch.ops.cadence.decode_attention(*[a.clone() for a in args], 9, starts)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch, serial)
+    qkv, factors, pool, slots, table, seq_lens = args
+    for b in range(len(lens)):
+        rows = slice(int(starts[b]), int(starts[b + 1]))
+        alone = torch.ops.cadence.decode_attention(
+            qkv[rows].clone(),
+            factors[rows].contiguous(),
+            pool.clone(),
+            slots[rows].contiguous(),
+            table[b : b + 1].contiguous(),
+            seq_lens[b : b + 1].contiguous(),
+            9,
+            torch.tensor([0, new[b]]),
+        )
+        assert torch.equal(alone, batch[rows])
+
+
 def test_decode_attention_rejects_bad_query_starts():
     args, starts, _, _ = drafted_case(torch.float32, [5, 20], [2, 3])
     with pytest.raises(RuntimeError, match="from 0 to the number of rows"):
