@@ -237,30 +237,43 @@ struct DecodeTask {
       load_row(src + head * D, qf + g * D, D);
       rotate(qf + g * D, fb + head * D, half);
     }
-    scores.resize(groups * len);
+    // Each group's scores, then (paired V on even pages) its weights as bfloat16 pairs: an
+    // odd length's last pair takes a 0 weight from the padding slot.
+    const int64_t stride = len + (len & 1);
+    const bool paired = kPairedV && page_size % 2 == 0;
+    scores.resize(groups * stride);
+    static thread_local std::vector<uint32_t> pairs;
+    if (paired) pairs.resize(groups * stride / 2);
     const T* kplane = pool + h * plane;
     const T* vplane = pool + (kv_heads + h) * plane;
     const int64_t* pages = table + b * max_pages;
     // Page by page: no division per token (a 64-bit divide costs more than a token's dot products).
     for (int64_t start = 0, p = 0; start < len; start += page_size, ++p) {
       score_rows(kplane + pages[p] * page_size * D, std::min(page_size, len - start), qf, groups,
-                 scores.data() + start, len, row);
+                 scores.data() + start, stride, row);
     }
+    uint32_t* weights = paired ? pairs.data() : nullptr;
     for (int64_t g = 0; g < groups; ++g) {
-      float* s = scores.data() + g * len;
-      const float mx = *std::max_element(s, s + len);
+      float* s = scores.data() + g * stride;
+      float mx = s[0];
+      for (int64_t t = 1; t < len; ++t) mx = std::max(mx, s[t]);
       float sum = 0.f;
       for (int64_t t = 0; t < len; ++t) {
         s[t] = std::exp(s[t] - mx);
         sum += s[t];
       }
       const float inv = 1.f / sum;
-      for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      if (stride > len) s[len] = 0.f;
+      if (paired) {
+        to_pairs(s, stride, inv, weights + g * stride / 2);
+      } else {
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
     }
     std::fill(acc, acc + groups * D, 0.f);
     for (int64_t start = 0, p = 0; start < len; start += page_size, ++p) {
-      weigh_rows(vplane + pages[p] * page_size * D, std::min(page_size, len - start), scores.data() + start, len,
-                 groups, acc, row);
+      weigh_rows(vplane + pages[p] * page_size * D, std::min(page_size, len - start), scores.data() + start, stride,
+                 groups, acc, row, weights ? weights + start / 2 : nullptr);
     }
     if constexpr (kPairedV) unpermute_acc(acc, groups * D, row);
     for (int64_t g = 0; g < groups; ++g) store_row(acc + g * D, out + r * heads * D + (h * groups + g) * D, D);
@@ -360,9 +373,10 @@ struct DecodeTask {
 #endif
 
   // acc[g] += sum_t p[g * stride + t] * v_t for the n rows of v (one page, contiguous);
-  // `row` is scratch of n * D floats.
+  // `row` is scratch of n * D floats. `pairs_of_p`, where given (paired V), holds the same
+  // weights as bfloat16 pairs, group g's from pairs_of_p[g * stride / 2] on (`to_pairs`).
   void weigh_rows(const T* v, int64_t n, const float* p, int64_t stride, int64_t groups, float* acc,
-                  float* row) const {
+                  float* row, const uint32_t* pairs_of_p = nullptr) const {
     const int64_t D = kD > 0 ? kD : d;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if constexpr (kPairedV) {
@@ -388,10 +402,12 @@ struct DecodeTask {
         __m512 sum[2 * kP];
         for (int j = 0; j < 2 * kP; ++j) sum[j] = _mm512_loadu_ps(a + 16 * j);
         const float* pg = p + g * stride;
+        const uint32_t* wg = pairs_of_p ? pairs_of_p + g * stride / 2 : nullptr;
         for (int64_t q = 0; q < num_pairs; ++q) {
           const int64_t t = 2 * q;
-          const uint32_t pair = static_cast<uint32_t>(c10::BFloat16(pg[t]).x) |
-                                (static_cast<uint32_t>(c10::BFloat16(t + 1 < n ? pg[t + 1] : 0.f).x) << 16);
+          const uint32_t pair = wg ? wg[q]
+                                   : static_cast<uint32_t>(c10::BFloat16(pg[t]).x) |
+                                         (static_cast<uint32_t>(c10::BFloat16(t + 1 < n ? pg[t + 1] : 0.f).x) << 16);
           const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
           for (int j = 0; j < 2 * kP; ++j) {
             sum[j] = _mm512_dpbf16_ps(sum[j], (__m512bh)_mm512_loadu_si512(pairs + q * 2 * kP + j), w);
@@ -423,6 +439,29 @@ struct DecodeTask {
         const float w = p[g * stride + t];
         for (int64_t i = 0; i < D; ++i) acc[g * D + i] += w * row[t * D + i];
       }
+    }
+  }
+
+  // out[i] = s[2i] * inv and s[2i + 1] * inv as a bfloat16 pair (low half first), rounded to
+  // nearest even as c10::BFloat16 rounds, for the even n floats of s; vectors of 32 where
+  // the CPU has them.
+  static void to_pairs(const float* s, int64_t n, float inv, uint32_t* out) {
+    int64_t t = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+    const __m512 scale = _mm512_set1_ps(inv);
+    for (; t < n; t += 32) {
+      const int64_t left = std::min<int64_t>(32, n - t);
+      const __mmask16 lo = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      const __mmask16 hi = left >= 32 ? 0xFFFF : left > 16 ? static_cast<__mmask16>((1u << (left - 16)) - 1) : 0;
+      const __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(lo, s + t), scale);
+      const __m512 b = _mm512_mul_ps(_mm512_maskz_loadu_ps(hi, s + t + 16), scale);
+      const __mmask32 words = left >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << left) - 1);
+      _mm512_mask_storeu_epi16(out + t / 2, words, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+#endif
+    for (; t < n; t += 2) {
+      out[t / 2] = static_cast<uint32_t>(c10::BFloat16(s[t] * inv).x) |
+                   (static_cast<uint32_t>(c10::BFloat16(s[t + 1] * inv).x) << 16);
     }
   }
 

@@ -119,6 +119,22 @@ def test_decode_attention_rotates_stores_and_reads_only_each_sequences_pages(dty
         )
 
 
+@pytest.mark.parametrize("page", [5, 16])
+def test_decode_attention_weighs_odd_lengths_and_odd_pages_in_bfloat16(page):
+    # Bfloat16 V is weighed two tokens at a time: an odd length leaves its last token alone
+    # in a pair, and an odd page size pairs tokens page by page instead of across the row.
+    lens = [1, 3, 31, 33, 97]
+    args, q, dense = paged_case(torch.bfloat16, lens, page=page, seed=11)
+    out = torch.ops.cadence.decode_attention(*args, 9)
+    assert not out.isnan().any()
+    torch.testing.assert_close(
+        out.double(),
+        reference_attention(q, dense, 9, 3, 64),
+        rtol=4 * ulps(torch.bfloat16),
+        atol=4 * ulps(torch.bfloat16),
+    )
+
+
 def test_decode_attention_takes_strided_rows_any_head_dim_and_group_size():
     args, q, dense = paged_case(torch.float32, [7, 40], num_heads=8, kv_heads=2, dim=24, page=8)
     qkv = args[0]
