@@ -62,14 +62,14 @@ def _load_outside_heap() -> bool:
 
     Loading interleaves what it keeps (weights, packed tiles, the KV pool) with temporaries
     (dequantized tensors, packing buffers). In the heap, the freed temporaries leave a few
-    hundred MiB of holes between kept blocks: the serving loop's steps then wander among them,
-    each new shape of step faulting in holes no earlier step touched, so a server grew 4-11%
-    under load after taking a busy step's memory at start. In
-    mappings of their own, temporaries go back to the OS when freed and kept blocks stay out
-    of the heap: the heap the steps use holds only their own memory. A fixed threshold also
-    turns off glibc's dynamic one, which rises to the size of the largest mapping freed and
-    would send the next temporaries back to the heap. `_settle_heap` raises it again for
-    serving. Returns False where the C library is not glibc."""
+    hundred MiB of holes between kept blocks: the serving loop's steps then wander among
+    them, each new shape of step faulting in holes no earlier step touched, so a server grew
+    4-11% under load after taking a busy step's memory at start. In mappings of their own,
+    temporaries go back to the OS when freed and kept blocks stay out of the heap: the heap
+    the steps use holds only their own memory. A fixed threshold also turns off glibc's
+    dynamic one, which rises to the size of the largest mapping freed and would send the
+    next temporaries back to the heap. `_settle_heap` raises it again for serving. Returns
+    False where the C library is not glibc."""
     mallopt = _mallopt()
     return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, 128 << 10) == 1
 
