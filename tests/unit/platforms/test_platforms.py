@@ -237,6 +237,22 @@ def test_cpu_platform_decisions():
     cpu.empty_cache()
 
 
+def probe_in_fresh_processes(script: str, *modes: str) -> dict[str, str]:
+    """What `script` prints, run with each mode as its argument, each in a fresh process
+    (glibc's thresholds move as a process frees large blocks); skips off glibc."""
+    import platform
+    import subprocess
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("the C library is not glibc")
+    return {
+        mode: subprocess.run(
+            [sys.executable, "-c", script, mode], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for mode in modes
+    }
+
+
 HEAP_PROBE = """
 import sys, torch
 if sys.argv[1] == "tuned":
@@ -262,18 +278,10 @@ def test_cpu_backend_serves_step_sized_tensors_from_the_heap_not_fresh_mmaps():
     load (freed, it stays mapped for the next step), and from a fresh mmap, faulted in page
     by page on every step, in a process without that tuning. Fresh processes: the default threshold
     moves as a process frees large blocks."""
-    import platform
-    import subprocess
-
-    if platform.libc_ver()[0] != "glibc":
-        pytest.skip("the C library is not glibc")
-    where = {
-        mode: subprocess.run(
-            [sys.executable, "-c", HEAP_PROBE, mode], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        for mode in ("tuned", "default")
+    assert probe_in_fresh_processes(HEAP_PROBE, "tuned", "default") == {
+        "tuned": "heap",
+        "default": "mmap",
     }
-    assert where == {"tuned": "heap", "default": "mmap"}
 
 
 LOAD_PROBE = """
@@ -302,18 +310,10 @@ def test_cpu_backend_loads_weights_outside_the_heap():
     an 8 MiB one was freed; in a process without that tuning the freed block raises glibc's
     dynamic threshold and they land in the heap, where loading's freed temporaries would
     leave holes for the serving loop's steps to wander in."""
-    import platform
-    import subprocess
-
-    if platform.libc_ver()[0] != "glibc":
-        pytest.skip("the C library is not glibc")
-    where = {
-        mode: subprocess.run(
-            [sys.executable, "-c", LOAD_PROBE, mode], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        for mode in ("loading", "default")
+    assert probe_in_fresh_processes(LOAD_PROBE, "loading", "default") == {
+        "loading": "mmap mmap mmap",
+        "default": "heap heap heap",
     }
-    assert where == {"loading": "mmap mmap mmap", "default": "heap heap heap"}
 
 
 def test_cuda_graphs_are_sized_in_rows_so_verify_steps_replay_them():
