@@ -507,21 +507,20 @@ void decode_tasks(const DecodeTask<T, kD>& task, int64_t bs) {
     for (int64_t i = begin; i < end; ++i) task.store(i / kvh, i % kvh, row.data());
   });
   // Tasks in (request, head, row) order, so a thread's run reads each request's K and V once
-  // for all its rows while they are in cache; `ends[t]` is the work up to task t's end.
+  // for all its rows while they are in cache; `end` is the work up to the task's end.
   struct Unit {
-    int64_t b, h, r, len;
+    int64_t b, h, r, len, end;
   };
   std::vector<Unit> units;
-  std::vector<int64_t> ends;
+  units.reserve((task.starts ? task.starts[bs] : bs) * kvh);
   int64_t work = 0;
   for (int64_t b = 0; b < bs; ++b) {
     const int64_t r0 = task.starts ? task.starts[b] : b, r1 = task.starts ? task.starts[b + 1] : b + 1;
     for (int64_t h = 0; h < kvh; ++h) {
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t len = task.lens[b] - (r1 - 1 - r);
-        units.push_back({b, h, r, len});
         work += len + kRowSetupTokens;
-        ends.push_back(work);
+        units.push_back({b, h, r, len, work});
       }
     }
   }
@@ -532,7 +531,9 @@ void decode_tasks(const DecodeTask<T, kD>& task, int64_t bs) {
   first[0] = 0;
   for (int64_t k = 1; k < runs; ++k) {
     const int64_t target = work * k / runs;
-    first[k] = std::upper_bound(ends.begin(), ends.end(), target) - ends.begin();
+    first[k] = std::upper_bound(units.begin(), units.end(), target,
+                                [](int64_t v, const Unit& u) { return v < u.end; }) -
+               units.begin();
   }
   at::parallel_for(0, runs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(groups * d), row(task.page_size * d), acc(groups * d), scores;
