@@ -167,11 +167,16 @@ class NgramDrafter:
         return [], 0
 
 
+# Tokens of a followed draft that must come true to end a wait: one alone is often chance.
+RESUME_MATCHED = 2
+
+
 @dataclass
 class DraftPace:
     """One request's drafting pace: how many tokens to draft next, backing off while its
-    drafts keep failing so that ordinary chat pays (almost) nothing for speculation, and how
-    likely its next draft token is to be accepted (recent verify steps weigh most)."""
+    drafts keep failing so that ordinary chat pays (almost) nothing for speculation (and
+    drafting again as soon as a draft it follows meanwhile comes true), and how likely its
+    next draft token is to be accepted (recent verify steps weigh most)."""
 
     length: int  # tokens drafted next time
     wait: int = 0  # decode steps left before the next draft
@@ -211,6 +216,14 @@ class DraftPace:
         if token == self.shadow[0]:
             self.shadow.pop(0)
             self.shadow_matched += 1
+            if self.wait and self.shadow_matched >= RESUME_MATCHED:
+                # Backing off, and the request copies again: draft from the next step on
+                # (its misses stand: if this was chance, the next miss waits longer).
+                self.record(self.shadow_matched, self.shadow_matched)
+                self.wait = 0
+                self.length = max(self.length, self.shadow_matched + 2)
+                self.shadow = []
+                return
             if self.shadow:
                 return
         self.record(proposed, self.shadow_matched)

@@ -233,11 +233,13 @@ class Speculation:
                 pace = req.spec_pace
                 if pace is None:
                     pace = req.spec_pace = DraftPace(self.config.max_draft)
+                room = req.total_tokens_needed(self.context_len) - req.seq_len
                 if pace.drafting():
-                    room = req.total_tokens_needed(self.context_len) - req.seq_len
                     draft = self.drafter.draft(req.fill_ids, min(pace.length, room))
                     if draft and req.grammar is not None:
                         draft = grammar_allowed(req.grammar, draft)
+                elif not pace.shadow:  # backing off: look anyway, and follow what it finds
+                    pace.follow(self.drafter.draft(req.fill_ids, min(pace.length, room)))
             found.append(draft)
         if not any(found):
             return found

@@ -194,3 +194,44 @@ def test_a_draft_token_the_grammar_forbids_ends_the_draft():
     # The grammar's end ends the draft too.
     g = RollbackGrammar({1, 2, 3}, length=2)
     assert grammar_allowed(g, [1, 2, 3]) == [1, 2] and g.accepted == []
+
+
+def test_a_pace_backing_off_resumes_when_the_draft_it_follows_comes_true():
+    pace = DraftPace(length=8)
+    pace.update(proposed=8, accepted=0, max_draft=8)
+    pace.update(proposed=4, accepted=0, max_draft=8)
+    assert pace.wait == 3 and pace.misses == 2 and pace.length == 2
+    pace.follow([5, 6, 7])
+    pace.sampled(5)
+    pace.sampled(9)  # one token matched, then it broke: not evidence enough
+    assert pace.wait == 3 and not pace.shadow
+    pace.follow([5, 6, 7])
+    pace.sampled(5)
+    pace.sampled(6)  # two tokens came true: the request copies again
+    assert pace.wait == 0 and pace.length == 4 and not pace.shadow
+    pace.update(proposed=4, accepted=0, max_draft=8)  # it was chance: the next wait is longer
+    assert pace.misses == 3 and pace.wait == 7
+
+
+def test_a_request_backing_off_still_looks_and_drafts_as_soon_as_it_copies_again():
+    """While its pace waits, the drafter still looks (the step verifies nothing) and the
+    pace follows what it found; once that comes true, the next step drafts."""
+    from cadence.io_struct import SamplingParams
+    from cadence.scheduler.req import Req
+    from cadence.scheduler.speculative import Speculation
+    from cadence.server_args import ServerArgs
+
+    spec = Speculation(ServerArgs(speculative_algorithm="NGRAM"), context_len=4096)
+    quote = list(range(100, 140))
+    req = Req(rid="r", input_ids=[1, 2, *quote, 3], params=SamplingParams(max_new_tokens=64))
+    req.spec_pace = DraftPace(length=8, wait=20, misses=4)
+    for token in quote[:2]:  # the answer starts quoting the prompt
+        req.output_ids.append(token)
+        (draft,) = spec.drafts([req], lambda r: None)
+        assert draft == []  # backing off: nothing verified
+        assert req.spec_pace.shadow[0] == quote[len(req.output_ids)]  # but it looked
+        spec.sampled(req, quote[len(req.output_ids)])
+    assert req.spec_pace.wait == 0
+    req.output_ids.extend(quote[2:4])
+    (draft,) = spec.drafts([req], lambda r: None)
+    assert len(draft) >= 2 and draft == quote[4 : 4 + len(draft)]
