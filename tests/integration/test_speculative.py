@@ -112,6 +112,64 @@ def test_seeded_sampling_with_penalties_is_identical(engine, spec_engine):
     assert texts(spec_engine.generate(batch, params)) == texts(engine.generate(batch, params))
 
 
+def _homogeneity_p(a: list, b: list, min_count: int = 10) -> float:
+    """The p-value of Pearson's chi-square test that samples `a` and `b` come from one
+    distribution; categories seen fewer than `min_count` times in all are pooled."""
+    from collections import Counter
+
+    import torch
+
+    ca, cb = Counter(a), Counter(b)
+    common = [k for k in ca.keys() | cb.keys() if ca[k] + cb[k] >= min_count]
+    table = [(ca[k], cb[k]) for k in common]
+    table.append((len(a) - sum(x for x, _ in table), len(b) - sum(y for _, y in table)))
+    table = [row for row in table if sum(row) > 0]
+    na, nb = len(a), len(b)
+    stat = 0.0
+    for x, y in table:
+        for seen, n in ((x, na), (y, nb)):
+            expected = (x + y) * n / (na + nb)
+            stat += (seen - expected) ** 2 / expected
+    dof = len(table) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+def test_unseeded_sampling_draws_each_token_from_the_same_distribution(engine, spec_engine):
+    """Temperature sampling without a seed takes the one-shot verifier (every row of a verify
+    step sampled at once, drafts kept while they match): drafts must change only how many
+    tokens a step gives, not which tokens come out with what odds. 480 answers with and
+    without speculation: at each of the first positions, the tokens' frequencies are compared
+    by a chi-square test of homogeneity (rare tokens pooled), which fails below p = 1e-5 (the
+    nine positions together: once in 10,000 runs of a correct verifier).
+    tests/unit/model_executor/test_verify_rows.py checks the rule itself, with more power."""
+    line = "the cat sat on the mat, the dog lay on the rug, "
+    prompt = f"Repeat this line: {line}{line}{line}"
+    params = {"temperature": 1.0, "top_k": 5, "max_new_tokens": 10, "ignore_eos": True}
+    count, wave = 480, 8  # a few at a time: small steps, where verifying pays
+    outcomes: dict[str, list[list[int]]] = {"off": [], "on": []}
+    verify = accepted = rejected = 0
+    for _ in range(count // wave):
+        for name, e in (("off", engine), ("on", spec_engine)):
+            got = e.generate([prompt] * wave, params)
+            outcomes[name] += [r["output_ids"] for r in got]
+            if name == "on":
+                for r in got:
+                    meta = r["meta_info"]
+                    verify += meta.get("spec_verify_ct", 0)
+                    accepted += meta.get("spec_accepted_tokens", 0)
+                    rejected += (meta.get("spec_acceptance_histogram") or [0])[0]
+    # Draft tokens were both accepted and refused: the test saw the verifier at work.
+    assert verify >= 10 and accepted >= 5 and rejected >= 3, (verify, accepted, rejected)
+    worst = 1.0
+    for position in range(1, 10):
+        off = [ids[position] for ids in outcomes["off"]]
+        on = [ids[position] for ids in outcomes["on"]]
+        assert len(set(off)) > 1  # sampling, not one answer
+        worst = min(worst, _homogeneity_p(off, on))
+    assert worst > 1e-5, worst
+    assert_clean(spec_engine)
+
+
 @pytest.fixture(scope="module")
 def bfloat16_engines():
     """Without and with speculation in bfloat16, the CPU default where the CPU has

@@ -82,3 +82,60 @@ def test_rows_that_follow_the_accepted_tokens_are_sampled_depth_by_depth():
     assert not sr._stands_alone(sampling(seed=3, temperature=0.7))
     got = sr.results_of([item], logits)
     assert tokens(got) == tokens(depth_by_depth([item], logits)) == [[5, 7]]
+
+
+def _fit_p(counts: dict[int, int], probs: dict[int, float]) -> float:
+    """The p-value of Pearson's chi-square test that `counts` were drawn from `probs`."""
+    n = sum(counts.values())
+    stat = sum((counts.get(t, 0) - n * p) ** 2 / (n * p) for t, p in probs.items())
+    stray = sum(c for t, c in counts.items() if t not in probs)
+    assert stray == 0, counts  # a token the distribution cannot give
+    dof = torch.tensor((len(probs) - 1) / 2.0)
+    return float(torch.special.gammaincc(dof, torch.tensor(stat / 2.0)))
+
+
+def test_temperature_rows_sampled_at_once_give_each_token_its_own_odds():
+    """Unseeded temperature sampling takes the one-shot verifier: every row of the step is
+    sampled at once and a draft token is kept only where the row before sampled it. With a
+    draft of fixed tokens that is the speculative-sampling rule (accept with probability
+    p(draft), else take a token drawn from p without it): the first token comes from row 0's
+    distribution; the second exists only after the draft's first token and comes from row 1's;
+    the third only after both, from row 2's. 6,000 items of one step, each tested by a
+    chi-square goodness of fit (p > 1e-6; the global generator is seeded, so the run is the
+    same every time)."""
+    probs = [
+        {3: 0.5, 7: 0.3, 9: 0.2},  # the draft's first token (3) is likely
+        {7: 0.2, 11: 0.7, 2: 0.1},  # its second (7) is not
+        {4: 0.6, 5: 0.4},
+    ]
+    draft = [3, 7]
+    rows = torch.full((3, VOCAB), float("-inf"))
+    for r, dist in enumerate(probs):
+        for t, p in dist.items():
+            rows[r, t] = torch.tensor(p).log()
+    rows += torch.randn(3, 1)  # the same odds whatever a row's level
+    n = 6000
+    items = [
+        BatchItem(f"r{i}", i, [9, *draft], 10, [0], sampling=sampling(temperature=1.0), num_draft=2)
+        for i in range(n)
+    ]
+    assert all(sr._stands_alone(item.sampling) for item in items)
+    torch.manual_seed(34)
+    got = tokens(sr.results_of(items, rows.repeat(n, 1)))
+    first: dict[int, int] = {}
+    second: dict[int, int] = {}
+    third: dict[int, int] = {}
+    for out in got:
+        first[out[0]] = first.get(out[0], 0) + 1
+        if out[0] != draft[0]:
+            assert len(out) == 1, out  # the draft broke at its first token
+            continue
+        second[out[1]] = second.get(out[1], 0) + 1
+        if out[1] != draft[1]:
+            assert len(out) == 2, out
+            continue
+        assert len(out) == 3, out  # the whole draft kept, and the row after it sampled
+        third[out[2]] = third.get(out[2], 0) + 1
+    assert sum(third.values()) > 300  # enough to test the last row too
+    for counts, dist in ((first, probs[0]), (second, probs[1]), (third, probs[2])):
+        assert _fit_p(counts, dist) > 1e-6, (counts, dist)
