@@ -273,6 +273,7 @@ class Speculation:
                 p = reqs[i].spec_pace.accept_prob(prior)
                 heap.append((-p, i, 1, p))
         heapq.heapify(heap)
+        likeliest = heap[0][1] if heap else None
         keep: dict[int, int] = {}
         budget = self.budget
         while heap and budget > 0:
@@ -283,10 +284,14 @@ class Speculation:
             keep[i], tokens, seconds, budget = depth, tokens + gain, seconds + m, budget - 1
             if depth < len(found[i]):
                 heapq.heappush(heap, (-gain * p, i, depth + 1, p))
-        if not self.cost.exploring and (
-            tokens / seconds <= batch / self.cost.plain_seconds(batch)
-            or not self.cost.verify_pays(batch)
-        ):
+        if self.cost.exploring:
+            if not keep and likeliest is not None:
+                # Verify the likeliest draft whatever the estimates say: where they keep
+                # nothing, no verify step would ever come to correct them.
+                keep = {likeliest: min(len(found[likeliest]), self.budget)}
+            return keep
+        plain_rate = batch / self.cost.plain_seconds(batch)
+        if tokens / seconds <= plain_rate or not self.cost.verify_pays(batch):
             return {}
         return keep
 

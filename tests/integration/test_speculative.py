@@ -144,8 +144,10 @@ def test_unseeded_sampling_draws_each_token_from_the_same_distribution(engine, s
     tests/unit/model_executor/test_verify_rows.py checks the rule itself, with more power."""
     line = "the cat sat on the mat, the dog lay on the rug, "
     prompt = f"Repeat this line: {line}{line}{line}"
-    params = {"temperature": 1.0, "top_k": 5, "max_new_tokens": 10, "ignore_eos": True}
-    count, wave = 480, 8  # a few at a time: small steps, where verifying pays
+    params = {"temperature": 1.0, "top_k": 3, "max_new_tokens": 10, "ignore_eos": True}
+    # Two at a time: at small batches verifying pays for drafts accepted about half the time
+    # or more, which these are (the allocator may rightly decline them at larger ones).
+    count, wave = 480, 2
     outcomes: dict[str, list[list[int]]] = {"off": [], "on": []}
     verify = accepted = rejected = 0
     for _ in range(count // wave):
@@ -159,7 +161,7 @@ def test_unseeded_sampling_draws_each_token_from_the_same_distribution(engine, s
                     accepted += meta.get("spec_accepted_tokens", 0)
                     rejected += (meta.get("spec_acceptance_histogram") or [0])[0]
     # Draft tokens were both accepted and refused: the test saw the verifier at work.
-    assert verify >= 10 and accepted >= 5 and rejected >= 3, (verify, accepted, rejected)
+    assert verify >= 20 and accepted >= 10 and rejected >= 5, (verify, accepted, rejected)
     worst = 1.0
     for position in range(1, 10):
         off = [ids[position] for ids in outcomes["off"]]

@@ -235,3 +235,20 @@ def test_a_request_backing_off_still_looks_and_drafts_as_soon_as_it_copies_again
     req.output_ids.extend(quote[2:4])
     (draft,) = spec.drafts([req], lambda r: None)
     assert len(draft) >= 2 and draft == quote[4 : 4 + len(draft)]
+
+
+def test_exploring_verifies_the_likeliest_draft_even_where_the_estimates_keep_none():
+    """Where a draft token's estimated gain is below what it costs (a steep verify line, a
+    low acceptance), no token is kept; if exploring kept none either, no verify step would
+    ever come to correct the line or the acceptance record. Every EXPLORE_EVERY plain steps
+    the likeliest draft is verified whole."""
+    from cadence.scheduler.speculative import EXPLORE_EVERY
+
+    spec, req = _speculation(plain_s=0.015, verify_a=0.001, verify_m=0.004)
+    reqs = [req(0.2) for _ in range(7)] + [req(0.4)]
+    drafts = [[7] * 5 for _ in reqs]
+    assert spec._allocate(reqs, drafts) == {}  # not worth it, by the estimates
+    for _ in range(EXPLORE_EVERY):
+        spec.cost.observe(8, 0.03, verified=False)
+    assert spec.cost.exploring
+    assert spec._allocate(reqs, drafts) == {7: 5}
