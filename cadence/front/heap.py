@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import platform
 from collections.abc import Callable
 from concurrent.futures import Executor
+
+from cadence import glibc
 
 # Seconds between large work and the release: by then the request's answer is usually
 # sent and everything it held freed; the large requests of that second share one release.
@@ -22,13 +23,9 @@ RELEASE_DELAY_S = 1.0
 
 
 def _malloc_trim() -> Callable[[], object] | None:
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    trim = glibc.function("malloc_trim", ctypes.c_size_t)
+    if trim is None:
         return None
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
     return lambda: trim(0)  # a ctypes call: the GIL is released while it runs
 
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import platform
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from cadence import envs
+from cadence import envs, glibc
 from cadence.platforms.interface import (
     DeviceCapability,
     PlatformEnum,
@@ -44,16 +43,9 @@ def _meminfo_bytes(key: str) -> int | None:
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
 
-def _mallopt() -> Callable[[int, int], int] | None:
+def _mallopt() -> Callable[..., int] | None:
     """glibc's mallopt, or None where the C library is not glibc."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return None
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return mallopt
+    return glibc.function("mallopt", ctypes.c_int, ctypes.c_int)
 
 
 def _load_outside_heap() -> bool:
@@ -91,9 +83,9 @@ def _settle_heap() -> bool:
     mallopt = _mallopt()
     if mallopt is None:
         return False
-    malloc_trim = ctypes.CDLL(None).malloc_trim
-    malloc_trim.argtypes = [ctypes.c_size_t]
-    malloc_trim(0)
+    malloc_trim = glibc.function("malloc_trim", ctypes.c_size_t)
+    if malloc_trim is not None:
+        malloc_trim(0)
     ok = mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
     ok &= mallopt(_M_TRIM_THRESHOLD, 128 << 20) == 1
     ok &= mallopt(_M_TOP_PAD, 16 << 20) == 1
