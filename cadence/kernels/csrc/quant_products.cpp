@@ -71,6 +71,41 @@ void pair_rows(const float* x, int64_t m, int64_t k, std::vector<uint32_t>* out)
   }
 }
 
+#if defined(CADENCE_QUANT_BF16_DOT)
+// Word j of a group's pairs: column j in the low half, column j + 16 in the high one.
+alignas(64) constexpr uint16_t kPairOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// What the pair loops read of bfloat16 rows, straight from them: each row's pairs (as
+// pair_rows) and half sums (as half_sums), one group of 32 columns a vector, columns past x's
+// (the blocks' zero padding) as zeros. The float32 copy of the rows (float_rows) is left out:
+// only the float32 loops read it. Before, the copy, the sums and the pairs took three passes
+// on one thread ahead of every call: 1-8 us at 1-16 rows of SmolLM2's projections.
+void bf16_pairs_and_sums(const at::Tensor& x, int64_t k, Acts* a, std::vector<uint32_t>* pairs) {
+  const int64_t m = x.size(0), kx = x.size(1), ld = x.stride(0), groups = k / kGroup;
+  pairs->resize(m * k / 2);
+  a->sums.resize(m * groups * 2);
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const __m512i order = _mm512_load_si512(kPairOrder);
+  for (int64_t r = 0; r < m; ++r) {
+    const uint16_t* row = src + r * ld;
+    uint32_t* p = pairs->data() + r * (k / 2);
+    float* sums = a->sums.data() + r * groups * 2;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t valid = std::clamp<int64_t>(kx - g * kGroup, 0, kGroup);
+      const __mmask32 mask = valid == kGroup ? ~__mmask32(0) : (__mmask32(1) << valid) - 1;
+      const __m512i v = _mm512_maskz_loadu_epi16(mask, row + g * kGroup);
+      _mm512_storeu_si512(p + g * 16, _mm512_permutexvar_epi16(order, v));
+      // bfloat16 is the top half of a float32
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+      sums[2 * g] = _mm512_reduce_add_ps(lo);
+      sums[2 * g + 1] = _mm512_reduce_add_ps(hi);
+    }
+  }
+}
+#endif
+
 template <typename T>
 inline void store_tile(const float* acc, const float* bias, T* out, int64_t valid) {
   for (int64_t r = 0; r < valid; ++r) out[r] = static_cast<T>(acc[r] + (bias ? bias[r] : 0.f));
@@ -315,7 +350,7 @@ inline void tile_block(const Packed& pk, const uint8_t* tile, const Acts& a, int
     for (int n = 0; n < NTB; ++n) {
       for (int m = 0; m < MB; ++m) lo[n][m] = hi[n][m] = _mm256_setzero_ps();
     }
-    const float* x = a.x + m0 * a.k + g * kGroup;
+    const float* x = kDot ? nullptr : a.x + m0 * a.k + g * kGroup;  // the pair loops read a.xp
 #pragma GCC unroll 16  // constant k: the sums stay in registers, the shifts take immediates
     for (int k = 0; k < 16; ++k) {
       for (int n = 0; n < NTB; ++n) {
@@ -607,7 +642,7 @@ inline void tile_pair_block(const Packed& pk, const uint8_t* tile, const Acts& a
     group_factors<QT>(pk, next, g, &s1, &s1_hi, &m1v);
     __m512 lo[MB], hi[MB];
     for (int m = 0; m < MB; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
-    const float* x = a.x + m0 * a.k + g * kGroup;
+    const float* x = kDot ? nullptr : a.x + m0 * a.k + g * kGroup;  // the pair loops read a.xp
 #pragma GCC unroll 16
     for (int k = 0; k < 16; ++k) {
 #if defined(CADENCE_QUANT_BF16_DOT)
@@ -870,7 +905,7 @@ void linear_tiles(int64_t qtype, const Packed& pk, const uint8_t* packed, int64_
   const bool invariant = a.sixteen;
   for (int64_t m0 = 0; m0 < m_total; m0 += per_pass) {
     const int64_t mc = std::min(per_pass, m_total - m0);
-    const Acts part{a.x + m0 * a.k, std::vector<float>(a.sums.begin() + m0 * pk.groups * 2, a.sums.begin() + (m0 + mc) * pk.groups * 2), a.k,
+    const Acts part{a.x ? a.x + m0 * a.k : nullptr, std::vector<float>(a.sums.begin() + m0 * pk.groups * 2, a.sums.begin() + (m0 + mc) * pk.groups * 2), a.k,
                     a.xp ? a.xp + m0 * (a.k / 2) : nullptr, a.sixteen};
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(invariant ? 0 : kGemmTiles * mc * kRows);
@@ -1009,18 +1044,33 @@ at::Tensor quant_linear_impl(const at::Tensor& x, const at::Tensor& packed, int6
   const int64_t m = x.size(0);
   auto out = at::empty({m, rows}, x.options().dtype(out_type));
   if (m == 0) return out;
-  const at::Tensor xf = float_rows(x, k);
   const uint8_t* w = packed.data_ptr<uint8_t>();
+  std::vector<uint32_t> pairs;
+  Acts a{nullptr, {}, k};
+  a.sixteen = x.scalar_type() != at::kFloat;
+#if defined(CADENCE_QUANT_BF16_DOT)
+  // bfloat16 rows that only the pair loops read (every type but Q6_K, off the portable loop)
+  if (!portable && x.scalar_type() == at::kBFloat16 && qtype != kQ6_K) {
+    bf16_pairs_and_sums(x, k, &a, &pairs);
+    a.xp = pairs.data();
+    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    if (out_type == at::kFloat) {
+      linear_tiles(qtype, pk, w, rows, a, m, bp, out.data_ptr<float>(), false);
+    } else {
+      linear_tiles(qtype, pk, w, rows, a, m, bp, out.data_ptr<c10::BFloat16>(), false);
+    }
+    return out;
+  }
+#endif
+  const at::Tensor xf = float_rows(x, k);
 #if defined(CADENCE_QUANT_AVX2)
   if (!portable && m >= kDenseRows && x.scalar_type() == at::kFloat) {  // see linear_tiles
     linear_dense(qtype, pk, w, rows, xf, b, out);
     return out;
   }
 #endif
-  Acts a{xf.data_ptr<float>(), {}, k};
-  a.sixteen = x.scalar_type() != at::kFloat;
+  a.x = xf.data_ptr<float>();
   half_sums(&a, m, pk.groups);
-  std::vector<uint32_t> pairs;
   if (kBf16Dot && x.scalar_type() == at::kBFloat16) {
     pair_rows(a.x, m, k, &pairs);
     a.xp = pairs.data();

@@ -169,6 +169,35 @@ def test_bfloat16_rows_give_float32_sums_on_request(qtype):
         ops.quant_linear(x, packed, QTYPES[qtype], rows, k, bias, torch.float16)
 
 
+@pytest.mark.parametrize("batch", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+def test_bfloat16_rows_are_read_through_their_stride_and_padded_with_zeros(qtype, batch):
+    """Bfloat16 rows that are a view of wider ones, and rows a few columns short of the
+    weight's (the blocks' zero padding), give the bits of the same rows contiguous and padded
+    with zeros, on every loop (the pair products read the rows straight, without a float32
+    copy)."""
+    rows, k = 51, 96 if qtype in QUANTIZABLE else 512
+    blocks = random_blocks(qtype, rows, k, seed=23 + batch)
+    packed = ops.quant_repack(torch.from_numpy(blocks), QTYPES[qtype], k)
+    wide = torch.randn(batch, k + 45, generator=torch.Generator().manual_seed(batch)).bfloat16()
+    view = wide[:, 7 : 7 + k]
+    assert view.stride(0) == k + 45
+    want = ops.quant_linear(view.contiguous(), packed, QTYPES[qtype], rows, k, None)
+    assert torch.equal(ops.quant_linear(view, packed, QTYPES[qtype], rows, k, None), want)
+    short = view[:, : k - 10]
+    padded = torch.cat([short, torch.zeros(batch, 10, dtype=torch.bfloat16)], 1)
+    got = ops.quant_linear(short, packed, QTYPES[qtype], rows, k, None)
+    assert torch.equal(got, ops.quant_linear(padded, packed, QTYPES[qtype], rows, k, None))
+    portable = ops.quant_linear_portable(padded, packed, QTYPES[qtype], rows, k, None)
+    w = gguf_values(qtype, blocks, k)
+    want = reference(padded.float(), w)
+    top = torch.maximum(got.double().abs(), want.abs()).clamp_min(1e-30)
+    step = torch.exp2(torch.floor(torch.log2(top)) - 7)
+    terms = padded.double().abs() @ torch.from_numpy(np.abs(w)).double().T
+    for result in (got, portable):
+        assert ((result.double() - want).abs() <= step + 1e-6 * terms).all()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 def test_one_row_through_tile_pairs_whose_second_tile_is_partial(qtype, threads):
