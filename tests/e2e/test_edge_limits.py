@@ -256,9 +256,9 @@ def test_health_answers_within_100ms_while_a_huge_prompt_is_refused(srv, chars):
     # thread would hold this process's GIL and delay the probes, not the server.
     body = json.dumps({"text": "hello world, " * (chars // 13)}).encode()
     # A server whose loop the prompt blocks is slow on every try; a probe delayed by a busy
-    # CI machine is not, so the measurement gets a second chance, not the server.
+    # CI machine is not, so the measurement gets more chances, not the server.
     worst = [_health_latency_during(srv, body)]
-    if worst[0] >= 0.1:
+    while worst[-1] >= 0.1 and len(worst) < 4:
         worst.append(_health_latency_during(srv, body))
     assert min(worst) < 0.1, f"/health took up to {[round(w * 1000) for w in worst]} ms"
 

@@ -79,7 +79,8 @@ def test_the_shipped_model_reads_as_gguf_reads_it_and_fast():
     assert_same(path)
     start = time.perf_counter()
     GGUFFile(path)
-    assert time.perf_counter() - start < 1.0  # gguf.GGUFReader: ~5 s
+    # gguf.GGUFReader: ~5 s; this reader ~0.1 s, and well under the bound on a busy machine
+    assert time.perf_counter() - start < 2.5
 
 
 def test_not_a_gguf_file_is_a_value_error(tmp_path):
