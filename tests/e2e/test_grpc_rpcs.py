@@ -67,8 +67,13 @@ def test_text_generate_unary_is_one_final_message_equal_to_http(rpc, http):
 
 def test_text_generate_stream_deltas_add_up_and_only_the_last_is_finished(rpc):
     whole = list(rpc.TextGenerate(short_request(PROMPT, 8)))[0]
-    req = short_request(PROMPT, 8, stream=True, rid="grpc-stream-1")
-    msgs = list(rpc.TextGenerate(req))
+    # A busy machine can hold the front while every token is made; a server that
+    # does not stream fails every try.
+    for _ in range(3):
+        req = short_request(PROMPT, 8, stream=True, rid="grpc-stream-1")
+        msgs = list(rpc.TextGenerate(req))
+        if len(msgs) >= 2:
+            break
     assert len(msgs) >= 2
     assert [m.finished for m in msgs] == [False] * (len(msgs) - 1) + [True]
     assert "".join(m.text for m in msgs) == whole.text

@@ -230,16 +230,21 @@ def test_generate_stream_is_sse_ending_with_done(client):
     """SGLang's default stream shape: every event carries the text and output ids so far."""
     params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
     whole = client.post("/generate", json={"text": PROMPT, "sampling_params": params}).json()
-    with client.stream(
-        "POST", "/generate", json={"text": PROMPT, "sampling_params": params, "stream": True}
-    ) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        raw = r.read().decode()
-    assert raw.endswith("data: [DONE]\n\n")
-    events = sse_events(raw.split("\n"))
-    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
-    chunks = events[:-1]
+    # A busy machine can hold the front while every token is made; a server that
+    # does not stream fails every try.
+    for _ in range(3):
+        with client.stream(
+            "POST", "/generate", json={"text": PROMPT, "sampling_params": params, "stream": True}
+        ) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            raw = r.read().decode()
+        assert raw.endswith("data: [DONE]\n\n")
+        events = sse_events(raw.split("\n"))
+        assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+        chunks = events[:-1]
+        if len(chunks) >= 2:
+            break
     assert len(chunks) >= 2, "a 10-token generation streams in several chunks"
     for before, after in zip(chunks, chunks[1:]):
         assert after["text"].startswith(before["text"])

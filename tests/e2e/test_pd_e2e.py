@@ -155,17 +155,30 @@ def test_a_streamed_decode_half_starts_with_the_prefill_token(server, pair):
     prefill, decode, port = pair
     body = {"text": "The capital of France is", "sampling_params": GREEDY}
     expected = colocated(server, body)["text"]
-    fields = pd_fields(port)
-    with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(
-            httpx.post, prefill.url + "/generate", json={**body, **fields}, timeout=60
-        )
-        with httpx.stream(
-            "POST", decode.url + "/generate", json={**body, **fields, "stream": True}, timeout=60
-        ) as r:
-            events = sse_events(r.iter_lines())
-        assert first.result().status_code == 200
-    texts = [e["text"] for e in events if e != "[DONE]"]
+
+    def streamed() -> list[str]:
+        fields = pd_fields(port)
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(
+                httpx.post, prefill.url + "/generate", json={**body, **fields}, timeout=60
+            )
+            with httpx.stream(
+                "POST",
+                decode.url + "/generate",
+                json={**body, **fields, "stream": True},
+                timeout=60,
+            ) as r:
+                events = sse_events(r.iter_lines())
+            assert first.result().status_code == 200
+        return [e["text"] for e in events if e != "[DONE]"]
+
+    texts = streamed()
+    # A busy machine can hold the front while every token is made; a server that
+    # does not stream fails every try.
+    for _ in range(2):
+        if len(texts) >= 2:
+            break
+        texts = streamed()
     assert texts[-1] == expected and len(texts) >= 2
 
 

@@ -311,17 +311,22 @@ def test_required_and_named_tool_calls_then_a_round_trip(sclient):
 
 def test_streamed_tool_calls_reassemble_in_the_client(sclient):
     tool = openai.pydantic_function_tool(City, name="record_city")
-    with sclient.chat.completions.stream(
-        model="m",
-        messages=[{"role": "user", "content": "Record Paris."}],
-        tools=[tool],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        temperature=0,
-        max_tokens=80,
-    ) as stream:
-        fragments = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
-        final = stream.get_final_completion()
+    # A busy machine can hold the front while every token is made; a server that
+    # does not stream fails every try.
+    for _ in range(3):
+        with sclient.chat.completions.stream(
+            model="m",
+            messages=[{"role": "user", "content": "Record Paris."}],
+            tools=[tool],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+            max_tokens=80,
+        ) as stream:
+            fragments = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
+            final = stream.get_final_completion()
+        if len(fragments) > 3:
+            break
     (call,) = final.choices[0].message.tool_calls
     assert isinstance(call.function.parsed_arguments, City) and len(fragments) > 3
     assert final.choices[0].finish_reason == "tool_calls"
