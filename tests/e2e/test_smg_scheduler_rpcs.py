@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from e2e_server import API_KEY, is_idle, wait_until
+from e2e_server import API_KEY, is_idle, tried, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_support import target
 
@@ -164,12 +164,9 @@ def test_unary_generate_matches_http_generate_with_the_same_ids(rpc, http, promp
 
 def test_streamed_generate_sends_new_tokens_then_one_complete(rpc, prompt_ids):
     (whole,) = rpc.Generate(generate(prompt_ids))
-    # A busy machine can hold the front while every token is made; a server that
-    # does not stream fails every try.
-    for _ in range(3):
-        msgs = list(rpc.Generate(generate(prompt_ids, stream=True)))
-        if len(msgs) >= 3:
-            break
+    msgs = tried(
+        lambda: list(rpc.Generate(generate(prompt_ids, stream=True))), lambda m: len(m) >= 3
+    )
     kinds = [m.WhichOneof("response") for m in msgs]
     assert kinds == ["chunk"] * (len(msgs) - 1) + ["complete"] and len(msgs) >= 3
     streamed = [t for m in msgs[:-1] for t in m.chunk.token_ids]

@@ -18,7 +18,7 @@ import grpc
 import jsonschema
 import openai
 import pytest
-from e2e_server import is_idle
+from e2e_server import is_idle, tried
 from grpc_support import stub
 from pydantic import BaseModel, Field
 
@@ -311,9 +311,8 @@ def test_required_and_named_tool_calls_then_a_round_trip(sclient):
 
 def test_streamed_tool_calls_reassemble_in_the_client(sclient):
     tool = openai.pydantic_function_tool(City, name="record_city")
-    # A busy machine can hold the front while every token is made; a server that
-    # does not stream fails every try.
-    for _ in range(3):
+
+    def streamed() -> tuple[list, object]:
         with sclient.chat.completions.stream(
             model="m",
             messages=[{"role": "user", "content": "Record Paris."}],
@@ -324,9 +323,9 @@ def test_streamed_tool_calls_reassemble_in_the_client(sclient):
             max_tokens=80,
         ) as stream:
             fragments = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
-            final = stream.get_final_completion()
-        if len(fragments) > 3:
-            break
+            return fragments, stream.get_final_completion()
+
+    fragments, final = tried(streamed, lambda got: len(got[0]) > 3)
     (call,) = final.choices[0].message.tool_calls
     assert isinstance(call.function.parsed_arguments, City) and len(fragments) > 3
     assert final.choices[0].finish_reason == "tool_calls"

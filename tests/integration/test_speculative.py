@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter
 
 import pytest
+import torch
 
 from tests.integration.conftest import _load, engine_state
 
@@ -115,10 +117,6 @@ def test_seeded_sampling_with_penalties_is_identical(engine, spec_engine):
 def _homogeneity_p(a: list, b: list, min_count: int = 10) -> float:
     """The p-value of Pearson's chi-square test that samples `a` and `b` come from one
     distribution; categories seen fewer than `min_count` times in all are pooled."""
-    from collections import Counter
-
-    import torch
-
     ca, cb = Counter(a), Counter(b)
     common = [k for k in ca.keys() | cb.keys() if ca[k] + cb[k] >= min_count]
     table = [(ca[k], cb[k]) for k in common]

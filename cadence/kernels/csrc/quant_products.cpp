@@ -1046,36 +1046,29 @@ at::Tensor quant_linear_impl(const at::Tensor& x, const at::Tensor& packed, int6
   auto out = at::empty({m, rows}, x.options().dtype(out_type));
   if (m == 0) return out;
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  std::vector<uint32_t> pairs;
   Acts a{nullptr, {}, k};
   a.sixteen = x.scalar_type() != at::kFloat;
+  std::vector<uint32_t> pairs;
+  at::Tensor xf;
+  const bool bf16_pairs = kBf16Dot && x.scalar_type() == at::kBFloat16;
+  if (bf16_pairs && !portable && qtype != kQ6_K) {
+    // Only the pair loops read these rows (every type but Q6_K, off the portable loop).
 #if defined(CADENCE_QUANT_BF16_DOT)
-  // bfloat16 rows that only the pair loops read (every type but Q6_K, off the portable loop)
-  if (!portable && x.scalar_type() == at::kBFloat16 && qtype != kQ6_K) {
     bf16_pairs_and_sums(x, k, &a, &pairs);
-    a.xp = pairs.data();
-    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-    if (out_type == at::kFloat) {
-      linear_tiles(qtype, pk, w, rows, a, m, bp, out.data_ptr<float>(), false);
-    } else {
-      linear_tiles(qtype, pk, w, rows, a, m, bp, out.data_ptr<c10::BFloat16>(), false);
-    }
-    return out;
-  }
 #endif
-  const at::Tensor xf = float_rows(x, k);
+  } else {
+    xf = float_rows(x, k);
 #if defined(CADENCE_QUANT_AVX2)
-  if (!portable && m >= kDenseRows && x.scalar_type() == at::kFloat) {  // see linear_tiles
-    linear_dense(qtype, pk, w, rows, xf, b, out);
-    return out;
-  }
+    if (!portable && m >= kDenseRows && x.scalar_type() == at::kFloat) {  // see linear_tiles
+      linear_dense(qtype, pk, w, rows, xf, b, out);
+      return out;
+    }
 #endif
-  a.x = xf.data_ptr<float>();
-  half_sums(&a, m, pk.groups);
-  if (kBf16Dot && x.scalar_type() == at::kBFloat16) {
-    pair_rows(a.x, m, k, &pairs);
-    a.xp = pairs.data();
+    a.x = xf.data_ptr<float>();
+    half_sums(&a, m, pk.groups);
+    if (bf16_pairs) pair_rows(a.x, m, k, &pairs);
   }
+  if (bf16_pairs) a.xp = pairs.data();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   switch (out_type) {
     case at::kFloat: linear_tiles(qtype, pk, w, rows, a, m, bp, out.data_ptr<float>(), portable); break;
